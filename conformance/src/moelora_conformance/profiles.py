@@ -1,0 +1,116 @@
+"""Hypothesis profiles with moelora's size caps (DESIGN.md §7), loaded explicitly by name.
+
+A profile is two things: Hypothesis settings (examples, phases, deadline) and size caps that the
+strategies read (tokens, requests, H, I, E, top_k, R, dtypes, whether real model shapes are drawn).
+
+Profiles are loaded by name (``load_profile("interpret")``), never implicitly: with ``CI=true``
+Hypothesis would otherwise load its own built-in ``ci`` profile. ``MOELORA_PROFILE`` picks the
+profile for test sessions (the root ``conftest.py`` and the conformance plugin read it).
+
+- ``interpret``: CPU CI under the Triton interpreter: <= 96 tokens, H and I <= 64, E <= 8,
+  top_k <= 2, R <= 16, fp32/fp16, 15 examples.
+- ``dev``: a developer's CPU run: the same caps, 50 examples.
+- ``gpu``: the H200: Qwen3-30B-A3B layer shapes among the draws, bf16/fp16/fp32, 100 examples.
+- ``soak``: long CPU/GPU runs: the gpu caps with 2000 examples.
+- ``repro``: replay one failure: ``--hypothesis-seed`` from the failure's repro line, 1 example per
+  explicit case + the seed's generation, no shrinking.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from hypothesis import HealthCheck, Phase, settings
+
+
+@dataclass(frozen=True)
+class SizeCaps:
+    """Upper bounds the strategies respect.
+
+    Attributes:
+        max_tokens: tokens per batch.
+        max_requests: requests per batch (>= 33 so batches past the public 32-request cap occur).
+        max_hidden: H. max_intermediate: I. max_experts: E. max_top_k: top_k. max_rank: R.
+        max_loras: adapter slots.
+        dtypes: dtypes drawn.
+        model_shapes: also draw real model layer shapes (e.g. Qwen3-30B-A3B: H 2048, I 768,
+            E 128, top-8) — GPU only.
+    """
+
+    max_tokens: int
+    max_requests: int
+    max_hidden: int
+    max_intermediate: int
+    max_experts: int
+    max_top_k: int
+    max_rank: int
+    max_loras: int
+    dtypes: tuple[torch.dtype, ...]
+    model_shapes: bool = False
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A named profile: Hypothesis settings plus size caps."""
+
+    name: str
+    caps: SizeCaps
+    max_examples: int
+    phases: tuple[Phase, ...] = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink)
+
+    def settings(self) -> settings:
+        return settings(
+            max_examples=self.max_examples,
+            phases=self.phases,
+            deadline=None,
+            derandomize=False,
+            print_blob=True,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                   HealthCheck.function_scoped_fixture],
+            database=None,
+        )
+
+
+_CPU_CAPS = SizeCaps(
+    max_tokens=96, max_requests=128, max_hidden=64, max_intermediate=64, max_experts=8,
+    max_top_k=2, max_rank=16, max_loras=4, dtypes=(torch.float32, torch.float16),
+)
+_GPU_CAPS = SizeCaps(
+    max_tokens=8192, max_requests=256, max_hidden=2048, max_intermediate=768, max_experts=128,
+    max_top_k=8, max_rank=64, max_loras=8, dtypes=(torch.bfloat16, torch.float16, torch.float32),
+    model_shapes=True,
+)
+
+PROFILES: dict[str, Profile] = {
+    "interpret": Profile("interpret", _CPU_CAPS, max_examples=15),
+    "dev": Profile("dev", _CPU_CAPS, max_examples=50),
+    "gpu": Profile("gpu", _GPU_CAPS, max_examples=100),
+    "soak": Profile("soak", _GPU_CAPS, max_examples=2000),
+    "repro": Profile("repro", _CPU_CAPS, max_examples=1, phases=(Phase.explicit, Phase.generate)),
+}
+
+_current: Profile | None = None
+
+
+def load_profile(name: str | None = None) -> Profile:
+    """Register and load profile ``name`` (default: ``$MOELORA_PROFILE`` or ``dev``).
+
+    Raises:
+        KeyError: unknown profile name (the message lists the known ones).
+    """
+    global _current
+    name = name or os.environ.get("MOELORA_PROFILE", "dev")
+    if name not in PROFILES:
+        raise KeyError(f"unknown moelora profile {name!r}; known: {sorted(PROFILES)}")
+    profile = PROFILES[name]
+    settings.register_profile(f"moelora-{name}", profile.settings())
+    settings.load_profile(f"moelora-{name}")
+    _current = profile
+    return profile
+
+
+def current_profile() -> Profile:
+    """The loaded profile (loads the default one on first use)."""
+    return _current if _current is not None else load_profile()

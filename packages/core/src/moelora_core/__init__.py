@@ -1,0 +1,51 @@
+"""moelora_core: the types and contracts every moelora package shares (DESIGN.md §3, §5, §7).
+
+A reader of DESIGN.md finds its names here:
+
+- sentinels: ``NO_ADAPTER``, ``EXPERT_NOT_HERE``, ``NO_EXPERT_BLOCK``        (:mod:`.sentinels`)
+- ``ForwardMode`` EXTEND / DECODE / IDLE                                    (:mod:`.forward_mode`)
+- ``AdapterConfig`` (r, α, rsLoRA, rank_pattern / alpha_pattern → rank, σ)  (:mod:`.adapter_config`)
+- ``Request``, ``BatchSpec``                                                (:mod:`.batch`)
+- ``LoRABatchInfo``, ``MoELoRABatchInfo``                                   (:mod:`.batch_info`)
+- ``LoRALayerSpec``                                                         (:mod:`.layer_spec`)
+- ``LoRAWeights`` with ``load_slot``, ``ModuleLoRA``                        (:mod:`.weights`)
+- ``Capabilities``, ``Fallback``                                            (:mod:`.capabilities`)
+- ``Backend`` protocol, ``load_backend``                                    (:mod:`.backend`)
+- ``StaticBuffer``                                                          (:mod:`.static_buffer`)
+- ``PinnedStaging``                                                         (:mod:`.staging`)
+- ``TolerancePolicy``, ``DEFAULT_POLICY``, ``assert_exact``                 (:mod:`.tolerance`)
+"""
+
+from moelora_core.adapter_config import AdapterConfig, lora_scaling
+from moelora_core.backend import BUILTIN_BACKENDS, Backend, BackendFactory, load_backend
+from moelora_core.batch import BatchSpec, Request
+from moelora_core.batch_info import LoRABatchInfo, MoELoRABatchInfo
+from moelora_core.capabilities import GRAPH_FAMILIES, PREFILL_GRAPH_MODES, Capabilities, Fallback
+from moelora_core.errors import (
+    AdapterError,
+    HostSyncError,
+    InvalidFieldError,
+    KernelPreconditionError,
+    MoeLoraError,
+    SlotError,
+)
+from moelora_core.forward_mode import ForwardMode
+from moelora_core.layer_spec import ALL_MODULES, DENSE_MODULES, MOE_MODULES, LoRALayerSpec
+from moelora_core.sentinels import EXPERT_NOT_HERE, NO_ADAPTER, NO_EXPERT_BLOCK, padding_row
+from moelora_core.staging import PinnedStaging
+from moelora_core.static_buffer import StaticBuffer
+from moelora_core.tolerance import DEFAULT_POLICY, CloseReport, Tolerance, TolerancePolicy, assert_exact
+from moelora_core.weights import LoRAWeights, ModuleLoRA, module_index
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ALL_MODULES", "BUILTIN_BACKENDS", "DEFAULT_POLICY", "DENSE_MODULES", "EXPERT_NOT_HERE",
+    "GRAPH_FAMILIES", "MOE_MODULES", "NO_ADAPTER", "NO_EXPERT_BLOCK", "PREFILL_GRAPH_MODES",
+    "AdapterConfig", "AdapterError", "Backend", "BackendFactory", "BatchSpec", "Capabilities",
+    "CloseReport", "Fallback", "ForwardMode", "HostSyncError", "InvalidFieldError",
+    "KernelPreconditionError", "LoRABatchInfo", "LoRALayerSpec", "LoRAWeights", "MoELoRABatchInfo",
+    "MoeLoraError", "ModuleLoRA", "PinnedStaging", "Request", "SlotError", "StaticBuffer",
+    "Tolerance", "TolerancePolicy", "assert_exact", "load_backend", "lora_scaling", "module_index",
+    "padding_row",
+]

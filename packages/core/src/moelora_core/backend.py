@@ -1,0 +1,134 @@
+"""The backend protocol (DESIGN.md §5) and loading a backend by name.
+
+A backend is built by ``factory(spec) -> Backend``. It never owns adapter weights: every call
+takes a ``LoRAWeights``, as kernels do. The base MoE (routing, base GEMMs, activation, top-k sum)
+is run by the caller; the backend adds LoRA deltas in place.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from moelora_core.batch import BatchSpec
+from moelora_core.batch_info import LoRABatchInfo
+from moelora_core.capabilities import Capabilities, Fallback
+from moelora_core.errors import InvalidFieldError
+from moelora_core.layer_spec import LoRALayerSpec
+from moelora_core.weights import LoRAWeights
+
+#: Short names of the built-in backends → ``module:factory``.
+BUILTIN_BACKENDS: dict[str, str] = {
+    "reference": "moelora_reference.backend:make_backend",
+    "triton": "moelora_backends.triton_backend:make_backend",
+    "csgmv": "moelora_backends.csgmv_backend:make_backend",
+}
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the suite, the engine and third parties call.
+
+    Attributes:
+        name: short name for reports.
+        version: the implementation's version string.
+        spec: the ``LoRALayerSpec`` it was built for.
+
+    Shapes below: T tokens (graph mode: token capacity), k = top_k, H, I from the spec.
+    """
+
+    name: str
+    version: str
+    spec: LoRALayerSpec
+
+    def capabilities(self) -> Capabilities:
+        """The declared features (constant for the backend's life)."""
+        ...
+
+    def prepare(self, batch: BatchSpec, family: str | None = None) -> LoRABatchInfo | Fallback:
+        """Metadata for ``batch`` from host lists only (no device reads).
+
+        ``family`` None = eager (fresh tensors); "decode" / "prefill" = write that family's
+        static buffers in place (after ``init_*_graph``) and return an info whose device fields
+        are those buffers and whose host numbers are capacities. A batch over capacity returns
+        ``Fallback(reason)`` and writes nothing.
+        """
+        ...
+
+    def init_decode_graph(self, max_bs: int, tokens_per_request: int = 1) -> None:
+        """Allocate the decode family's static buffers (once; worst-case capacity)."""
+        ...
+
+    def init_prefill_graph(self, max_num_tokens: int, max_num_requests: int) -> None:
+        """Allocate the prefill family's static buffers (once; no fixed request cap)."""
+        ...
+
+    def moe_gate_up_delta(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        gate_up_out: torch.Tensor,
+        weights: LoRAWeights,
+        info: LoRABatchInfo,
+    ) -> None:
+        """Add σ·B(A x) of gate (columns [:I]) and up (columns [I:]) into ``gate_up_out`` in place.
+
+        Args:
+            x: [T, H] activations.
+            topk_ids: [T, k] int expert ids; ids < 0 or >= E add nothing.
+            gate_up_out: [T, k, 2I] base gate_up output per (token, k), before the activation.
+        """
+        ...
+
+    def moe_down_delta(
+        self,
+        h: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        down_out: torch.Tensor,
+        weights: LoRAWeights,
+        info: LoRABatchInfo,
+    ) -> None:
+        """Add w_k·σ·B_down(A_down h) into ``down_out`` in place.
+
+        Args:
+            h: [T * k, I] activated intermediate, row ``t * k + j`` for pair (t, j).
+            topk_ids: [T, k] int expert ids.
+            topk_weights: [T, k] fp32 router weights.
+            down_out: [T, k, H] router-weighted base down output per pair (summed over k later).
+        """
+        ...
+
+    def dense_delta(
+        self, module: str, x: torch.Tensor, out: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo
+    ) -> None:
+        """Add σ·B(A x) of dense ``module`` ("q", "k", "v", "o") into ``out`` [T, out] in place."""
+        ...
+
+
+BackendFactory = Callable[[LoRALayerSpec], Backend]
+
+
+def load_backend(target: str) -> BackendFactory:
+    """Resolve ``"module:factory"`` (or a built-in name: reference, triton, csgmv) to a factory.
+
+    Raises:
+        InvalidFieldError: malformed target, module not importable, or no such attribute.
+    """
+    resolved = BUILTIN_BACKENDS.get(target, target)
+    module_name, sep, attr = resolved.partition(":")
+    if not sep or not module_name or not attr:
+        raise InvalidFieldError(
+            "backend", f"expected 'module:factory' or one of {sorted(BUILTIN_BACKENDS)}, got {target!r}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise InvalidFieldError("backend", f"cannot import {module_name!r} for {target!r}: {exc}") from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise InvalidFieldError("backend", f"{module_name!r} has no callable {attr!r} (from {target!r})")
+    return factory

@@ -1,0 +1,77 @@
+"""What a backend declares it can do, and the value it returns when a batch is over capacity."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moelora_core.errors import InvalidFieldError
+
+#: Graph families a backend may declare (each owns separate static buffers).
+GRAPH_FAMILIES: tuple[str, ...] = ("decode", "prefill")
+#: Prefill graph modes of the layer harness and the runner (DESIGN.md §6).
+PREFILL_GRAPH_MODES: tuple[str, ...] = ("full", "breakable")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """A backend's declared features. What is not declared is skipped by the suite as
+    "not implemented", shown apart from failures.
+
+    Attributes:
+        dtypes: activation/weight dtypes the backend computes in.
+        devices: device types ("cpu", "cuda") it runs on.
+        graph_families: subset of ``GRAPH_FAMILIES`` it can prepare static buffers for.
+        prefill_graph_modes: subset of ``PREFILL_GRAPH_MODES`` its prefill family supports.
+        virtual_experts: honours ``LoRALayerSpec.virtual_experts``.
+        fused_moe: implements ``moe_forward`` (base MoE and deltas fused).
+        max_rank: largest pool rank R it accepts, or None for any.
+        max_requests: largest number of requests per batch, or None for no cap.
+    """
+
+    dtypes: frozenset[torch.dtype]
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    graph_families: frozenset[str] = frozenset()
+    prefill_graph_modes: frozenset[str] = frozenset()
+    virtual_experts: bool = False
+    fused_moe: bool = False
+    max_rank: int | None = None
+    max_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("dtypes", "devices", "graph_families", "prefill_graph_modes"):
+            object.__setattr__(self, name, frozenset(getattr(self, name)))
+        unknown = self.graph_families - set(GRAPH_FAMILIES)
+        if unknown:
+            raise InvalidFieldError("graph_families", f"unknown {sorted(unknown)}; expected a subset of {GRAPH_FAMILIES}")
+        unknown = self.prefill_graph_modes - set(PREFILL_GRAPH_MODES)
+        if unknown:
+            raise InvalidFieldError("prefill_graph_modes", f"unknown {sorted(unknown)}; expected a subset of {PREFILL_GRAPH_MODES}")
+        if self.prefill_graph_modes and "prefill" not in self.graph_families:
+            raise InvalidFieldError("prefill_graph_modes", "declared without the 'prefill' graph family")
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-friendly form (for report headers)."""
+        return {
+            "dtypes": sorted(str(d).removeprefix("torch.") for d in self.dtypes),
+            "devices": sorted(self.devices),
+            "graph_families": sorted(self.graph_families),
+            "prefill_graph_modes": sorted(self.prefill_graph_modes),
+            "virtual_experts": self.virtual_experts,
+            "fused_moe": self.fused_moe,
+            "max_rank": self.max_rank,
+            "max_requests": self.max_requests,
+        }
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """Returned by ``prepare`` instead of metadata when a batch does not fit a graph family's
+    capacity: the caller runs the batch eagerly. No static buffer was written.
+
+    Attributes:
+        reason: what did not fit, with the numbers (``"37 requests > capacity 32"``).
+    """
+
+    reason: str = field(default="")

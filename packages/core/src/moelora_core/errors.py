@@ -1,0 +1,52 @@
+"""Error classes shared by every moelora package.
+
+Each class names a kind of problem, so callers (and the conformance suite) can assert on the
+class, and each message names the offending field, adapter, key or module with the expected and
+found values. Validation happens before anything is written: an error means nothing changed.
+"""
+
+from __future__ import annotations
+
+
+class MoeLoraError(Exception):
+    """Base class of every error moelora raises on purpose."""
+
+
+class InvalidFieldError(MoeLoraError, ValueError):
+    """A field of a batch, spec or weight set is outside its contract.
+
+    The message starts with the field's name (``"requests[3].adapter_id: ..."``) so the fault is
+    visible without a traceback.
+    """
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        self.problem = problem
+        super().__init__(f"{field}: {problem}")
+
+
+class SlotError(InvalidFieldError):
+    """An adapter slot index is outside ``[0, max_loras)``, or a slot operation is refused."""
+
+
+class KernelPreconditionError(MoeLoraError, ValueError):
+    """A kernel launcher refused its arguments (dtype, contiguity, shape, capacity, rank > R).
+
+    Raised on the host before launch, so a bad call never becomes a kernel crash or an
+    out-of-bounds read.
+    """
+
+
+class HostSyncError(MoeLoraError, RuntimeError):
+    """A host<->device synchronisation happened where the contract forbids one.
+
+    Raised by the host-sync guard and by the CPU graph emulator during capture (where CUDA would
+    fail the capture too).
+    """
+
+
+class AdapterError(MoeLoraError, ValueError):
+    """Base class of the refusals raised when reading or loading a LoRA adapter.
+
+    Subclasses (one per kind of refusal) live with the readers in ``moelora_core.checkpoint``.
+    """

@@ -1,0 +1,110 @@
+"""The shape of one LoRA-served layer, as a backend factory receives it (DESIGN.md §5)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import torch
+
+from moelora_core.errors import InvalidFieldError
+
+#: MoE modules with LoRA: gate and up (applied before the activation) and down (router-weighted).
+MOE_MODULES: tuple[str, ...] = ("gate", "up", "down")
+#: Dense (attention) projections with LoRA.
+DENSE_MODULES: tuple[str, ...] = ("q", "k", "v", "o")
+#: Every module a ``LoRAWeights`` can hold, in the order of its per-module rank/σ tables.
+ALL_MODULES: tuple[str, ...] = MOE_MODULES + DENSE_MODULES
+#: Dtypes a spec may ask for.
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidFieldError(name, f"must be an int >= 1, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class LoRALayerSpec:
+    """Shapes and pool sizes of one decoder layer served with LoRA.
+
+    Attributes:
+        hidden_size: H, model width (input of gate/up, output of down).
+        moe_intermediate_size: I, width of one expert's gate/up output.
+        num_experts: E, routed experts of the layer (ids >= E are extra fused experts with no LoRA).
+        top_k: experts per token.
+        dense_shapes: module ("q", "k", "v", "o") → (in_features, out_features).
+        max_loras: adapter slots of the pool.
+        max_rank: R, the pool's rank; smaller ranks are zero-padded to R.
+        dtype: compute and storage dtype of activations and LoRA weights.
+        device: where buffers live.
+        virtual_experts: ask the backend to compute MoE deltas through virtual experts
+            ((slot, expert) as expert ``slot * E + expert`` of a ``max_loras * E``-expert MoE).
+            Only meaningful for backends whose capabilities declare ``virtual_experts``.
+
+    Raises:
+        InvalidFieldError: a non-positive size, ``top_k > num_experts``, an unknown dense module,
+            an unsupported dtype.
+    """
+
+    hidden_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    top_k: int
+    dense_shapes: Mapping[str, tuple[int, int]]
+    max_loras: int
+    max_rank: int
+    dtype: torch.dtype = torch.float32
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    virtual_experts: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k", "max_loras", "max_rank"):
+            _positive(name, getattr(self, name))
+        if self.top_k > self.num_experts:
+            raise InvalidFieldError("top_k", f"must be <= num_experts={self.num_experts}, got {self.top_k}")
+        shapes = {}
+        for module, shape in dict(self.dense_shapes).items():
+            if module not in DENSE_MODULES:
+                raise InvalidFieldError(f"dense_shapes[{module!r}]", f"unknown dense module; expected one of {DENSE_MODULES}")
+            if len(shape) != 2:
+                raise InvalidFieldError(f"dense_shapes[{module!r}]", f"must be (in_features, out_features), got {shape!r}")
+            shapes[module] = (_positive(f"dense_shapes[{module!r}][0]", shape[0]),
+                              _positive(f"dense_shapes[{module!r}][1]", shape[1]))
+        object.__setattr__(self, "dense_shapes", MappingProxyType(shapes))
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise InvalidFieldError("dtype", f"must be one of {SUPPORTED_DTYPES}, got {self.dtype}")
+        object.__setattr__(self, "device", torch.device(self.device))
+
+    @property
+    def H(self) -> int:  # noqa: N802 - the field's letter
+        return self.hidden_size
+
+    @property
+    def I(self) -> int:  # noqa: N802, E743
+        return self.moe_intermediate_size
+
+    @property
+    def E(self) -> int:  # noqa: N802
+        return self.num_experts
+
+    @property
+    def R(self) -> int:  # noqa: N802
+        return self.max_rank
+
+    def module_shape(self, module: str) -> tuple[int, int]:
+        """(in_features, out_features) of ``module`` for one expert (MoE) or the projection (dense).
+
+        Raises:
+            InvalidFieldError: the module is not part of this spec.
+        """
+        if module in ("gate", "up"):
+            return (self.hidden_size, self.moe_intermediate_size)
+        if module == "down":
+            return (self.moe_intermediate_size, self.hidden_size)
+        if module in self.dense_shapes:
+            return self.dense_shapes[module]
+        raise InvalidFieldError("module", f"{module!r} is not a module of this layer (MoE {MOE_MODULES}, "
+                                          f"dense {tuple(self.dense_shapes)})")

@@ -1,0 +1,92 @@
+"""Static (graph) buffers: fixed capacity, written in place, unused tail reset (DESIGN.md §3).
+
+A CUDA graph binds the addresses of the tensors it reads at capture. Metadata for later batches
+must therefore be written *into* the captured tensors, never into new ones, and whatever a small
+batch does not overwrite must be reset, or a replay after a larger batch reads stale entries.
+:class:`StaticBuffer` makes both mechanical: ``write`` copies the live values and fills the tail
+in the same call, and ``data_ptr`` is fixed for the buffer's life.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from moelora_core.errors import InvalidFieldError
+from moelora_core.staging import _StagingWriter
+
+
+class StaticBuffer:
+    """A 1-D device tensor of ``capacity`` elements whose storage never changes.
+
+    Args:
+        name: for error messages and address checks.
+        capacity: number of elements (worst case of the graph family).
+        dtype: element dtype.
+        device: where it lives.
+        fill: the default tail value (e.g. -1 for mappings and weight indices, 0 for lengths).
+
+    Attributes:
+        tensor: the full-capacity tensor; kernels and graphs read this.
+    """
+
+    def __init__(self, name: str, capacity: int, *, dtype: torch.dtype, device: torch.device | str, fill: int | float) -> None:
+        if capacity < 0:
+            raise InvalidFieldError(name, f"capacity must be >= 0, got {capacity}")
+        self.name = name
+        self.fill = fill
+        self.tensor = torch.full((capacity,), fill, dtype=dtype, device=device)
+        self._ptr = self.tensor.data_ptr()
+
+    @property
+    def capacity(self) -> int:
+        return self.tensor.numel()
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+    def padded(self, values: Sequence[int] | Sequence[float], tail_fill: int | float | None = None) -> list:
+        """``values`` followed by the tail value up to capacity (a host list).
+
+        Raises:
+            InvalidFieldError: more values than capacity.
+        """
+        n = len(values)
+        if n > self.capacity:
+            raise InvalidFieldError(self.name, f"{n} values exceed capacity {self.capacity}")
+        fill = self.fill if tail_fill is None else tail_fill
+        return [*values, *([fill] * (self.capacity - n))]
+
+    def write(
+        self,
+        values: Sequence[int] | Sequence[float] | torch.Tensor,
+        *,
+        tail_fill: int | float | None = None,
+        stage: _StagingWriter | None = None,
+    ) -> torch.Tensor:
+        """Write ``values`` into the head and ``tail_fill`` (default ``fill``) into the rest, in place.
+
+        Host sequences go through ``stage`` (a pinned staging writer) when given, as one
+        non-blocking copy of the whole buffer; device tensors are copied on the device.
+
+        Returns:
+            ``self.tensor`` (same storage as before).
+
+        Raises:
+            InvalidFieldError: more values than capacity (nothing is written).
+        """
+        if isinstance(values, torch.Tensor):
+            n = values.numel()
+            if n > self.capacity:
+                raise InvalidFieldError(self.name, f"{n} values exceed capacity {self.capacity}")
+            self.tensor[:n].copy_(values.reshape(-1))
+            self.tensor[n:].fill_(self.fill if tail_fill is None else tail_fill)
+        else:
+            full = self.padded(values, tail_fill)
+            if stage is not None:
+                stage.copy(full, self.tensor)
+            else:
+                self.tensor.copy_(torch.as_tensor(full, dtype=self.tensor.dtype))
+        assert self.tensor.data_ptr() == self._ptr  # in-place by construction
+        return self.tensor

@@ -1,0 +1,179 @@
+"""The tolerance policy (DESIGN.md §7): one object, keyed by dtype and device.
+
+GEMM outputs are compared by norms, against an fp64 (or fp32) oracle fed the *same* rounded
+inputs:
+
+- max relative error  = max|actual - expected| / max|expected|
+- RMS relative error  = ||actual - expected||₂ / ||expected||₂
+
+Both must be within the dtype's bounds, and any NaN/Inf in ``actual`` fails (outputs are
+poisoned with NaN before kernels run, so an unwritten element is caught). Routing and batch
+metadata are compared exactly.
+
+Defaults: fp32 IEEE 1e-5; fp32 with TF32 dots 2e-3; fp16 2e-3 (RMS 1e-3); bf16 2e-2 (RMS 8e-3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Bounds for one (dtype, device, precision) case.
+
+    Attributes:
+        name: label shown in reports ("fp16", "fp32-ieee", ...).
+        max_rel: bound on the max relative error.
+        rms_rel: bound on the RMS relative error.
+    """
+
+    name: str
+    max_rel: float
+    rms_rel: float
+
+
+@dataclass(frozen=True)
+class CloseReport:
+    """The outcome of a norm-based comparison, with enough detail to act on a failure."""
+
+    ok: bool
+    tolerance: Tolerance
+    max_rel: float
+    rms_rel: float
+    non_finite: int
+    num_bad: int
+    first_bad: tuple[tuple[tuple[int, ...], float, float], ...]
+    what: str
+    seed: int | None
+
+    def message(self) -> str:
+        lines = [
+            f"{self.what}: max_rel={self.max_rel:.3e} (bound {self.tolerance.max_rel:.1e}), "
+            f"rms_rel={self.rms_rel:.3e} (bound {self.tolerance.rms_rel:.1e}) [{self.tolerance.name}]",
+        ]
+        if self.non_finite:
+            lines.append(f"  {self.non_finite} non-finite elements in actual (NaN-poisoned = never written?)")
+        if self.num_bad:
+            lines.append(f"  {self.num_bad} elements off by more than max_rel·max|expected|; first:")
+            for idx, exp, act in self.first_bad:
+                lines.append(f"    at {idx}: expected {exp:.6g}, actual {act:.6g}")
+        if self.seed is not None:
+            lines.append(f"  seed={self.seed}")
+        return "\n".join(lines)
+
+
+_DEFAULTS: dict[tuple[str, bool], Tolerance] = {
+    ("float32", False): Tolerance("fp32-ieee", 1e-5, 1e-5),
+    ("float32", True): Tolerance("fp32-tf32", 2e-3, 2e-3),
+    ("float64", False): Tolerance("fp64", 1e-12, 1e-12),
+    ("float16", False): Tolerance("fp16", 2e-3, 1e-3),
+    ("bfloat16", False): Tolerance("bf16", 2e-2, 8e-3),
+}
+
+
+class TolerancePolicy:
+    """Tolerances keyed by (dtype, device type, tf32), with device-specific overrides.
+
+    Args:
+        table: (dtype name, tf32) → Tolerance for every device.
+        device_overrides: (device type, dtype name, tf32) → Tolerance, consulted first.
+    """
+
+    def __init__(
+        self,
+        table: Mapping[tuple[str, bool], Tolerance] | None = None,
+        device_overrides: Mapping[tuple[str, str, bool], Tolerance] | None = None,
+    ) -> None:
+        self._table = dict(_DEFAULTS if table is None else table)
+        self._overrides = dict(device_overrides or {})
+
+    def lookup(self, dtype: torch.dtype, device: torch.device | str = "cpu", *, tf32: bool = False) -> Tolerance:
+        """The bounds for outputs computed in ``dtype`` on ``device``.
+
+        Raises:
+            KeyError: no entry for that dtype.
+        """
+        name = str(dtype).removeprefix("torch.")
+        dev = torch.device(device).type
+        key = (dev, name, tf32)
+        if key in self._overrides:
+            return self._overrides[key]
+        try:
+            return self._table[(name, tf32)]
+        except KeyError:
+            raise KeyError(f"no tolerance for dtype={name} tf32={tf32} on {dev}") from None
+
+    def check(
+        self,
+        actual: torch.Tensor,
+        expected: torch.Tensor,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        tf32: bool = False,
+        what: str = "output",
+        seed: int | None = None,
+        max_report: int = 5,
+    ) -> CloseReport:
+        """Compare a GEMM-like output with its reference by norms (both upcast to fp64)."""
+        tol = self.lookup(dtype, device, tf32=tf32)
+        if actual.shape != expected.shape:
+            raise AssertionError(f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+        a = actual.detach().to("cpu", torch.float64)
+        e = expected.detach().to("cpu", torch.float64)
+        non_finite = int((~torch.isfinite(a)).sum())
+        if not bool(torch.isfinite(e).all()):
+            raise AssertionError(f"{what}: the reference itself holds NaN/Inf (seed={seed})")
+        err = (a - e).abs()
+        err = torch.where(torch.isfinite(err), err, torch.full_like(err, float("inf")))
+        scale = float(e.abs().max()) if e.numel() else 0.0
+        norm = float(e.norm()) if e.numel() else 0.0
+        max_err = float(err.max()) if err.numel() else 0.0
+        max_rel = max_err / scale if scale > 0 else max_err
+        rms_rel = float(err.norm()) / norm if norm > 0 else float(err.norm())
+        bad = err > tol.max_rel * (scale if scale > 0 else 1.0)
+        num_bad = int(bad.sum())
+        first = []
+        if num_bad:
+            for idx in bad.nonzero()[:max_report].tolist():
+                first.append((tuple(idx), float(e[tuple(idx)]), float(a[tuple(idx)])))
+        ok = non_finite == 0 and max_rel <= tol.max_rel and rms_rel <= tol.rms_rel
+        return CloseReport(ok, tol, max_rel, rms_rel, non_finite, num_bad, tuple(first), what, seed)
+
+    def assert_close(self, actual: torch.Tensor, expected: torch.Tensor, **kwargs) -> CloseReport:
+        """``check`` and raise ``AssertionError`` with the report's message on failure."""
+        report = self.check(actual, expected, **kwargs)
+        if not report.ok:
+            raise AssertionError(report.message())
+        return report
+
+
+DEFAULT_POLICY = TolerancePolicy()
+
+
+def assert_exact(actual: torch.Tensor, expected: torch.Tensor, *, what: str, seed: int | None = None, max_report: int = 5) -> None:
+    """Exact comparison for metadata (ids, offsets, mappings, alignment outputs).
+
+    Raises:
+        AssertionError: naming the field, the number of differing elements, the first few
+            coordinates with expected and actual values, and the seed.
+    """
+    a = actual.detach().cpu()
+    e = expected.detach().cpu()
+    if a.shape != e.shape:
+        raise AssertionError(f"{what}: shape {tuple(a.shape)} != expected {tuple(e.shape)} (seed={seed})")
+    if a.dtype != e.dtype:
+        e = e.to(a.dtype)
+    diff = a != e
+    if a.is_floating_point():
+        diff &= ~(torch.isnan(a) & torch.isnan(e))
+    n = int(diff.sum())
+    if n:
+        lines = [f"{what}: {n} of {a.numel()} elements differ (seed={seed}); first:"]
+        for idx in diff.nonzero()[:max_report].tolist():
+            lines.append(f"  at {tuple(idx)}: expected {e[tuple(idx)].item()}, actual {a[tuple(idx)].item()}")
+        raise AssertionError("\n".join(lines))

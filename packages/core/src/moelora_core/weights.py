@@ -1,0 +1,249 @@
+"""Stacked per-slot LoRA weights of one layer (DESIGN.md §5): the pool a backend reads from.
+
+Layout (L = max_loras, E = experts, R = max rank, H = hidden, I = MoE intermediate):
+
+==============  =======================  =================================================
+tensor          shape                    meaning
+==============  =======================  =================================================
+gate_up_A       [2, L, E, R, H]          A of gate (index 0) and up (index 1); one buffer so a
+                                         kernel reaches both slices with one pointer + stride
+gate_up_B       [2, L, E, I, R]          B of gate and up
+down_A          [L, E, R, I]
+down_B          [L, E, H, R]
+dense_A[m]      [L, R, in_m]             m in q, k, v, o (those of the spec)
+dense_B[m]      [L, out_m, R]
+module_ranks    [len(ALL_MODULES), L]    int32; rank of each module per slot (0 = absent)
+module_scalings [len(ALL_MODULES), L]    fp32; σ of each module per slot (0 where absent)
+==============  =======================  =================================================
+
+Ranks below R are zero-padded (rows of A, columns of B past r are 0); absent modules are all
+zeros with rank 0 and σ 0, so they add exactly nothing. σ is never folded into B: kernels multiply
+by ``module_scalings`` at run time. ``gate_A``/``up_A`` etc. are views into the stacked buffers,
+and the ``[L, E, ...]`` buffers reshape to ``[L * E, ...]`` without a copy (virtual experts).
+
+Host copies of ranks and σ are kept so a scheduler can build a ``BatchSpec`` without reading the
+device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from moelora_core.errors import InvalidFieldError, SlotError
+from moelora_core.layer_spec import ALL_MODULES, DENSE_MODULES, MOE_MODULES, LoRALayerSpec
+
+
+@dataclass(frozen=True)
+class ModuleLoRA:
+    """One module's LoRA factors for one adapter, as the checkpoint readers produce them.
+
+    Attributes:
+        lora_A: MoE modules: [E, r, in]; dense modules: [r, in]. Any floating dtype.
+        lora_B: MoE modules: [E, out, r]; dense modules: [out, r].
+        scaling: the module's σ (α/r or α/√r with the module's own r and α).
+    """
+
+    lora_A: torch.Tensor
+    lora_B: torch.Tensor
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        return int(self.lora_A.shape[-2])
+
+
+def module_index(module: str) -> int:
+    """Row of ``module`` in ``module_ranks`` / ``module_scalings``.
+
+    Raises:
+        InvalidFieldError: unknown module name.
+    """
+    try:
+        return ALL_MODULES.index(module)
+    except ValueError:
+        raise InvalidFieldError("module", f"unknown module {module!r}; expected one of {ALL_MODULES}") from None
+
+
+class LoRAWeights:
+    """The adapter pool's weights for one layer: stacked, zero-padded, σ kept apart.
+
+    Args:
+        spec: the layer spec (sizes, max_loras, R, dtype, device).
+
+    The backend never owns these: every backend call takes them as an argument.
+    """
+
+    def __init__(self, spec: LoRALayerSpec) -> None:
+        self.spec = spec
+        L, E, R, H, I = spec.max_loras, spec.E, spec.R, spec.H, spec.I  # noqa: E741
+        kw = {"dtype": spec.dtype, "device": spec.device}
+        self.gate_up_A = torch.zeros(2, L, E, R, H, **kw)
+        self.gate_up_B = torch.zeros(2, L, E, I, R, **kw)
+        self.down_A = torch.zeros(L, E, R, I, **kw)
+        self.down_B = torch.zeros(L, E, H, R, **kw)
+        self.dense_A = {m: torch.zeros(L, R, fin, **kw) for m, (fin, _) in spec.dense_shapes.items()}
+        self.dense_B = {m: torch.zeros(L, fout, R, **kw) for m, (_, fout) in spec.dense_shapes.items()}
+        self.module_ranks = torch.zeros(len(ALL_MODULES), L, dtype=torch.int32, device=spec.device)
+        self.module_scalings = torch.zeros(len(ALL_MODULES), L, dtype=torch.float32, device=spec.device)
+        self.host_ranks: dict[str, list[int]] = {m: [0] * L for m in ALL_MODULES}
+        self.host_scalings: dict[str, list[float]] = {m: [0.0] * L for m in ALL_MODULES}
+        self.host_adapter_scalings: list[float] = [0.0] * L
+
+    # --- views -------------------------------------------------------------------------------
+
+    @property
+    def gate_A(self) -> torch.Tensor:
+        """[L, E, R, H] view of ``gate_up_A[0]``."""
+        return self.gate_up_A[0]
+
+    @property
+    def up_A(self) -> torch.Tensor:
+        """[L, E, R, H] view of ``gate_up_A[1]``."""
+        return self.gate_up_A[1]
+
+    @property
+    def gate_B(self) -> torch.Tensor:
+        """[L, E, I, R] view of ``gate_up_B[0]``."""
+        return self.gate_up_B[0]
+
+    @property
+    def up_B(self) -> torch.Tensor:
+        """[L, E, I, R] view of ``gate_up_B[1]``."""
+        return self.gate_up_B[1]
+
+    def factors(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, B) of ``module``: MoE [L, E, R, in] / [L, E, out, R]; dense [L, R, in] / [L, out, R]."""
+        if module == "gate":
+            return self.gate_A, self.gate_B
+        if module == "up":
+            return self.up_A, self.up_B
+        if module == "down":
+            return self.down_A, self.down_B
+        if module in self.dense_A:
+            return self.dense_A[module], self.dense_B[module]
+        raise InvalidFieldError("module", f"{module!r} is not a module of this layer")
+
+    def scalings(self, module: str) -> torch.Tensor:
+        """[L] fp32 σ of ``module`` per slot (a view)."""
+        return self.module_scalings[module_index(module)]
+
+    def ranks(self, module: str) -> torch.Tensor:
+        """[L] int32 rank of ``module`` per slot (a view)."""
+        return self.module_ranks[module_index(module)]
+
+    def slot_rank(self, slot: int) -> int:
+        """Host: the slot's rank as a scheduler sees it (max over modules; 0 = empty)."""
+        self._check_slot(slot)
+        return max(self.host_ranks[m][slot] for m in ALL_MODULES)
+
+    def slot_ranks(self) -> tuple[int, ...]:
+        """Host: ``slot_rank`` of every slot (``BatchSpec.lora_ranks``)."""
+        return tuple(self.slot_rank(s) for s in range(self.spec.max_loras))
+
+    def slot_scalings(self) -> tuple[float, ...]:
+        """Host: adapter-level σ of every slot (``BatchSpec.scalings``)."""
+        return tuple(self.host_adapter_scalings)
+
+    # --- loading -----------------------------------------------------------------------------
+
+    def _check_slot(self, slot: int) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.spec.max_loras:
+            raise SlotError("slot", f"must be an int in [0, max_loras={self.spec.max_loras}), got {slot!r}")
+
+    def _validated(self, module: str, lora: ModuleLoRA) -> ModuleLoRA:
+        spec = self.spec
+        if module not in MOE_MODULES and module not in spec.dense_shapes:
+            known = MOE_MODULES + tuple(m for m in DENSE_MODULES if m in spec.dense_shapes)
+            raise InvalidFieldError(f"adapter[{module!r}]", f"not a module of this layer; expected one of {known}")
+        if not isinstance(lora, ModuleLoRA):
+            raise InvalidFieldError(f"adapter[{module!r}]", f"must be a ModuleLoRA, got {type(lora).__name__}")
+        A, B = lora.lora_A, lora.lora_B
+        fin, fout = spec.module_shape(module)
+        moe = module in MOE_MODULES
+        lead = (spec.E,) if moe else ()
+        for name, t in (("lora_A", A), ("lora_B", B)):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise InvalidFieldError(f"adapter[{module!r}].{name}", "must be a floating-point tensor")
+            if t.dim() != len(lead) + 2:
+                raise InvalidFieldError(
+                    f"adapter[{module!r}].{name}",
+                    f"expected {len(lead) + 2} dims ({'[E, r, in]' if name == 'lora_A' else '[E, out, r]'}"
+                    f"{' per expert' if moe else ' without E'}), got shape {tuple(t.shape)}",
+                )
+        r = A.shape[-2]
+        want_A, want_B = (*lead, r, fin), (*lead, fout, r)
+        if tuple(A.shape) != want_A:
+            raise InvalidFieldError(f"adapter[{module!r}].lora_A", f"expected shape {want_A}, got {tuple(A.shape)}")
+        if tuple(B.shape) != want_B:
+            raise InvalidFieldError(f"adapter[{module!r}].lora_B", f"expected shape {want_B}, got {tuple(B.shape)}")
+        if not 1 <= r <= spec.R:
+            raise InvalidFieldError(f"adapter[{module!r}].rank", f"rank {r} is outside [1, max_rank={spec.R}]")
+        if not math.isfinite(float(lora.scaling)):
+            raise InvalidFieldError(f"adapter[{module!r}].scaling", f"must be finite, got {lora.scaling}")
+        for name, t in (("lora_A", A), ("lora_B", B)):
+            if not bool(torch.isfinite(t).all()):
+                raise InvalidFieldError(f"adapter[{module!r}].{name}", "holds NaN or Inf")
+        return lora
+
+    def load_slot(
+        self, slot: int, adapter: Mapping[str, ModuleLoRA], *, adapter_scaling: float | None = None
+    ) -> None:
+        """Load one adapter's layer tensors into ``slot``, replacing what was there.
+
+        Ranks below R are zero-padded; modules absent from ``adapter`` are zeroed with rank 0 and
+        σ 0. Tensors are cast to the spec's dtype and copied (the caller's tensors are not kept).
+        Everything is validated before the first write: on error the slot is unchanged.
+
+        Args:
+            slot: slot index in ``[0, max_loras)``.
+            adapter: module name ("gate", "up", "down", "q", "k", "v", "o") → ``ModuleLoRA``.
+            adapter_scaling: the adapter-level σ reported in ``slot_scalings()``; defaults to the
+                σ of the first present module in ``ALL_MODULES`` order.
+
+        Raises:
+            SlotError: slot out of range.
+            InvalidFieldError: unknown module, wrong shapes or dims, rank outside [1, R], NaN/Inf
+                weights, non-finite σ, an empty adapter.
+        """
+        self._check_slot(slot)
+        if not adapter:
+            raise InvalidFieldError("adapter", "has no modules; use clear_slot to empty a slot")
+        checked = {m: self._validated(m, lora) for m, lora in adapter.items()}
+        if adapter_scaling is None:
+            adapter_scaling = next(checked[m].scaling for m in ALL_MODULES if m in checked)
+        if not math.isfinite(float(adapter_scaling)):
+            raise InvalidFieldError("adapter_scaling", f"must be finite, got {adapter_scaling}")
+        self.clear_slot(slot)
+        for module, lora in checked.items():
+            A, B = self.factors(module)
+            r = lora.rank
+            A[slot, ..., :r, :].copy_(lora.lora_A.to(self.spec.dtype))
+            B[slot, ..., :, :r].copy_(lora.lora_B.to(self.spec.dtype))
+            idx = module_index(module)
+            self.module_ranks[idx, slot] = r
+            self.module_scalings[idx, slot] = float(lora.scaling)
+            self.host_ranks[module][slot] = r
+            self.host_scalings[module][slot] = float(lora.scaling)
+        self.host_adapter_scalings[slot] = float(adapter_scaling)
+
+    def clear_slot(self, slot: int) -> None:
+        """Zero every module of ``slot`` (rank 0, σ 0).
+
+        Raises:
+            SlotError: slot out of range.
+        """
+        self._check_slot(slot)
+        for t in (self.gate_up_A, self.gate_up_B):
+            t[:, slot].zero_()
+        for t in (self.down_A, self.down_B, *self.dense_A.values(), *self.dense_B.values()):
+            t[slot].zero_()
+        self.module_ranks[:, slot] = 0
+        self.module_scalings[:, slot] = 0.0
+        for m in ALL_MODULES:
+            self.host_ranks[m][slot] = 0
+            self.host_scalings[m][slot] = 0.0
+        self.host_adapter_scalings[slot] = 0.0

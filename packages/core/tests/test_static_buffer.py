@@ -1,0 +1,64 @@
+"""StaticBuffer and PinnedStaging: in-place writes keep data_ptr, tails are reset, over-capacity
+writes change nothing."""
+
+import pytest
+import torch
+
+from moelora_core import InvalidFieldError, PinnedStaging, StaticBuffer
+
+
+def test_write_keeps_address_and_resets_tail():
+    buf = StaticBuffer("token_lora_mapping", 8, dtype=torch.int32, device="cpu", fill=-1)
+    ptr = buf.data_ptr()
+    buf.write([3, 1, 2, 0, 0, 1])  # a large batch
+    assert buf.tensor.tolist() == [3, 1, 2, 0, 0, 1, -1, -1]
+    buf.write([2])  # a small batch after it: nothing stale may remain
+    assert buf.tensor.tolist() == [2, -1, -1, -1, -1, -1, -1, -1]
+    assert buf.tensor.data_ptr() == ptr
+
+
+def test_tail_fill_override_for_segment_pointers():
+    seg = StaticBuffer("seg_indptr", 6, dtype=torch.int32, device="cpu", fill=0)
+    seg.write([0, 4, 7], tail_fill=7)  # empty trailing segments at the last live offset
+    assert seg.tensor.tolist() == [0, 4, 7, 7, 7, 7]
+
+
+def test_device_tensor_write_and_staged_write():
+    buf = StaticBuffer("w", 5, dtype=torch.int32, device="cpu", fill=-1)
+    ptr = buf.data_ptr()
+    buf.write(torch.tensor([9, 8], dtype=torch.int32))
+    assert buf.tensor.tolist() == [9, 8, -1, -1, -1]
+    staging = PinnedStaging(16, torch.int32, "cpu")
+    with staging.batch() as stage:
+        buf.write([4, 4, 4], stage=stage)
+    assert buf.tensor.tolist() == [4, 4, 4, -1, -1]
+    assert buf.data_ptr() == ptr == buf.tensor.data_ptr()
+
+
+def test_over_capacity_changes_nothing():
+    buf = StaticBuffer("w", 3, dtype=torch.int32, device="cpu", fill=-1)
+    buf.write([1, 2])
+    with pytest.raises(InvalidFieldError, match="exceed capacity 3"):
+        buf.write([1, 2, 3, 4])
+    with pytest.raises(InvalidFieldError, match="exceed capacity 3"):
+        buf.write(torch.arange(4, dtype=torch.int32))
+    assert buf.tensor.tolist() == [1, 2, -1]
+
+
+def test_staging_alternates_buffers_and_checks_capacity():
+    staging = PinnedStaging(4, torch.int32, "cpu")
+    a = torch.zeros(3, dtype=torch.int32)
+    b = torch.zeros(2, dtype=torch.int32)
+    with staging.batch() as stage:
+        stage.copy([1, 2, 3], a)
+        with pytest.raises(InvalidFieldError, match="staging capacity is 4"):
+            stage.copy([7, 7], b)
+    first = staging._current
+    with staging.batch() as stage:
+        stage.copy([5, 6], b)
+    assert staging._current != first  # double-buffered: the next batch writes the other buffer
+    assert a.tolist() == [1, 2, 3] and b.tolist() == [5, 6]
+    with staging.batch() as stage, pytest.raises(InvalidFieldError, match="2 values for a destination of 3"):
+        stage.copy([1, 2], a)
+    with staging.batch() as stage, pytest.raises(InvalidFieldError, match="dtype"):
+        stage.copy([1.0, 2.0], torch.zeros(2))

@@ -1,0 +1,161 @@
+"""The readable oracle: MoE multi-LoRA and dense LoRA, per token, per expert, in float64.
+
+The one equation (DESIGN.md §1). For token t with adapter slot s = s(t) (or none), routed experts
+e_1..e_k with router weights w_1..w_k, and per-module scalings σ:
+
+    g_j = W_gate[e_j] x + σ_gate · B_gate[s,e_j] (A_gate[s,e_j] x)
+    u_j = W_up[e_j]   x + σ_up   · B_up[s,e_j]   (A_up[s,e_j]   x)
+    h_j = silu(g_j) ⊙ u_j
+    y   = Σ_j w_j · ( W_down[e_j] h_j + σ_down · B_down[s,e_j] (A_down[s,e_j] h_j) )
+
+Sources: LoRA (Hu et al., arXiv:2106.09685); SwiGLU experts as in Mixtral / Qwen3-MoE
+(transformers ``Qwen3MoeExperts``); the multi-LoRA MoE layout of SGLang's MoE-LoRA PR
+(sgl-project/sglang#14105) and vLLM's fused MoE-LoRA.
+
+Rules encoded here (and nowhere cleverer):
+
+- A negative expert id (``EXPERT_NOT_HERE``) contributes nothing, base or LoRA.
+- An id in ``[E_lora, E_base)`` is an extra fused expert of the base layer: base only, no LoRA.
+- An id >= E_base is invalid and raises.
+- A token with slot ``NO_ADAPTER`` (or a module of rank 0) gets exactly the base output.
+- σ comes from ``LoRAWeights.module_scalings`` (fp32), applied at run time.
+
+Loops are intentional: this code is slow and obviously right.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moelora_core.errors import InvalidFieldError
+from moelora_core.sentinels import NO_ADAPTER
+from moelora_core.weights import LoRAWeights
+
+F64 = torch.float64
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """silu(x) = x · sigmoid(x)."""
+    return x * torch.sigmoid(x)
+
+
+def route_topk(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts, then the top_k largest, optionally renormalised to sum to 1.
+
+    Args:
+        router_logits: [T, E] any float dtype.
+        top_k: experts per token.
+        renormalize: divide the k weights by their sum (Qwen3-MoE ``norm_topk_prob``, OLMoE's
+            ``norm_topk_prob``; Mixtral renormalises always).
+
+    Returns:
+        (topk_weights [T, k] float64, topk_ids [T, k] int64), ids in descending weight order.
+    """
+    probs = torch.softmax(router_logits.to(F64), dim=-1)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def lora_delta(A: torch.Tensor, B: torch.Tensor, scaling: float, x: torch.Tensor) -> torch.Tensor:
+    """delta = σ · B @ (A @ x) for one vector.
+
+    Args:
+        A: [r, in]; B: [out, r]; x: [in]. Returns [out] float64.
+    """
+    return float(scaling) * (B.to(F64) @ (A.to(F64) @ x.to(F64)))
+
+
+def moe_lora_forward(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    lora: LoRAWeights | None,
+    token_lora_mapping: torch.Tensor | None,
+) -> torch.Tensor:
+    """The MoE block with per-token LoRA adapters, one token and one routed expert at a time.
+
+    Args:
+        x: [T, H] input activations.
+        topk_ids: [T, k] int expert ids (negative = not handled here).
+        topk_weights: [T, k] router weights.
+        w_gate_up: [E_base, 2I, H] base gate (rows [:I]) and up (rows [I:]) weights.
+        w_down: [E_base, H, I] base down weights.
+        lora: the adapter pool's weights (E_lora = ``lora.spec.E`` <= E_base), or None for base only.
+        token_lora_mapping: [T] int slot per token, ``NO_ADAPTER`` = none (ignored if lora is None).
+
+    Returns:
+        y [T, H] float64.
+
+    Raises:
+        InvalidFieldError: an expert id >= E_base, a slot outside [-1, max_loras), or mismatched
+            shapes.
+    """
+    T, H = x.shape
+    E_base, two_i, _ = w_gate_up.shape
+    inter = two_i // 2
+    if w_down.shape != (E_base, H, inter):
+        raise InvalidFieldError("w_down", f"expected {(E_base, H, inter)}, got {tuple(w_down.shape)}")
+    y = torch.zeros(T, H, dtype=F64)
+    for t in range(T):
+        slot = NO_ADAPTER if lora is None else int(token_lora_mapping[t])
+        if lora is not None and not NO_ADAPTER <= slot < lora.spec.max_loras:
+            raise InvalidFieldError(f"token_lora_mapping[{t}]", f"slot {slot} outside [-1, {lora.spec.max_loras})")
+        xt = x[t].to(F64)
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            if e < 0:
+                continue  # EXPERT_NOT_HERE: handled by another rank
+            if e >= E_base:
+                raise InvalidFieldError(f"topk_ids[{t}, {j}]", f"expert {e} >= number of base experts {E_base}")
+            g = w_gate_up[e, :inter].to(F64) @ xt  # [I]
+            u = w_gate_up[e, inter:].to(F64) @ xt  # [I]
+            has_lora = slot != NO_ADAPTER and e < lora.spec.E
+            if has_lora:
+                g = g + lora_delta(lora.gate_A[slot, e], lora.gate_B[slot, e], lora.scalings("gate")[slot], xt)
+                u = u + lora_delta(lora.up_A[slot, e], lora.up_B[slot, e], lora.scalings("up")[slot], xt)
+            h = silu(g) * u  # [I]
+            out = w_down[e].to(F64) @ h  # [H]
+            if has_lora:
+                out = out + lora_delta(lora.down_A[slot, e], lora.down_B[slot, e], lora.scalings("down")[slot], h)
+            y[t] += float(topk_weights[t, j]) * out
+    return y
+
+
+def dense_lora_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    module: str,
+    lora: LoRAWeights | None,
+    token_lora_mapping: torch.Tensor | None,
+) -> torch.Tensor:
+    """A dense projection with per-token LoRA: y[t] = W x[t] + σ_s · B[s] (A[s] x[t]).
+
+    Args:
+        x: [T, in].
+        weight: [out, in] base weight, or None to return the LoRA delta alone.
+        module: "q", "k", "v" or "o".
+        lora: pool weights or None (base only).
+        token_lora_mapping: [T] slot per token, ``NO_ADAPTER`` = none.
+
+    Returns:
+        [T, out] float64.
+    """
+    if weight is None and lora is None:
+        raise InvalidFieldError("weight", "need a base weight or LoRA weights")
+    fout = weight.shape[0] if weight is not None else lora.spec.module_shape(module)[1]
+    y = torch.zeros(x.shape[0], fout, dtype=F64)
+    for t in range(x.shape[0]):
+        xt = x[t].to(F64)
+        if weight is not None:
+            y[t] = weight.to(F64) @ xt
+        slot = NO_ADAPTER if lora is None else int(token_lora_mapping[t])
+        if slot != NO_ADAPTER:
+            A, B = lora.factors(module)
+            y[t] += lora_delta(A[slot], B[slot], lora.scalings(module)[slot], xt)
+    return y
