@@ -48,7 +48,7 @@ def _packages() -> list[str]:
 def _install_moelora(session: nox.Session) -> None:
     """torch (CPU wheel) + every moelora package, editable, under the CPU constraints."""
     session.install("--upgrade", "pip")
-    session.install("-c", str(CONSTRAINTS), "torch==2.13.0", "hatchling>=1.24", *TEST_TOOLS)
+    session.install("-c", str(CONSTRAINTS), "torch==2.13.0", "hatchling>=1.24", "editables", *TEST_TOOLS)
     editables = []
     for pkg in _packages():
         editables += ["-e", f"./{pkg}{EXTRAS.get(pkg, '')}"]
