@@ -11,13 +11,17 @@ A reader of DESIGN.md finds its names here:
 - ``LoRAWeights`` with ``load_slot``, ``ModuleLoRA``                        (:mod:`.weights`)
 - ``Capabilities``, ``Fallback``                                            (:mod:`.capabilities`)
 - ``Backend`` protocol, ``load_backend``                                    (:mod:`.backend`)
+- ``AlignOutput``, ``align_capacity`` (moe_lora_align_block_size contract) (:mod:`.align`)
+- ``MoEBaseWeights``                                                       (:mod:`.base_weights`)
 - ``StaticBuffer``                                                          (:mod:`.static_buffer`)
 - ``PinnedStaging``                                                         (:mod:`.staging`)
 - ``TolerancePolicy``, ``DEFAULT_POLICY``, ``assert_exact``                 (:mod:`.tolerance`)
 """
 
 from moelora_core.adapter_config import AdapterConfig, lora_scaling
+from moelora_core.align import AlignOutput, align_capacity
 from moelora_core.backend import BUILTIN_BACKENDS, Backend, BackendFactory, load_backend
+from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.batch import BatchSpec, Request
 from moelora_core.batch_info import LoRABatchInfo, MoELoRABatchInfo
 from moelora_core.capabilities import GRAPH_FAMILIES, PREFILL_GRAPH_MODES, Capabilities, Fallback
@@ -40,12 +44,46 @@ from moelora_core.weights import LoRAWeights, ModuleLoRA, module_index
 __version__ = "0.1.0"
 
 __all__ = [
-    "ALL_MODULES", "BUILTIN_BACKENDS", "DEFAULT_POLICY", "DENSE_MODULES", "EXPERT_NOT_HERE",
-    "GRAPH_FAMILIES", "MOE_MODULES", "NO_ADAPTER", "NO_EXPERT_BLOCK", "PREFILL_GRAPH_MODES",
-    "AdapterConfig", "AdapterError", "Backend", "BackendFactory", "BatchSpec", "Capabilities",
-    "CloseReport", "Fallback", "ForwardMode", "HostSyncError", "InvalidFieldError",
-    "KernelPreconditionError", "LoRABatchInfo", "LoRALayerSpec", "LoRAWeights", "MoELoRABatchInfo",
-    "MoeLoraError", "ModuleLoRA", "PinnedStaging", "Request", "SlotError", "StaticBuffer",
-    "Tolerance", "TolerancePolicy", "assert_exact", "load_backend", "lora_scaling", "module_index",
+    "ALL_MODULES",
+    "BUILTIN_BACKENDS",
+    "DEFAULT_POLICY",
+    "DENSE_MODULES",
+    "EXPERT_NOT_HERE",
+    "GRAPH_FAMILIES",
+    "MOE_MODULES",
+    "NO_ADAPTER",
+    "NO_EXPERT_BLOCK",
+    "PREFILL_GRAPH_MODES",
+    "AdapterConfig",
+    "AdapterError",
+    "AlignOutput",
+    "Backend",
+    "BackendFactory",
+    "BatchSpec",
+    "Capabilities",
+    "CloseReport",
+    "Fallback",
+    "ForwardMode",
+    "HostSyncError",
+    "InvalidFieldError",
+    "KernelPreconditionError",
+    "LoRABatchInfo",
+    "LoRALayerSpec",
+    "LoRAWeights",
+    "MoEBaseWeights",
+    "MoELoRABatchInfo",
+    "ModuleLoRA",
+    "MoeLoraError",
+    "PinnedStaging",
+    "Request",
+    "SlotError",
+    "StaticBuffer",
+    "Tolerance",
+    "TolerancePolicy",
+    "align_capacity",
+    "assert_exact",
+    "load_backend",
+    "lora_scaling",
+    "module_index",
     "padding_row",
 ]

@@ -135,7 +135,9 @@ class BatchSpec:
     def tokens_per_request(self) -> int:
         """DECODE only: the common extend length."""
         if self.forward_mode is not ForwardMode.DECODE:
-            raise InvalidFieldError("forward_mode", f"tokens_per_request is defined for DECODE, not {self.forward_mode.name}")
+            raise InvalidFieldError(
+                "forward_mode", f"tokens_per_request is defined for DECODE, not {self.forward_mode.name}"
+            )
         return self.requests[0].extend_len
 
     @cached_property

@@ -44,10 +44,14 @@ class Capabilities:
             object.__setattr__(self, name, frozenset(getattr(self, name)))
         unknown = self.graph_families - set(GRAPH_FAMILIES)
         if unknown:
-            raise InvalidFieldError("graph_families", f"unknown {sorted(unknown)}; expected a subset of {GRAPH_FAMILIES}")
+            raise InvalidFieldError(
+                "graph_families", f"unknown {sorted(unknown)}; expected a subset of {GRAPH_FAMILIES}"
+            )
         unknown = self.prefill_graph_modes - set(PREFILL_GRAPH_MODES)
         if unknown:
-            raise InvalidFieldError("prefill_graph_modes", f"unknown {sorted(unknown)}; expected a subset of {PREFILL_GRAPH_MODES}")
+            raise InvalidFieldError(
+                "prefill_graph_modes", f"unknown {sorted(unknown)}; expected a subset of {PREFILL_GRAPH_MODES}"
+            )
         if self.prefill_graph_modes and "prefill" not in self.graph_families:
             raise InvalidFieldError("prefill_graph_modes", "declared without the 'prefill' graph family")
 

@@ -68,9 +68,13 @@ class LoRALayerSpec:
         shapes = {}
         for module, shape in dict(self.dense_shapes).items():
             if module not in DENSE_MODULES:
-                raise InvalidFieldError(f"dense_shapes[{module!r}]", f"unknown dense module; expected one of {DENSE_MODULES}")
+                raise InvalidFieldError(
+                    f"dense_shapes[{module!r}]", f"unknown dense module; expected one of {DENSE_MODULES}"
+                )
             if len(shape) != 2:
-                raise InvalidFieldError(f"dense_shapes[{module!r}]", f"must be (in_features, out_features), got {shape!r}")
+                raise InvalidFieldError(
+                    f"dense_shapes[{module!r}]", f"must be (in_features, out_features), got {shape!r}"
+                )
             shapes[module] = (_positive(f"dense_shapes[{module!r}][0]", shape[0]),
                               _positive(f"dense_shapes[{module!r}][1]", shape[1]))
         object.__setattr__(self, "dense_shapes", MappingProxyType(shapes))
@@ -79,19 +83,19 @@ class LoRALayerSpec:
         object.__setattr__(self, "device", torch.device(self.device))
 
     @property
-    def H(self) -> int:  # noqa: N802 - the field's letter
+    def H(self) -> int:
         return self.hidden_size
 
     @property
-    def I(self) -> int:  # noqa: N802, E743
+    def I(self) -> int:  # noqa: E743
         return self.moe_intermediate_size
 
     @property
-    def E(self) -> int:  # noqa: N802
+    def E(self) -> int:
         return self.num_experts
 
     @property
-    def R(self) -> int:  # noqa: N802
+    def R(self) -> int:
         return self.max_rank
 
     def module_shape(self, module: str) -> tuple[int, int]:

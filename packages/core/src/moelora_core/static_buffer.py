@@ -31,7 +31,9 @@ class StaticBuffer:
         tensor: the full-capacity tensor; kernels and graphs read this.
     """
 
-    def __init__(self, name: str, capacity: int, *, dtype: torch.dtype, device: torch.device | str, fill: int | float) -> None:
+    def __init__(
+        self, name: str, capacity: int, *, dtype: torch.dtype, device: torch.device | str, fill: int | float
+    ) -> None:
         if capacity < 0:
             raise InvalidFieldError(name, f"capacity must be >= 0, got {capacity}")
         self.name = name

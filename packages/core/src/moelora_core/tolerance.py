@@ -155,7 +155,9 @@ class TolerancePolicy:
 DEFAULT_POLICY = TolerancePolicy()
 
 
-def assert_exact(actual: torch.Tensor, expected: torch.Tensor, *, what: str, seed: int | None = None, max_report: int = 5) -> None:
+def assert_exact(
+    actual: torch.Tensor, expected: torch.Tensor, *, what: str, seed: int | None = None, max_report: int = 5
+) -> None:
     """Exact comparison for metadata (ids, offsets, mappings, alignment outputs).
 
     Raises:

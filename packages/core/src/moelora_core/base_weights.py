@@ -1,0 +1,58 @@
+"""Base (non-LoRA) weights of one MoE layer in moelora's layout.
+
+The checkpoint readers produce this from any supported family (per-expert keys, Mixtral's
+w1/w3/w2, or the fused 3-D form); the oracle, the reference path, the Triton base MoE and the
+suite's harness all consume it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moelora_core.errors import InvalidFieldError
+
+
+@dataclass
+class MoEBaseWeights:
+    """Stacked expert weights of one MoE block.
+
+    Attributes:
+        w_gate_up: [E_base, 2I, H]; rows [:I] are gate (Mixtral w1), rows [I:] are up (w3).
+        w_down: [E_base, H, I] (Mixtral w2).
+        router: [E, H] router (gate) weight, or None where routing is given.
+        num_experts: E, the routed experts LoRA applies to. ``E_base >= E``; ids in
+            ``[E, E_base)`` are extra fused experts (e.g. a shared expert) without LoRA.
+        norm_topk_prob: renormalise the top-k router weights to sum to 1.
+
+    Raises:
+        InvalidFieldError: inconsistent shapes.
+    """
+
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+    router: torch.Tensor | None = None
+    num_experts: int | None = None
+    norm_topk_prob: bool = True
+
+    def __post_init__(self) -> None:
+        if self.w_gate_up.dim() != 3 or self.w_gate_up.shape[1] % 2:
+            raise InvalidFieldError("w_gate_up", f"expected [E, 2I, H], got {tuple(self.w_gate_up.shape)}")
+        e_base, two_i, h = self.w_gate_up.shape
+        if tuple(self.w_down.shape) != (e_base, h, two_i // 2):
+            raise InvalidFieldError("w_down", f"expected {(e_base, h, two_i // 2)}, got {tuple(self.w_down.shape)}")
+        if self.num_experts is None:
+            self.num_experts = e_base
+        if not 1 <= self.num_experts <= e_base:
+            raise InvalidFieldError("num_experts", f"must be in [1, {e_base}], got {self.num_experts}")
+        if self.router is not None and tuple(self.router.shape) != (self.num_experts, h):
+            raise InvalidFieldError("router", f"expected {(self.num_experts, h)}, got {tuple(self.router.shape)}")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w_gate_up.shape[2]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w_gate_up.shape[1] // 2
