@@ -1,0 +1,145 @@
+"""Launcher helpers shared by every kernel file: precondition checks, dot precision, interpreter mode.
+
+Every check here runs on the host from tensor metadata (shape, dtype, stride, device) only: none
+reads a device value, so a launcher stays free of host syncs and is safe inside CUDA-graph capture.
+A failed check raises :class:`moelora_core.KernelPreconditionError` naming the argument, before
+anything is launched or written.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+
+import torch
+import triton
+
+from moelora_core.errors import KernelPreconditionError
+
+#: Activation / weight dtypes the GEMM kernels compute in.
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+#: Integer dtypes accepted for ids and offsets (loaded and narrowed after range checks).
+INDEX_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
+#: Largest size of grid axes 1 and 2 on CUDA; launchers put the only unbounded axis (blocks of
+#: rows) on axis 0, whose limit is 2**31 - 1.
+MAX_GRID_AXIS = 65535
+MAX_GRID_AXIS0 = 2**31 - 1
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels with its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def dot_precision(dtype: torch.dtype, tf32: bool = False) -> str:
+    """The ``tl.dot`` ``input_precision`` for ``dtype``: IEEE for fp32 unless TF32 is asked for.
+
+    Half dtypes ignore the value (their dots are exact products with fp32 accumulation).
+    """
+    if dtype == torch.float32 and not tf32:
+        return "ieee"
+    return "tf32"
+
+
+def upcast_bf16(dtype: torch.dtype) -> bool:
+    """Whether kernels must up-cast bf16 tiles to fp32 after loading: the Triton interpreter
+    computes bf16 dots wrongly (numpy has no bf16), so under it every bf16 tile is widened before
+    ``tl.dot``. On a GPU bf16 tiles go to the tensor cores as they are."""
+    return dtype == torch.bfloat16 and interpreting()
+
+
+def next_pow2(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    return max(triton.next_power_of_2(max(int(n), 1)), minimum)
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    dtypes: Sequence[torch.dtype] | None = None,
+    dim: int | None = None,
+    shape: Sequence[int | None] | None = None,
+    contiguous: bool = False,
+    unit_last_stride: bool = False,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Check one launcher argument; ``None`` entries of ``shape`` match any size.
+
+    Raises:
+        KernelPreconditionError: not a tensor, wrong dtype / rank / shape, not contiguous (or last
+            stride not 1 when ``unit_last_stride``), or on another device.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise KernelPreconditionError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise KernelPreconditionError(f"{name}: dtype {str(t.dtype).removeprefix('torch.')} not in ({allowed})")
+    if dim is not None and t.dim() != dim:
+        raise KernelPreconditionError(f"{name}: expected {dim} dims, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(s is not None and s != a for s, a in zip(shape, t.shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise KernelPreconditionError(f"{name}: expected shape {want}, got {list(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise KernelPreconditionError(f"{name}: must be contiguous (strides {t.stride()} for shape {list(t.shape)})")
+    if unit_last_stride and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise KernelPreconditionError(f"{name}: last dimension must have stride 1, got strides {t.stride()}")
+    if device is not None and t.device != device:
+        raise KernelPreconditionError(f"{name}: on {t.device}, expected {device} like the other arguments")
+    return t
+
+
+def check_same_dtype(pairs: Iterable[tuple[str, torch.Tensor]]) -> torch.dtype:
+    """All named tensors share one dtype; returns it.
+
+    Raises:
+        KernelPreconditionError: naming the first mismatch.
+    """
+    pairs = list(pairs)
+    first_name, first = pairs[0]
+    for name, t in pairs[1:]:
+        if t.dtype != first.dtype:
+            raise KernelPreconditionError(
+                f"{name}: dtype {str(t.dtype).removeprefix('torch.')} differs from {first_name} "
+                f"({str(first.dtype).removeprefix('torch.')}); kernels compute in one dtype"
+            )
+    return first.dtype
+
+
+def check_positive_int(name: str, value: object, *, minimum: int = 1) -> int:
+    """A host int >= ``minimum``.
+
+    Raises:
+        KernelPreconditionError: not an int, or too small.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise KernelPreconditionError(f"{name}: must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def check_grid(name: str, grid: tuple[int, ...]) -> tuple[int, ...]:
+    """A launch grid within CUDA's limits: axis 0 <= 2**31 - 1, axes 1 and 2 <= 65535.
+
+    Raises:
+        KernelPreconditionError: an axis would exceed its limit (the batch is too large for one launch).
+    """
+    for axis, size in enumerate(grid):
+        limit = MAX_GRID_AXIS0 if axis == 0 else MAX_GRID_AXIS
+        if size > limit:
+            raise KernelPreconditionError(f"{name}: grid axis {axis} of {size} programs exceeds {limit}")
+    return grid
+
+
+def check_rank_bound(max_rank: int | None, pool_rank: int, what: str = "max_rank") -> int:
+    """The host rank bound a launcher tiles for: ``max_rank`` (<= the pool's R) or R.
+
+    Raises:
+        KernelPreconditionError: ``max_rank`` > R (the buffers hold no such columns) or < 1.
+    """
+    if max_rank is None:
+        return pool_rank
+    check_positive_int(what, max_rank)
+    if max_rank > pool_rank:
+        raise KernelPreconditionError(f"{what}: rank {max_rank} > the pool's max rank R={pool_rank}")
+    return max_rank

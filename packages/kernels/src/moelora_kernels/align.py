@@ -1,0 +1,268 @@
+"""``moe_lora_align_block_size``: group each adapter slot's (token, k) pairs by expert, pad to BLOCK_M.
+
+Algorithm (one program per slot; no host sync; grid ``(max_loras,)``):
+
+1. count: stream the M·top_k pairs in chunks; a pair belongs to this slot when
+   ``token_lora_mapping[pair // top_k] == slot``, the slot is enabled and ``0 <= expert < E``;
+   ``tl.histogram`` counts them per expert.
+2. layout: each expert's count is rounded up to BLOCK_M; an exclusive prefix sum gives each
+   expert's first row. The program writes ``num_tokens_post_padded``, the expert of every block
+   (``NO_EXPERT_BLOCK`` past the last used block) and the padding sentinel into every row that no
+   pair will take (the tail of each expert's last block and every row past the last block).
+3. place: a per-expert cursor (scratch, starts at the expert's first row) hands each pair its row
+   with an atomic add; the pair index is stored there. Rows written in 2 and 3 are disjoint.
+
+Order within an expert is therefore free (the contract allows it): on a GPU it follows the atomic
+order, under the interpreter it is pair order.
+
+Tensors (L = max_loras, P = capacity per slot, see :func:`moelora_core.align_capacity`):
+
+- ``topk_ids`` [M, top_k] int32/int64: routed expert per pair; < 0 (EXPERT_NOT_HERE) or >= E are
+  skipped (shared-expert ids in [E, E_base) get no LoRA).
+- ``token_lora_mapping`` [M] int32: slot per token, NO_ADAPTER (-1) = none (graph tails are -1).
+- ``adapter_enabled`` [L] int32 (optional): 0 = slot disabled, its pairs are skipped.
+- ``sorted_token_ids`` [L, P] int32 (out): pair index ``t * top_k + j``; padding rows hold
+  ``M * top_k``.
+- ``expert_ids`` [L, P // BLOCK_M] int32 (out): expert per block, -1 past the last used block.
+- ``num_tokens_post_padded`` [L] int32 (out): rows used per slot (multiple of BLOCK_M).
+- ``cursor`` [L, E_PAD] int32 (scratch): next free row per expert.
+
+No rounding (integers only). Source: the alignment of vLLM's fused MoE (``moe_align_block_size``)
+and its per-LoRA variant (vllm-project/vllm#21229); SGLang MoE-LoRA (sgl-project/sglang#14105).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moelora_core.align import AlignOutput, align_capacity
+from moelora_core.errors import KernelPreconditionError
+from moelora_kernels._common import INDEX_DTYPES, check_positive_int, check_tensor, next_pow2
+
+
+@triton.jit
+def _moe_lora_align_block_size_kernel(
+    # pointers
+    topk_ids_ptr,            # [M * top_k] int32/int64
+    token_lora_mapping_ptr,  # [M] int32 (unused without HAS_MAPPING)
+    adapter_enabled_ptr,     # [L] int32 (unused without HAS_ENABLED)
+    sorted_token_ids_ptr,    # [L, P] int32, out
+    expert_ids_ptr,          # [L, P // BLOCK_M] int32, out
+    num_tokens_post_padded_ptr,  # [L] int32, out
+    cursor_ptr,              # [L, E_PAD] int32, scratch
+    # sizes
+    num_pairs,               # M * top_k: also the padding sentinel
+    top_k,
+    num_experts,
+    capacity,                # P rows per slot
+    num_blocks,              # P // BLOCK_M
+    # strides (per slot row)
+    stride_sorted,
+    stride_expert_ids,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr,         # power of two >= num_experts
+    BLOCK_PAIRS: tl.constexpr,   # pairs per chunk
+    BLOCK_ROWS: tl.constexpr,    # rows (and blocks) per chunk of the layout phase
+    HAS_MAPPING: tl.constexpr,   # False: every token belongs to slot 0 (the base MoE)
+    HAS_ENABLED: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    slot64 = slot.to(tl.int64)
+    sorted_base = sorted_token_ids_ptr + slot64 * stride_sorted
+    expert_base = expert_ids_ptr + slot64 * stride_expert_ids
+    cursor_base = cursor_ptr + slot64 * E_PAD
+
+    # A disabled slot scans no pair; it still writes its (empty) layout below.
+    pair_end = num_pairs
+    if HAS_ENABLED:
+        if tl.load(adapter_enabled_ptr + slot) == 0:
+            pair_end = 0
+
+    # --- 1. count pairs per expert -----------------------------------------------------------
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, pair_end, BLOCK_PAIRS):
+        pairs = start + tl.arange(0, BLOCK_PAIRS)
+        in_range = pairs < num_pairs
+        e_raw = tl.load(topk_ids_ptr + pairs, mask=in_range, other=-1)
+        valid = in_range & (e_raw >= 0) & (e_raw < num_experts)
+        if HAS_MAPPING:
+            tok_slot = tl.load(token_lora_mapping_ptr + pairs // top_k, mask=in_range, other=-1)
+            valid = valid & (tok_slot == slot)
+        e = tl.where(valid, e_raw, 0).to(tl.int32)
+        counts += tl.histogram(e, E_PAD, mask=valid)
+
+    # --- 2. layout: padded sizes, first rows, block experts, padding rows ----------------------
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    total = tl.sum(padded, 0)
+    tl.store(num_tokens_post_padded_ptr + slot, total)
+    experts = tl.arange(0, E_PAD)
+    tl.store(cursor_base + experts, starts)
+
+    for b0 in range(0, num_blocks, BLOCK_ROWS):
+        blocks = b0 + tl.arange(0, BLOCK_ROWS)
+        first_row = blocks * BLOCK_M
+        # the block's expert is the number of experts whose rows end at or before it
+        owner = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), 1)
+        owner = tl.where(first_row < total, owner, -1)
+        tl.store(expert_base + blocks, owner, mask=blocks < num_blocks)
+
+    # the unused tail of each expert's last block
+    j = tl.arange(0, BLOCK_M)
+    pad_rows = (starts + counts)[:, None] + j[None, :]
+    tl.store(sorted_base + pad_rows, tl.full([E_PAD, BLOCK_M], 0, tl.int32) + num_pairs,
+             mask=pad_rows < ends[:, None])
+    # every row past the last block (stale rows of a previous, larger batch included)
+    for r0 in range(total, capacity, BLOCK_ROWS):
+        rows = r0 + tl.arange(0, BLOCK_ROWS)
+        tl.store(sorted_base + rows, tl.full([BLOCK_ROWS], 0, tl.int32) + num_pairs, mask=rows < capacity)
+
+    # the cursors must be in place before any program thread takes a row
+    tl.debug_barrier()
+
+    # --- 3. place every pair at its expert's next free row ---------------------------------------
+    for start in range(0, pair_end, BLOCK_PAIRS):
+        pairs = start + tl.arange(0, BLOCK_PAIRS)
+        in_range = pairs < num_pairs
+        e_raw = tl.load(topk_ids_ptr + pairs, mask=in_range, other=-1)
+        valid = in_range & (e_raw >= 0) & (e_raw < num_experts)
+        if HAS_MAPPING:
+            tok_slot = tl.load(token_lora_mapping_ptr + pairs // top_k, mask=in_range, other=-1)
+            valid = valid & (tok_slot == slot)
+        e = tl.where(valid, e_raw, 0).to(tl.int32)
+        row = tl.atomic_add(cursor_base + e, 1, mask=valid, sem="relaxed", scope="cta")
+        tl.store(sorted_base + row, pairs.to(tl.int32), mask=valid)
+
+
+def _check_outputs(out: AlignOutput, num_slots: int, capacity: int, block_m: int, device: torch.device) -> None:
+    if not isinstance(out, AlignOutput):
+        raise KernelPreconditionError(f"out: expected an AlignOutput, got {type(out).__name__}")
+    check_tensor("out.sorted_token_ids", out.sorted_token_ids, dtypes=(torch.int32,), dim=2, contiguous=True,
+                 device=device)
+    rows = out.sorted_token_ids.shape[1]
+    if out.sorted_token_ids.shape[0] != num_slots:
+        raise KernelPreconditionError(
+            f"out.sorted_token_ids: expected {num_slots} slot rows, got {out.sorted_token_ids.shape[0]}")
+    if rows < capacity or rows % block_m:
+        raise KernelPreconditionError(
+            f"out.sorted_token_ids: {rows} rows per slot; need a multiple of BLOCK_M={block_m} and at least "
+            f"the capacity {capacity} = round_up(M*top_k + E*(BLOCK_M-1), BLOCK_M)")
+    check_tensor("out.expert_ids", out.expert_ids, dtypes=(torch.int32,), shape=(num_slots, rows // block_m),
+                 contiguous=True, device=device)
+    check_tensor("out.num_tokens_post_padded", out.num_tokens_post_padded, dtypes=(torch.int32,),
+                 shape=(num_slots,), contiguous=True, device=device)
+
+
+def _launch(topk_ids, token_lora_mapping, adapter_enabled, num_experts, block_m, num_slots, out, workspace):
+    M, top_k = topk_ids.shape
+    capacity = align_capacity(M, top_k, num_experts, block_m)
+    if out is None:
+        out = AlignOutput.empty(num_slots, M, top_k, num_experts, block_m, device=topk_ids.device)
+    _check_outputs(out, num_slots, capacity, block_m, topk_ids.device)
+    rows = out.sorted_token_ids.shape[1]
+    e_pad = next_pow2(num_experts, 16)
+    if workspace is None:
+        workspace = torch.empty(num_slots, e_pad, dtype=torch.int32, device=topk_ids.device)
+    else:
+        check_tensor("workspace", workspace, dtypes=(torch.int32,), shape=(num_slots, e_pad), contiguous=True,
+                     device=topk_ids.device)
+    num_pairs = M * top_k
+    # Chunks of pairs: large enough that a decode batch is one step, bounded so the [rows, E_PAD]
+    # comparison of the layout phase stays in registers.
+    block_pairs = min(2048, next_pow2(num_pairs, 64))
+    block_rows = max(16, min(256, 8192 // e_pad))
+    dummy = out.num_tokens_post_padded
+    _moe_lora_align_block_size_kernel[(num_slots,)](
+        topk_ids, token_lora_mapping if token_lora_mapping is not None else dummy,
+        adapter_enabled if adapter_enabled is not None else dummy,
+        out.sorted_token_ids, out.expert_ids, out.num_tokens_post_padded, workspace,
+        num_pairs, top_k, num_experts, rows, rows // block_m,
+        out.sorted_token_ids.stride(0), out.expert_ids.stride(0),
+        BLOCK_M=block_m, E_PAD=e_pad, BLOCK_PAIRS=block_pairs, BLOCK_ROWS=block_rows,
+        HAS_MAPPING=token_lora_mapping is not None, HAS_ENABLED=adapter_enabled is not None,
+        num_warps=8 if e_pad >= 128 else 4,
+    )
+    return out
+
+
+def _check_block_m(block_m: int) -> int:
+    check_positive_int("block_m", block_m, minimum=16)
+    if block_m & (block_m - 1):
+        raise KernelPreconditionError(f"block_m: must be a power of two >= 16 (tl.dot tiles), got {block_m}")
+    return block_m
+
+
+def moe_lora_align_block_size(
+    topk_ids: torch.Tensor,
+    token_lora_mapping: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    max_loras: int,
+    adapter_enabled: torch.Tensor | None = None,
+    *,
+    out: AlignOutput | None = None,
+    workspace: torch.Tensor | None = None,
+) -> AlignOutput:
+    """Align every slot's (token, k) pairs by expert into BLOCK_M-row blocks (contract in
+    :mod:`moelora_core.align`). Writes every element of ``out``; no host sync.
+
+    Args:
+        topk_ids: [M, top_k] int32/int64, contiguous; M is the token capacity in graph mode.
+        token_lora_mapping: [M] int32, slot per token (-1 = none).
+        num_experts: E; ids outside [0, E) are skipped.
+        block_m: rows per block, a power of two >= 16 (must equal the GEMMs' BLOCK_M:
+            :func:`moelora_kernels.configs.moe_block_m` picks it).
+        max_loras: L, slots.
+        adapter_enabled: [L] int32 or None; 0 = skip the slot.
+        out: caller-provided worst-case buffers (``AlignOutput.empty(L, M, top_k, E, block_m)``);
+            allocated when None. Rows per slot may exceed the capacity (a larger graph bucket).
+        workspace: [L, next_pow2(max(E, 16))] int32 scratch, allocated when None.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        KernelPreconditionError: wrong dtypes, shapes, devices or non-contiguous inputs; buffers
+            below capacity; block_m not a power of two >= 16; bad sizes.
+    """
+    check_positive_int("num_experts", num_experts)
+    check_positive_int("max_loras", max_loras)
+    _check_block_m(block_m)
+    check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, dim=2, contiguous=True)
+    device = topk_ids.device
+    check_tensor("token_lora_mapping", token_lora_mapping, dtypes=(torch.int32,), shape=(topk_ids.shape[0],),
+                 contiguous=True, device=device)
+    if adapter_enabled is not None:
+        check_tensor("adapter_enabled", adapter_enabled, dtypes=(torch.int32,), shape=(max_loras,),
+                     contiguous=True, device=device)
+    return _launch(topk_ids, token_lora_mapping, adapter_enabled, num_experts, block_m, max_loras, out, workspace)
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    *,
+    out: AlignOutput | None = None,
+    workspace: torch.Tensor | None = None,
+) -> AlignOutput:
+    """The base MoE's alignment: every pair in one "slot" (index 0), grouped by expert.
+
+    Same kernel and contract as :func:`moe_lora_align_block_size` with ``max_loras = 1`` and no
+    mapping; ``num_experts`` is E_base here (extra fused experts are real base experts).
+    Virtual experts use it with ``num_experts = max_loras * E``.
+
+    Returns:
+        ``AlignOutput`` with a leading slot dimension of 1.
+
+    Raises:
+        KernelPreconditionError: as :func:`moe_lora_align_block_size`.
+    """
+    check_positive_int("num_experts", num_experts)
+    _check_block_m(block_m)
+    check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, dim=2, contiguous=True)
+    return _launch(topk_ids, None, None, num_experts, block_m, 1, out, workspace)

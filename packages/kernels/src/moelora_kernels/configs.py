@@ -1,0 +1,108 @@
+"""Block configurations: one fixed config under the interpreter, tuned tables (data) on a GPU.
+
+Configs live in JSON files next to this module (``configs/h200.json``), keyed by operation, then
+by shape: an entry matches when its ``N`` / ``K`` / ``R`` fields (when present) equal the call's,
+and its ``max_rows`` is the smallest bound >= the call's row count (tokens × top_k, or tokens for
+dense LoRA). The most specific matching entry wins; ``"default"`` entries match any shape.
+``MOELORA_KERNEL_CONFIGS=/path/file.json`` replaces the shipped table (used when tuning).
+
+Under ``TRITON_INTERPRET=1`` every lookup returns :data:`INTERPRETER_CONFIG`: multi-config
+autotuning does not run there and the interpreter's cost is per program and per loop step, so
+one config of 32-wide tiles keeps CPU runs short.
+
+The alignment block size ``BLOCK_M`` is chosen here too (:func:`moe_block_m`), because the
+alignment and every GEMM that reads it must agree on it. Small batches get ``BLOCK_M = 16``: with
+a few rows per (adapter, expert) bucket, a 64- or 128-row block would be mostly padding.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+from moelora_kernels._common import interpreting
+
+#: The single config used under the Triton interpreter (tiles of 32; no pipelining).
+INTERPRETER_CONFIG: dict[str, int] = {
+    "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "BLOCK_S": 32, "N_SPLIT": 1, "num_warps": 4, "num_stages": 1,
+}
+
+#: Used on a GPU when no table entry matches (and as the base every entry overrides).
+GPU_FALLBACK_CONFIG: dict[str, int] = {
+    "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_S": 32, "N_SPLIT": 1, "num_warps": 4, "num_stages": 3,
+}
+
+_CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@functools.lru_cache(maxsize=8)
+def _load_table(path: str) -> dict[str, list[dict]]:
+    with open(path) as f:
+        table = json.load(f)
+    return {op: list(entries) for op, entries in table.items() if not op.startswith("_")}
+
+
+def _table() -> dict[str, list[dict]]:
+    path = os.environ.get("MOELORA_KERNEL_CONFIGS") or str(_CONFIG_DIR / "h200.json")
+    return _load_table(path)
+
+
+def kernel_config(op: str, *, rows: int, N: int | None = None, K: int | None = None,
+                  R: int | None = None) -> dict[str, int]:
+    """Tile sizes and launch options for ``op`` at this shape.
+
+    Args:
+        op: table key (``fused_moe_gemm``, ``fused_moe_lora``, ``moe_lora_shrink``,
+            ``moe_lora_expand``, ``dense_lora_shrink``, ``dense_lora_expand``, ``moe_align``).
+        rows: host row count the launch is sized for (a capacity in graph mode).
+        N, K: output width and reduction depth; R: the LoRA rank bound.
+
+    Returns:
+        A fresh dict with every key of :data:`GPU_FALLBACK_CONFIG` (``BLOCK_M`` is advisory for
+        GEMMs: they take the alignment's).
+    """
+    if interpreting():
+        return dict(INTERPRETER_CONFIG)
+    best: dict | None = None
+    best_key: tuple[int, int] | None = None
+    for entry in _table().get(op, []):
+        shape_keys = [k for k in ("N", "K", "R") if k in entry]
+        call = {"N": N, "K": K, "R": R}
+        if any(entry[k] != call[k] for k in shape_keys):
+            continue
+        max_rows = entry.get("max_rows", 1 << 62)
+        if rows > max_rows:
+            continue
+        # more shape keys = more specific; then the tightest row bucket
+        key = (-len(shape_keys), max_rows)
+        if best_key is None or key < best_key:
+            best, best_key = entry, key
+    out = dict(GPU_FALLBACK_CONFIG)
+    if best is not None:
+        out.update({k: v for k, v in best.items() if k in GPU_FALLBACK_CONFIG})
+    return out
+
+
+def moe_block_m(num_tokens: int, top_k: int, num_experts: int, max_loras: int = 1) -> int:
+    """``BLOCK_M`` for ``moe_lora_align_block_size`` and the MoE GEMMs that read its output.
+
+    Sized from the expected rows per (slot, expert) bucket, ``num_tokens * top_k / (max_loras *
+    num_experts)``: 16 while buckets hold a few rows (decode, small prefill), 32 / 64 as they
+    fill. Under the interpreter: 32 (the interpreter's cost is per program).
+
+    Args:
+        num_tokens: M, tokens of the batch (its capacity in graph mode).
+        top_k: experts per token.
+        num_experts: experts the alignment groups by (``max_loras * E`` for virtual experts).
+        max_loras: slots the tokens spread over (1 for the base MoE and virtual experts).
+    """
+    if interpreting():
+        return INTERPRETER_CONFIG["BLOCK_M"]
+    rows_per_bucket = num_tokens * top_k / max(1, num_experts * max_loras)
+    if rows_per_bucket <= 16:
+        return 16
+    if rows_per_bucket <= 48:
+        return 32
+    return 64

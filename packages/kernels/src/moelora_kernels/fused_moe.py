@@ -1,0 +1,235 @@
+"""The grouped GEMM of the fused MoE over aligned blocks (base gate_up / down, and virtual experts).
+
+Algorithm: program (m, n) takes block m of the alignment (BLOCK_M rows of one expert) and the n-th
+BLOCK_N columns; it gathers the block's input rows, multiplies them by the expert's weight over K in
+BLOCK_K steps (fp32 accumulation), then in the epilogue optionally multiplies by the router weight
+of each pair and by a per-expert scale, optionally adds the existing output, and stores once:
+
+    C[p, n] (+)= scale[e // experts_per_scale] · w_p · Σ_k A[p // in_row_div, k] · W[e, n, k]
+
+for every pair p in the block (p < num_pairs; padding rows are skipped). Blocks at or past
+``num_tokens_post_padded`` and blocks of expert -1 exit first. The grid is sized from capacities:
+``min(P // BLOCK_M, num_pairs // BLOCK_M + min(E, num_pairs))`` blocks bound the used ones, so at
+small M only a few programs launch, and the idle ones return at once.
+
+Tensors (P = alignment rows, E_w = experts of the weight):
+
+- ``a`` [rows_in, K] fp32/fp16/bf16, last stride 1: x [M, H] (``in_row_div = top_k``: row of a
+  pair is its token) or h / a LoRA intermediate [M·top_k, K] (``in_row_div = 1``).
+- ``w`` [E_w, N, K] same dtype, any strides: base ``w_gate_up`` [E_base, 2I, H] / ``w_down``
+  [E_base, H, I]; virtual experts: LoRA A viewed as [L·E, R, H] or B as [L·E, I, R].
+- ``c`` [M·top_k, N] same dtype, any strides (a column slice of gate_up_out is fine).
+- ``sorted_token_ids`` [P] int32, ``expert_ids`` [P // BLOCK_M] int32, ``num_tokens_post_padded``
+  [1] int32: one slot of an ``AlignOutput``.
+- ``topk_weights`` [M·top_k] fp32/dtype (``mul_routed_weight``); ``scale`` [*] fp32 (σ per slot
+  for virtual experts).
+
+Rounding: products accumulate in fp32 (IEEE dots for fp32 unless ``tf32``); the epilogue works in
+fp32 (router weight, scale, the old output value) and rounds once to the output dtype. Offsets of
+rows, experts and columns are 64-bit. Source: the fused MoE kernel of Triton-based engines (vLLM
+``fused_moe_kernel``, SGLang ``fused_moe_triton``) and the Triton matmul tutorial.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moelora_core.align import AlignOutput
+from moelora_core.errors import KernelPreconditionError
+from moelora_kernels._common import (
+    FLOAT_DTYPES,
+    check_grid,
+    check_positive_int,
+    check_tensor,
+    dot_precision,
+    upcast_bf16,
+)
+from moelora_kernels.configs import kernel_config
+
+
+@triton.jit
+def _fused_moe_gemm_kernel(
+    # pointers
+    a_ptr,                        # [rows_in, K]
+    w_ptr,                        # [E_w, N, K]
+    c_ptr,                        # [num_pairs, N] (strided)
+    sorted_token_ids_ptr,         # [P] int32
+    expert_ids_ptr,               # [P // BLOCK_M] int32
+    num_tokens_post_padded_ptr,   # [1] int32
+    topk_weights_ptr,             # [num_pairs] (MUL_ROUTED_WEIGHT)
+    scale_ptr,                    # [E_w // experts_per_scale] fp32 (HAS_SCALE)
+    # sizes
+    N,
+    K,
+    num_pairs,                    # M * top_k; rows >= it are padding
+    in_row_div,                   # top_k when a holds one row per token, else 1
+    experts_per_scale,
+    # strides
+    stride_am, stride_ak,
+    stride_we, stride_wn, stride_wk,
+    stride_cm, stride_cn,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    ADD_INTO: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,         # interpreter + bf16: widen tiles before tl.dot
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    # --- early exits: blocks past the used ones, and -1 blocks ------------------------------------
+    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+
+    # --- tile ------------------------------------------------------------------------------------
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_token_ids_ptr + offs_m)
+    row_ok = pairs < num_pairs
+    pairs64 = pairs.to(tl.int64)
+    a_rows = pairs64 // in_row_div
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+
+    # --- pointers --------------------------------------------------------------------------------
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
+
+    # --- accumulate in fp32 ------------------------------------------------------------------------
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+
+    # --- epilogue: router weight, scale, add, one rounding ------------------------------------------
+    if MUL_ROUTED_WEIGHT:
+        rw = tl.load(topk_weights_ptr + pairs64, mask=row_ok, other=0.0).to(tl.float32)
+        acc = acc * rw[:, None]
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + expert // experts_per_scale).to(tl.float32)
+    c_ptrs = c_ptr + pairs64[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
+    c_mask = row_ok[:, None] & n_ok[None, :]
+    if ADD_INTO:
+        acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def used_blocks_bound(num_pairs: int, num_experts: int, block_m: int, capacity_blocks: int) -> int:
+    """Host bound on the blocks an alignment can use: ``num_pairs // BLOCK_M + min(E, num_pairs)``.
+
+    Each used expert with c pairs takes ceil(c / BLOCK_M) <= (c - 1) // BLOCK_M + 1 blocks; summed
+    over at most min(E, num_pairs) used experts this is at most the bound. Grids sized by it skip
+    most idle programs at small M without reading the device.
+    """
+    return max(1, min(capacity_blocks, num_pairs // block_m + min(num_experts, num_pairs)))
+
+
+def fused_moe_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    c: torch.Tensor,
+    align: AlignOutput,
+    *,
+    top_k: int,
+    num_pairs: int,
+    in_row_div: int,
+    slot: int = 0,
+    topk_weights: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    experts_per_scale: int = 1,
+    add_into: bool = False,
+    tf32: bool = False,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """C[p] (+)= scale · w_p · A[p // in_row_div] @ W[e(p)]ᵀ for every aligned pair p (module docstring).
+
+    Args:
+        a: [rows_in, K], last stride 1; ``rows_in * in_row_div >= num_pairs``.
+        w: [E_w, N, K] weights, same dtype as ``a``.
+        c: [num_pairs, N] output, same dtype; written (or added into) only at aligned pairs.
+        align: alignment whose slot ``slot`` groups the pairs by expert id in [0, E_w).
+        top_k: experts per token (for the grid bound).
+        num_pairs: M · top_k, the padding sentinel of ``align``.
+        in_row_div: ``top_k`` when ``a`` has one row per token, 1 when one row per pair.
+        slot: which slot row of ``align`` to read (0 for the base MoE and virtual experts).
+        topk_weights: [num_pairs] (or [M, top_k], contiguous) router weights; multiplies rows.
+        scale: fp32 vector; row scale is ``scale[e // experts_per_scale]`` (σ per slot).
+        add_into: add to ``c`` instead of overwriting it.
+        tf32: allow TF32 dots for fp32 (default IEEE).
+        config: tile overrides (BLOCK_N, BLOCK_K, num_warps, num_stages).
+
+    Returns:
+        ``c``.
+
+    Raises:
+        KernelPreconditionError: dtype / shape / stride / device mismatches, bad sizes.
+    """
+    check_tensor("a", a, dtypes=FLOAT_DTYPES, dim=2, unit_last_stride=True)
+    device, dtype = a.device, a.dtype
+    check_tensor("w", w, dtypes=(dtype,), dim=3, device=device)
+    E_w, N, K = w.shape
+    if a.shape[1] != K:
+        raise KernelPreconditionError(f"a: {a.shape[1]} columns, but w's reduction size K is {K}")
+    check_tensor("c", c, dtypes=(dtype,), shape=(num_pairs, N), device=device)
+    check_positive_int("top_k", top_k)
+    check_positive_int("num_pairs", num_pairs, minimum=0)
+    check_positive_int("in_row_div", in_row_div)
+    if a.shape[0] * in_row_div < num_pairs:
+        raise KernelPreconditionError(f"a: {a.shape[0]} rows cannot serve {num_pairs} pairs at in_row_div={in_row_div}")
+    if not isinstance(align, AlignOutput):
+        raise KernelPreconditionError(f"align: expected an AlignOutput, got {type(align).__name__}")
+    check_tensor("align.sorted_token_ids", align.sorted_token_ids, dtypes=(torch.int32,), dim=2, contiguous=True,
+                 device=device)
+    if not 0 <= slot < align.sorted_token_ids.shape[0]:
+        raise KernelPreconditionError(f"slot: {slot} outside the alignment's {align.sorted_token_ids.shape[0]} slots")
+    P = align.sorted_token_ids.shape[1]
+    num_blocks = align.expert_ids.shape[1]
+    if num_blocks == 0 or P % num_blocks:
+        raise KernelPreconditionError(f"align: {P} rows do not split into {num_blocks} blocks")
+    block_m = P // num_blocks
+    if topk_weights is not None:
+        check_tensor("topk_weights", topk_weights, dtypes=(torch.float32, dtype), contiguous=True, device=device)
+        if topk_weights.numel() != num_pairs:
+            raise KernelPreconditionError(f"topk_weights: {topk_weights.numel()} elements for {num_pairs} pairs")
+    if scale is not None:
+        check_tensor("scale", scale, dtypes=(torch.float32,), dim=1, contiguous=True, device=device)
+        check_positive_int("experts_per_scale", experts_per_scale)
+        if scale.shape[0] * experts_per_scale < E_w:
+            raise KernelPreconditionError(
+                f"scale: {scale.shape[0]} entries × experts_per_scale={experts_per_scale} < {E_w} experts")
+    if num_pairs == 0:
+        return c
+    cfg = kernel_config("fused_moe_gemm", rows=num_pairs, N=N, K=K)
+    if config:
+        cfg.update(config)
+    grid_m = used_blocks_bound(num_pairs, E_w, block_m, num_blocks)
+    grid = check_grid("fused_moe_gemm", (grid_m, triton.cdiv(N, cfg["BLOCK_N"])))
+    dummy = align.num_tokens_post_padded
+    _fused_moe_gemm_kernel[grid](
+        a, w, c,
+        align.sorted_token_ids[slot], align.expert_ids[slot], align.num_tokens_post_padded[slot:slot + 1],
+        topk_weights if topk_weights is not None else dummy,
+        scale if scale is not None else dummy,
+        N, K, num_pairs, in_row_div, experts_per_scale,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
+        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        MUL_ROUTED_WEIGHT=topk_weights is not None, HAS_SCALE=scale is not None, ADD_INTO=add_into,
+        DOT_PRECISION=dot_precision(dtype, tf32), UPCAST=upcast_bf16(dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return c

@@ -1,0 +1,136 @@
+"""Token → adapter mapping and ``adapter_enabled`` from per-request segments, tail reset, no host sync.
+
+Algorithm (one launch, grid ``(cdiv(num_tokens, BLOCK_T) + 1,)``):
+
+- token programs: token t belongs to request r, the largest r with ``seg_indptr[r] <= t``, found by
+  a binary search of a fixed number of steps (``ceil(log2(bs + 1))``, a host number); tokens at or
+  past ``seg_indptr[bs]`` (the tail of a static graph buffer) get ``NO_ADAPTER``.
+- the last program: a slot is enabled when some request with at least one token maps to it.
+
+Tensors:
+
+- ``seg_indptr`` [bs + 1] int32: token offsets per request, ``seg_indptr[0] == 0``, non-decreasing;
+  graph tails equal the last live offset (empty requests).
+- ``req_to_lora`` [bs] int32: slot per request, NO_ADAPTER (-1) for base requests (graph tail -1).
+  Values must lie in [-1, max_loras) (a host-side contract of ``BatchSpec``; not re-checked here).
+- ``token_lora_mapping`` [num_tokens] int32 (out): slot per token, -1 = none, every element written.
+- ``adapter_enabled`` [max_loras] int32 (out): 1 where a slot has tokens in this batch, else 0.
+
+No floating point, no rounding. Source: SGLang's LoRA batch info (``token_lora_mapping``,
+``adapter_enabled`` of the MoE-LoRA PR sgl-project/sglang#14105).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from moelora_core.errors import KernelPreconditionError
+from moelora_kernels._common import check_grid, check_positive_int, check_tensor, next_pow2
+
+
+@triton.jit
+def _token_lora_mapping_kernel(
+    # pointers
+    seg_indptr_ptr,          # [bs + 1] int32
+    req_to_lora_ptr,         # [bs] int32
+    token_lora_mapping_ptr,  # [num_tokens] int32, out
+    adapter_enabled_ptr,     # [max_loras] int32, out
+    # sizes
+    num_requests,            # bs (capacity in graph mode)
+    num_tokens,              # mapping length (token capacity in graph mode)
+    max_loras,
+    num_token_programs,
+    # meta-parameters
+    BLOCK_T: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,   # >= ceil(log2(bs + 1))
+    BLOCK_REQ: tl.constexpr,
+    L_PAD: tl.constexpr,          # power of two >= max_loras
+):
+    pid = tl.program_id(0)
+    if pid < num_token_programs:
+        t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+        # invariant: seg_indptr[lo] <= t (seg_indptr[0] == 0) and the answer lies in [lo, hi]
+        lo = tl.zeros([BLOCK_T], dtype=tl.int32)
+        hi = tl.zeros([BLOCK_T], dtype=tl.int32) + num_requests
+        for _ in tl.static_range(SEARCH_STEPS):
+            mid = (lo + hi + 1) // 2
+            go_right = tl.load(seg_indptr_ptr + mid) <= t
+            lo = tl.where(go_right, mid, lo)
+            hi = tl.where(go_right, hi, mid - 1)
+        live = lo < num_requests
+        slot = tl.load(req_to_lora_ptr + lo, mask=live, other=-1)
+        tl.store(token_lora_mapping_ptr + t, tl.where(live, slot, -1), mask=t < num_tokens)
+    else:
+        slots = tl.arange(0, L_PAD)
+        enabled = tl.zeros([L_PAD], dtype=tl.int32)
+        for r0 in range(0, num_requests, BLOCK_REQ):
+            r = r0 + tl.arange(0, BLOCK_REQ)
+            ok = r < num_requests
+            s = tl.load(req_to_lora_ptr + r, mask=ok, other=-1)
+            length = tl.load(seg_indptr_ptr + r + 1, mask=ok, other=0) - tl.load(seg_indptr_ptr + r, mask=ok, other=0)
+            hit = (s[:, None] == slots[None, :]) & (length > 0)[:, None]
+            enabled = tl.maximum(enabled, tl.max(hit.to(tl.int32), 0))
+        tl.store(adapter_enabled_ptr + slots, enabled, mask=slots < max_loras)
+
+
+def token_lora_mapping(
+    seg_indptr: torch.Tensor,
+    req_to_lora: torch.Tensor,
+    *,
+    max_loras: int,
+    num_tokens: int | None = None,
+    mapping_out: torch.Tensor | None = None,
+    adapter_enabled_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the per-token slot and the per-slot enabled flag of a batch, on the device.
+
+    Args:
+        seg_indptr: [bs + 1] int32 token offsets per request (``MoELoRABatchInfo.seg_indptr``).
+        req_to_lora: [bs] int32 slot per request (``MoELoRABatchInfo.req_to_lora``).
+        max_loras: L, the number of slots.
+        num_tokens: mapping length; defaults to ``mapping_out``'s length. Required without it.
+        mapping_out: [num_tokens] int32 static buffer to write (allocated when None).
+        adapter_enabled_out: [max_loras] int32 static buffer to write (allocated when None).
+
+    Returns:
+        (token_lora_mapping [num_tokens] int32, adapter_enabled [max_loras] int32), every element
+        written (the mapping's tail past ``seg_indptr[bs]`` is -1).
+
+    Raises:
+        KernelPreconditionError: wrong dtypes, shapes, devices, contiguity; no token count.
+    """
+    check_positive_int("max_loras", max_loras)
+    check_tensor("seg_indptr", seg_indptr, dtypes=(torch.int32,), dim=1, contiguous=True)
+    device = seg_indptr.device
+    bs = seg_indptr.shape[0] - 1
+    if bs < 0:
+        raise KernelPreconditionError("seg_indptr: needs bs + 1 >= 1 entries")
+    check_tensor("req_to_lora", req_to_lora, dtypes=(torch.int32,), shape=(bs,), contiguous=True, device=device)
+    if mapping_out is None:
+        if num_tokens is None:
+            raise KernelPreconditionError("num_tokens: required when mapping_out is not given")
+        check_positive_int("num_tokens", num_tokens, minimum=0)
+        mapping_out = torch.empty(num_tokens, dtype=torch.int32, device=device)
+    check_tensor("mapping_out", mapping_out, dtypes=(torch.int32,), dim=1, contiguous=True, device=device)
+    if num_tokens is not None and mapping_out.shape[0] != num_tokens:
+        raise KernelPreconditionError(f"mapping_out: length {mapping_out.shape[0]} != num_tokens {num_tokens}")
+    num_tokens = mapping_out.shape[0]
+    if adapter_enabled_out is None:
+        adapter_enabled_out = torch.empty(max_loras, dtype=torch.int32, device=device)
+    check_tensor("adapter_enabled_out", adapter_enabled_out, dtypes=(torch.int32,), shape=(max_loras,),
+                 contiguous=True, device=device)
+    block_t = 256 if num_tokens > 1024 else 64
+    num_token_programs = triton.cdiv(num_tokens, block_t)
+    check_grid("token_lora_mapping", (num_token_programs + 1,))
+    steps = max(1, math.ceil(math.log2(bs + 1)))
+    _token_lora_mapping_kernel[(num_token_programs + 1,)](
+        seg_indptr, req_to_lora, mapping_out, adapter_enabled_out,
+        bs, num_tokens, max_loras, num_token_programs,
+        BLOCK_T=block_t, SEARCH_STEPS=steps, BLOCK_REQ=min(256, next_pow2(bs, 16)),
+        L_PAD=next_pow2(max_loras, 2),
+    )
+    return mapping_out, adapter_enabled_out

@@ -1,0 +1,162 @@
+"""The element-wise steps of the base fused MoE: the expert activation and the top-k sum.
+
+Algorithms (grids ``(rows, cdiv(width, BLOCK))``, one row and one column tile per program):
+
+- activation, gated (SwiGLU): ``h[p, i] = act(gate_up[p, i]) · gate_up[p, I + i]``;
+  non-gated: ``h[p, i] = act(gate_up[p, i])`` (``gate_up`` is then [rows, I]).
+  ``act`` is SiLU (``x · sigmoid(x)``) or tanh-approximated GELU.
+- top-k sum: ``y[t, :] = Σ_j [topk_ids[t, j] >= 0] · down_out[t, j, :]``; pairs of EXPERT_NOT_HERE
+  (negative ids) contribute nothing, whatever their (never written) ``down_out`` rows hold.
+
+Tensors: ``gate_up`` [rows, 2I] (gated) or [rows, I]; ``h`` [rows, I]; ``down_out`` [M, top_k, H];
+``topk_ids`` [M, top_k] int32/int64; ``y`` [M, H]; all floats one dtype (fp32/fp16/bf16), rows with
+last stride 1.
+
+Rounding: inputs are widened to fp32, the activation / sum is computed in fp32 and rounded once to
+the output dtype. Source: SwiGLU (Shazeer 2020, arXiv:2002.05202) as in Mixtral / Qwen3-MoE
+experts; the top-k reduction of vLLM's ``moe_sum``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moelora_core.errors import KernelPreconditionError
+from moelora_kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check_grid, check_tensor, next_pow2
+
+ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh")
+
+
+@triton.jit
+def _act(x, ACTIVATION: tl.constexpr):
+    if ACTIVATION == "silu":
+        return x * tl.sigmoid(x)
+    else:
+        # GELU, tanh form: 0.5 x (1 + tanh(√(2/π)(x + 0.044715 x³))), with tanh(z) = 2σ(2z) - 1
+        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        return x * tl.sigmoid(2.0 * z)
+
+
+@triton.jit
+def _moe_activation_kernel(
+    # pointers
+    gate_up_ptr,     # [rows, 2I] (GATED) or [rows, I]
+    h_ptr,           # [rows, I], out
+    # sizes
+    inter,           # I
+    # strides
+    stride_gm, stride_hm,
+    # meta-parameters
+    BLOCK: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    g = tl.load(gate_up_ptr + row * stride_gm + cols, mask=ok, other=0.0).to(tl.float32)
+    h = _act(g, ACTIVATION)
+    if GATED:
+        u = tl.load(gate_up_ptr + row * stride_gm + inter + cols, mask=ok, other=0.0).to(tl.float32)
+        h = h * u
+    tl.store(h_ptr + row * stride_hm + cols, h.to(h_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _moe_sum_kernel(
+    # pointers
+    down_out_ptr,    # [M, top_k, H]
+    topk_ids_ptr,    # [M, top_k]
+    y_ptr,           # [M, H], out
+    # sizes
+    hidden,
+    top_k,
+    # strides
+    stride_dm, stride_dk, stride_ym,
+    # meta-parameters
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < hidden
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in range(0, top_k):
+        here = tl.load(topk_ids_ptr + t * top_k + j) >= 0
+        v = tl.load(down_out_ptr + t * stride_dm + j * stride_dk + cols, mask=ok & here, other=0.0)
+        # where, not a multiply: an unwritten row of an EXPERT_NOT_HERE pair may hold NaN
+        acc += tl.where(here, v.to(tl.float32), 0.0)
+    tl.store(y_ptr + t * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def moe_activation(
+    gate_up: torch.Tensor, *, activation: str = "silu", gated: bool = True, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """h = act(gate) ⊙ up (gated) or act(gate_up) (non-gated), row by row.
+
+    Args:
+        gate_up: [rows, 2I] (gated) or [rows, I], last stride 1.
+        activation: "silu" or "gelu_tanh".
+        gated: SwiGLU-style gating by the second half.
+        out: [rows, I] (allocated when None), same dtype, last stride 1.
+
+    Returns:
+        h [rows, I].
+
+    Raises:
+        KernelPreconditionError: unknown activation; odd width when gated; dtype/shape/stride errors.
+    """
+    if activation not in ACTIVATIONS:
+        raise KernelPreconditionError(f"activation: {activation!r} not in {ACTIVATIONS}")
+    check_tensor("gate_up", gate_up, dtypes=FLOAT_DTYPES, dim=2, unit_last_stride=True)
+    rows, width = gate_up.shape
+    if gated and width % 2:
+        raise KernelPreconditionError(f"gate_up: gated activation needs an even width [rows, 2I], got {width}")
+    inter = width // 2 if gated else width
+    if out is None:
+        out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    check_tensor("out", out, dtypes=(gate_up.dtype,), shape=(rows, inter), unit_last_stride=True,
+                 device=gate_up.device)
+    if rows == 0:
+        return out
+    block = min(1024, next_pow2(inter, 32))
+    grid = check_grid("moe_activation", (rows, triton.cdiv(inter, block)))
+    _moe_activation_kernel[grid](
+        gate_up, out, inter, gate_up.stride(0), out.stride(0),
+        BLOCK=block, ACTIVATION=activation, GATED=gated,
+    )
+    return out
+
+
+def moe_sum(down_out: torch.Tensor, topk_ids: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y[t] = Σ_j down_out[t, j] over the pairs whose expert id is >= 0.
+
+    Args:
+        down_out: [M, top_k, H] router-weighted down output per pair, last stride 1.
+        topk_ids: [M, top_k] int32/int64, contiguous.
+        out: [M, H] (allocated when None), last stride 1.
+
+    Returns:
+        y [M, H].
+
+    Raises:
+        KernelPreconditionError: dtype/shape/stride/device errors.
+    """
+    check_tensor("down_out", down_out, dtypes=FLOAT_DTYPES, dim=3, unit_last_stride=True)
+    M, top_k, hidden = down_out.shape
+    check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, shape=(M, top_k), contiguous=True,
+                 device=down_out.device)
+    if out is None:
+        out = torch.empty(M, hidden, dtype=down_out.dtype, device=down_out.device)
+    check_tensor("out", out, dtypes=(down_out.dtype,), shape=(M, hidden), unit_last_stride=True,
+                 device=down_out.device)
+    if M == 0:
+        return out
+    block = min(1024, next_pow2(hidden, 32))
+    grid = check_grid("moe_sum", (M, triton.cdiv(hidden, block)))
+    _moe_sum_kernel[grid](
+        down_out, topk_ids, out, hidden, top_k, down_out.stride(0), down_out.stride(1), out.stride(0),
+        BLOCK=block,
+    )
+    return out

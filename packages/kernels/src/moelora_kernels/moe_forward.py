@@ -1,0 +1,115 @@
+"""The base fused MoE layer on the Triton kernels, with the MoE-LoRA deltas where the engine adds them.
+
+Steps (each a kernel of this package; no host sync; every intermediate allocated from host shapes):
+
+1. base alignment of ``topk_ids`` over E_base experts (:func:`.align.moe_align_block_size`);
+2. gate_up GEMM over aligned pairs → ``gate_up_out`` [M, top_k, 2I] (:func:`.fused_moe.fused_moe_gemm`);
+3. optional MoE-LoRA gate_up delta added before the activation (:func:`.moe_lora.moe_lora_delta`);
+4. SiLU-gated (or non-gated) activation → h [M·top_k, I] (:func:`.moe_epilogue.moe_activation`);
+5. down GEMM with the router weight → ``down_out`` [M, top_k, H];
+6. optional MoE-LoRA down delta (router-weighted);
+7. top-k sum over pairs with an expert id >= 0 → y [M, H] (:func:`.moe_epilogue.moe_sum`).
+
+Expert ids < 0 contribute nothing; ids in [E, E_base) are base experts without LoRA. A token
+with no adapter runs exactly the same base kernels with or without LoRA: its rows are never
+touched by the delta kernels, so its output is bitwise the LoRA-disabled output.
+Rounding points: gate_up_out, h, down_out (each rounded once to x's dtype), y.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moelora_core.align import AlignOutput
+from moelora_core.errors import KernelPreconditionError
+from moelora_core.weights import LoRAWeights
+from moelora_kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from moelora_kernels.align import moe_align_block_size
+from moelora_kernels.configs import moe_block_m
+from moelora_kernels.fused_moe import fused_moe_gemm
+from moelora_kernels.moe_epilogue import moe_activation, moe_sum
+from moelora_kernels.moe_lora import moe_lora_delta
+
+
+@dataclass
+class MoELoRAInputs:
+    """What the MoE-LoRA deltas need inside :func:`fused_moe`.
+
+    Attributes:
+        weights: the adapter pool of the layer.
+        align: ``moe_lora_align_block_size`` output for this batch (per slot).
+        adapter_enabled: [L] int32 or None.
+        max_rank: host bound on active ranks (None = R).
+        fused: shrink+expand in one kernel per stage (default) or two.
+    """
+
+    weights: LoRAWeights
+    align: AlignOutput
+    adapter_enabled: torch.Tensor | None = None
+    max_rank: int | None = None
+    fused: bool = True
+
+
+def fused_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    activation: str = "silu",
+    gated: bool = True,
+    block_m: int | None = None,
+    align: AlignOutput | None = None,
+    lora: MoELoRAInputs | None = None,
+    tf32: bool = False,
+) -> torch.Tensor:
+    """y = Σ_k w_k · W_down[e_k] act(W_gate_up[e_k] x) (+ the MoE-LoRA deltas when ``lora`` is given).
+
+    Args:
+        x: [M, H] activations (fp32/fp16/bf16), last stride 1.
+        topk_ids: [M, top_k] int32/int64 expert ids (< 0 = not here).
+        topk_weights: [M, top_k] router weights (fp32 or x's dtype), contiguous.
+        w_gate_up: [E_base, 2I, H] (gated: rows [:I] gate, [I:] up) or [E_base, I, H] (non-gated).
+        w_down: [E_base, H, I].
+        activation: "silu" or "gelu_tanh". gated: SwiGLU gating.
+        block_m: alignment block rows (default :func:`.configs.moe_block_m`).
+        align: a precomputed base alignment (graph mode: static buffers), else computed here.
+        lora: the deltas' inputs, or None for the base MoE alone.
+        tf32: TF32 dots for fp32.
+
+    Returns:
+        y [M, H] in x's dtype.
+
+    Raises:
+        KernelPreconditionError: shape / dtype / device mismatches (from the launchers too).
+    """
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, dim=2, unit_last_stride=True)
+    M, H = x.shape
+    check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, dim=2, contiguous=True, device=x.device)
+    if topk_ids.shape[0] != M:
+        raise KernelPreconditionError(f"topk_ids: {topk_ids.shape[0]} rows for {M} tokens")
+    top_k = topk_ids.shape[1]
+    check_tensor("w_gate_up", w_gate_up, dtypes=(x.dtype,), dim=3, device=x.device)
+    E_base, width, _ = w_gate_up.shape
+    inter = width // 2 if gated else width
+    check_tensor("w_down", w_down, dtypes=(x.dtype,), shape=(E_base, H, inter), device=x.device)
+    if align is None:
+        align = moe_align_block_size(topk_ids, E_base, block_m or moe_block_m(M, top_k, E_base))
+    num_pairs = M * top_k
+    gate_up = torch.empty(M, top_k, width, dtype=x.dtype, device=x.device)
+    fused_moe_gemm(x, w_gate_up, gate_up.view(num_pairs, width), align, top_k=top_k, num_pairs=num_pairs,
+                   in_row_div=top_k, tf32=tf32)
+    if lora is not None:
+        moe_lora_delta("gate_up", x, gate_up, lora.weights, lora.align, top_k=top_k,
+                       adapter_enabled=lora.adapter_enabled, max_rank=lora.max_rank, fused=lora.fused, tf32=tf32)
+    h = moe_activation(gate_up.view(num_pairs, width), activation=activation, gated=gated)
+    down = torch.empty(M, top_k, H, dtype=x.dtype, device=x.device)
+    fused_moe_gemm(h, w_down, down.view(num_pairs, H), align, top_k=top_k, num_pairs=num_pairs, in_row_div=1,
+                   topk_weights=topk_weights, tf32=tf32)
+    if lora is not None:
+        moe_lora_delta("down", h, down, lora.weights, lora.align, top_k=top_k, topk_weights=topk_weights,
+                       adapter_enabled=lora.adapter_enabled, max_rank=lora.max_rank, fused=lora.fused, tf32=tf32)
+    return moe_sum(down, topk_ids)

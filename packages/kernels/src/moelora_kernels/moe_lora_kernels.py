@@ -1,0 +1,250 @@
+"""Triton kernels of the fused MoE-LoRA delta: shrink, expand, and shrink+expand fused per block.
+
+Every program owns one alignment block (BLOCK_M rows of one (slot, expert)) of one slice:
+
+- shrink:  t[s, p, :]  = A[s, slot, e] · in[p // in_row_div]                  (rank-wide, rounded to dtype)
+- expand:  out[p, s·N + n] += σ[s, slot] · w_p · (B[s, slot, e] · t[s, p])[n]
+- fused:   both in one program: the rank-wide t stays in registers, then the program walks its
+  share of the N columns (``N_SPLIT`` programs share one block's columns and each recompute t).
+
+Slices: stage "gate_up" has two (s = 0 gate, 1 up), each with its own A and B, writing columns
+[s·I, (s+1)·I) of gate_up_out; stage "down" has one, router-weighted (w_p), writing down_out.
+
+Early exits, before any load of activations or weights, in this order: a disabled slot, a module
+rank of 0, a block at or past the slot's ``num_tokens_post_padded``, a block of expert -1 (or an id
+>= E, never produced by the alignment). Their output rows are not touched (bit-identical).
+The rank loop bound is the slot's own rank (columns past it are masked, never loaded), so a pool
+of R = 64 serving rank-16 adapters moves rank-16 bytes.
+
+Tensors (L slots, E experts, R pool rank, P alignment rows per slot, S slices, K input width,
+N output width per slice, num_pairs = M · top_k):
+
+- ``x`` [M, K] (gate_up, in_row_div = top_k) or [num_pairs, K] (down, in_row_div = 1); last stride 1.
+- ``lora_a`` [S, L, E, R, K], ``lora_b`` [S, L, E, N, R]: last stride 1, same dtype as x.
+- ``ranks`` [S, L] int32, ``scalings`` [S, L] fp32: the per-module rank and σ per slot
+  (``LoRAWeights.module_ranks`` / ``module_scalings`` rows), strided views are fine.
+- ``intermediate`` [S, num_pairs, R] in x's dtype: rows of handled pairs only.
+- ``out`` [num_pairs, S·N] (a view of [M, top_k, S·N]), last stride 1: added into in place.
+- ``topk_weights`` [num_pairs] fp32 (or x's dtype): router weights (down only).
+- alignment: ``sorted_token_ids`` [L, P], ``expert_ids`` [L, P // BLOCK_M], ``num_tokens_post_padded`` [L].
+- ``adapter_enabled`` [L] int32.
+
+Rounding: dots accumulate in fp32 (IEEE for fp32 unless TF32 is asked for); t is rounded once to
+the activation dtype (as the public kernels store it); the expand epilogue multiplies by σ and
+w_p in fp32, adds the old output value in fp32 and rounds once. Offsets of rows, slots, experts
+and columns are 64-bit (products like pair · 2I or slot · E · R · H can pass 2^31).
+
+Source: vLLM's fused MoE-LoRA (``fused_moe_lora``, vllm-project/vllm#21229) and SGLang's MoE-LoRA
+(sgl-project/sglang#14105); the fusion of shrink and expand per block is moelora's.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _moe_lora_shrink_kernel(
+    # pointers
+    x_ptr, a_ptr, inter_ptr,
+    sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr, adapter_enabled_ptr, ranks_ptr,
+    # sizes
+    K, R, rank_bound, num_pairs, in_row_div, num_experts,
+    # strides
+    stride_xm,
+    stride_as, stride_al, stride_ae, stride_ar,
+    stride_is, stride_im,
+    stride_sorted, stride_expert_ids, stride_rank_s,
+    # meta-parameters
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_ENABLED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    slot = tl.program_id(1)
+    s = tl.program_id(2)
+    # --- early exits ---------------------------------------------------------------------------
+    if HAS_ENABLED:
+        if tl.load(adapter_enabled_ptr + slot) == 0:
+            return
+    # the host bound keeps a corrupt device rank from reading past R
+    rank = tl.minimum(tl.load(ranks_ptr + s * stride_rank_s + slot), rank_bound)
+    if rank <= 0:
+        return
+    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr + slot):
+        return
+    expert = tl.load(expert_ids_ptr + slot.to(tl.int64) * stride_expert_ids + pid_m).to(tl.int64)
+    if (expert < 0) | (expert >= num_experts):
+        return
+    # --- tile ----------------------------------------------------------------------------------
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_token_ids_ptr + slot.to(tl.int64) * stride_sorted + offs_m).to(tl.int64)
+    row_ok = pairs < num_pairs
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    offs_k = tl.arange(0, BLOCK_K)
+    # --- pointers ------------------------------------------------------------------------------
+    x_ptrs = x_ptr + (pairs // in_row_div)[:, None] * stride_xm + offs_k[None, :]
+    a_ptrs = (a_ptr + s.to(tl.int64) * stride_as + slot.to(tl.int64) * stride_al + expert * stride_ae
+              + offs_r[None, :] * stride_ar + offs_k[:, None])
+    # --- accumulate in fp32 ----------------------------------------------------------------------
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+            a = a.to(tl.float32)
+        acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    # --- epilogue: one rounding to the activation dtype ----------------------------------------------
+    i_ptrs = inter_ptr + s.to(tl.int64) * stride_is + pairs[:, None] * stride_im + offs_r[None, :]
+    tl.store(i_ptrs, acc.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_r < R)[None, :])
+
+
+@triton.jit
+def _moe_lora_expand_kernel(
+    # pointers
+    inter_ptr, b_ptr, out_ptr, topk_weights_ptr,
+    sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr, adapter_enabled_ptr, ranks_ptr, scalings_ptr,
+    # sizes
+    N, rank_bound, num_pairs, num_experts, num_n_tiles,
+    # strides
+    stride_is, stride_im,
+    stride_bs, stride_bl, stride_be, stride_bn,
+    stride_om, stride_os,
+    stride_sorted, stride_expert_ids, stride_rank_s, stride_scaling_s,
+    # meta-parameters
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_ENABLED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    slot = tl.program_id(1)
+    s = tl.program_id(2) // num_n_tiles
+    pid_n = tl.program_id(2) % num_n_tiles
+    # --- early exits ---------------------------------------------------------------------------
+    if HAS_ENABLED:
+        if tl.load(adapter_enabled_ptr + slot) == 0:
+            return
+    # the host bound keeps a corrupt device rank from reading past R
+    rank = tl.minimum(tl.load(ranks_ptr + s * stride_rank_s + slot), rank_bound)
+    if rank <= 0:
+        return
+    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr + slot):
+        return
+    expert = tl.load(expert_ids_ptr + slot.to(tl.int64) * stride_expert_ids + pid_m).to(tl.int64)
+    if (expert < 0) | (expert >= num_experts):
+        return
+    # --- tile ----------------------------------------------------------------------------------
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_token_ids_ptr + slot.to(tl.int64) * stride_sorted + offs_m).to(tl.int64)
+    row_ok = pairs < num_pairs
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    # --- the rank-wide input and the B tile --------------------------------------------------------
+    t = tl.load(inter_ptr + s.to(tl.int64) * stride_is + pairs[:, None] * stride_im + offs_r[None, :],
+                mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    b = tl.load(b_ptr + s.to(tl.int64) * stride_bs + slot.to(tl.int64) * stride_bl + expert * stride_be
+                + offs_n.to(tl.int64)[None, :] * stride_bn + offs_r[:, None],
+                mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+    if UPCAST:
+        t = t.to(tl.float32)
+        b = b.to(tl.float32)
+    delta = tl.dot(t, b, input_precision=DOT_PRECISION)
+    # --- epilogue: σ, router weight, add, one rounding ------------------------------------------------
+    delta = delta * tl.load(scalings_ptr + s * stride_scaling_s + slot)
+    if MUL_ROUTED_WEIGHT:
+        delta = delta * tl.load(topk_weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    o_ptrs = out_ptr + pairs[:, None] * stride_om + s.to(tl.int64) * stride_os + offs_n.to(tl.int64)[None, :]
+    o_mask = row_ok[:, None] & n_ok[None, :]
+    old = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+    tl.store(o_ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _fused_moe_lora_kernel(
+    # pointers
+    x_ptr, a_ptr, b_ptr, out_ptr, topk_weights_ptr,
+    sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr, adapter_enabled_ptr, ranks_ptr, scalings_ptr,
+    # sizes
+    K, N, rank_bound, num_pairs, in_row_div, num_experts,
+    # strides
+    stride_xm,
+    stride_as, stride_al, stride_ae, stride_ar,
+    stride_bs, stride_bl, stride_be, stride_bn,
+    stride_om, stride_os,
+    stride_sorted, stride_expert_ids, stride_rank_s, stride_scaling_s,
+    # meta-parameters
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    N_SPLIT: tl.constexpr,
+    HAS_ENABLED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    slot = tl.program_id(1)
+    s = tl.program_id(2) // N_SPLIT
+    part = tl.program_id(2) % N_SPLIT
+    # --- early exits ---------------------------------------------------------------------------
+    if HAS_ENABLED:
+        if tl.load(adapter_enabled_ptr + slot) == 0:
+            return
+    # the host bound keeps a corrupt device rank from reading past R
+    rank = tl.minimum(tl.load(ranks_ptr + s * stride_rank_s + slot), rank_bound)
+    if rank <= 0:
+        return
+    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr + slot):
+        return
+    expert = tl.load(expert_ids_ptr + slot.to(tl.int64) * stride_expert_ids + pid_m).to(tl.int64)
+    if (expert < 0) | (expert >= num_experts):
+        return
+    # --- tile ----------------------------------------------------------------------------------
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_token_ids_ptr + slot.to(tl.int64) * stride_sorted + offs_m).to(tl.int64)
+    row_ok = pairs < num_pairs
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    offs_k = tl.arange(0, BLOCK_K)
+    # --- shrink: t = in · Aᵀ over K, fp32 accumulation ---------------------------------------------
+    x_ptrs = x_ptr + (pairs // in_row_div)[:, None] * stride_xm + offs_k[None, :]
+    a_ptrs = (a_ptr + s.to(tl.int64) * stride_as + slot.to(tl.int64) * stride_al + expert * stride_ae
+              + offs_r[None, :] * stride_ar + offs_k[:, None])
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+            a = a.to(tl.float32)
+        acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    # rounding point: t in the activation dtype, as the unfused path stores it
+    t = acc.to(x_ptr.dtype.element_ty)
+    if UPCAST:
+        t = t.to(tl.float32)
+    # --- expand over this program's share of the N columns --------------------------------------------
+    sigma = tl.load(scalings_ptr + s * stride_scaling_s + slot)
+    if MUL_ROUTED_WEIGHT:
+        row_scale = sigma * tl.load(topk_weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
+    else:
+        row_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + sigma
+    tiles = tl.cdiv(N, BLOCK_N)
+    tiles_per_part = tl.cdiv(tiles, N_SPLIT)
+    b_base = b_ptr + s.to(tl.int64) * stride_bs + slot.to(tl.int64) * stride_bl + expert * stride_be
+    o_base = out_ptr + pairs[:, None] * stride_om + s.to(tl.int64) * stride_os
+    for tile in range(part * tiles_per_part, tl.minimum(tiles, (part + 1) * tiles_per_part)):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        b = tl.load(b_base + offs_n.to(tl.int64)[None, :] * stride_bn + offs_r[:, None],
+                    mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            b = b.to(tl.float32)
+        delta = tl.dot(t, b, input_precision=DOT_PRECISION) * row_scale[:, None]
+        o_ptrs = o_base + offs_n.to(tl.int64)[None, :]
+        o_mask = row_ok[:, None] & n_ok[None, :]
+        old = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+        tl.store(o_ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=o_mask)

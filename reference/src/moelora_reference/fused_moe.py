@@ -1,0 +1,159 @@
+"""Readable twins of the base fused-MoE kernels (``moelora_kernels.fused_moe`` / ``.moe_epilogue``).
+
+Same signatures and meaning as the kernels, written as loops over alignment blocks in float64,
+rounded to the output dtype at the kernels' rounding points:
+
+- :func:`fused_moe_gemm`: for every block b of the slot with expert e >= 0 and every pair p in it
+  (p < num_pairs): ``c[p] (+)= scale[e // experts_per_scale] · w_p · W[e] @ a[p // in_row_div]``,
+  rounded once (the old value of c joins the sum before rounding when ``add_into``).
+- :func:`moe_activation`: ``h = silu(g) ⊙ u`` (gated) or ``act(g)``, rounded once.
+- :func:`moe_sum`: ``y[t] = Σ_j [topk_ids[t, j] >= 0] · down_out[t, j]``, rounded once.
+- :func:`fused_moe`: the base MoE layer through those steps (the rounding points of the Triton
+  path: gate_up output, h, the router-weighted down output per pair, y).
+
+Source: the fused MoE of vLLM / SGLang (grouped GEMM over ``moe_align_block_size`` blocks);
+SwiGLU experts of Mixtral / Qwen3-MoE. The one equation is in :mod:`moelora_reference.oracle`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moelora_core.align import AlignOutput
+
+F64 = torch.float64
+
+
+def fused_moe_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    c: torch.Tensor,
+    align: AlignOutput,
+    *,
+    top_k: int,
+    num_pairs: int,
+    in_row_div: int,
+    slot: int = 0,
+    topk_weights: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    experts_per_scale: int = 1,
+    add_into: bool = False,
+) -> torch.Tensor:
+    """c[p] (+)= scale · w_p · W[e(p)] @ a[p // in_row_div] over the aligned pairs of ``slot``.
+
+    Args:
+        a: [rows_in, K]; w: [E_w, N, K]; c: [num_pairs, N] (written in place at aligned pairs only).
+        align: ``AlignOutput`` (rows per block = P // number of blocks).
+        top_k: experts per token (unused by the math; kept for the kernel's signature).
+        num_pairs: M · top_k; rows >= it are padding.
+        in_row_div: top_k when ``a`` is per token, 1 when per pair.
+        topk_weights: [num_pairs] (any shape with that many elements) router weights, or None.
+        scale: per-scale-group factor (σ per slot for virtual experts), or None.
+        add_into: add to c rather than overwrite.
+
+    Returns:
+        ``c``.
+    """
+    sorted_ids = align.sorted_token_ids[slot]  # [P]
+    expert_ids = align.expert_ids[slot]  # [P // BLOCK_M]
+    block_m = sorted_ids.shape[0] // expert_ids.shape[0]
+    used = int(align.num_tokens_post_padded[slot])
+    weights = None if topk_weights is None else topk_weights.reshape(-1).to(F64)
+    for b in range(used // block_m):
+        e = int(expert_ids[b])
+        if e < 0:
+            continue  # NO_EXPERT_BLOCK
+        rows = [int(p) for p in sorted_ids[b * block_m:(b + 1) * block_m] if int(p) < num_pairs]
+        if not rows:
+            continue
+        p = torch.tensor(rows)
+        v = a[p // in_row_div].to(F64) @ w[e].to(F64).T  # [rows, N]
+        if weights is not None:
+            v = v * weights[p][:, None]
+        if scale is not None:
+            v = v * float(scale[e // experts_per_scale])
+        if add_into:
+            v = v + c[p].to(F64)
+        c[p] = v.to(c.dtype)
+    return c
+
+
+def _act(x: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "silu":
+        return x * torch.sigmoid(x)
+    if activation == "gelu_tanh":
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def moe_activation(
+    gate_up: torch.Tensor, *, activation: str = "silu", gated: bool = True, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """h = act(gate_up[:, :I]) ⊙ gate_up[:, I:] (gated) or act(gate_up) (non-gated), rounded once.
+
+    Args:
+        gate_up: [rows, 2I] or [rows, I]. out: [rows, I] or None.
+    """
+    g = gate_up.to(F64)
+    inter = g.shape[1] // 2 if gated else g.shape[1]
+    h = _act(g[:, :inter], activation)  # [rows, I]
+    if gated:
+        h = h * g[:, inter:]
+    h = h.to(gate_up.dtype)
+    if out is None:
+        return h
+    out.copy_(h)
+    return out
+
+
+def moe_sum(down_out: torch.Tensor, topk_ids: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y[t] = Σ_j down_out[t, j] over pairs with topk_ids[t, j] >= 0; rounded once.
+
+    Args:
+        down_out: [M, top_k, H]; topk_ids: [M, top_k]; out: [M, H] or None.
+    """
+    M, top_k, H = down_out.shape
+    y = torch.zeros(M, H, dtype=F64)
+    for t in range(M):
+        for j in range(top_k):
+            if int(topk_ids[t, j]) >= 0:  # EXPERT_NOT_HERE rows are never read
+                y[t] += down_out[t, j].to(F64)
+    y = y.to(down_out.dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+def fused_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    align: AlignOutput,
+    *,
+    activation: str = "silu",
+    gated: bool = True,
+) -> torch.Tensor:
+    """The base MoE layer at the Triton path's rounding points.
+
+    Args:
+        x: [M, H]; topk_ids: [M, top_k] (< 0 = not here; any id < E_base is a base expert);
+        topk_weights: [M, top_k]; w_gate_up: [E_base, 2I, H] (or [E_base, I, H] non-gated);
+        w_down: [E_base, H, I]; align: the base alignment (one slot) of ``topk_ids`` over E_base.
+
+    Returns:
+        y [M, H] in x's dtype.
+    """
+    M, top_k = topk_ids.shape
+    num_pairs = M * top_k
+    gate_up = torch.full((num_pairs, w_gate_up.shape[1]), float("nan"), dtype=x.dtype)
+    fused_moe_gemm(x, w_gate_up, gate_up, align, top_k=top_k, num_pairs=num_pairs, in_row_div=top_k)
+    h = moe_activation(gate_up, activation=activation, gated=gated)  # [num_pairs, I]
+    down = torch.full((num_pairs, w_down.shape[1]), float("nan"), dtype=x.dtype)
+    fused_moe_gemm(h, w_down, down, align, top_k=top_k, num_pairs=num_pairs, in_row_div=1,
+                   topk_weights=topk_weights)
+    return moe_sum(down.view(M, top_k, -1), topk_ids)
