@@ -1,0 +1,118 @@
+"""The adapter pool's structure: per slot, empty or an adapter with its ranks and σ (DESIGN.md §1, §3).
+
+An adapter is drawn as a PEFT config would describe it: rank r, α, rsLoRA, which modules it targets,
+and optional per-module rank / α overrides (``rank_pattern`` / ``alpha_pattern``). σ per module is
+α_m / r_m (or α_m / √r_m with rsLoRA); the adapter-level σ (what ``BatchSpec.scalings`` holds) uses
+the config's r and α. Values (A, B) are drawn later from the case's seed.
+
+α is drawn through a target σ in {0.5, 1, 2} so every combination keeps fp16 activations far from
+overflow while σ still differs between slots and modules.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hypothesis import strategies as st
+
+from moelora_conformance.strategies.shapes import LayerShape
+from moelora_core.adapter_config import lora_scaling
+from moelora_core.layer_spec import ALL_MODULES, MOE_MODULES
+
+#: Which modules an adapter targets.
+MODULE_LAYOUTS = ("all", "moe_only", "dense_only", "subset")
+
+
+@dataclass(frozen=True)
+class SlotAdapter:
+    """One slot's adapter structure.
+
+    Attributes:
+        rank: the config's r. alpha: the config's α. use_rslora: σ = α / √r.
+        modules: ((module, rank, alpha), ...) for each targeted module, rank <= R (pattern applied).
+    """
+
+    rank: int
+    alpha: float
+    use_rslora: bool
+    modules: tuple[tuple[str, int, float], ...]
+
+    @property
+    def slot_rank(self) -> int:
+        """What a scheduler sees (``LoRAWeights.slot_rank``): the largest module rank."""
+        return max(r for _, r, _ in self.modules)
+
+    @property
+    def adapter_scaling(self) -> float:
+        """The adapter-level σ (config r and α)."""
+        return lora_scaling(self.rank, self.alpha, self.use_rslora)
+
+    def scaling(self, module: str) -> float:
+        """σ of ``module`` with its own rank and α."""
+        for m, r, a in self.modules:
+            if m == module:
+                return lora_scaling(r, a, self.use_rslora)
+        raise KeyError(module)
+
+    def describe(self) -> str:
+        mods = ",".join(f"{m}:r{r}" for m, r, _ in self.modules)
+        return f"r{self.rank}/a{self.alpha:g}{'/rs' if self.use_rslora else ''}[{mods}]"
+
+
+def _alpha_for(sigma: float, rank: int, use_rslora: bool) -> float:
+    return sigma * (math.sqrt(rank) if use_rslora else rank)
+
+
+@st.composite
+def slot_adapters(draw, shape: LayerShape) -> SlotAdapter:
+    """One adapter for a pool of ``shape`` (ranks in [1, R], some modules possibly absent)."""
+    R = shape.max_rank
+    rank = draw(st.integers(1, R))
+    use_rslora = draw(st.booleans())
+    sigma = draw(st.sampled_from((1.0, 0.5, 2.0)))
+    alpha = _alpha_for(sigma, rank, use_rslora)
+    dense = [m for m, _ in shape.dense_shapes]
+    layout = draw(st.sampled_from(MODULE_LAYOUTS))
+    if layout == "moe_only" or (layout == "dense_only" and not dense):
+        targets = list(MOE_MODULES)
+    elif layout == "dense_only":
+        targets = dense
+    elif layout == "subset":
+        available = [*MOE_MODULES, *dense]
+        targets = draw(st.lists(st.sampled_from(available), min_size=1, unique=True))
+    else:
+        targets = [*MOE_MODULES, *dense]
+    patterned = draw(st.booleans())  # rank_pattern / alpha_pattern overrides per module
+    modules = []
+    for m in ALL_MODULES:
+        if m not in targets:
+            continue
+        r_m, a_m = rank, alpha
+        if patterned and draw(st.booleans()):
+            r_m = draw(st.integers(1, R))
+            a_m = _alpha_for(draw(st.sampled_from((1.0, 0.5, 2.0))), r_m, use_rslora)
+        modules.append((m, r_m, a_m))
+    return SlotAdapter(rank, alpha, use_rslora, tuple(modules))
+
+
+@st.composite
+def adapter_pools(draw, shape: LayerShape) -> tuple[SlotAdapter | None, ...]:
+    """Per slot an adapter or None (an empty, rank-0 slot). At least one slot holds an adapter;
+    with two or more slots, some may be empty."""
+    L = shape.max_loras
+    empty: set[int] = set()
+    if L >= 2:
+        keep = draw(st.integers(0, L - 1))
+        empty = {s for s in range(L) if s != keep and draw(st.integers(0, 3)) == 0}
+    return tuple(None if s in empty else draw(slot_adapters(shape)) for s in range(L))
+
+
+def pool_ranks(pool: tuple[SlotAdapter | None, ...]) -> tuple[int, ...]:
+    """``BatchSpec.lora_ranks`` of a pool (0 for empty slots)."""
+    return tuple(0 if a is None else a.slot_rank for a in pool)
+
+
+def pool_scalings(pool: tuple[SlotAdapter | None, ...]) -> tuple[float, ...]:
+    """``BatchSpec.scalings`` of a pool (0 for empty slots)."""
+    return tuple(0.0 if a is None else a.adapter_scaling for a in pool)

@@ -1,0 +1,164 @@
+"""The whole MoE-LoRA layer case: one composite that every backend property draws from.
+
+:func:`moe_lora_cases` draws the structure — a layer shape, a dtype, the adapter pool, a batch, a
+routing plan, virtual experts on/off — and a seed. :meth:`MoELoRACase.materialize` builds every
+tensor from that seed with one ``torch.Generator`` on the target device, in a fixed order, so a
+case replays exactly from its ``describe()`` line. Scales keep activations O(1): base and LoRA
+A weights ~ N(0, 1/fan_in), LoRA B ~ N(0, 1/r) (as PEFT's ``init_lora_weights=False``: B is not
+zero, so every delta is visible).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+
+from moelora_conformance.profiles import SizeCaps, current_profile
+from moelora_conformance.strategies.adapters import SlotAdapter, adapter_pools, pool_ranks, pool_scalings
+from moelora_conformance.strategies.batches import BatchPlan, batch_plans
+from moelora_conformance.strategies.routing import RoutingPlan, routing_plans
+from moelora_conformance.strategies.shapes import DTYPE_NAMES, LayerShape, dtypes, layer_shapes
+from moelora_core.base_weights import MoEBaseWeights
+from moelora_core.batch import BatchSpec
+from moelora_core.layer_spec import MOE_MODULES, LoRALayerSpec
+from moelora_core.weights import LoRAWeights, ModuleLoRA
+
+
+@dataclass
+class MaterializedCase:
+    """The tensors of a case on one device.
+
+    Attributes:
+        spec: the ``LoRALayerSpec`` (dtype, device, virtual experts as drawn).
+        x: [T, H] activations (spec dtype).
+        router_logits: [T, E] fp32 logits the routing was drawn from.
+        topk_ids: [T, k] int32 (sentinels included). topk_weights: [T, k] fp32.
+        base: ``MoEBaseWeights`` (w_gate_up [E_base, 2I, H], w_down [E_base, H, I], spec dtype;
+            ``router`` None: routing is given by ``topk_ids``).
+        dense_weights: module → [out, in] base weight. dense_x: module → [T, in] its input.
+        lora: the pool, slots loaded with ``load_slot``.
+        token_lora_mapping: [T] int32 from the batch's host lists.
+    """
+
+    spec: LoRALayerSpec
+    x: torch.Tensor
+    router_logits: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    base: MoEBaseWeights
+    dense_weights: dict[str, torch.Tensor]
+    dense_x: dict[str, torch.Tensor]
+    lora: LoRAWeights
+    token_lora_mapping: torch.Tensor
+
+
+@dataclass(frozen=True)
+class MoELoRACase:
+    """A self-describing case: structure plus the seed its values come from."""
+
+    shape: LayerShape
+    dtype: torch.dtype
+    virtual_experts: bool
+    pool: tuple[SlotAdapter | None, ...]
+    plan: BatchPlan
+    routing: RoutingPlan
+    seed: int
+
+    @property
+    def batch(self) -> BatchSpec:
+        return self.plan.batch
+
+    @property
+    def kind(self) -> str:
+        return self.plan.kind
+
+    @property
+    def adapter_mode(self) -> str:
+        return self.plan.adapter_mode
+
+    @property
+    def routing_mode(self) -> str:
+        return self.routing.mode
+
+    def spec(self, device: torch.device | str = "cpu") -> LoRALayerSpec:
+        return self.shape.spec(self.dtype, device, virtual_experts=self.virtual_experts)
+
+    def describe(self) -> str:
+        """One line that names everything needed to rebuild the case."""
+        pool = " ".join(f"{s}:{'empty' if a is None else a.describe()}" for s, a in enumerate(self.pool))
+        return (f"seed={self.seed} {DTYPE_NAMES[self.dtype]} virtual={self.virtual_experts} "
+                f"{self.shape.describe()} | {self.plan.describe()} | {self.routing.describe()} | pool {pool}")
+
+    def materialize(self, device: torch.device | str = "cpu") -> MaterializedCase:
+        """Build every tensor from ``seed`` on ``device`` (values differ between device types, and
+        are reproducible on each)."""
+        device = torch.device(device)
+        gen = torch.Generator(device).manual_seed(self.seed)
+        spec = self.spec(device)
+        dt = self.dtype
+        T, H, I, E = self.batch.num_tokens, spec.H, spec.I, spec.E  # noqa: E741
+        E_base = self.shape.num_base_experts
+
+        def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+            return (torch.randn(*shape, generator=gen, device=device) * scale).to(dt)
+
+        x = randn(T, H)
+        topk_ids, topk_weights, logits = self.routing.materialize(T, device, gen)
+        base = MoEBaseWeights(
+            w_gate_up=randn(E_base, 2 * I, H, scale=1 / math.sqrt(H)),
+            w_down=randn(E_base, H, I, scale=1 / math.sqrt(I)),
+            router=None, num_experts=E, norm_topk_prob=self.routing.renormalize,
+        )
+        dense_weights, dense_x = {}, {}
+        for m, (fin, fout) in self.shape.dense_shapes:
+            dense_weights[m] = randn(fout, fin, scale=1 / math.sqrt(fin))
+            dense_x[m] = randn(T, fin)
+        lora = LoRAWeights(spec)
+        for slot, adapter in enumerate(self.pool):
+            if adapter is None:
+                continue
+            modules = {}
+            for m, r, _ in adapter.modules:
+                fin, fout = spec.module_shape(m)
+                lead = (E,) if m in MOE_MODULES else ()
+                A = randn(*lead, r, fin, scale=1 / math.sqrt(fin))
+                B = randn(*lead, fout, r, scale=1 / math.sqrt(r))
+                modules[m] = ModuleLoRA(A, B, adapter.scaling(m))
+            lora.load_slot(slot, modules, adapter_scaling=adapter.adapter_scaling)
+        mapping = torch.tensor(self.batch.token_lora_mapping, dtype=torch.int32, device=device)
+        return MaterializedCase(spec, x, logits, topk_ids, topk_weights, base, dense_weights, dense_x, lora,
+                                mapping)
+
+
+@st.composite
+def moe_lora_cases(
+    draw,
+    caps: SizeCaps | None = None,
+    *,
+    kinds: tuple[str, ...] | None = None,
+    adapter_modes: tuple[str, ...] | None = None,
+    routing_modes: tuple[str, ...] | None = None,
+    virtual_experts: bool | None = None,
+    dtype: torch.dtype | None = None,
+) -> MoELoRACase:
+    """A ``MoELoRACase`` within ``caps`` (default: the loaded profile's).
+
+    Args:
+        kinds, adapter_modes, routing_modes: restrict the modes drawn (default: all).
+        virtual_experts: force virtual experts on/off (default: drawn).
+        dtype: force a dtype (default: drawn from the caps; bf16 only with CUDA).
+    """
+    caps = caps if caps is not None else current_profile().caps
+    shape = draw(layer_shapes(caps))
+    dt = dtype if dtype is not None else draw(dtypes(caps))
+    ve = virtual_experts if virtual_experts is not None else draw(st.booleans())
+    pool = draw(adapter_pools(shape))
+    plan_kw = {k: v for k, v in (("kinds", kinds), ("adapter_modes", adapter_modes)) if v is not None}
+    plan = draw(batch_plans(shape.max_loras, pool_ranks(pool), pool_scalings(pool), caps, **plan_kw))
+    seed = draw(st.integers(0, 2**31 - 1))
+    route_kw = {"modes": routing_modes} if routing_modes is not None else {}
+    routing = draw(routing_plans(shape.num_experts, shape.top_k, shape.num_base_experts, seed=seed, **route_kw))
+    return MoELoRACase(shape, dt, ve, pool, plan, routing, seed)

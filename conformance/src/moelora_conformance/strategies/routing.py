@@ -1,0 +1,130 @@
+"""Routing: which experts each token goes to, with a controlled share of sentinel expert ids.
+
+Hypothesis draws the *plan* (mode, hot or empty experts, sentinel share, renormalisation, a seed);
+``materialize`` draws router logits from a ``torch.Generator`` seeded with it, then softmax (fp32)
+→ top-k distinct experts → optional renormalisation → sentinel replacement:
+
+- ``uniform``: logits ~ N(0, 1).
+- ``one_expert``: every token's logit for one hot expert is raised just above its largest other
+  logit, so every token routes to it first with a non-degenerate weight (top_k > 1: the other
+  experts as drawn, with weights that still matter).
+- ``some_empty``: a drawn set of experts (leaving at least top_k) gets -inf: no token routes there.
+
+Sentinel replacement: each (token, k) pair is replaced with probability ``sentinel_share`` by -1
+(expert parallelism: not handled here) or, where the base declares extra fused experts, by an id in
+``[E, E_base)`` (base only, no LoRA). The router weight of a replaced pair is kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+
+from moelora_conformance.strategies.choice import uniform
+
+ROUTING_MODES = ("uniform", "one_expert", "some_empty")
+#: Sentinel shares drawn by default (0 half the time).
+SENTINEL_SHARES = (0.0, 0.0, 0.1, 0.3)
+_HOT_MARGIN = 0.5
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    """How one batch is routed.
+
+    Attributes:
+        mode: one of :data:`ROUTING_MODES`.
+        num_experts: E (LoRA experts). num_base_experts: E_base >= E. top_k: experts per token.
+        renormalize: the k weights are divided by their sum (``norm_topk_prob``).
+        hot_expert: the ``one_expert`` target, else None.
+        empty_experts: experts no token routes to (``some_empty``), else ().
+        sentinel_share: probability that a pair is replaced by a sentinel id.
+        seed: seeds the generator of ``materialize``.
+    """
+
+    mode: str
+    num_experts: int
+    num_base_experts: int
+    top_k: int
+    renormalize: bool
+    hot_expert: int | None
+    empty_experts: tuple[int, ...]
+    sentinel_share: float
+    seed: int
+
+    def describe(self) -> str:
+        detail = {"one_expert": f"({self.hot_expert})", "some_empty": f"({list(self.empty_experts)})"}
+        return (f"routing={self.mode}{detail.get(self.mode, '')} sentinels={self.sentinel_share:g}"
+                f"{' renorm' if self.renormalize else ''}")
+
+    def materialize(
+        self, num_tokens: int, device: torch.device | str = "cpu", generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Draw the routing of ``num_tokens`` tokens.
+
+        Args:
+            num_tokens: T.
+            device: where the tensors go (values are drawn by a generator on that device).
+            generator: continue an existing generator (a case's) instead of seeding a new one.
+
+        Returns:
+            (topk_ids [T, k] int32, topk_weights [T, k] fp32, router_logits [T, E] fp32).
+        """
+        device = torch.device(device)
+        if generator is None:
+            generator = torch.Generator(device).manual_seed(self.seed)
+        E, k = self.num_experts, self.top_k
+        logits = torch.randn(num_tokens, E, generator=generator, device=device, dtype=torch.float32)
+        if self.hot_expert is not None and num_tokens:
+            logits[:, self.hot_expert] = logits.max(dim=-1).values + _HOT_MARGIN
+        if self.empty_experts:
+            logits[:, list(self.empty_experts)] = float("-inf")
+        probs = torch.softmax(logits, dim=-1)
+        weights, ids = torch.topk(probs, k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        ids = ids.to(torch.int32)
+        # Draw the sentinel coins whatever the share, so the other values do not depend on it.
+        coin = torch.rand(num_tokens, k, generator=generator, device=device)
+        pick = torch.rand(num_tokens, k, generator=generator, device=device)
+        extra = self.num_base_experts - E
+        if extra > 0:
+            fused = E + (pick * extra).long().clamp(max=extra - 1).to(torch.int32)
+            sentinel = torch.where(pick < 0.5, torch.full_like(ids, -1), fused)
+        else:
+            sentinel = torch.full_like(ids, -1)
+        ids = torch.where(coin < self.sentinel_share, sentinel, ids)
+        return ids, weights.to(torch.float32).contiguous(), logits
+
+
+@st.composite
+def routing_plans(
+    draw,
+    num_experts: int,
+    top_k: int,
+    num_base_experts: int | None = None,
+    *,
+    modes: tuple[str, ...] = ROUTING_MODES,
+    sentinel_shares: tuple[float, ...] = SENTINEL_SHARES,
+    seed: int | None = None,
+) -> RoutingPlan:
+    """A ``RoutingPlan`` for E experts (E_base = ``num_base_experts`` or E) and ``top_k``.
+
+    ``some_empty`` is drawn only where an expert can be empty (E > top_k).
+    """
+    E_base = num_experts if num_base_experts is None else num_base_experts
+    feasible = [m for m in modes if m != "some_empty" or num_experts > top_k] or ["uniform"]
+    mode = draw(uniform(feasible))
+    hot, empty = None, ()
+    if mode == "one_expert":
+        hot = draw(st.integers(0, num_experts - 1))
+    elif mode == "some_empty":
+        n_empty = draw(st.integers(1, num_experts - top_k))
+        empty = tuple(sorted(draw(st.permutations(range(num_experts)))[:n_empty]))
+    share = draw(st.sampled_from(sentinel_shares))
+    renormalize = draw(st.booleans())
+    if seed is None:
+        seed = draw(st.integers(0, 2**31 - 1))
+    return RoutingPlan(mode, num_experts, E_base, top_k, renormalize, hot, empty, share, seed)

@@ -1,0 +1,150 @@
+"""The strategies: the mix of what they draw, and that materialized cases match their structure.
+
+Covers: over 500 draws, at least 20 % of batches have more than 32 requests and every forward
+kind, adapter mode and routing mode occurs in at least 5 %; IDLE batches, sentinel ids and mixed
+ranks occur; sizes stay within the profile's caps; materialize is deterministic and consistent
+with the drawn structure (ranks, σ, routing modes, sentinels); every ``data.draw`` in the
+repository carries a ``label=``.
+"""
+
+import ast
+import math
+from collections import Counter
+from pathlib import Path
+
+import torch
+from hypothesis import Phase, given, settings
+
+from moelora_conformance.profiles import current_profile
+from moelora_conformance.strategies import (
+    ADAPTER_MODES,
+    FORWARD_KINDS,
+    ROUTING_MODES,
+    MoELoRACase,
+    moe_lora_cases,
+    routing_plans,
+)
+from moelora_core import NO_ADAPTER, assert_exact
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_draw_mix_over_500_cases():
+    cases: list[MoELoRACase] = []
+
+    @settings(max_examples=500, phases=[Phase.generate], derandomize=True, database=None, deadline=None)
+    @given(case=moe_lora_cases())
+    def collect(case):
+        cases.append(case)
+
+    collect()
+    n = len(cases)
+    assert n == 500
+    share = lambda pred: sum(1 for c in cases if pred(c)) / n
+    big = share(lambda c: c.batch.bs > 32)
+    assert big >= 0.20, f"only {big:.1%} of batches have more than 32 requests"
+    for attr, modes in (("kind", FORWARD_KINDS), ("adapter_mode", ADAPTER_MODES), ("routing_mode", ROUTING_MODES)):
+        counts = Counter(getattr(c, attr) for c in cases)
+        for mode in modes:
+            assert counts[mode] / n >= 0.05, f"{attr}={mode} in {counts[mode] / n:.1%} of draws: {dict(counts)}"
+    assert share(lambda c: c.routing.sentinel_share > 0) >= 0.2
+    assert share(lambda c: c.shape.num_base_experts > c.shape.num_experts) >= 0.2
+    assert share(lambda c: 0 in c.batch.lora_ranks) >= 0.1  # empty slots
+    assert share(lambda c: any(0 < r < c.shape.max_rank for r in c.batch.lora_ranks)) >= 0.3  # r < R
+    assert share(lambda c: any(a is not None and a.use_rslora for a in c.pool)) >= 0.3
+    assert share(lambda c: 1 in c.batch.seq_lens) >= 0.5  # length-1 requests
+    assert share(lambda c: any(r.prefix_len > 0 for r in c.batch.requests) and c.kind == "mixed") >= 0.05
+    assert share(lambda c: len({a.adapter_scaling for a in c.pool if a is not None}) > 1) >= 0.1  # σ per slot
+    assert {c.dtype for c in cases} == set(current_profile().caps.dtypes) - (
+        set() if torch.cuda.is_available() else {torch.bfloat16})
+    caps = current_profile().caps
+    for c in cases:
+        s = c.shape
+        assert c.batch.num_tokens <= caps.max_tokens and c.batch.bs <= caps.max_requests
+        assert s.hidden_size <= caps.max_hidden and s.moe_intermediate_size <= caps.max_intermediate
+        assert s.num_experts <= caps.max_experts and s.top_k <= caps.max_top_k
+        assert s.max_rank <= caps.max_rank and s.max_loras <= caps.max_loras
+
+
+@given(case=moe_lora_cases())
+def test_materialize_matches_the_structure(case):
+    m = case.materialize()
+    again = case.materialize()
+    for name in ("x", "topk_ids", "topk_weights", "router_logits"):
+        assert_exact(getattr(again, name), getattr(m, name), what=name, seed=case.seed)
+    assert_exact(again.lora.gate_up_A, m.lora.gate_up_A, what="gate_up_A", seed=case.seed)
+    spec, batch = m.spec, case.batch
+    T = batch.num_tokens
+    assert m.x.shape == (T, spec.H) and m.x.dtype == case.dtype
+    assert m.topk_ids.shape == (T, spec.top_k) and m.topk_ids.dtype == torch.int32
+    assert m.topk_weights.dtype == torch.float32
+    assert m.lora.slot_ranks() == batch.lora_ranks
+    assert m.lora.slot_scalings() == batch.scalings
+    for slot, adapter in enumerate(case.pool):
+        for module, rank, _ in (adapter.modules if adapter else ()):
+            assert int(m.lora.ranks(module)[slot]) == rank
+            assert math.isclose(float(m.lora.scalings(module)[slot]), adapter.scaling(module), rel_tol=1e-6)
+    assert m.token_lora_mapping.tolist() == list(batch.token_lora_mapping)
+    ids = m.topk_ids
+    assert bool(((ids >= -1) & (ids < case.shape.num_base_experts)).all())
+    valid = ids[(ids >= 0) & (ids < spec.E)]
+    assert valid.numel() == 0 or int(valid.max()) < spec.E
+    if case.routing.sentinel_share == 0:
+        assert bool(((ids >= 0) & (ids < spec.E)).all()), case.describe()
+        for row in ids.tolist():
+            assert len(set(row)) == len(row), "top-k experts must be distinct"
+    if case.routing.renormalize and T:
+        assert torch.allclose(m.topk_weights.sum(-1), torch.ones(T), atol=1e-5)
+    assert case.describe().startswith(f"seed={case.seed}")
+
+
+@given(plan=routing_plans(6, 2, 8, sentinel_shares=(0.0,)))
+def test_routing_modes_do_what_they_say(plan):
+    ids, weights, _ = plan.materialize(40)
+    if plan.mode == "one_expert":
+        assert bool((ids[:, 0] == plan.hot_expert).all())
+        assert float(weights[:, 1].min()) > 1e-3  # the other pair still matters
+    if plan.mode == "some_empty":
+        assert not set(ids.flatten().tolist()) & set(plan.empty_experts)
+    assert bool((weights[:, 0] >= weights[:, 1]).all())
+
+
+@given(plan=routing_plans(4, 2, 6, sentinel_shares=(0.5,)))
+def test_sentinels_take_both_forms_and_keep_the_rest(plan):
+    ids, _, _ = plan.materialize(64)
+    assert bool((ids == -1).any()) and bool((ids >= 4).any())
+    assert bool(((ids >= 0) & (ids < 4)).any())
+
+
+def test_idle_batches_are_drawable():
+    seen = []
+
+    @settings(max_examples=20, phases=[Phase.generate], database=None, deadline=None)
+    @given(case=moe_lora_cases(kinds=("idle",)))
+    def collect(case):
+        m = case.materialize()
+        assert m.x.shape[0] == 0 and case.batch.bs == 0 and m.token_lora_mapping.numel() == 0
+        assert not case.batch.has_active_lora and all(s == NO_ADAPTER for s in case.batch.req_to_lora)
+        seen.append(case)
+
+    collect()
+    assert seen
+
+
+def _draw_calls_without_label(path: Path):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "draw"
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "data"
+                and not any(k.arg == "label" for k in node.keywords)):
+            yield node.lineno
+
+
+def test_every_data_draw_has_a_label():
+    skip = {".git", ".nox", ".venv", "build", "node_modules"}
+    missing = []
+    for path in ROOT.rglob("*.py"):
+        if skip & set(path.relative_to(ROOT).parts):
+            continue
+        missing += [f"{path.relative_to(ROOT)}:{line}" for line in _draw_calls_without_label(path)]
+    assert not missing, f"data.draw without label= at {missing}"
