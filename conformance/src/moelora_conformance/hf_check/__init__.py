@@ -1,0 +1,17 @@
+"""The oracle checked against code no one here wrote: HF transformers + PEFT (issue 3 item 4, issue 5).
+
+Needs the ``fixtures`` extra. CLI: ``moelora-conformance hf-check [--fixtures DIR]``.
+
+- :mod:`.hf_model`: load and run the transformers / peft side.
+- :mod:`.extract`: moelora tensors from the in-memory transformers / peft modules.
+- :mod:`.compare`: one layer, oracle vs HF, by the tolerance policy (:class:`CheckRow`).
+- :mod:`.per_module`: the per-module reference for legacy per-expert adapters.
+- :mod:`.run`: every model and adapter of a fixtures directory.
+- :mod:`.table`: the rich summary table.
+"""
+
+from moelora_conformance.hf_check.compare import CheckRow
+from moelora_conformance.hf_check.run import check_adapter, check_model_base, run_hf_check
+from moelora_conformance.hf_check.table import render, summarize
+
+__all__ = ["CheckRow", "check_adapter", "check_model_base", "render", "run_hf_check", "summarize"]

@@ -1,0 +1,124 @@
+"""One decoder layer: the oracle against a transformers (+ peft) layer, MoE block and attention
+projections, fp32, by the tolerance policy's norms (max and RMS relative error <= 1e-5)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moelora_core import DEFAULT_POLICY, NO_ADAPTER, LoRAWeights, MoEBaseWeights
+from moelora_reference.oracle import dense_lora_forward, moe_lora_forward, route_topk
+
+#: Slot the adapter is loaded into: not 0, so a reader or kernel that ignores the slot index fails.
+SLOT = 1
+#: Tokens per layer check.
+TOKENS = 32
+
+
+@dataclass(frozen=True)
+class CheckRow:
+    """One comparison.
+
+    Attributes:
+        model, adapter: fixture names ("(base)" for the model alone).
+        source: where the oracle's weights came from: "hf-memory" (transformers / peft modules),
+            "readers" (moelora_core.checkpoint from disk), "readers σ·√2" (the readers' factors with
+            peft's converted σ on gate/up), or "per-module" (readers vs a per-module reference).
+        layer: decoder layer.
+        part: "moe", "routing", "q", "k", "v", "o" or "rank/σ".
+        max_rel, rms_rel: errors against the expected side (see ``expect``).
+        delta_rel: ||LoRA output − base output|| / ||base output|| of the oracle (None for base).
+        ok: the check passed.
+        expect: "equal" (within tolerance) or "diverge" (a documented divergence: must differ).
+        note: details (failures, documented divergence).
+    """
+
+    model: str
+    adapter: str
+    source: str
+    layer: int
+    part: str
+    max_rel: float
+    rms_rel: float
+    delta_rel: float | None
+    ok: bool
+    expect: str = "equal"
+    note: str = ""
+
+
+def _delta_rel(with_lora: torch.Tensor, base: torch.Tensor) -> float:
+    return float((with_lora - base).norm() / base.norm().clamp_min(1e-300))
+
+
+def compare_layer(
+    *,
+    model: str,
+    adapter: str,
+    source: str,
+    layer: int,
+    moe: MoEBaseWeights,
+    dense: dict[str, torch.Tensor],
+    pool: LoRAWeights | None,
+    top_k: int,
+    hf_moe,
+    hf_route,
+    hf_dense,
+    seed: int,
+    expect: str = "equal",
+    diverge_bound: float = 1e-2,
+) -> list[CheckRow]:
+    """Compare the oracle with the HF side on fresh random inputs.
+
+    Args:
+        moe, dense: base weights fed to the oracle.
+        pool: LoRA pool with the adapter in slot :data:`SLOT`, or None for the base model.
+        hf_moe(x) → [T, H]; hf_route(x) → (weights, ids); hf_dense(module, x) → [T, out]: the HF side.
+        seed: input seed.
+        expect: "equal", or "diverge" for the documented peft divergence (the MoE block must then
+            differ by more than ``diverge_bound``; routing and attention must still be equal).
+
+    Returns:
+        One row for routing, one for the MoE block, one per attention projection.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    T, H = TOKENS, moe.hidden_size
+    x = torch.randn(T, H, generator=gen)
+    mapping = torch.full((T,), SLOT if pool is not None else NO_ADAPTER, dtype=torch.int32)
+    rows: list[CheckRow] = []
+
+    def row(part: str, actual: torch.Tensor, expected: torch.Tensor, delta: float | None, part_expect: str):
+        rep = DEFAULT_POLICY.check(actual, expected, dtype=torch.float32, what=f"{model}/{adapter} L{layer} {part}",
+                                   seed=seed)
+        if part_expect == "diverge":
+            ok = rep.non_finite == 0 and rep.max_rel > diverge_bound
+            note = f"differs as documented (max_rel {rep.max_rel:.2e} > {diverge_bound:.0e})" if ok else \
+                "expected the documented peft divergence, found agreement"
+        else:
+            ok, note = rep.ok, ("" if rep.ok else rep.message())
+        rows.append(CheckRow(model, adapter, source, layer, part, rep.max_rel, rep.rms_rel, delta, ok,
+                             part_expect, note))
+
+    # Routing: the oracle's softmax/top-k on the same logits picks the same experts (exactly).
+    hf_w, hf_ids = hf_route(x)
+    w, ids = route_topk(x @ moe.router.T, top_k, moe.norm_topk_prob)
+    same_ids = torch.equal(ids, hf_ids.to(ids.dtype))
+    wrep = DEFAULT_POLICY.check(hf_w, w, dtype=torch.float32, what="topk_weights")
+    rows.append(CheckRow(model, adapter, source, layer, "routing", wrep.max_rel, wrep.rms_rel, None,
+                         same_ids and wrep.ok, "equal",
+                         "" if same_ids else f"topk_ids differ in {int((ids != hf_ids).sum())} places"))
+
+    y = moe_lora_forward(x, ids, w, moe.w_gate_up, moe.w_down, pool, mapping)
+    delta = None
+    if pool is not None:
+        delta = _delta_rel(y, moe_lora_forward(x, ids, w, moe.w_gate_up, moe.w_down, None, None))
+    row("moe", hf_moe(x), y, delta, expect)
+
+    for m, weight in dense.items():
+        xd = torch.randn(T, weight.shape[1], generator=gen)
+        yd = dense_lora_forward(xd, weight, m, pool, mapping)
+        d = None
+        if pool is not None and m in pool.dense_A and pool.host_ranks[m][SLOT]:
+            d = _delta_rel(yd, dense_lora_forward(xd, weight, m, None, None))
+        row(m, hf_dense(m, xd), yd, d, "equal")
+    return rows

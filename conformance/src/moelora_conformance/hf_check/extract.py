@@ -1,0 +1,78 @@
+"""moelora's tensors taken from the in-memory transformers / peft modules (issue 3 item 4).
+
+No file is read here: the base weights come from the transformers modules' parameters, the LoRA
+factors from peft's layers, reshaped as peft itself does in ``ParamWrapper.get_delta_weight``
+(lora_A ``[E·r, in]`` → ``[E, r, in]``; lora_B ``[out, r·E]`` → ``[out, r, E]`` → ``[E, out, r]``),
+and every reshaped expert pair is checked against peft's own ``get_delta_weight``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moelora_core import ModuleLoRA, MoEBaseWeights
+
+_ADAPTER = "default"
+
+
+def _unwrap(module):
+    """The module under any peft wrappers."""
+    while hasattr(module, "base_layer"):
+        module = module.base_layer
+    return module
+
+
+def base_from_hf(layer, *, norm_topk_prob: bool) -> tuple[MoEBaseWeights, dict[str, torch.Tensor]]:
+    """(MoE block weights, attention projection weights "q".."o" [out, in]) of a decoder layer."""
+    experts = _unwrap(layer.mlp.experts)
+    moe = MoEBaseWeights(
+        w_gate_up=experts.gate_up_proj.detach().clone(),  # [E, 2I, H], gate rows first
+        w_down=experts.down_proj.detach().clone(),  # [E, H, I]
+        router=_unwrap(layer.mlp.gate).weight.detach().clone(),  # [E, H]
+        norm_topk_prob=norm_topk_prob,
+    )
+    dense = {m: _unwrap(getattr(layer.self_attn, f"{m}_proj")).weight.detach().clone() for m in "qkvo"}
+    return moe, dense
+
+
+def _expert_factors(wrapper) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(A [E, r, in], B [E, out, r], σ) of one peft ParamWrapper, checked against peft's delta."""
+    E = wrapper.num_experts
+    r = wrapper.r[_ADAPTER]
+    a = wrapper.lora_A[_ADAPTER].weight.detach().float()  # [E·r, in]
+    b = wrapper.lora_B[_ADAPTER].weight.detach().float()  # [out, r·E]
+    A = a.reshape(E, r, a.shape[1])
+    B = b.reshape(b.shape[0], r, E).permute(2, 0, 1)
+    sigma = float(wrapper.scaling[_ADAPTER])
+    ours = sigma * torch.einsum("eor,eri->eoi", B.double(), A.double())
+    theirs = wrapper.get_delta_weight(_ADAPTER).double()  # [E, out, in] for [E, out, in] parameters
+    if ours.shape != theirs.shape or not torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6 * float(ours.abs().max())):
+        raise AssertionError(f"{wrapper.parameter_name}: reshaped factors disagree with peft's get_delta_weight")
+    return A.contiguous(), B.contiguous(), sigma
+
+
+def lora_from_peft(layer, *, intermediate: int) -> dict[str, ModuleLoRA]:
+    """moelora module → factors of one decoder layer, from peft's in-memory layers.
+
+    gate and up share the fused A (one ParamWrapper on ``gate_up_proj``): A_gate = A_up = A_e,
+    B_gate = B_e[:I], B_up = B_e[I:].
+    """
+    out: dict[str, ModuleLoRA] = {}
+    wrapper = layer.mlp.experts
+    while hasattr(wrapper, "parameter_name"):  # nested peft ParamWrappers, outermost first
+        if _ADAPTER in wrapper.lora_A:
+            A, B, sigma = _expert_factors(wrapper)
+            if wrapper.parameter_name == "gate_up_proj":
+                out["gate"] = ModuleLoRA(A, B[:, :intermediate], sigma)
+                out["up"] = ModuleLoRA(A.clone(), B[:, intermediate:], sigma)
+            elif wrapper.parameter_name == "down_proj":
+                out["down"] = ModuleLoRA(A, B, sigma)
+            else:
+                raise AssertionError(f"unexpected peft target parameter {wrapper.parameter_name!r}")
+        wrapper = wrapper.base_layer
+    for m in "qkvo":
+        proj = getattr(layer.self_attn, f"{m}_proj")
+        if hasattr(proj, "lora_A") and _ADAPTER in proj.lora_A:
+            out[m] = ModuleLoRA(proj.lora_A[_ADAPTER].weight.detach().float(),
+                                proj.lora_B[_ADAPTER].weight.detach().float(), float(proj.scaling[_ADAPTER]))
+    return out

@@ -1,0 +1,52 @@
+"""The side no one here wrote: transformers + peft modules, loaded from the fixtures, run as-is."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from moelora_conformance.fixtures.adapters import PEFT_PATTERN_WARNING
+
+
+def load_hf(model_dir: Path, adapter_dir: Path | None = None):
+    """The transformers model of ``model_dir`` (fp32, eval), wrapped by peft with ``adapter_dir``
+    loaded as its only adapter when given. Offline: nothing is downloaded."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    if adapter_dir is None:
+        return model
+    from peft import PeftModel
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=PEFT_PATTERN_WARNING, category=RuntimeWarning)
+        return PeftModel.from_pretrained(model, str(adapter_dir)).eval()
+
+
+def decoder_layers(model) -> list:
+    """The decoder layer modules of a transformers or peft-wrapped causal LM."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return list(inner.model.layers)
+
+
+@torch.no_grad()
+def hf_route(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights [T, k], topk_ids [T, k]) from the layer's own router module."""
+    _, weights, ids = layer.mlp.gate(x)
+    return weights, ids
+
+
+@torch.no_grad()
+def hf_moe(layer, x: torch.Tensor) -> torch.Tensor:
+    """The layer's sparse MoE block on x [T, H] → [T, H] (with peft's expert LoRA when wrapped)."""
+    return layer.mlp(x[None]).reshape(x.shape[0], -1)
+
+
+@torch.no_grad()
+def hf_dense(layer, module: str, x: torch.Tensor) -> torch.Tensor:
+    """The layer's attention projection ``module`` ("q", "k", "v", "o") on x [T, in] → [T, out]."""
+    return getattr(layer.self_attn, f"{module}_proj")(x)

@@ -1,0 +1,140 @@
+"""Run the oracle-vs-HF+PEFT checks over a fixtures directory (issue 3 item 4, issue 5).
+
+For each fixture model: the oracle without adapter equals the transformers base layer. For each
+adapter:
+
+- ``hf-memory``: the oracle fed with weights taken from the in-memory transformers / peft modules
+  equals the HF+PEFT forward of that adapter alone;
+- ``readers``: the oracle fed from disk by ``moelora_core.checkpoint`` (through
+  ``load_adapter_into_slot``) equals the same HF+PEFT forward, and every module's rank and σ equal
+  the manifest's;
+- ``per-module`` (legacy per-expert adapters): the readers equal a reference with each module's
+  delta merged into transformers' weights (DESIGN.md §1);
+- for the documented peft divergence (legacy per-expert + rsLoRA): the readers *differ* from
+  HF+PEFT on the MoE block, and equal it once gate/up σ is multiplied by √2 (``readers σ·√2``).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+from moelora_conformance.fixtures.manifest import FixtureSet
+from moelora_conformance.fixtures.specs import POOL_MAX_RANK
+from moelora_conformance.hf_check import hf_model
+from moelora_conformance.hf_check.compare import SLOT, CheckRow, compare_layer
+from moelora_conformance.hf_check.extract import base_from_hf, lora_from_peft
+from moelora_conformance.hf_check.per_module import merged_reference_layers
+from moelora_core import LoRAWeights, module_index
+from moelora_core.checkpoint import MoECheckpoint, load_adapter_into_slot, read_adapter
+
+BASE = "(base)"
+
+
+def _seed(*parts: object) -> int:
+    return zlib.crc32("/".join(map(str, parts)).encode())
+
+
+def _hf_side(layer):
+    return dict(
+        hf_moe=lambda x: hf_model.hf_moe(layer, x),
+        hf_route=lambda x: hf_model.hf_route(layer, x),
+        hf_dense=lambda m, x: hf_model.hf_dense(layer, m, x),
+    )
+
+
+def _pools(ckpt_config, num_layers: int) -> list[LoRAWeights]:
+    spec = ckpt_config.layer_spec(max_loras=SLOT + 1, max_rank=POOL_MAX_RANK)
+    return [LoRAWeights(spec) for _ in range(num_layers)]
+
+
+def check_model_base(fixtures: FixtureSet, model: str) -> list[CheckRow]:
+    """The oracle without adapter vs the transformers base layers, weights from memory and from disk."""
+    hf = hf_model.load_hf(fixtures.model_dir(model))
+    rows: list[CheckRow] = []
+    with MoECheckpoint(fixtures.model_dir(model)) as ckpt:
+        cfg = ckpt.config
+        for li, layer in enumerate(hf_model.decoder_layers(hf)):
+            moe, dense = base_from_hf(layer, norm_topk_prob=cfg.norm_topk_prob)
+            disk = ckpt.layer(li)
+            for source, (m, d) in (("hf-memory", (moe, dense)),
+                                   ("readers", (disk.moe, {k: disk.dense(k) for k in "qkvo"}))):
+                rows += compare_layer(model=model, adapter=BASE, source=source, layer=li, moe=m, dense=d, pool=None,
+                                      top_k=cfg.top_k, seed=_seed(model, li), **_hf_side(layer))
+    return rows
+
+
+def _rank_sigma_row(model: str, adapter: str, read, expected: dict) -> CheckRow:
+    problems = []
+    for li, layer in enumerate(read.layers):
+        want = expected.get(str(li), {})
+        if set(layer) != set(want):
+            problems.append(f"L{li}: modules {sorted(layer)} != expected {sorted(want)}")
+        for m, lora in layer.items():
+            if m in want and (lora.rank != want[m]["rank"] or not math.isclose(lora.scaling, want[m]["scaling"],
+                                                                                rel_tol=1e-12)):
+                problems.append(f"L{li} {m}: rank {lora.rank} σ {lora.scaling} != expected {want[m]}")
+    return CheckRow(model, adapter, "readers", -1, "rank/σ", 0.0, 0.0, None, not problems, "equal",
+                    "; ".join(problems[:5]))
+
+
+def check_adapter(fixtures: FixtureSet, adapter: str) -> list[CheckRow]:
+    """Every check of one fixture adapter (see the module doc)."""
+    entry = fixtures.adapter(adapter)
+    model = entry["model"]
+    model_dir, adapter_dir = fixtures.model_dir(model), fixtures.adapter_dir(adapter)
+    divergent = bool(entry["peft_divergent"])
+    hf = hf_model.load_hf(model_dir, adapter_dir)
+    hf_layers = hf_model.decoder_layers(hf)
+    rows: list[CheckRow] = []
+    with MoECheckpoint(model_dir) as ckpt:
+        cfg = ckpt.config
+        # hf-memory: weights from the transformers / peft modules.
+        mem_pools = _pools(cfg, cfg.num_layers)
+        for li, layer in enumerate(hf_layers):
+            moe, dense = base_from_hf(layer, norm_topk_prob=cfg.norm_topk_prob)
+            mem_pools[li].load_slot(SLOT, lora_from_peft(layer, intermediate=cfg.moe_intermediate_size))
+            rows += compare_layer(model=model, adapter=adapter, source="hf-memory", layer=li, moe=moe, dense=dense,
+                                  pool=mem_pools[li], top_k=cfg.top_k, seed=_seed(adapter, li), **_hf_side(layer))
+        # readers: everything from disk through moelora_core.checkpoint.
+        read = read_adapter(adapter_dir, cfg, max_rank=POOL_MAX_RANK)
+        rows.append(_rank_sigma_row(model, adapter, read, entry["modules"]))
+        pools = _pools(cfg, cfg.num_layers)
+        load_adapter_into_slot(pools, SLOT, read)
+        disk_layers = [ckpt.layer(li) for li in range(cfg.num_layers)]
+        for li, layer in enumerate(hf_layers):
+            disk = disk_layers[li]
+            dense = {k: disk.dense(k) for k in "qkvo"}
+            rows += compare_layer(model=model, adapter=adapter, source="readers", layer=li, moe=disk.moe, dense=dense,
+                                  pool=pools[li], top_k=cfg.top_k, seed=_seed(adapter, li), **_hf_side(layer),
+                                  expect="diverge" if divergent else "equal")
+            if divergent:
+                # peft's σ on the fused gate_up: 2α/√(2r) = √2 · α/√r.
+                gate_up = [module_index("gate"), module_index("up")]
+                pools[li].module_scalings[gate_up, SLOT] *= math.sqrt(2.0)
+                rows += compare_layer(model=model, adapter=adapter, source="readers σ·√2", layer=li, moe=disk.moe,
+                                      dense={}, pool=pools[li], top_k=cfg.top_k, seed=_seed(adapter, li),
+                                      **_hf_side(layer))
+                pools[li].module_scalings[gate_up, SLOT] /= math.sqrt(2.0)
+        if entry["format"] == "per_expert":
+            base = hf_model.load_hf(model_dir)
+            for li, layer in enumerate(merged_reference_layers(base, adapter_dir)):
+                disk = disk_layers[li]
+                dense = {k: disk.dense(k) for k in "qkvo"}
+                rows += compare_layer(model=model, adapter=adapter, source="per-module", layer=li, moe=disk.moe,
+                                      dense=dense, pool=pools[li], top_k=cfg.top_k, seed=_seed(adapter, li),
+                                      **_hf_side(layer))
+    return rows
+
+
+def run_hf_check(fixtures: FixtureSet, *, adapters: list[str] | None = None) -> list[CheckRow]:
+    """Base checks of every model that an adapter in ``adapters`` (default: all) uses, then each adapter."""
+    names = adapters if adapters is not None else sorted(fixtures.manifest["adapters"])
+    models = sorted({fixtures.adapter(a)["model"] for a in names}) if adapters is not None else \
+        sorted(fixtures.manifest["models"])
+    rows: list[CheckRow] = []
+    for model in models:
+        rows += check_model_base(fixtures, model)
+    for adapter in names:
+        rows += check_adapter(fixtures, adapter)
+    return rows

@@ -1,0 +1,61 @@
+"""The hf-check table: model × adapter × max relative error, pass / fail (rich)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from rich.console import Console
+from rich.table import Table
+
+from moelora_conformance.hf_check.compare import CheckRow
+
+#: Short source names for the table (the rows keep the long ones).
+_SHORT = {"hf-memory": "mem", "readers": "disk", "readers σ·√2": "disk·σ√2", "per-module": "per-mod"}
+
+
+def summarize(rows: Iterable[CheckRow]) -> list[dict]:
+    """One entry per (model, adapter): sources checked, worst error of the comparisons expected to
+    agree, smallest visible LoRA delta, pass/fail and notes (first failures, documented divergences)."""
+    groups: dict[tuple[str, str], list[CheckRow]] = {}
+    for r in rows:
+        groups.setdefault((r.model, r.adapter), []).append(r)
+    out = []
+    for (model, adapter), rs in groups.items():
+        equal = [r for r in rs if r.expect == "equal" and r.part != "rank/σ"]
+        deltas = [r.delta_rel for r in rs if r.delta_rel is not None and r.source != "readers σ·√2"]
+        notes = [f"{r.source} L{r.layer} {r.part}: {r.note.splitlines()[0]}" for r in rs if not r.ok]
+        diverged = [r for r in rs if r.ok and r.expect == "diverge"]
+        if diverged:
+            notes.append(f"peft σ differs, as documented (disk vs peft up to {max(r.max_rel for r in diverged):.1e})")
+        out.append({
+            "model": model, "adapter": adapter,
+            "sources": ",".join(dict.fromkeys(_SHORT.get(r.source, r.source) for r in rs)),
+            "max_rel": max((r.max_rel for r in equal), default=0.0),
+            "min_delta": min(deltas) if deltas else None,
+            "ok": all(r.ok for r in rs), "checks": len(rs), "notes": notes,
+        })
+    return out
+
+
+def render(rows: list[CheckRow], console: Console | None = None) -> bool:
+    """Print the table; return whether every check passed."""
+    console = console or Console(width=max(Console().width, 150))
+    table = Table(title="oracle vs HF transformers + PEFT (fp32, max relative error bound 1e-5)",
+                  caption="sources: mem = weights from the transformers/peft modules; disk = moelora_core.checkpoint "
+                          "readers; per-mod = per-module reference (legacy adapters); disk·σ√2 = peft's converted σ")
+    for col, kw in (("model", {}), ("adapter", {}), ("sources", {}), ("checks", {"justify": "right"}),
+                    ("max rel err", {"justify": "right"}), ("min LoRA Δ", {"justify": "right"}),
+                    ("result", {}), ("notes", {"overflow": "fold"})):
+        table.add_column(col, **kw)
+    summary = summarize(rows)
+    for s in summary:
+        delta = "—" if s["min_delta"] is None else f"{s['min_delta']:.2f}"
+        result = "[green]PASS[/green]" if s["ok"] else "[bold red]FAIL[/bold red]"
+        table.add_row(s["model"], s["adapter"], s["sources"], str(s["checks"]), f"{s['max_rel']:.2e}", delta,
+                      result, "\n".join(s["notes"][:3]))
+    console.print(table)
+    ok = all(s["ok"] for s in summary)
+    failed = sum(not s["ok"] for s in summary)
+    console.print(f"{len(summary)} model/adapter pairs, {len(rows)} checks: "
+                  + ("[green]all pass[/green]" if ok else f"[bold red]{failed} pair(s) fail[/bold red]"))
+    return ok

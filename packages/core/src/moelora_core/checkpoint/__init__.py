@@ -1,0 +1,74 @@
+"""Readers for real checkpoints: Hugging Face MoE models and PEFT LoRA adapters (issue 5).
+
+safetensors + JSON only (no transformers, no peft). See ``conformance/docs/checkpoints.md`` for the
+supported families, adapter formats and refusals.
+
+- :class:`MoECheckpoint` / :func:`read_checkpoint`: config.json + safetensors (single, sharded, or
+  several files), per-expert or fused 3-D experts → :class:`MoEModelConfig` + per-layer tensors
+  (:class:`DecoderLayerWeights` with ``MoEBaseWeights``), embeddings, final norm, LM head.
+- :func:`read_adapter`: adapter_config.json + adapter_model.safetensors → :class:`AdapterWeights`
+  (per layer, module → ``ModuleLoRA`` with its σ), cast to the compute dtype.
+- :func:`load_adapter_into_slot`: an adapter into one slot of every layer's ``LoRAWeights``,
+  validated first, so a refusal changes nothing.
+- Refusals: one class per kind (:mod:`.errors`), subclasses of ``moelora_core.AdapterError``.
+"""
+
+from moelora_core.checkpoint.adapter_reader import AdapterWeights, read_adapter
+from moelora_core.checkpoint.base_reader import MoECheckpoint, read_checkpoint
+from moelora_core.checkpoint.errors import (
+    ADAPTER_REFUSALS,
+    AdapterFormatError,
+    AdapterRefusal,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointShapeError,
+    DoRAError,
+    MissingTensorError,
+    ModelMismatchError,
+    NonFiniteWeightError,
+    RankTooLargeError,
+    ShapeMismatchError,
+    UnmatchedKeysError,
+    UnsupportedModelError,
+    UnsupportedTargetError,
+    VocabularyTargetError,
+)
+from moelora_core.checkpoint.families import FAMILIES, MIXTRAL, OLMOE, QWEN3_MOE, Family
+from moelora_core.checkpoint.layout import DecoderLayerWeights, ModelWeights
+from moelora_core.checkpoint.model_config import MoEModelConfig, read_model_config
+from moelora_core.checkpoint.peft_config import PeftAdapterConfig
+from moelora_core.checkpoint.slot_loader import load_adapter_into_slot
+
+__all__ = [
+    "ADAPTER_REFUSALS",
+    "FAMILIES",
+    "MIXTRAL",
+    "OLMOE",
+    "QWEN3_MOE",
+    "AdapterFormatError",
+    "AdapterRefusal",
+    "AdapterWeights",
+    "CheckpointError",
+    "CheckpointFormatError",
+    "CheckpointShapeError",
+    "DecoderLayerWeights",
+    "DoRAError",
+    "Family",
+    "MissingTensorError",
+    "MoECheckpoint",
+    "MoEModelConfig",
+    "ModelMismatchError",
+    "ModelWeights",
+    "NonFiniteWeightError",
+    "PeftAdapterConfig",
+    "RankTooLargeError",
+    "ShapeMismatchError",
+    "UnmatchedKeysError",
+    "UnsupportedModelError",
+    "UnsupportedTargetError",
+    "VocabularyTargetError",
+    "load_adapter_into_slot",
+    "read_adapter",
+    "read_checkpoint",
+    "read_model_config",
+]

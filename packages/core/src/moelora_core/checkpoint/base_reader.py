@@ -1,0 +1,226 @@
+"""Read a Hugging Face MoE checkpoint (config.json + safetensors) into moelora's layout.
+
+Formats read (transformers 5.17; see :mod:`moelora_core.checkpoint.families`):
+
+- per-expert keys as ``save_pretrained`` writes them: ``mlp.experts.{e}.gate_proj/up_proj/
+  down_proj.weight`` (Qwen3-MoE, OLMoE), ``block_sparse_moe.experts.{e}.w1/w3/w2.weight`` (Mixtral);
+- the fused 3-D form: ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows first) and
+  ``mlp.experts.down_proj`` [E, H, I].
+
+The orientation comes from the format, never from the shapes: a tensor whose shape is not exactly
+the one the config implies is refused (with H != 2I a transposed expert stack fails loudly; with
+H == 2I the format alone decides). Every tensor of the checkpoint must be consumed: keys the layout
+has no place for (biases, shared experts, extra layers) are refused rather than ignored.
+
+Reading is lazy: :class:`MoECheckpoint` validates every header on open and reads tensor data one
+layer at a time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moelora_core.base_weights import MoEBaseWeights
+from moelora_core.checkpoint.errors import (
+    CheckpointFormatError,
+    CheckpointShapeError,
+    MissingTensorError,
+    UnsupportedModelError,
+)
+from moelora_core.checkpoint.layout import DecoderLayerWeights, ModelWeights
+from moelora_core.checkpoint.model_config import MoEModelConfig, read_model_config
+from moelora_core.checkpoint.tensor_source import TensorSource
+
+_FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+class MoECheckpoint:
+    """A base checkpoint opened for reading.
+
+    Args:
+        path: the checkpoint directory (``config.json`` and ``model.safetensors`` or shards).
+        dtype: cast every tensor to this dtype; None keeps the stored dtype.
+
+    Attributes:
+        config: the typed model config.
+        expert_format: per layer, "per_expert" or "fused" (as stored).
+
+    Raises (on open):
+        CheckpointFormatError: missing/unreadable files, a duplicated key, keys the layout does not
+            consume, a non-floating tensor.
+        UnsupportedModelError: see :meth:`MoEModelConfig.from_dict`.
+        MissingTensorError: a required tensor is absent.
+        CheckpointShapeError: a tensor's shape differs from the config's (expected vs found).
+    """
+
+    def __init__(self, path: str | Path, *, dtype: torch.dtype | None = None) -> None:
+        self.path = Path(path)
+        self.dtype = dtype
+        self.config: MoEModelConfig = read_model_config(self.path)
+        self._src = TensorSource.from_directory(
+            self.path, stem="model", error=lambda subject, problem: CheckpointFormatError(self.path, subject, problem)
+        )
+        self._layout: dict[str, tuple[int, ...]] = {}
+        self.expert_format: list[str] = []
+        self._plan()
+
+    # --- planning: every key, its expected shape ------------------------------------------------
+
+    def _expect(self, key: str, shape: tuple[int, ...]) -> None:
+        if key not in self._src:
+            raise MissingTensorError(self.path, key, "required tensor is missing", expected=shape, found="no such key")
+        found = self._src.shape(key)
+        if found != shape:
+            raise CheckpointShapeError(self.path, key, "wrong shape", expected=shape, found=found)
+        dtype = self._src.dtype_name(key)
+        if dtype not in _FLOAT_DTYPES:
+            raise CheckpointFormatError(self.path, key, "not a floating-point tensor",
+                                        expected="/".join(_FLOAT_DTYPES), found=dtype)
+        self._layout[key] = shape
+
+    def _moe_block(self, layer: int) -> tuple[str, str]:
+        """(block name, "per_expert" | "fused") of ``layer``'s MoE block, as stored."""
+        fam = self.config.family
+        prefix = f"model.layers.{layer}"
+        if f"{prefix}.mlp.experts.gate_up_proj" in self._src or f"{prefix}.mlp.experts.down_proj" in self._src:
+            return "mlp", "fused"
+        return fam.expert_block, "per_expert"
+
+    def _plan(self) -> None:
+        c = self.config
+        H, I, E = c.hidden_size, c.moe_intermediate_size, c.num_experts  # noqa: E741
+        dense = c.dense_shapes
+        self._expect("model.embed_tokens.weight", (c.vocab_size, H))
+        self._expect("model.norm.weight", (H,))
+        if "lm_head.weight" in self._src or not c.tie_word_embeddings:
+            self._expect("lm_head.weight", (c.vocab_size, H))
+        for layer in range(c.num_layers):
+            p = f"model.layers.{layer}"
+            for module, leaf in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj")):
+                fin, fout = dense[module]
+                self._expect(f"{p}.self_attn.{leaf}.weight", (fout, fin))
+            if c.family.qk_norm == "per_head":
+                self._expect(f"{p}.self_attn.q_norm.weight", (c.head_dim,))
+                self._expect(f"{p}.self_attn.k_norm.weight", (c.head_dim,))
+            elif c.family.qk_norm == "full":
+                self._expect(f"{p}.self_attn.q_norm.weight", (dense["q"][1],))
+                self._expect(f"{p}.self_attn.k_norm.weight", (dense["k"][1],))
+            self._expect(f"{p}.input_layernorm.weight", (H,))
+            self._expect(f"{p}.post_attention_layernorm.weight", (H,))
+            block, form = self._moe_block(layer)
+            self.expert_format.append(form)
+            self._expect(f"{p}.{block}.gate.weight", (E, H))
+            if form == "fused":
+                self._expect(f"{p}.mlp.experts.gate_up_proj", (E, 2 * I, H))
+                self._expect(f"{p}.mlp.experts.down_proj", (E, H, I))
+            else:
+                g, u, d = c.family.expert_leaves
+                for e in range(E):
+                    self._expect(f"{p}.{block}.experts.{e}.{g}.weight", (I, H))
+                    self._expect(f"{p}.{block}.experts.{e}.{u}.weight", (I, H))
+                    self._expect(f"{p}.{block}.experts.{e}.{d}.weight", (H, I))
+        extra = [k for k in self._src.keys() if k not in self._layout]
+        if extra:
+            shown = ", ".join(extra[:5]) + (f" (+{len(extra) - 5} more)" if len(extra) > 5 else "")
+            raise UnsupportedModelError(
+                self.path, shown, f"{len(extra)} tensor(s) that the {c.family.display} layout has no place for "
+                "(biases, shared experts, extra layers?)",
+            )
+
+    # --- reading ---------------------------------------------------------------------------------
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """One tensor by its checkpoint key, cast to ``dtype`` (validated on open)."""
+        if key not in self._layout:
+            raise MissingTensorError(self.path, key, "not a tensor of this checkpoint's layout")
+        t = self._src.get(key)
+        return t if self.dtype is None else t.to(self.dtype)
+
+    def moe(self, layer: int) -> MoEBaseWeights:
+        """Layer ``layer``'s MoE block: w_gate_up [E, 2I, H] (gate rows first), w_down [E, H, I],
+        router [E, H].
+
+        Raises:
+            IndexError: ``layer`` outside ``[0, num_layers)``.
+        """
+        self._check_layer(layer)
+        c = self.config
+        p = f"model.layers.{layer}"
+        block, form = self._moe_block(layer)
+        if form == "fused":
+            w_gate_up = self.tensor(f"{p}.mlp.experts.gate_up_proj")
+            w_down = self.tensor(f"{p}.mlp.experts.down_proj")
+        else:
+            g, u, d = c.family.expert_leaves
+            experts = range(c.num_experts)
+            gate = torch.stack([self.tensor(f"{p}.{block}.experts.{e}.{g}.weight") for e in experts])  # [E, I, H]
+            up = torch.stack([self.tensor(f"{p}.{block}.experts.{e}.{u}.weight") for e in experts])  # [E, I, H]
+            w_gate_up = torch.cat([gate, up], dim=1)  # [E, 2I, H], gate rows first
+            w_down = torch.stack([self.tensor(f"{p}.{block}.experts.{e}.{d}.weight") for e in experts])  # [E, H, I]
+        return MoEBaseWeights(
+            w_gate_up=w_gate_up.contiguous(),
+            w_down=w_down.contiguous(),
+            router=self.tensor(f"{p}.{block}.gate.weight"),
+            num_experts=c.num_experts,
+            norm_topk_prob=c.norm_topk_prob,
+        )
+
+    def layer(self, layer: int) -> DecoderLayerWeights:
+        """Every base tensor of decoder layer ``layer`` (see :mod:`moelora_core.checkpoint.layout`)."""
+        self._check_layer(layer)
+        p = f"model.layers.{layer}.self_attn"
+        has_qk_norm = self.config.family.qk_norm is not None
+        return DecoderLayerWeights(
+            q_proj=self.tensor(f"{p}.q_proj.weight"),
+            k_proj=self.tensor(f"{p}.k_proj.weight"),
+            v_proj=self.tensor(f"{p}.v_proj.weight"),
+            o_proj=self.tensor(f"{p}.o_proj.weight"),
+            q_norm=self.tensor(f"{p}.q_norm.weight") if has_qk_norm else None,
+            k_norm=self.tensor(f"{p}.k_norm.weight") if has_qk_norm else None,
+            input_layernorm=self.tensor(f"model.layers.{layer}.input_layernorm.weight"),
+            post_attention_layernorm=self.tensor(f"model.layers.{layer}.post_attention_layernorm.weight"),
+            moe=self.moe(layer),
+        )
+
+    def embed_tokens(self) -> torch.Tensor:
+        """[V, H] token embedding."""
+        return self.tensor("model.embed_tokens.weight")
+
+    def final_norm(self) -> torch.Tensor:
+        """[H] final RMSNorm weight."""
+        return self.tensor("model.norm.weight")
+
+    def lm_head(self) -> torch.Tensor:
+        """[V, H] LM head (the embedding when the checkpoint ties them and stores no head)."""
+        return self.tensor("lm_head.weight") if "lm_head.weight" in self._layout else self.embed_tokens()
+
+    def read_all(self) -> ModelWeights:
+        """Every tensor of the model, in moelora's layout."""
+        return ModelWeights(
+            config=self.config,
+            embed_tokens=self.embed_tokens(),
+            layers=[self.layer(i) for i in range(self.config.num_layers)],
+            norm=self.final_norm(),
+            lm_head=self.lm_head(),
+        )
+
+    def _check_layer(self, layer: int) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.config.num_layers:
+            raise IndexError(f"layer {layer!r} outside [0, {self.config.num_layers})")
+
+    def close(self) -> None:
+        self._src.close()
+
+    def __enter__(self) -> MoECheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_checkpoint(path: str | Path, *, dtype: torch.dtype | None = None) -> ModelWeights:
+    """Read a whole checkpoint into moelora's layout (see :class:`MoECheckpoint` for errors)."""
+    with MoECheckpoint(path, dtype=dtype) as ckpt:
+        return ckpt.read_all()

@@ -1,0 +1,114 @@
+"""The supported MoE model families and how each names its tensors and config fields.
+
+Facts from transformers 5.17 (``save_pretrained`` output and the modeling code):
+
+=============  ===========================================  ====================================
+family         per-expert keys on disk (layer l, expert e)   config fields
+=============  ===========================================  ====================================
+qwen3_moe      model.layers.l.mlp.experts.e.gate_proj /       moe_intermediate_size,
+               up_proj / down_proj .weight;                   num_experts | num_local_experts,
+               router model.layers.l.mlp.gate.weight          norm_topk_prob (default False),
+                                                              q_norm/k_norm per head [head_dim]
+mixtral        model.layers.l.block_sparse_moe.experts.e.     intermediate_size, num_local_experts;
+               w1 (gate) / w3 (up) / w2 (down) .weight;       top-k weights always renormalised
+               router model.layers.l.block_sparse_moe.gate
+olmoe          as qwen3_moe                                   intermediate_size, num_experts,
+                                                              norm_topk_prob (default False),
+                                                              q_norm [H], k_norm [kv_heads·head_dim]
+=============  ===========================================  ====================================
+
+The fused 3-D form, as the in-memory modules hold it (and as transformers also loads it), is
+``model.layers.l.mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows first) and
+``model.layers.l.mlp.experts.down_proj`` [E, H, I], router ``model.layers.l.mlp.gate.weight`` — for
+every family, Mixtral included (transformers renames ``block_sparse_moe`` to ``mlp`` on load).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one model family names things.
+
+    Attributes:
+        model_type: ``config.json``'s ``model_type``.
+        display: a human name.
+        architecture: the ``*ForCausalLM`` class name transformers writes in ``architectures``.
+        expert_block: the MoE block's name in per-expert checkpoints ("mlp", "block_sparse_moe").
+        expert_blocks: every name the MoE block may carry in a checkpoint or adapter (per-expert
+            name first, then "mlp" for the fused form).
+        expert_leaves: per-expert projection names (gate, up, down) (``gate_proj, up_proj,
+            down_proj`` or Mixtral's ``w1, w3, w2``).
+        intermediate_key: config field holding the expert width I.
+        experts_keys: config fields that may hold E, first found wins.
+        always_renormalize: the top-k router weights are renormalised whatever the config says.
+        qk_norm: "per_head" (RMSNorm over head_dim), "full" (over heads·head_dim) or None.
+    """
+
+    model_type: str
+    display: str
+    architecture: str
+    expert_block: str
+    expert_blocks: tuple[str, ...]
+    expert_leaves: tuple[str, str, str]
+    intermediate_key: str
+    experts_keys: tuple[str, ...]
+    always_renormalize: bool
+    qk_norm: str | None
+
+    def expert_leaf(self, module: str) -> str:
+        """The per-expert leaf name of moelora module ``module`` ("gate", "up", "down")."""
+        return self.expert_leaves[("gate", "up", "down").index(module)]
+
+    def expert_module(self, leaf: str) -> str | None:
+        """moelora's module name ("gate", "up", "down") of per-expert leaf ``leaf``, or None."""
+        return ("gate", "up", "down")[self.expert_leaves.index(leaf)] if leaf in self.expert_leaves else None
+
+
+QWEN3_MOE = Family(
+    model_type="qwen3_moe",
+    display="Qwen3-MoE",
+    architecture="Qwen3MoeForCausalLM",
+    expert_block="mlp",
+    expert_blocks=("mlp",),
+    expert_leaves=("gate_proj", "up_proj", "down_proj"),
+    intermediate_key="moe_intermediate_size",
+    experts_keys=("num_experts", "num_local_experts"),
+    always_renormalize=False,
+    qk_norm="per_head",
+)
+MIXTRAL = Family(
+    model_type="mixtral",
+    display="Mixtral",
+    architecture="MixtralForCausalLM",
+    expert_block="block_sparse_moe",
+    expert_blocks=("block_sparse_moe", "mlp"),
+    expert_leaves=("w1", "w3", "w2"),
+    intermediate_key="intermediate_size",
+    experts_keys=("num_local_experts", "num_experts"),
+    always_renormalize=True,
+    qk_norm=None,
+)
+OLMOE = Family(
+    model_type="olmoe",
+    display="OLMoE",
+    architecture="OlmoeForCausalLM",
+    expert_block="mlp",
+    expert_blocks=("mlp",),
+    expert_leaves=("gate_proj", "up_proj", "down_proj"),
+    intermediate_key="intermediate_size",
+    experts_keys=("num_experts", "num_local_experts"),
+    always_renormalize=False,
+    qk_norm="full",
+)
+
+#: model_type → family.
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (QWEN3_MOE, MIXTRAL, OLMOE)}
+
+#: Leaf names of every family's per-expert projections (to recognise another family's adapter).
+ALL_EXPERT_LEAVES: frozenset[str] = frozenset(leaf for f in FAMILIES.values() for leaf in f.expert_leaves)
+
+#: moelora dense module → the attention projection's leaf name.
+DENSE_LEAVES: dict[str, str] = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}

@@ -1,0 +1,58 @@
+"""moelora's one layout for a base MoE model's tensors, whatever the checkpoint's format.
+
+Shapes (H hidden, I expert width, E experts, nh/nkv heads, d head_dim, V vocab):
+
+=========================  =====================  ==========================================
+field                      shape                  meaning
+=========================  =====================  ==========================================
+q_proj / k_proj / v_proj   [nh·d, H] / [nkv·d, H] attention projections, ``y = W x``
+o_proj                     [H, nh·d]
+q_norm / k_norm            [d] or [nh·d]/[nkv·d]  Qwen3-MoE: per head; OLMoE: full width; else None
+input_layernorm            [H]                    RMSNorm before attention
+post_attention_layernorm   [H]                    RMSNorm before the MoE block
+moe                        MoEBaseWeights         w_gate_up [E, 2I, H] (gate rows first),
+                                                  w_down [E, H, I], router [E, H], norm_topk_prob
+embed_tokens               [V, H]
+norm                       [H]                    final RMSNorm
+lm_head                    [V, H]                 the embedding itself when tied
+=========================  =====================  ==========================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moelora_core.base_weights import MoEBaseWeights
+from moelora_core.checkpoint.model_config import MoEModelConfig
+
+
+@dataclass
+class DecoderLayerWeights:
+    """The base tensors of one decoder layer (see the module table)."""
+
+    q_proj: torch.Tensor
+    k_proj: torch.Tensor
+    v_proj: torch.Tensor
+    o_proj: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    input_layernorm: torch.Tensor
+    post_attention_layernorm: torch.Tensor
+    moe: MoEBaseWeights
+
+    def dense(self, module: str) -> torch.Tensor:
+        """The [out, in] weight of dense module "q", "k", "v" or "o"."""
+        return {"q": self.q_proj, "k": self.k_proj, "v": self.v_proj, "o": self.o_proj}[module]
+
+
+@dataclass
+class ModelWeights:
+    """A whole base model in moelora's layout."""
+
+    config: MoEModelConfig
+    embed_tokens: torch.Tensor
+    layers: list[DecoderLayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor

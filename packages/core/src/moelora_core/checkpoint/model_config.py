@@ -1,0 +1,189 @@
+"""The typed model config the readers produce from ``config.json`` (one class for every family)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moelora_core.checkpoint.errors import CheckpointFormatError, UnsupportedModelError
+from moelora_core.checkpoint.families import FAMILIES, Family
+from moelora_core.layer_spec import LoRALayerSpec
+
+
+@dataclass(frozen=True)
+class MoEModelConfig:
+    """What moelora needs to know about a decoder-only MoE model.
+
+    Attributes:
+        family: the :class:`~moelora_core.checkpoint.families.Family`.
+        architecture: ``architectures[0]`` of config.json (None when absent).
+        num_layers: decoder layers, every one an MoE layer.
+        hidden_size: H.
+        moe_intermediate_size: I, one expert's gate/up width.
+        num_experts: E, routed experts per layer.
+        top_k: experts per token.
+        num_attention_heads, num_key_value_heads, head_dim: attention geometry
+            (q: H → heads·head_dim; k, v: H → kv_heads·head_dim; o: heads·head_dim → H).
+        vocab_size: rows of the embedding and the LM head.
+        norm_topk_prob: renormalise the top-k router weights (always True for Mixtral).
+        rms_norm_eps: ε of every RMSNorm.
+        rope_theta: RoPE base.
+        tie_word_embeddings: the LM head is the embedding matrix.
+        clip_qkv: OLMoE's clamp of q/k/v outputs (None = none).
+        torch_dtype: the dtype config.json declares ("float32", ...), None when absent.
+    """
+
+    family: Family
+    architecture: str | None
+    num_layers: int
+    hidden_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    top_k: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    norm_topk_prob: bool
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    clip_qkv: float | None = None
+    torch_dtype: str | None = None
+
+    @property
+    def model_type(self) -> str:
+        return self.family.model_type
+
+    @property
+    def dense_shapes(self) -> dict[str, tuple[int, int]]:
+        """moelora dense module → (in_features, out_features) of the attention projections."""
+        q_out = self.num_attention_heads * self.head_dim
+        kv_out = self.num_key_value_heads * self.head_dim
+        h = self.hidden_size
+        return {"q": (h, q_out), "k": (h, kv_out), "v": (h, kv_out), "o": (q_out, h)}
+
+    def layer_spec(
+        self,
+        *,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> LoRALayerSpec:
+        """The ``LoRALayerSpec`` of one decoder layer of this model (every layer is alike)."""
+        return LoRALayerSpec(
+            hidden_size=self.hidden_size,
+            moe_intermediate_size=self.moe_intermediate_size,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            dense_shapes=self.dense_shapes,
+            max_loras=max_loras,
+            max_rank=max_rank,
+            dtype=dtype,
+            device=torch.device(device),
+        )
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, object], *, path: object = "<config>") -> MoEModelConfig:
+        """Parse a transformers ``config.json`` dict.
+
+        Raises:
+            UnsupportedModelError: unknown ``model_type``; a Qwen3-MoE with dense MLP layers
+                (``mlp_only_layers`` / ``decoder_sparse_step``); attention or MLP biases; an
+                activation other than SiLU.
+            CheckpointFormatError: a required field is missing or not a positive int.
+        """
+        model_type = raw.get("model_type")
+        family = FAMILIES.get(str(model_type))
+        if family is None:
+            raise UnsupportedModelError(
+                path, "config.json model_type", "unsupported model family",
+                expected=f"one of {sorted(FAMILIES)}", found=repr(model_type),
+            )
+
+        def positive(key: str, value: object = None) -> int:
+            value = raw.get(key) if value is None else value
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CheckpointFormatError(path, f"config.json {key}", "must be an int >= 1", found=repr(value))
+            return value
+
+        experts_key = next((k for k in family.experts_keys if raw.get(k) is not None), family.experts_keys[0])
+        hidden = positive("hidden_size")
+        heads = positive("num_attention_heads")
+        head_dim = raw.get("head_dim")
+        if head_dim is None:
+            if hidden % heads:
+                raise CheckpointFormatError(path, "config.json head_dim", "absent and hidden_size % heads != 0")
+            head_dim = hidden // heads
+        if model_type == "qwen3_moe":
+            sparse_step = raw.get("decoder_sparse_step", 1)
+            if raw.get("mlp_only_layers") or sparse_step != 1:
+                raise UnsupportedModelError(
+                    path, "config.json mlp_only_layers / decoder_sparse_step",
+                    "dense MLP layers are not supported (every layer must be an MoE layer)",
+                    expected="[] and 1", found=f"{raw.get('mlp_only_layers')!r} and {sparse_step!r}",
+                )
+        for key in ("attention_bias", "mlp_bias"):
+            if raw.get(key):
+                raise UnsupportedModelError(path, f"config.json {key}", "biases are not supported", found=True)
+        act = raw.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UnsupportedModelError(path, "config.json hidden_act", "experts must use SiLU",
+                                        expected="'silu'", found=repr(act))
+        rope = raw.get("rope_parameters") or {}
+        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0)) if isinstance(rope, Mapping) else 10000.0
+        eps = float(raw.get("rms_norm_eps", 1e-6))
+        if not math.isfinite(eps) or eps <= 0:
+            raise CheckpointFormatError(path, "config.json rms_norm_eps", "must be a positive float", found=eps)
+        archs = raw.get("architectures") or [None]
+        num_experts = positive(experts_key)
+        top_k = positive("num_experts_per_tok")
+        if top_k > num_experts:
+            raise CheckpointFormatError(path, "config.json num_experts_per_tok", "exceeds the number of experts",
+                                        expected=f"<= {num_experts}", found=top_k)
+        clip = raw.get("clip_qkv")
+        return cls(
+            family=family,
+            architecture=archs[0],
+            num_layers=positive("num_hidden_layers"),
+            hidden_size=hidden,
+            moe_intermediate_size=positive(family.intermediate_key),
+            num_experts=num_experts,
+            top_k=top_k,
+            num_attention_heads=heads,
+            num_key_value_heads=positive("num_key_value_heads", raw.get("num_key_value_heads") or heads),
+            head_dim=positive("head_dim", head_dim),
+            vocab_size=positive("vocab_size"),
+            norm_topk_prob=True if family.always_renormalize else bool(raw.get("norm_topk_prob", False)),
+            rms_norm_eps=eps,
+            rope_theta=float(rope_theta),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            clip_qkv=None if clip is None else float(clip),
+            torch_dtype=raw.get("dtype", raw.get("torch_dtype")),
+        )
+
+
+def read_model_config(path: str | Path) -> MoEModelConfig:
+    """Read ``path/config.json`` (or the file ``path`` itself) into a :class:`MoEModelConfig`.
+
+    Raises:
+        CheckpointFormatError: the file is missing or not valid JSON (or a field is malformed).
+        UnsupportedModelError: see :meth:`MoEModelConfig.from_dict`.
+    """
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        raw = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointFormatError(path, "config.json", "not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointFormatError(path, "config.json", f"not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointFormatError(path, "config.json", "must hold a JSON object")
+    return MoEModelConfig.from_dict(raw, path=path)

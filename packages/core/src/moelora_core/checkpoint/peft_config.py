@@ -1,0 +1,200 @@
+"""The parts of a PEFT ``adapter_config.json`` (peft 0.21) that decide what an adapter targets and
+how each module is scaled, with the config-level refusals.
+
+Rank and σ per module follow PEFT exactly (``moelora_core.AdapterConfig``): a ``rank_pattern`` /
+``alpha_pattern`` key applies to a module whose path ends with it on a dot boundary, the first
+matching key wins. The path PEFT matches is the module's path in the transformers model:
+
+- dense projections: ``model.layers.{l}.self_attn.q_proj``;
+- ``target_parameters`` (fused experts): the *parameter's* path,
+  ``model.layers.{l}.mlp.experts.gate_up_proj`` and ``model.layers.{l}.mlp.experts.down_proj``, so
+  gate_up and down can get separate patterns, and a key such as ``mlp.experts`` matches neither;
+- legacy per-expert modules: ``model.layers.{l}.mlp.experts.{e}.gate_proj`` (Mixtral:
+  ``block_sparse_moe.experts.{e}.w1``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from moelora_core.adapter_config import AdapterConfig
+from moelora_core.checkpoint.errors import (
+    AdapterFormatError,
+    DoRAError,
+    ModelMismatchError,
+    UnsupportedTargetError,
+    VocabularyTargetError,
+)
+from moelora_core.errors import InvalidFieldError
+
+#: Module names whose LoRA (or full copy) changes the vocabulary path.
+VOCABULARY_MODULES: frozenset[str] = frozenset({"embed_tokens", "lm_head", "wte", "word_embeddings"})
+#: Fields of adapter_config.json that switch on a LoRA variant moelora does not serve.
+_VARIANT_FIELDS: tuple[str, ...] = (
+    "use_qalora", "use_bdlora", "alora_invocation_tokens", "arrow_config", "velora_config", "kasa_config",
+    "monteclora_config",
+)
+#: The expert parameters moelora applies LoRA to through ``target_parameters``.
+EXPERT_PARAMETERS: tuple[str, str] = ("gate_up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class PeftAdapterConfig:
+    """A LoRA adapter's config, validated.
+
+    Attributes:
+        name: the adapter's name (for messages).
+        lora: r, α, rsLoRA and the patterns (``AdapterConfig``).
+        target_modules: as written (a list of names, a regex string, or None).
+        target_parameters: parameter paths or suffixes (``mlp.experts.gate_up_proj``), may be empty.
+        base_model_class: ``auto_mapping.base_model_class`` when PEFT recorded it.
+        raw: the whole JSON object.
+    """
+
+    name: str
+    lora: AdapterConfig
+    target_modules: tuple[str, ...] | str | None
+    target_parameters: tuple[str, ...]
+    base_model_class: str | None
+    raw: Mapping[str, object]
+
+    def targets_parameter(self, param_path: str) -> bool:
+        """Whether ``target_parameters`` names ``param_path`` (PEFT's rule: equal, or ends with
+        ``"." + target``)."""
+        return any(param_path == t or param_path.endswith(f".{t}") for t in self.target_parameters)
+
+
+def _leaf(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+def parse_adapter_config(
+    raw: Mapping[str, object],
+    *,
+    name: str,
+    supported_leaves: frozenset[str],
+    foreign_leaves: frozenset[str] = frozenset(),
+    architecture: str | None = None,
+) -> PeftAdapterConfig:
+    """Validate an ``adapter_config.json`` object and apply the config-level refusals.
+
+    Args:
+        raw: the parsed JSON.
+        name: the adapter's name, for messages.
+        supported_leaves: module leaf names a list-form ``target_modules`` may hold (the model's
+            attention projections and its family's per-expert projections).
+        foreign_leaves: leaf names that only another model family has (Mixtral's ``w1`` for a
+            Qwen3-MoE model): an adapter naming them was made for another model.
+        architecture: the model's ``*ForCausalLM`` class; an adapter whose recorded
+            ``auto_mapping.base_model_class`` differs was made for another model.
+
+    Raises:
+        AdapterFormatError: not LoRA; malformed r / α / patterns; lora bias, fan_in_fan_out, or a
+            LoRA variant.
+        ModelMismatchError: made for another architecture, or names another family's experts.
+        DoRAError: ``use_dora``.
+        VocabularyTargetError: ``trainable_token_indices``, or embedding / LM-head targets or
+            ``modules_to_save``.
+        UnsupportedTargetError: other ``modules_to_save``; a list-form target or a target parameter
+            that is not an attention projection or an expert projection.
+    """
+    peft_type = raw.get("peft_type")
+    if peft_type != "LORA":
+        raise AdapterFormatError(name, "adapter_config.json peft_type", "not a LoRA adapter",
+                                 expected="'LORA'", found=repr(peft_type))
+    auto = raw.get("auto_mapping")
+    base_class = auto.get("base_model_class") if isinstance(auto, Mapping) else None
+    if base_class and architecture and base_class != architecture:
+        raise ModelMismatchError(name, "adapter_config.json auto_mapping.base_model_class",
+                                 "the adapter was made for another model", expected=architecture, found=base_class)
+    targets = raw.get("target_modules")
+    leaves = [_leaf(t) for t in targets] if isinstance(targets, list) else []
+    foreign = sorted({t for t in leaves if t in foreign_leaves})
+    if foreign:
+        raise ModelMismatchError(name, "adapter_config.json target_modules", "names the experts of another model "
+                                 "family", expected=f"a subset of {sorted(supported_leaves)}", found=foreign)
+    if raw.get("use_dora"):
+        raise DoRAError(name, "adapter_config.json use_dora", "DoRA adapters are not supported", found=True)
+    if raw.get("trainable_token_indices"):
+        raise VocabularyTargetError(
+            name, "adapter_config.json trainable_token_indices", "the adapter trains token embeddings "
+            "(added or re-trained tokens)", found=raw["trainable_token_indices"],
+        )
+    saved = [str(m) for m in (raw.get("modules_to_save") or [])]
+    vocab = sorted({t for t in leaves + [_leaf(m) for m in saved] if t in VOCABULARY_MODULES})
+    if vocab:
+        raise VocabularyTargetError(name, "adapter_config.json target_modules/modules_to_save",
+                                    "the adapter targets the embedding or the LM head", found=vocab)
+    if saved:
+        raise UnsupportedTargetError(name, "adapter_config.json modules_to_save",
+                                     "full copies of modules are not served", found=saved)
+    for field in ("lora_bias", "fan_in_fan_out"):
+        if raw.get(field):
+            raise AdapterFormatError(name, f"adapter_config.json {field}", "not supported", expected=False, found=True)
+    for field in _VARIANT_FIELDS:
+        if raw.get(field):
+            raise AdapterFormatError(name, f"adapter_config.json {field}", "LoRA variant not supported",
+                                     found=raw[field])
+    unsupported = sorted({t for t in leaves if t not in supported_leaves})
+    if unsupported:
+        raise UnsupportedTargetError(name, "adapter_config.json target_modules", "targets moelora does not serve",
+                                     expected=f"a subset of {sorted(supported_leaves)}", found=unsupported)
+    params = tuple(str(p) for p in (raw.get("target_parameters") or []))
+    bad_params = [p for p in params if _leaf(p) not in EXPERT_PARAMETERS or ".experts." not in f".{p}"]
+    if bad_params:
+        raise UnsupportedTargetError(name, "adapter_config.json target_parameters", "parameters moelora does not "
+                                     "serve", expected="mlp.experts.gate_up_proj / mlp.experts.down_proj",
+                                     found=bad_params)
+    try:
+        lora = AdapterConfig(
+            r=raw.get("r"),
+            lora_alpha=raw.get("lora_alpha", 8),
+            use_rslora=bool(raw.get("use_rslora", False)),
+            rank_pattern=dict(raw.get("rank_pattern") or {}),
+            alpha_pattern=dict(raw.get("alpha_pattern") or {}),
+        )
+    except (InvalidFieldError, TypeError, ValueError) as exc:
+        raise AdapterFormatError(name, "adapter_config.json", f"invalid LoRA settings: {exc}") from None
+    return PeftAdapterConfig(
+        name=name,
+        lora=lora,
+        target_modules=tuple(targets) if isinstance(targets, list) else targets,
+        target_parameters=params,
+        base_model_class=str(base_class) if base_class else None,
+        raw=dict(raw),
+    )
+
+
+def read_adapter_config(directory: Path, *, name: str, **checks: object) -> PeftAdapterConfig:
+    """Read and validate ``directory/adapter_config.json``; ``checks`` are the keyword arguments of
+    :func:`parse_adapter_config` (supported_leaves, foreign_leaves, architecture).
+
+    Also refuses an adapter shipped with ``added_tokens.json`` (its tokenizer grew the vocabulary).
+
+    Raises:
+        AdapterFormatError: the file is missing or not a JSON object; plus every refusal of
+            :func:`parse_adapter_config`.
+        VocabularyTargetError: a non-empty ``added_tokens.json``.
+    """
+    file = directory / "adapter_config.json"
+    try:
+        raw = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise AdapterFormatError(name, "adapter_config.json", f"not found in {directory}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AdapterFormatError(name, "adapter_config.json", f"not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise AdapterFormatError(name, "adapter_config.json", "must hold a JSON object")
+    added = directory / "added_tokens.json"
+    if added.is_file():
+        try:
+            tokens = json.loads(added.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            tokens = {"<unreadable>": None}
+        if tokens:
+            raise VocabularyTargetError(name, "added_tokens.json", "the adapter adds tokens to the vocabulary",
+                                        found=sorted(tokens)[:5])
+    return parse_adapter_config(raw, name=name, **checks)

@@ -1,0 +1,77 @@
+"""Load one adapter into one slot of every layer's pool, atomically.
+
+A model has one ``LoRAWeights`` pool per decoder layer. :func:`load_adapter_into_slot` validates the
+adapter against every pool (layer count, module shapes, rank <= R, finiteness) before it writes the
+first layer, so a refusal leaves every slot of every pool exactly as it was. Layers the adapter does
+not touch are cleared in that slot (rank 0, σ 0): a slot holds one adapter, never leftovers of the
+previous one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from moelora_core.checkpoint.adapter_reader import AdapterWeights
+from moelora_core.checkpoint.errors import ModelMismatchError, RankTooLargeError, ShapeMismatchError
+from moelora_core.errors import InvalidFieldError
+from moelora_core.layer_spec import MOE_MODULES
+from moelora_core.weights import LoRAWeights
+
+
+def load_adapter_into_slot(
+    pools: Sequence[LoRAWeights], slot: int, adapter: AdapterWeights, *, adapter_scaling: float | None = None
+) -> None:
+    """Write ``adapter`` into ``slot`` of ``pools[l]`` for every layer l, or change nothing.
+
+    Args:
+        pools: one pool per decoder layer, in layer order.
+        slot: the adapter slot, in ``[0, max_loras)`` of every pool.
+        adapter: from :func:`~moelora_core.checkpoint.read_adapter` (for the same model).
+        adapter_scaling: the adapter-level σ recorded in each pool (``slot_scalings()``); defaults to
+            :meth:`AdapterWeights.scaling`.
+
+    Raises:
+        SlotError: ``slot`` outside a pool's range.
+        ModelMismatchError: the pools are for another model (layer count, a module absent from the
+            pool's spec, other dims).
+        RankTooLargeError: a module's rank above a pool's max rank R.
+        ShapeMismatchError: a factor's shape the pool refuses.
+        InvalidFieldError: anything else ``LoRAWeights.load_slot`` would refuse (non-finite σ, ...).
+    """
+    name = adapter.name
+    if len(pools) != adapter.num_layers:
+        raise ModelMismatchError(name, "pools", "one pool per decoder layer is needed",
+                                 expected=adapter.num_layers, found=len(pools))
+    if adapter_scaling is None:
+        adapter_scaling = adapter.scaling()
+    for layer, (pool, modules) in enumerate(zip(pools, adapter.layers)):
+        pool._check_slot(slot)  # raises SlotError before anything is written
+        spec = pool.spec
+        for module, lora in modules.items():
+            where = f"layer {layer} {module}"
+            if module not in MOE_MODULES and module not in spec.dense_shapes:
+                raise ModelMismatchError(name, where, "the pool's layer spec has no such module",
+                                         expected=f"one of {MOE_MODULES + tuple(spec.dense_shapes)}", found=module)
+            fin, fout = spec.module_shape(module)
+            lead = (spec.E,) if module in MOE_MODULES else ()
+            r = lora.rank
+            if r > spec.R:
+                raise RankTooLargeError(name, where, "rank above the pool's max rank", expected=f"<= {spec.R}", found=r)
+            want_a, want_b = (*lead, r, fin), (*lead, fout, r)
+            got_a, got_b = tuple(lora.lora_A.shape), tuple(lora.lora_B.shape)
+            if (got_a, got_b) != (want_a, want_b):
+                kind = ModelMismatchError if (got_a[:-2], got_a[-1], got_b[-2]) != (lead, fin, fout) else \
+                    ShapeMismatchError
+                raise kind(name, where, "factors do not fit the pool's layer spec",
+                           expected=f"A {want_a}, B {want_b}", found=f"A {got_a}, B {got_b}")
+            try:
+                pool._validated(module, lora)  # the pool's own checks (finiteness, σ), still before any write
+            except InvalidFieldError as exc:
+                raise InvalidFieldError(f"adapter {name!r} {where}", exc.problem) from None
+    # Everything fits every pool: write. load_slot re-validates (cheap) and cannot fail now.
+    for pool, modules in zip(pools, adapter.layers):
+        if modules:
+            pool.load_slot(slot, dict(modules), adapter_scaling=adapter_scaling)
+        else:
+            pool.clear_slot(slot)
+            pool.host_adapter_scalings[slot] = 0.0
