@@ -138,11 +138,11 @@ def _resolve_fused(
     base = f"model.layers.{layer}.{block}.experts"
     targeted = [p for p in ("gate_up_proj", "down_proj") if cfg.targets_parameter(f"{base}.{p}")]
     where = f"{base} (target_parameters={list(cfg.target_parameters)})"
-    if "inner" in wrappers:
-        if len(targeted) != 2:
-            raise AdapterFormatError(name, where, "nested expert wrappers (experts.base_layer) need both "
-                                     "gate_up_proj and down_proj targeted", found=targeted)
+    if len(targeted) == 2:  # peft nests both on every layer: inner gate_up, outer down
         return {"inner": "gate_up_proj", "outer": "down_proj"}
+    if "inner" in wrappers:
+        raise AdapterFormatError(name, where, "nested expert wrappers (experts.base_layer) need both "
+                                 "gate_up_proj and down_proj targeted", found=targeted)
     if len(targeted) != 1:
         raise AdapterFormatError(name, where, "one expert wrapper, but the config does not say which parameter "
                                  "it wraps", expected="exactly one of gate_up_proj / down_proj", found=targeted)
@@ -230,8 +230,8 @@ def _check_model_dims(plans: list[_Plan], src: TensorSource, model: MoEModelConf
                               ("expert intermediate size", inter, model.moe_intermediate_size),
                               ("number of experts", experts, model.num_experts)):
         if found and len(set(found)) == 1 and found[0] != want:
-            raise ModelMismatchError(name, what, f"the adapter was made for another model (every factor says "
-                                     f"{found[0]})", expected=want, found=found[0])
+            raise ModelMismatchError(name, what, "the adapter was made for another model (all its factors agree)",
+                                     expected=want, found=found[0])
 
 
 def _read(src: TensorSource, key: str, dtype: torch.dtype, name: str) -> torch.Tensor:

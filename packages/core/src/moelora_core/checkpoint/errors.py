@@ -18,9 +18,8 @@ from moelora_core.errors import AdapterError, MoeLoraError
 
 def _describe(subject: str, problem: str, expected: object, found: object) -> str:
     text = f"{subject}: {problem}" if subject else problem
-    if expected is not None or found is not None:
-        text += f" (expected {expected}, found {found})"
-    return text
+    parts = [f"{label} {value}" for label, value in (("expected", expected), ("found", found)) if value is not None]
+    return f"{text} ({', '.join(parts)})" if parts else text
 
 
 class CheckpointError(MoeLoraError, ValueError):
