@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import torch
 
 from moelora_core.errors import InvalidFieldError
+from moelora_core.graphs.host_memory import mark_host_memory
 
 
 class PinnedStaging:
@@ -41,6 +42,10 @@ class PinnedStaging:
         self.capacity = int(capacity)
         pin = self.device.type == "cuda"
         self._host = [torch.empty(self.capacity, dtype=dtype, pin_memory=pin) for _ in range(2)]
+        for host in self._host:
+            # The CPU twin of pinned memory: the graph emulator and the host-sync guard treat
+            # copies from these buffers as pinned staging, not as device data.
+            mark_host_memory(host)
         self._events: list[torch.cuda.Event | None] = [None, None]
         self._current = 1
 

@@ -17,7 +17,9 @@ As on CUDA, capture does not leave the work done: storages that existed before c
 were written by recorded ops are restored afterwards, and captured storage is poisoned (NaN
 for floating dtypes, the dtype's minimum for integers) until the first replay writes it.
 Ops that only allocate (``empty``) record nothing, so what they hold is whatever the last
-replay left. Host syncs raise :class:`~moelora_core.errors.HostSyncError` at capture.
+replay left. Random ops draw from the default generator at every replay, as the same eager
+call would (CUDA graphs do so through philox offsets), and capture draws nothing. Host syncs
+raise :class:`~moelora_core.errors.HostSyncError` at capture.
 """
 
 from __future__ import annotations
@@ -205,6 +207,7 @@ def capture_emulated(fn: Callable[[], object], device: torch.device, family: str
         HostSyncError: ``fn`` synchronises with the host; nothing is left captured.
     """
     recorder = Recorder(device)
+    rng = _RngState(device)
     done = False
     try:
         with recorder.active(), intercept_triton_launches(recorder.on_launch):
@@ -212,4 +215,20 @@ def capture_emulated(fn: Callable[[], object], device: torch.device, family: str
         done = True
     finally:
         recorder.undo(poison=done)
+        rng.restore()
     return EmulatedGraph(family, recorder, output)
+
+
+class _RngState:
+    """The default generators' state, restored after capture: a CUDA capture draws nothing from
+    them (random ops in a graph take their offsets at replay), so neither does the emulator's."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cpu = torch.random.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def restore(self) -> None:
+        torch.random.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)

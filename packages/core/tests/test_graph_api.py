@@ -1,0 +1,73 @@
+"""GraphPool / CapturedGraph: the one API over CUDA graphs and the emulator.
+
+Covers: one pool per family, ``kind`` chosen from the device and documented values, refusals
+(unknown family or kind, "cuda" without CUDA, negative warm-up), warm-up runs eagerly before
+capture, replay returns the same output object every time, graphs of a pool are listed; on a GPU
+(marked ``gpu``) the same program agrees bit for bit between kind "cuda" and kind "emulated".
+"""
+
+import pytest
+import torch
+
+from moelora_core import GRAPH_FAMILIES, InvalidFieldError
+from moelora_core.graphs import GRAPH_KINDS, GraphPool, graph_pools
+
+pytestmark = pytest.mark.cudagraph
+
+
+def test_one_pool_per_family_with_the_device_kind():
+    pools = graph_pools("cpu")
+    assert tuple(pools) == GRAPH_FAMILIES
+    assert {p.kind for p in pools.values()} == {"emulated"}
+    assert GRAPH_KINDS == ("cuda", "emulated")
+    assert pools["decode"] is not pools["prefill"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"family": "extend"}, "family"),
+        ({"family": "decode", "kind": "hip"}, "kind"),
+        ({"family": "decode", "kind": "cuda"}, "kind"),  # a CPU device cannot hold CUDA graphs
+    ],
+)
+def test_pool_refusals_name_the_field(kwargs, field):
+    with pytest.raises(InvalidFieldError) as exc:
+        GraphPool(device="cpu", **kwargs)
+    assert exc.value.field == field
+
+
+def test_warmup_runs_eagerly_and_replay_returns_the_same_output():
+    calls = []
+    x = torch.arange(4.0)
+    pool = GraphPool("prefill", "cpu")
+
+    def forward():
+        calls.append(1)
+        return x * 3
+
+    with pytest.raises(InvalidFieldError, match="warmup"):
+        pool.capture(forward, warmup=-1)
+    graph = pool.capture(forward, warmup=2)
+    assert len(calls) == 3  # two warm-ups, one capture
+    assert graph.kind == "emulated" and graph.family == "prefill"
+    first = graph.replay()
+    x.add_(1)
+    assert graph.replay() is first is graph.output
+    assert torch.equal(first, (torch.arange(4.0) + 1) * 3)
+    assert len(calls) == 3  # replay does not call the Python function
+    assert pool.graphs == [graph]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["frozen_scalar", "device_count", "stale_tail", "host_sync_item", "views_inplace_out"])
+def test_cuda_graph_and_emulator_agree_on_cuda(name):
+    import graph_programs as gp
+
+    prog = gp.BY_NAME[name]
+    cuda = gp.run_program(prog, "cuda", "cuda", seed=1)
+    emulated = gp.run_program(prog, "cuda", "emulated", seed=1)
+    assert gp.check_run(prog, cuda) == [] and gp.check_run(prog, emulated) == []
+    assert (cuda.error is None) == (emulated.error is None)
+    assert all(gp.same(a, b) for a, b in zip(cuda.replay, emulated.replay))
