@@ -1,0 +1,110 @@
+"""The fixtures builder (issue 3 item 3, issue 5): what it writes, in which format, and that it
+writes the same bytes every time.
+
+Covers: the manifest lists every spec; models are on disk in the declared expert format with the
+dims that make a wrong read fail loudly (H != 2I except the H == 2I model); adapters are on disk in
+peft's layouts (fused target_parameters, legacy per-expert with gate_A != up_A, fp16/bf16
+storage); a second build through the CLI (``make-fixtures``) gives byte-identical files.
+"""
+
+import hashlib
+import json
+
+import pytest
+from safetensors import safe_open
+
+from moelora_conformance.cli import main
+from moelora_conformance.fixtures import ADAPTERS, BAD_ADAPTERS, MODELS
+
+
+def _keys(path):
+    with safe_open(str(path), framework="pt") as f:
+        return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+
+
+def test_manifest_lists_every_spec(fixture_set):
+    m = fixture_set.manifest
+    assert sorted(m["models"]) == sorted(s.name for s in MODELS)
+    assert sorted(m["adapters"]) == sorted(s.name for s in ADAPTERS)
+    assert sorted(m["bad_adapters"]) == sorted(s.name for s in BAD_ADAPTERS)
+    assert {e["family"] for e in m["models"].values()} == {"qwen3_moe", "mixtral", "olmoe"}
+    for name, entry in m["adapters"].items():
+        assert entry["modules"], name
+        assert set(entry["modules"]) == {"0", "1"}, name
+        for modules in entry["modules"].values():
+            for info in modules.values():
+                assert info["rank"] >= 1 and info["scaling"] > 0, name
+    for name in m["adapters"]:
+        assert (fixture_set.adapter_dir(name) / "adapter_config.json").is_file()
+
+
+@pytest.mark.parametrize("spec", MODELS, ids=lambda s: s.name)
+def test_model_on_disk(fixture_set, spec):
+    keys = _keys(fixture_set.model_dir(spec.name) / "model.safetensors")
+    H, I, E = spec.hidden, spec.inter, spec.experts  # noqa: E741
+    if spec.name == "qwen3_moe_h2i":
+        assert H == 2 * I  # orientation must come from the format
+        assert "lm_head.weight" not in keys  # tied embeddings
+    else:
+        assert H not in (I, 2 * I)  # a transposed or swapped read has the wrong shape
+        assert keys["lm_head.weight"][0] == (spec.vocab, H)
+    q_out = keys["model.layers.0.self_attn.q_proj.weight"][0]
+    assert q_out[0] != H or spec.family == "olmoe"  # heads·head_dim != H, so a transposed q fails
+    if spec.expert_format == "fused":
+        assert keys["model.layers.1.mlp.experts.gate_up_proj"][0] == (E, 2 * I, H)
+        assert keys["model.layers.1.mlp.experts.down_proj"][0] == (E, H, I)
+        assert not any(".experts.0." in k for k in keys)
+    elif spec.family == "mixtral":
+        assert keys[f"model.layers.1.block_sparse_moe.experts.{E - 1}.w1.weight"][0] == (I, H)
+        assert keys["model.layers.1.block_sparse_moe.experts.0.w2.weight"][0] == (H, I)
+        assert keys["model.layers.1.block_sparse_moe.gate.weight"][0] == (E, H)
+    else:
+        assert keys[f"model.layers.1.mlp.experts.{E - 1}.up_proj.weight"][0] == (I, H)
+        assert keys["model.layers.1.mlp.experts.0.down_proj.weight"][0] == (H, I)
+    assert {dtype for _, dtype in keys.values()} == {"F32"}
+
+
+@pytest.mark.parametrize("spec", ADAPTERS, ids=lambda s: s.name)
+def test_adapter_on_disk(fixture_set, spec):
+    keys = _keys(fixture_set.adapter_dir(spec.name) / "adapter_model.safetensors")
+    config = json.loads((fixture_set.adapter_dir(spec.name) / "adapter_config.json").read_text())
+    assert config["init_lora_weights"] is False and config["peft_type"] == "LORA"
+    assert {dtype for _, dtype in keys.values()} == {{"float32": "F32", "float16": "F16", "bfloat16": "BF16"}[
+        spec.stored_dtype]}
+    assert config["use_rslora"] is spec.use_rslora
+    fused = [k for k in keys if ".mlp.experts.lora_" in k or ".experts.base_layer." in k]
+    per_expert = [k for k in keys if ".experts.0." in k]
+    if spec.format == "fused":
+        assert fused and not per_expert
+        assert sorted(config["target_parameters"]) == sorted(f"mlp.experts.{p}" for p in spec.experts)
+        nested = any("experts.base_layer" in k for k in keys)
+        assert nested == (len(spec.experts) == 2)  # gate_up is the inner wrapper when both are targeted
+    else:
+        assert per_expert and not fused
+        assert config["target_parameters"] is None
+
+
+def test_legacy_adapter_has_distinct_gate_and_up_a(fixture_set):
+    from safetensors.torch import load_file
+
+    for spec in ADAPTERS:
+        if spec.format != "per_expert":
+            continue
+        state = load_file(str(fixture_set.adapter_dir(spec.name) / "adapter_model.safetensors"))
+        gate = next(v for k, v in state.items() if k.endswith((".0.gate_proj.lora_A.weight", ".0.w1.lora_A.weight")))
+        up = next(v for k, v in state.items() if k.endswith((".0.up_proj.lora_A.weight", ".0.w3.lora_A.weight")))
+        assert gate.shape == up.shape and not gate.equal(up), spec.name
+
+
+def _digest(root):
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_make_fixtures_cli_is_deterministic(fixture_set, tmp_path, capsys):
+    assert main(["make-fixtures", str(tmp_path / "again")]) == 0
+    assert "built 6 models, 18 adapters, 10 bad adapters" in capsys.readouterr().out
+    first, second = _digest(fixture_set.root), _digest(tmp_path / "again")
+    assert first.keys() == second.keys()
+    differ = [k for k in first if first[k] != second[k]]
+    assert not differ, f"{len(differ)} files differ between two builds, e.g. {differ[:3]}"

@@ -1,0 +1,56 @@
+"""``moelora-conformance``: the subcommand registry and ``hf-check``'s table and exit status.
+
+hf-check exits 0 with a table of model × adapter × max relative error when everything passes, and
+1 when a check fails (here: a manifest that expects another σ than peft's).
+"""
+
+import argparse
+import json
+import shutil
+
+import pytest
+
+from moelora_conformance import cli
+
+
+def test_registry_holds_the_builtin_subcommands_and_refuses_duplicates():
+    assert {"make-fixtures", "hf-check"} <= set(cli.SUBCOMMANDS)
+    parser, handlers = cli.build_parser()
+    assert set(handlers) == set(cli.SUBCOMMANDS)
+    with pytest.raises(ValueError, match="already registered"):
+        cli.subcommand("hf-check", help="again")(lambda parser: (lambda args: 0))
+    with pytest.raises(SystemExit):
+        parser.parse_args([])  # a subcommand is required
+
+
+def test_a_new_subcommand_plugs_in(monkeypatch):
+    monkeypatch.setattr(cli, "SUBCOMMANDS", dict(cli.SUBCOMMANDS))
+
+    @cli.subcommand("echo", help="test only")
+    def _echo(parser: argparse.ArgumentParser):
+        parser.add_argument("--code", type=int, default=3)
+        return lambda args: args.code
+
+    assert cli.main(["echo", "--code", "7"]) == 7
+
+
+def test_hf_check_passes_and_prints_the_table(fixture_set, capsys):
+    status = cli.main(["hf-check", "--fixtures", str(fixture_set.root), "--adapter", "mixtral-legacy",
+                       "--adapter", "qwen3_moe_h2i-r8"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "oracle vs HF transformers + PEFT" in out and "max rel err" in out
+    assert "mixtral-legacy" in out and "qwen3_moe_h2i-r8" in out and "(base)" in out
+    assert "FAIL" not in out and "all pass" in out
+
+
+def test_hf_check_fails_with_nonzero_status(fixture_set, tmp_path, capsys):
+    root = tmp_path / "fixtures"
+    shutil.copytree(fixture_set.root, root)
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["adapters"]["olmoe-r8"]["modules"]["1"]["down"]["scaling"] *= 2  # expect a σ peft never used
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    status = cli.main(["hf-check", "--fixtures", str(root), "--adapter", "olmoe-r8"])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert "FAIL" in out and "L1 down" in out
