@@ -126,6 +126,10 @@ class Interceptor:
             return func(*args, **kwargs)
         if func in sync_rules.DATA_CREATORS:
             return self._create_from_data(func, args, kwargs)
+        if func is torch.Tensor.new_tensor and "device" not in kwargs and not self.placement.is_host(args[0]):
+            # x.new_tensor(data) lands on x's device: a blocking copy of host data
+            return self._create_from_data(torch.tensor, args[1:], {**kwargs, "device": args[0].device},
+                                          name="Tensor.new_tensor")
         if func in sync_rules.FACTORIES:
             device = kwargs.get("device")
             placement = "device" if device is not None and self.is_device_target(device) else "host"
@@ -135,13 +139,13 @@ class Interceptor:
             return self._tensor_to(func, args, kwargs)
         return func(*args, **kwargs)
 
-    def _create_from_data(self, func, args: tuple, kwargs: dict):
+    def _create_from_data(self, func, args: tuple, kwargs: dict, name: str | None = None):
         data = args[0] if args else next(iter(kwargs.values()), None)
         if isinstance(data, torch.Tensor):  # a conversion of existing data: the ops decide
             return func(*args, **kwargs)
         device = kwargs.get("device")
         if device is not None and self.is_device_target(device):
-            self.crossing("h2d", False, False, f"torch.{func.__name__}(host data, device={device!s})")
+            self.crossing("h2d", False, False, f"{name or 'torch.' + func.__name__}(host data, device={device!s})")
         with self.placing("host"):
             return func(*args, **kwargs)
 
