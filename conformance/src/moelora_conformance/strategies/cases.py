@@ -11,7 +11,7 @@ zero, so every delta is visible).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from hypothesis import strategies as st
@@ -53,6 +53,27 @@ class MaterializedCase:
     dense_x: dict[str, torch.Tensor]
     lora: LoRAWeights
     token_lora_mapping: torch.Tensor
+
+    def to(self, device: torch.device | str) -> MaterializedCase:
+        """The same values on ``device`` (e.g. a CPU copy for the float64 oracle of a CUDA run)."""
+        device = torch.device(device)
+        spec = replace(self.spec, device=device)
+        lora = LoRAWeights(spec)
+        for name in ("gate_up_A", "gate_up_B", "down_A", "down_B", "module_ranks", "module_scalings"):
+            getattr(lora, name).copy_(getattr(self.lora, name))
+        for name in ("dense_A", "dense_B"):
+            for m, t in getattr(self.lora, name).items():
+                getattr(lora, name)[m].copy_(t)
+        lora.host_ranks = {m: list(v) for m, v in self.lora.host_ranks.items()}
+        lora.host_scalings = {m: list(v) for m, v in self.lora.host_scalings.items()}
+        lora.host_adapter_scalings = list(self.lora.host_adapter_scalings)
+        base = replace(self.base, w_gate_up=self.base.w_gate_up.to(device), w_down=self.base.w_down.to(device),
+                       router=None if self.base.router is None else self.base.router.to(device))
+        return MaterializedCase(
+            spec, self.x.to(device), self.router_logits.to(device), self.topk_ids.to(device),
+            self.topk_weights.to(device), base, {m: t.to(device) for m, t in self.dense_weights.items()},
+            {m: t.to(device) for m, t in self.dense_x.items()}, lora, self.token_lora_mapping.to(device),
+        )
 
 
 @dataclass(frozen=True)
