@@ -32,6 +32,8 @@ for extra in (ROOT / "packages" / "core" / "src", ROOT / "packages" / "core" / "
 import graph_programs as gp  # noqa: E402
 import torch  # noqa: E402
 
+from moelora_core.graphs import GraphPool  # noqa: E402
+
 
 def _versions() -> str:
     props = torch.cuda.get_device_properties(0)
@@ -76,7 +78,7 @@ def rng_sequence(kind: str, seed: int) -> list[torch.Tensor]:
         return x + torch.randn(6, device="cuda") * torch.rand(6, device="cuda")
 
     torch.manual_seed(seed)
-    graph = gp.GraphPool("decode", "cuda", kind=kind).capture(noisy, warmup=0)
+    graph = GraphPool("decode", "cuda", kind=kind).capture(noisy, warmup=0)
     out = [graph.replay().clone(), graph.replay().clone(), noisy()]
     return [t.cpu() for t in out]
 
@@ -85,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=3, help="seeds per program (default 3)")
     parser.add_argument("--out", type=Path, help="also write the table to this file")
+    parser.add_argument("--overhead", action="store_true",
+                        help="also time eager vs CUDA graph vs emulated replay (graph_overhead.py)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("graph_agreement: needs a CUDA device", file=sys.stderr)
@@ -108,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", f"generator after capture, across replays and the next eager draw: {'agree' if rng_ok else 'FAIL'}"]
     if not rng_ok:
         all_problems.append("rng_sequence: CUDA graph and emulator draw different random numbers")
+    if args.overhead:
+        import graph_overhead
+
+        res = graph_overhead.measure("cuda", tokens=64)
+        ops = int(res.pop("emulated ops"))
+        lines.append(f"replay overhead, representative layer (64 tokens, {ops} ops), median µs per forward: "
+                     + ", ".join(f"{k} {v:.1f}" for k, v in res.items()))
     lines.append("" if not all_problems else "problems:")
     lines += [f"  {p}" for p in all_problems]
     lines.append(f"graph_agreement: {'FAILED' if all_problems else 'OK'}")

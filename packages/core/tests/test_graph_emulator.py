@@ -245,3 +245,13 @@ def test_replay_sees_new_values_of_static_inputs_and_counts_its_ops():
     for seed in (16, 17):
         x.copy_(_rand(4, 3, seed=seed))
         assert torch.equal(graph.replay(), torch.relu(x @ w) + 1)
+
+
+def test_a_replay_inside_another_capture_is_recorded_there():
+    # like a child graph: the outer graph re-issues the inner graph's work
+    x = _rand(3, seed=18)
+    pool = _pool()
+    inner = pool.capture(lambda: x * 2, warmup=0)
+    outer = pool.capture(lambda: inner.replay() + 1, warmup=0)
+    x.copy_(_rand(3, seed=19))
+    assert torch.equal(outer.replay(), x * 2 + 1)

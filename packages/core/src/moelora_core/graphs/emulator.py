@@ -53,13 +53,13 @@ class _OpStep:
 @dataclass(frozen=True)
 class _LaunchStep:
     kernel: object
-    run: Callable
     args: tuple
     kwargs: dict
     grid: tuple[int, ...]
 
     def replay(self) -> None:
-        self.run(self.kernel, *self.args, grid=self.grid, warmup=False, **self.kwargs)
+        # through the kernel's run attribute: a replay inside another capture is recorded there
+        self.kernel.run(*self.args, grid=self.grid, warmup=False, **self.kwargs)
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -151,7 +151,7 @@ class Recorder(Interceptor):
                 self._save(t)
             result = run(kernel, *args, grid=frozen, warmup=False, **kwargs)
             bound_args, bound_kwargs = tree_map_only(torch.Tensor, self._bind_storage, (args, kwargs))
-        self.steps.append(_LaunchStep(kernel, run, bound_args, bound_kwargs, frozen))
+        self.steps.append(_LaunchStep(kernel, bound_args, bound_kwargs, frozen))
         self.num_launches += 1
         return result
 
