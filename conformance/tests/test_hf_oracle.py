@@ -8,7 +8,9 @@ fixture adapter, fp32, max and RMS relative error <= 1e-5 (DEFAULT_POLICY), topk
 - ``readers``: everything read from disk by moelora_core.checkpoint, loaded with
   load_adapter_into_slot (slot 1), and every module's rank and σ equal to peft's (manifest);
 - ``per-module``: legacy per-expert adapters against a reference with each module's delta merged
-  into transformers' weights.
+  into transformers' weights;
+- ``reference-backend``: the readers' pools through moelora_reference's backend on a mixed batch
+  (adapter request + base request): adapter rows equal HF+PEFT, base rows equal HF without adapter.
 
 Each LoRA delta is a visible fraction of its output (> 10 %), so an ignored, doubled or transposed
 delta fails by far more than the tolerance. The documented peft divergence (legacy + rsLoRA) is
@@ -42,7 +44,9 @@ def test_oracle_with_adapter_equals_hf_peft(fixture_set, spec):
     rows = check_adapter(fixture_set, spec.name)
     assert all(r.ok for r in rows), _failures(rows)
     sources = {r.source for r in rows}
-    assert {"hf-memory", "readers"} <= sources
+    assert {"hf-memory", "readers", "reference-backend"} <= sources
+    backend_parts = {r.part for r in rows if r.source == "reference-backend"}
+    assert {"moe", "moe base rows", "q", "q base rows"} <= backend_parts
     assert ("per-module" in sources) == (spec.format == "per_expert")
     assert [r.part for r in rows if r.part == "rank/σ"] == ["rank/σ"]
     # Every module the adapter holds changes its output visibly, on both paths.

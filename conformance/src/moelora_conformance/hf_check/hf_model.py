@@ -16,6 +16,9 @@ def load_hf(model_dir: Path, adapter_dir: Path | None = None):
     loaded as its only adapter when given. Offline: nothing is downloaded."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a bar per tiny model would bury the table
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     if adapter_dir is None:

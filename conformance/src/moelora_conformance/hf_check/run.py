@@ -11,7 +11,10 @@ adapter:
 - ``per-module`` (legacy per-expert adapters): the readers equal a reference with each module's
   delta merged into transformers' weights (DESIGN.md §1);
 - for the documented peft divergence (legacy per-expert + rsLoRA): the readers *differ* from
-  HF+PEFT on the MoE block, and equal it once gate/up σ is multiplied by √2 (``readers σ·√2``).
+  HF+PEFT on the MoE block, and equal it once gate/up σ is multiplied by √2 (``readers σ·√2``);
+- ``reference-backend``: the readers' pools run through the reference backend on a mixed batch
+  (adapter request + base request) equal HF+PEFT on the adapter's rows (the per-module reference
+  for the divergent case) and HF without adapter on the base rows.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import zlib
 from moelora_conformance.fixtures.manifest import FixtureSet
 from moelora_conformance.fixtures.specs import POOL_MAX_RANK
 from moelora_conformance.hf_check import hf_model
+from moelora_conformance.hf_check.backend_path import compare_backend_layer
 from moelora_conformance.hf_check.compare import SLOT, CheckRow, compare_layer
 from moelora_conformance.hf_check.extract import base_from_hf, lora_from_peft
 from moelora_conformance.hf_check.per_module import merged_reference_layers
@@ -116,15 +120,34 @@ def check_adapter(fixtures: FixtureSet, adapter: str) -> list[CheckRow]:
                                       dense={}, pool=pools[li], top_k=cfg.top_k, seed=_seed(adapter, li),
                                       **_hf_side(layer))
                 pools[li].module_scalings[gate_up, SLOT] /= math.sqrt(2.0)
+        base_layers = hf_model.decoder_layers(hf_model.load_hf(model_dir))
+        lora_layers = hf_layers
         if entry["format"] == "per_expert":
-            base = hf_model.load_hf(model_dir)
-            for li, layer in enumerate(merged_reference_layers(base, adapter_dir)):
+            merged = merged_reference_layers(hf_model.load_hf(model_dir), adapter_dir)
+            for li, layer in enumerate(merged):
                 disk = disk_layers[li]
                 dense = {k: disk.dense(k) for k in "qkvo"}
                 rows += compare_layer(model=model, adapter=adapter, source="per-module", layer=li, moe=disk.moe,
                                       dense=dense, pool=pools[li], top_k=cfg.top_k, seed=_seed(adapter, li),
                                       **_hf_side(layer))
+            if divergent:
+                lora_layers = merged  # moelora serves the file's modules, not peft's converted σ
+        if backend_available():
+            for li, disk in enumerate(disk_layers):
+                rows += compare_backend_layer(model=model, adapter=adapter, layer=li, moe=disk.moe,
+                                              dense={k: disk.dense(k) for k in "qkvo"}, pool=pools[li],
+                                              lora_side=_hf_side(lora_layers[li]), base_side=_hf_side(base_layers[li]),
+                                              seed=_seed(adapter, "backend", li))
     return rows
+
+
+def backend_available() -> bool:
+    """Whether the reference backend is importable (it joins the checks when it is)."""
+    try:
+        import moelora_reference.backend  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def run_hf_check(fixtures: FixtureSet, *, adapters: list[str] | None = None) -> list[CheckRow]:

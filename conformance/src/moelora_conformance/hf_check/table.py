@@ -10,7 +10,8 @@ from rich.table import Table
 from moelora_conformance.hf_check.compare import CheckRow
 
 #: Short source names for the table (the rows keep the long ones).
-_SHORT = {"hf-memory": "mem", "readers": "disk", "readers σ·√2": "disk·σ√2", "per-module": "per-mod"}
+_SHORT = {"hf-memory": "mem", "readers": "disk", "readers σ·√2": "disk·σ√2", "per-module": "per-mod",
+          "reference-backend": "backend"}
 
 
 def summarize(rows: Iterable[CheckRow]) -> list[dict]:
@@ -42,7 +43,8 @@ def render(rows: list[CheckRow], console: Console | None = None) -> bool:
     console = console or Console(width=max(Console().width, 150))
     table = Table(title="oracle vs HF transformers + PEFT (fp32, max relative error bound 1e-5)",
                   caption="sources: mem = weights from the transformers/peft modules; disk = moelora_core.checkpoint "
-                          "readers; per-mod = per-module reference (legacy adapters); disk·σ√2 = peft's converted σ")
+                          "readers; per-mod = per-module reference (legacy adapters); disk·σ√2 = peft's converted σ; "
+                          "backend = readers → load_adapter_into_slot → reference backend (adapter + base rows)")
     for col, kw in (("model", {}), ("adapter", {}), ("sources", {}), ("checks", {"justify": "right"}),
                     ("max rel err", {"justify": "right"}), ("min LoRA Δ", {"justify": "right"}),
                     ("result", {}), ("notes", {"overflow": "fold"})):

@@ -1,0 +1,66 @@
+"""Readers → ``load_adapter_into_slot`` → the reference backend, against HF + PEFT (issue 5).
+
+One mixed EXTEND batch per layer: request 0 uses the adapter (slot ``SLOT``), request 1 is a base
+request. The backend's fused ``moe_forward`` and ``dense_delta`` (added to the base projection)
+must give, on request 0's rows, the HF+PEFT output with the adapter and, on request 1's rows, the
+HF output without it (fp32, max and RMS relative error <= 1e-5).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moelora_conformance.hf_check.compare import SLOT, TOKENS, CheckRow
+from moelora_core import DEFAULT_POLICY, NO_ADAPTER, BatchSpec, ForwardMode, LoRAWeights, MoEBaseWeights, Request
+
+#: Rows of the adapter request; the rest of the batch is the base request.
+ADAPTER_TOKENS = 20
+
+
+def compare_backend_layer(
+    *,
+    model: str,
+    adapter: str,
+    layer: int,
+    moe: MoEBaseWeights,
+    dense: dict[str, torch.Tensor],
+    pool: LoRAWeights,
+    lora_side: dict,
+    base_side: dict,
+    seed: int,
+) -> list[CheckRow]:
+    """Rows "moe", "moe base rows" and, per dense module, "<m>" and "<m> base rows".
+
+    Args:
+        lora_side / base_side: ``hf_moe(x)`` and ``hf_dense(m, x)`` with and without the adapter.
+    """
+    from moelora_reference.backend import make_backend
+    from moelora_reference.base_moe import route_topk
+
+    backend = make_backend(pool.spec)
+    batch = BatchSpec(ForwardMode.EXTEND, [Request(SLOT, ADAPTER_TOKENS), Request(NO_ADAPTER, TOKENS - ADAPTER_TOKENS)],
+                      pool.spec.max_loras, pool.slot_ranks(), pool.slot_scalings())
+    info = backend.prepare(batch)
+    gen = torch.Generator().manual_seed(seed)
+    a = slice(0, ADAPTER_TOKENS)
+    b = slice(ADAPTER_TOKENS, TOKENS)
+    rows: list[CheckRow] = []
+
+    def row(part: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
+        rep = DEFAULT_POLICY.check(actual, expected, dtype=torch.float32, what=f"{model}/{adapter} L{layer} {part}",
+                                   seed=seed)
+        rows.append(CheckRow(model, adapter, "reference-backend", layer, part, rep.max_rel, rep.rms_rel, None,
+                             rep.ok, "equal", "" if rep.ok else rep.message()))
+
+    x = torch.randn(TOKENS, moe.hidden_size, generator=gen)
+    weights, ids = route_topk(x @ moe.router.T, pool.spec.top_k, moe.norm_topk_prob)
+    y = backend.moe_forward(x, ids, weights, moe, pool, info)
+    row("moe", y[a], lora_side["hf_moe"](x[a]))
+    row("moe base rows", y[b], base_side["hf_moe"](x[b]))
+    for m, w in dense.items():
+        xd = torch.randn(TOKENS, w.shape[1], generator=gen)
+        out = xd @ w.T
+        backend.dense_delta(m, xd, out, pool, info)
+        row(m, out[a], lora_side["hf_dense"](m, xd[a]))
+        row(f"{m} base rows", out[b], base_side["hf_dense"](m, xd[b]))
+    return rows
