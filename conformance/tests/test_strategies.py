@@ -15,17 +15,20 @@ from pathlib import Path
 import torch
 from hypothesis import Phase, given, settings
 
-from moelora_conformance.profiles import current_profile
+from moelora_conformance.profiles import PROFILES, current_profile
 from moelora_conformance.strategies import (
     ADAPTER_MODES,
     FORWARD_KINDS,
     ROUTING_MODES,
     MoELoRACase,
+    capped,
     moe_lora_cases,
     routing_plans,
 )
 from moelora_core import NO_ADAPTER, assert_exact
 
+# Materializing runs on the CPU: bound the sizes whatever the profile (the mix test uses the profile's).
+CAPS = capped(current_profile().caps, PROFILES["dev"].caps)
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -66,7 +69,7 @@ def test_draw_mix_over_500_cases():
         assert s.max_rank <= caps.max_rank and s.max_loras <= caps.max_loras
 
 
-@given(case=moe_lora_cases())
+@given(case=moe_lora_cases(CAPS))
 def test_materialize_matches_the_structure(case):
     m = case.materialize()
     again = case.materialize()
@@ -120,7 +123,7 @@ def test_idle_batches_are_drawable():
     seen = []
 
     @settings(max_examples=20, phases=[Phase.generate], database=None, deadline=None)
-    @given(case=moe_lora_cases(kinds=("idle",)))
+    @given(case=moe_lora_cases(CAPS, kinds=("idle",)))
     def collect(case):
         m = case.materialize()
         assert m.x.shape[0] == 0 and case.batch.bs == 0 and m.token_lora_mapping.numel() == 0

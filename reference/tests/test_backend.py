@@ -15,7 +15,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moelora_conformance.strategies import moe_lora_cases
+from moelora_conformance.profiles import PROFILES, current_profile
+from moelora_conformance.strategies import capped, moe_lora_cases
 from moelora_core import (
     DEFAULT_POLICY,
     Backend,
@@ -35,6 +36,10 @@ from moelora_reference.backend import ReferenceBackend, make_backend
 from moelora_reference.oracle import dense_lora_forward, moe_lora_forward
 
 F32, F16 = torch.float32, torch.float16
+
+
+# The float64 loop oracle and the loop twins run on the CPU: bound the sizes whatever the profile.
+CAPS = capped(current_profile().caps, PROFILES["dev"].caps)
 
 
 def oracle(m, mapping=None, rows=None):
@@ -110,7 +115,7 @@ def test_declares_every_capability_and_satisfies_the_protocol():
 @pytest.mark.parametrize("virtual", [False, True], ids=["direct", "virtual"])
 @given(data=st.data())
 def test_eager_equals_oracle_and_base_rows_are_untouched(dtype, virtual, data, guard, layer):
-    case = data.draw(moe_lora_cases(dtype=dtype, virtual_experts=virtual), label="case")
+    case = data.draw(moe_lora_cases(CAPS, dtype=dtype, virtual_experts=virtual), label="case")
     m = case.materialize()
     backend = make_backend(m.spec)
     info = backend.prepare(case.batch)
@@ -150,7 +155,7 @@ def family_kinds(family):
 @pytest.mark.parametrize("family", ["prefill", "decode"])
 @given(data=st.data())
 def test_graph_family_equals_oracle_and_pad_rows_add_nothing(family, data, guard, layer):
-    case = data.draw(moe_lora_cases(kinds=family_kinds(family)), label="case")
+    case = data.draw(moe_lora_cases(CAPS, kinds=family_kinds(family)), label="case")
     m, batch = case.materialize(), case.batch
     backend = make_backend(m.spec)
     cap = init_family(backend, family, batch, data.draw(st.integers(0, 4), label="request slack"),
@@ -178,7 +183,7 @@ def test_graph_family_equals_oracle_and_pad_rows_add_nothing(family, data, guard
 @given(data=st.data())
 def test_small_batch_after_a_larger_one_equals_a_fresh_eager_run(family, data, layer):
     kinds = tuple(k for k in family_kinds(family) if k != "idle")
-    case = data.draw(moe_lora_cases(kinds=kinds), label="case")
+    case = data.draw(moe_lora_cases(CAPS, kinds=kinds), label="case")
     m, big = case.materialize(), case.batch
     n = data.draw(st.integers(0, big.bs - 1), label="requests kept in the small batch")
     small = BatchSpec(big.forward_mode if n else ForwardMode.IDLE, big.requests[:n], big.max_loras,
@@ -211,7 +216,7 @@ def test_small_batch_after_a_larger_one_equals_a_fresh_eager_run(family, data, l
 
 @given(data=st.data())
 def test_fallback_over_capacity_writes_nothing_and_eager_is_right(data, layer):
-    case = data.draw(moe_lora_cases(kinds=("extend", "mixed", "decode")), label="case")
+    case = data.draw(moe_lora_cases(CAPS, kinds=("extend", "mixed", "decode")), label="case")
     m, batch = case.materialize(), case.batch
     backend = make_backend(m.spec)
     first = BatchSpec(batch.forward_mode, batch.requests[:1], batch.max_loras, batch.lora_ranks, batch.scalings)

@@ -7,6 +7,7 @@ Sizes respect the loaded profile's caps (``current_profile().caps``) unless caps
   ``materialize(device)`` and ``describe()``: what backend properties draw.
 - Smaller pieces for kernel tests: :func:`layer_shapes`, :func:`dtypes`, :func:`adapter_pools`,
   :func:`batch_plans` / :func:`batch_specs`, :func:`routing_plans`, :func:`align_problems`.
+- :func:`capped` bounds a profile's caps (tests whose check cannot follow the ``gpu`` sizes).
 """
 
 from moelora_conformance.strategies.adapters import (
@@ -28,7 +29,7 @@ from moelora_conformance.strategies.batches import (
 )
 from moelora_conformance.strategies.cases import MaterializedCase, MoELoRACase, moe_lora_cases
 from moelora_conformance.strategies.routing import ROUTING_MODES, SENTINEL_SHARES, RoutingPlan, routing_plans
-from moelora_conformance.strategies.shapes import MODEL_SHAPES, LayerShape, dtypes, layer_shapes
+from moelora_conformance.strategies.shapes import MODEL_SHAPES, LayerShape, capped, dtypes, layer_shapes
 
 __all__ = [
     "ADAPTER_MODES",
@@ -50,6 +51,7 @@ __all__ = [
     "align_problems",
     "batch_plans",
     "batch_specs",
+    "capped",
     "dtypes",
     "layer_shapes",
     "moe_lora_cases",

@@ -8,7 +8,7 @@ profiles) real layer shapes are among the draws (:data:`MODEL_SHAPES`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from hypothesis import strategies as st
@@ -67,6 +67,16 @@ class LayerShape:
         return (f"{self.name} H={self.hidden_size} I={self.moe_intermediate_size} E={self.num_experts}"
                 f"{f'(+{extra} fused)' if extra else ''} k={self.top_k} L={self.max_loras} R={self.max_rank} "
                 f"dense={dense}")
+
+
+def capped(caps: SizeCaps, limit: SizeCaps) -> SizeCaps:
+    """``caps`` with every size bounded by ``limit``'s and no model shapes: for tests whose check
+    (e.g. the float64 loop oracle on a CPU) cannot follow the ``gpu`` / ``soak`` sizes. Dtypes are
+    those of ``caps``."""
+    sizes = {f: min(getattr(caps, f), getattr(limit, f))
+             for f in ("max_tokens", "max_requests", "max_hidden", "max_intermediate", "max_experts", "max_top_k",
+                       "max_rank", "max_loras")}
+    return replace(caps, **sizes, model_shapes=caps.model_shapes and limit.model_shapes)
 
 
 def _caps(caps: SizeCaps | None) -> SizeCaps:
