@@ -7,6 +7,8 @@ arguments and returns an exit status. Built in here:
 - ``hf-check [--fixtures DIR]``: the oracle against HF transformers + PEFT on every fixture; prints
   the table and exits 1 on any failure (fixtures are built into a temporary directory unless given).
 
+Both exit 2 when the ``fixtures`` extra (transformers + peft) is not installed.
+
 A later module adds ``run`` and ``report`` the same way::
 
     @subcommand("report", help="render the support matrix")
@@ -72,6 +74,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return handlers[args.command](args)
 
 
+def _require_fixtures_extra(command: str) -> bool:
+    """Whether transformers and peft are importable; if not, say how to get them."""
+    import importlib.util
+
+    missing = [m for m in ("transformers", "peft") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"moelora-conformance {command}: needs the 'fixtures' extra ({', '.join(missing)} missing): "
+              "pip install 'moelora-conformance[fixtures]'", file=sys.stderr)
+    return not missing
+
+
 # --- built-in subcommands -----------------------------------------------------------------------
 
 
@@ -81,6 +94,8 @@ def _make_fixtures(parser: argparse.ArgumentParser) -> Handler:
                         "manifest.json)")
 
     def run(args: argparse.Namespace) -> int:
+        if not _require_fixtures_extra("make-fixtures"):
+            return 2
         from moelora_conformance.fixtures import build_fixtures
 
         fixtures = build_fixtures(args.directory)
@@ -99,6 +114,8 @@ def _hf_check(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--adapter", action="append", default=None, help="check only this adapter (repeatable)")
 
     def run(args: argparse.Namespace) -> int:
+        if not _require_fixtures_extra("hf-check"):
+            return 2
         from moelora_conformance.fixtures import build_fixtures, load_fixtures
         from moelora_conformance.hf_check import render, run_hf_check
 

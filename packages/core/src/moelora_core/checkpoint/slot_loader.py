@@ -74,4 +74,3 @@ def load_adapter_into_slot(
             pool.load_slot(slot, dict(modules), adapter_scaling=adapter_scaling)
         else:
             pool.clear_slot(slot)
-            pool.host_adapter_scalings[slot] = 0.0
