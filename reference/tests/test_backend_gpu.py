@@ -18,7 +18,7 @@ from moelora_conformance.profiles import PROFILES
 from moelora_conformance.strategies import moe_lora_cases
 from moelora_core import DEFAULT_POLICY
 from moelora_reference.backend import make_backend
-from moelora_reference.oracle import moe_lora_forward
+from moelora_reference.oracle import dense_lora_forward, moe_lora_forward
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CAPS = PROFILES["dev"].caps
@@ -57,9 +57,14 @@ def test_cuda_eager_equals_oracle_without_host_syncs(dtype, virtual, data, layer
     with sync_debug_error():
         y = layer(backend, m, info, m.x, m.topk_ids, m.topk_weights)
         y_fused = backend.moe_forward(m.x, m.topk_ids, m.topk_weights, m.base, m.lora, info)
+        dense = {}
         for module, W in m.dense_weights.items():
-            out = m.dense_x[module].float() @ W.float().T
-            backend.dense_delta(module, m.dense_x[module], out, m.lora, info)
+            dense[module] = m.dense_x[module].float() @ W.float().T
+            backend.dense_delta(module, m.dense_x[module], dense[module], m.lora, info)
     expected = oracle_on_cpu(m, case.batch.num_tokens)
     close(y, expected, case, "cuda layer harness")
     close(y_fused, expected, case, "cuda moe_forward")
+    c = m.to("cpu")
+    for module, out in dense.items():
+        want = dense_lora_forward(c.dense_x[module], c.dense_weights[module], module, c.lora, c.token_lora_mapping)
+        close(out, want, case, f"cuda dense {module}")
