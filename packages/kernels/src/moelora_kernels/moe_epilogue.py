@@ -4,7 +4,9 @@ Algorithms (grids ``(rows, cdiv(width, BLOCK))``, one row and one column tile pe
 
 - activation, gated (SwiGLU): ``h[p, i] = act(gate_up[p, i]) · gate_up[p, I + i]``;
   non-gated: ``h[p, i] = act(gate_up[p, i])`` (``gate_up`` is then [rows, I]).
-  ``act`` is SiLU (``x · sigmoid(x)``) or tanh-approximated GELU.
+  ``act`` is SiLU (``x · sigmoid(x)``) or tanh-approximated GELU. With ``topk_ids``, programs of
+  pairs with a negative id exit first: their gate_up rows were never written (uninitialised
+  memory), and their h rows are never read.
 - top-k sum: ``y[t, :] = Σ_j [topk_ids[t, j] >= 0] · down_out[t, j, :]``; pairs of EXPERT_NOT_HERE
   (negative ids) contribute nothing, whatever their (never written) ``down_out`` rows hold.
 
@@ -44,6 +46,7 @@ def _moe_activation_kernel(
     # pointers
     gate_up_ptr,     # [rows, 2I] (GATED) or [rows, I]
     h_ptr,           # [rows, I], out
+    topk_ids_ptr,    # [rows] expert id per pair (HAS_IDS)
     # sizes
     inter,           # I
     # strides
@@ -52,8 +55,12 @@ def _moe_activation_kernel(
     BLOCK: tl.constexpr,
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
+    HAS_IDS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if HAS_IDS:
+        if tl.load(topk_ids_ptr + row) < 0:
+            return
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
     g = tl.load(gate_up_ptr + row * stride_gm + cols, mask=ok, other=0.0).to(tl.float32)
@@ -91,7 +98,12 @@ def _moe_sum_kernel(
 
 
 def moe_activation(
-    gate_up: torch.Tensor, *, activation: str = "silu", gated: bool = True, out: torch.Tensor | None = None
+    gate_up: torch.Tensor,
+    *,
+    activation: str = "silu",
+    gated: bool = True,
+    topk_ids: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """h = act(gate) ⊙ up (gated) or act(gate_up) (non-gated), row by row.
 
@@ -99,6 +111,8 @@ def moe_activation(
         gate_up: [rows, 2I] (gated) or [rows, I], last stride 1.
         activation: "silu" or "gelu_tanh".
         gated: SwiGLU-style gating by the second half.
+        topk_ids: [M, top_k] int32/int64 with M·top_k = rows, or None: rows of pairs with a
+            negative id are skipped (left unwritten).
         out: [rows, I] (allocated when None), same dtype, last stride 1.
 
     Returns:
@@ -118,13 +132,17 @@ def moe_activation(
         out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     check_tensor("out", out, dtypes=(gate_up.dtype,), shape=(rows, inter), unit_last_stride=True,
                  device=gate_up.device)
+    if topk_ids is not None:
+        check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, dim=2, contiguous=True, device=gate_up.device)
+        if topk_ids.numel() != rows:
+            raise KernelPreconditionError(f"topk_ids: {topk_ids.numel()} pairs for {rows} rows")
     if rows == 0:
         return out
     block = min(1024, next_pow2(inter, 32))
     grid = check_grid("moe_activation", (rows, triton.cdiv(inter, block)))
     _moe_activation_kernel[grid](
-        gate_up, out, inter, gate_up.stride(0), out.stride(0),
-        BLOCK=block, ACTIVATION=activation, GATED=gated,
+        gate_up, out, topk_ids if topk_ids is not None else out, inter, gate_up.stride(0), out.stride(0),
+        BLOCK=block, ACTIVATION=activation, GATED=gated, HAS_IDS=topk_ids is not None,
     )
     return out
 

@@ -105,7 +105,7 @@ def fused_moe(
     if lora is not None:
         moe_lora_delta("gate_up", x, gate_up, lora.weights, lora.align, top_k=top_k,
                        adapter_enabled=lora.adapter_enabled, max_rank=lora.max_rank, fused=lora.fused, tf32=tf32)
-    h = moe_activation(gate_up.view(num_pairs, width), activation=activation, gated=gated)
+    h = moe_activation(gate_up.view(num_pairs, width), activation=activation, gated=gated, topk_ids=topk_ids)
     down = torch.empty(M, top_k, H, dtype=x.dtype, device=x.device)
     fused_moe_gemm(h, w_down, down.view(num_pairs, H), align, top_k=top_k, num_pairs=num_pairs, in_row_div=1,
                    topk_weights=topk_weights, tf32=tf32)

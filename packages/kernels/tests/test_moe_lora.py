@@ -1,0 +1,344 @@
+"""The MoE-LoRA shrink / expand / fused kernels against their twins (``moelora_reference.moe_lora_ops``).
+
+Covers: drawn cases for both stages and both paths (fused shrink+expand, or shrink then expand):
+output equal to the twin within the dtype's tolerance, every row (and slice) the kernels must not
+touch bit-identical; the shrink's intermediate on handled rows, NaN elsewhere; the whole layer
+with LoRA against the fp64 oracle (fp32). Named cases: gate_A != up_A; rank < R and mixed ranks
+(with and without a host max_rank); base tokens in a mixed batch bit-identical to a LoRA-free run;
+disabled slots; expert ids -1, E and E+1; a single token; all tokens to one expert; empty experts;
+top_k = 1; an IDLE batch; launcher precondition errors (rank > R among them).
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from kernel_testing import DEVICE, assert_bitwise_equal, assert_close, cpu, launch_guard, poisoned, randn
+
+from moelora_conformance.strategies import moe_lora_cases
+from moelora_core import KernelPreconditionError, LoRALayerSpec, LoRAWeights, ModuleLoRA
+from moelora_core.align import AlignOutput
+from moelora_kernels import (
+    STAGES,
+    MoELoRAInputs,
+    fused_moe,
+    fused_moe_lora,
+    fused_moe_lora_shrink,
+    moe_align_block_size,
+    moe_block_m,
+    moe_lora_align_block_size,
+    moe_lora_delta,
+    stage_tensors,
+)
+from moelora_reference import moe_lora_ops as twin
+from moelora_reference.oracle import moe_lora_forward
+
+pytestmark = pytest.mark.interpreter
+
+LORA_CASES = moe_lora_cases(kinds=("extend", "decode", "mixed", "idle"), virtual_experts=False)
+
+
+def cpu_weights(w: LoRAWeights) -> LoRAWeights:
+    """A CPU copy of a pool (the oracle and twins run on the CPU)."""
+    spec = w.spec
+    out = LoRAWeights(LoRALayerSpec(spec.H, spec.I, spec.E, spec.top_k, dict(spec.dense_shapes), spec.max_loras,
+                                    spec.R, spec.dtype, "cpu"))
+    for name in ("gate_up_A", "gate_up_B", "down_A", "down_B", "module_ranks", "module_scalings"):
+        getattr(out, name).copy_(getattr(w, name).cpu())
+    for m in w.dense_A:
+        out.dense_A[m].copy_(w.dense_A[m].cpu())
+        out.dense_B[m].copy_(w.dense_B[m].cpu())
+    return out
+
+
+def enabled_of(mapping: torch.Tensor, L: int) -> torch.Tensor:
+    used = torch.zeros(L, dtype=torch.int32)
+    for s in mapping.cpu().tolist():
+        if s >= 0:
+            used[s] = 1
+    return used.to(DEVICE)
+
+
+def handled(stage, ids, mapping, enabled, ranks, E):
+    """Bool [S, M·top_k]: pairs (per slice) the delta must reach."""
+    ids, mapping, enabled, ranks = ids.cpu(), mapping.cpu().long(), enabled.cpu(), ranks.cpu()
+    ranks = ranks if stage == "gate_up" else ranks.unsqueeze(0)
+    slot = mapping.repeat_interleave(ids.shape[1])
+    e = ids.reshape(-1)
+    ok = (slot >= 0) & (e >= 0) & (e < E)
+    safe = slot.clamp(min=0)
+    ok &= enabled[safe] != 0
+    return torch.stack([ok & (ranks[s][safe] > 0) for s in range(ranks.shape[0])])
+
+
+def stage_inputs(gen, stage, M, k, H, I, dtype, topk_weights):
+    """(x, out0, router weights) of a stage: out0 random and small, so the delta dominates the check."""
+    if stage == "gate_up":
+        return randn(gen, M, H, dtype=dtype), randn(gen, M, k, 2 * I, dtype=dtype, scale=0.1), None
+    return randn(gen, M * k, I, dtype=dtype), randn(gen, M, k, H, dtype=dtype, scale=0.1), topk_weights
+
+
+def run_delta(stage, x, out, weights, align, k, topk_weights, enabled, fused, max_rank=None):
+    with launch_guard():
+        moe_lora_delta(stage, x, out, weights, align, top_k=k, topk_weights=topk_weights, adapter_enabled=enabled,
+                       fused=fused, max_rank=max_rank)
+    return out
+
+
+def twin_delta(stage, x, out0, weights, align, k, topk_weights, enabled, max_rank=None):
+    t = stage_tensors(cpu_weights(weights), stage)
+    return twin.fused_moe_lora(cpu(x), t["lora_a"], t["lora_b"], cpu(align), cpu(out0).clone(), stage=stage, top_k=k,
+                               ranks=t["ranks"], scalings=t["scalings"], topk_weights=cpu(topk_weights),
+                               adapter_enabled=cpu(enabled), max_rank=max_rank)
+
+
+def check_delta(stage, out, want, out0, mask, dtype, seed, what):
+    S = mask.shape[0]
+    assert_close(out, want, dtype=dtype, what=what, seed=seed)
+    width = out.shape[-1] // S
+    rows = out.cpu().reshape(mask.shape[1], S, width)
+    before = out0.cpu().reshape(mask.shape[1], S, width)
+    untouched = ~mask.t()
+    assert_bitwise_equal(rows[untouched], before[untouched], what=f"{what}: rows the delta must not touch", seed=seed)
+
+
+@given(case=LORA_CASES, stage=st.sampled_from(STAGES), fused=st.booleans())
+def test_moe_lora_delta_matches_twin(case, stage, fused):
+    c = case.materialize(DEVICE)
+    spec, w = c.spec, c.lora
+    M, k = c.topk_ids.shape
+    gen = torch.Generator().manual_seed(case.seed)
+    enabled = enabled_of(c.token_lora_mapping, spec.max_loras)
+    bm = moe_block_m(M, k, spec.E, spec.max_loras)
+    with launch_guard():
+        align = moe_lora_align_block_size(c.topk_ids, c.token_lora_mapping, spec.E, bm, spec.max_loras, enabled)
+    x, out0, tw = stage_inputs(gen, stage, M, k, spec.H, spec.I, c.x.dtype, c.topk_weights)
+    out = run_delta(stage, x, out0.clone(), w, align, k, tw, enabled, fused)
+    want = twin_delta(stage, x, out0, w, align, k, tw, enabled)
+    mask = handled(stage, c.topk_ids, c.token_lora_mapping, enabled, stage_tensors(w, stage)["ranks"], spec.E)
+    check_delta(stage, out, want, out0, mask, c.x.dtype, case.seed, f"{stage} fused={fused}")
+
+
+@given(case=LORA_CASES, stage=st.sampled_from(STAGES))
+def test_shrink_intermediate_matches_twin(case, stage):
+    c = case.materialize(DEVICE)
+    spec, w = c.spec, c.lora
+    M, k = c.topk_ids.shape
+    gen = torch.Generator().manual_seed(case.seed)
+    bm = moe_block_m(M, k, spec.E, spec.max_loras)
+    with launch_guard():
+        align = moe_lora_align_block_size(c.topk_ids, c.token_lora_mapping, spec.E, bm, spec.max_loras)
+    x, _, _ = stage_inputs(gen, stage, M, k, spec.H, spec.I, c.x.dtype, None)
+    t = stage_tensors(w, stage)
+    S = 2 if stage == "gate_up" else 1
+    inter = poisoned(S, M * k, spec.R, dtype=c.x.dtype)
+    with launch_guard():
+        fused_moe_lora_shrink(x, t["lora_a"], align, stage=stage, top_k=k, ranks=t["ranks"], out=inter)
+    tc = stage_tensors(cpu_weights(w), stage)
+    want = twin.fused_moe_lora_shrink(cpu(x), tc["lora_a"], cpu(align), stage=stage, top_k=k, ranks=tc["ranks"])
+    ones = torch.ones(spec.max_loras, dtype=torch.int32)
+    mask = handled(stage, c.topk_ids, c.token_lora_mapping, ones, t["ranks"], spec.E)
+    assert_close(inter.cpu()[mask], want[mask], dtype=c.x.dtype, what=f"{stage} intermediate", seed=case.seed)
+    assert bool(inter.cpu()[~mask].isnan().all()), f"intermediate rows of unhandled pairs written (seed={case.seed})"
+
+
+@given(case=moe_lora_cases(kinds=("extend", "decode", "mixed"), virtual_experts=False, dtype=torch.float32))
+def test_layer_with_lora_matches_oracle(case):
+    c = case.materialize(DEVICE)
+    spec = c.spec
+    M, k = c.topk_ids.shape
+    with launch_guard():
+        align = moe_lora_align_block_size(c.topk_ids, c.token_lora_mapping, spec.E,
+                                          moe_block_m(M, k, spec.E, spec.max_loras), spec.max_loras)
+        y = fused_moe(c.x, c.topk_ids, c.topk_weights, c.base.w_gate_up, c.base.w_down,
+                      lora=MoELoRAInputs(c.lora, align))
+    want = moe_lora_forward(cpu(c.x), cpu(c.topk_ids), cpu(c.topk_weights), cpu(c.base.w_gate_up),
+                            cpu(c.base.w_down), cpu_weights(c.lora), cpu(c.token_lora_mapping))
+    assert_close(y, want, dtype=torch.float32, what="layer with LoRA vs oracle", seed=case.seed)
+
+
+# --- named cases -----------------------------------------------------------------------------------
+
+
+def make_pool(seed, *, L=3, E=5, H=40, I=24, R=16, dtype=torch.float32, ranks=None, sigma=(0.5, 2.0, 1.0)):
+    """A pool whose slot s has module ranks ranks[s] = {module: r} (default: all modules rank R)."""
+    gen = torch.Generator().manual_seed(seed)
+    spec = LoRALayerSpec(H, I, E, 2, {}, L, R, dtype=dtype, device=DEVICE)
+    w = LoRAWeights(spec)
+    ranks = ranks or {s: {"gate": R, "up": R, "down": R} for s in range(L)}
+    for slot, mods in ranks.items():
+        adapter = {}
+        for i, (m, r) in enumerate(mods.items()):
+            fin, fout = spec.module_shape(m)
+            adapter[m] = ModuleLoRA(torch.randn(E, r, fin, generator=gen) / math.sqrt(fin),
+                                    torch.randn(E, fout, r, generator=gen) / math.sqrt(r), sigma[i % len(sigma)] + slot)
+        w.load_slot(slot, adapter)
+    return w
+
+
+def named_problem(seed, w, M, k, ids=None, mapping=None, block_m=32):
+    gen = torch.Generator().manual_seed(seed)
+    spec = w.spec
+    if ids is None:
+        ids = torch.stack([torch.randperm(spec.E, generator=gen)[:k] for _ in range(M)]).to(torch.int32)
+    if mapping is None:
+        mapping = torch.randint(-1, spec.max_loras, (M,), generator=gen, dtype=torch.int32)
+    ids, mapping = ids.to(DEVICE), mapping.to(DEVICE)
+    tw = torch.rand(M, k, generator=gen).to(DEVICE)
+    with launch_guard():
+        align = moe_lora_align_block_size(ids, mapping, spec.E, block_m, spec.max_loras)
+    return gen, ids, mapping, tw, align
+
+
+def check_named(seed, w, stage, M, k, ids=None, mapping=None, enabled=None, fused=True, what="", max_rank=None,
+                align_enabled=False):
+    gen, ids, mapping, tw, align = named_problem(seed, w, M, k, ids, mapping)
+    spec = w.spec
+    if enabled is None:
+        enabled = enabled_of(mapping, spec.max_loras)
+    if align_enabled:
+        with launch_guard():
+            align = moe_lora_align_block_size(ids, mapping, spec.E, 32, spec.max_loras, enabled)
+    x, out0, tw = stage_inputs(gen, stage, M, k, spec.H, spec.I, spec.dtype, tw)
+    out = run_delta(stage, x, out0.clone(), w, align, k, tw, enabled, fused, max_rank)
+    want = twin_delta(stage, x, out0, w, align, k, tw, enabled, max_rank)
+    mask = handled(stage, ids, mapping, enabled, stage_tensors(w, stage)["ranks"], spec.E)
+    check_delta(stage, out, want, out0, mask, spec.dtype, seed, what)
+    return x, out0, out, align, ids, mapping, tw, enabled
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_gate_A_differs_from_up_A(fused):
+    # a kernel that reads gate's A (or B) for the up slice passes only if the two are equal
+    w = make_pool(20, L=2)
+    x, out0, out, align, _, _, _, enabled = check_named(20, w, "gate_up", 24, 2, fused=fused,
+                                                                what="gate_A != up_A")
+    wrong = cpu_weights(w)
+    wrong.gate_up_A[1].copy_(wrong.gate_up_A[0])
+    t = stage_tensors(wrong, "gate_up")
+    swapped = twin.fused_moe_lora(cpu(x), t["lora_a"], t["lora_b"], cpu(align), cpu(out0).clone(), stage="gate_up",
+                                  top_k=2, ranks=t["ranks"], scalings=t["scalings"], adapter_enabled=cpu(enabled))
+    assert not torch.allclose(out.cpu().float(), swapped.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("max_rank", [None, 16, 12])
+def test_rank_below_R_and_mixed_ranks(dtype, max_rank):
+    # slot 0: gate r3, up r12, down r7; slot 1: rank 1 everywhere; slot 2: up absent (rank 0)
+    ranks = {0: {"gate": 3, "up": 12, "down": 7}, 1: {"gate": 1, "up": 1, "down": 1}, 2: {"gate": 9, "down": 2}}
+    w = make_pool(21, ranks=ranks, dtype=dtype)
+    for stage in STAGES:
+        for fused in (True, False):
+            check_named(21, w, stage, 40, 2, fused=fused, what=f"mixed ranks {stage} fused={fused}",
+                        max_rank=max_rank)
+
+
+def test_max_rank_above_R_is_refused():
+    w = make_pool(22, L=1, R=8)
+    with pytest.raises(KernelPreconditionError, match="max_rank: rank 9 > the pool's max rank R=8"):
+        check_named(22, w, "gate_up", 4, 2, max_rank=9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_base_tokens_bit_identical_in_a_mixed_batch(dtype):
+    # same kernels with and without LoRA: rows of NO_ADAPTER tokens must not change by a bit
+    w = make_pool(23, dtype=dtype)
+    spec = w.spec
+    M, k, E_base = 37, 2, spec.E + 1
+    gen, ids, mapping, tw, align = named_problem(23, w, M, k)
+    x = randn(gen, M, spec.H, dtype=dtype)
+    w_gu = randn(gen, E_base, 2 * spec.I, spec.H, dtype=dtype, scale=1 / math.sqrt(spec.H))
+    w_d = randn(gen, E_base, spec.H, spec.I, dtype=dtype, scale=1 / math.sqrt(spec.I))
+    base_align = moe_align_block_size(ids, E_base, 32)
+    with launch_guard():
+        plain = fused_moe(x, ids, tw, w_gu, w_d, align=base_align)
+        with_lora = fused_moe(x, ids, tw, w_gu, w_d, align=base_align, lora=MoELoRAInputs(w, align))
+    base_rows = (mapping == -1).cpu()
+    assert base_rows.any() and (~base_rows).any()
+    assert_bitwise_equal(with_lora.cpu()[base_rows], plain.cpu()[base_rows], what="base rows")
+    assert not torch.equal(with_lora.cpu()[~base_rows], plain.cpu()[~base_rows])
+
+
+@pytest.mark.parametrize("align_enabled", [True, False])
+@pytest.mark.parametrize("stage", STAGES)
+def test_disabled_slot_leaves_its_rows_bit_identical(stage, align_enabled):
+    # slot 1 is used by the mapping but disabled: the kernels exit early for it (the alignment too,
+    # when it is given adapter_enabled; the kernel's own check otherwise)
+    w = make_pool(24)
+    mapping = torch.tensor([0, 1, 1, 2, -1, 1, 0, 2] * 4, dtype=torch.int32)
+    enabled = torch.tensor([1, 0, 1], dtype=torch.int32, device=DEVICE)
+    for fused in (True, False):
+        check_named(24, w, stage, 32, 2, mapping=mapping, enabled=enabled, fused=fused, align_enabled=align_enabled,
+                    what=f"disabled slot {stage}")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_expert_ids_minus_one_E_and_beyond_add_nothing(stage):
+    # -1: expert parallelism; E, E+1: extra fused base experts without LoRA
+    w = make_pool(25)
+    E = w.spec.E
+    ids = torch.tensor([[-1, 0], [E, 1], [E + 1, -1], [2, E], [4, 3]] * 5, dtype=torch.int32)
+    mapping = torch.tensor([0, 1, 2, 0, 1] * 5, dtype=torch.int32)
+    check_named(25, w, stage, 25, 2, ids=ids, mapping=mapping, what=f"sentinel ids {stage}")
+
+
+@pytest.mark.parametrize("name, M, k, ids, mapping", [
+    ("single token", 1, 2, None, torch.tensor([2], dtype=torch.int32)),                       # T < BLOCK_M
+    ("all tokens to one expert", 70, 1, torch.full((70, 1), 3, dtype=torch.int32), torch.zeros(70, dtype=torch.int32)),
+    ("empty experts", 30, 2, torch.tensor([[0, 4]] * 30, dtype=torch.int32), None),          # experts 1-3 empty
+    ("top_k = 1", 33, 1, None, None),
+])
+@pytest.mark.parametrize("stage", STAGES)
+def test_named_routing_cases(name, M, k, ids, mapping, stage):
+    w = make_pool(26, dtype=torch.float16)
+    for fused in (True, False):
+        check_named(26, w, stage, M, k, ids=ids, mapping=mapping, fused=fused, what=f"{name} {stage}")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_idle_batch_changes_nothing(stage):
+    # IDLE: zero tokens launch nothing; replayed on graph buffers (capacity 8, every token -1) the
+    # kernels run and every program exits early
+    w = make_pool(27)
+    for M in (0, 8):
+        ids = torch.zeros(M, 2, dtype=torch.int32)
+        mapping = torch.full((M,), -1, dtype=torch.int32)
+        check_named(27, w, stage, M, 2, ids=ids, mapping=mapping, what=f"idle M={M} {stage}")
+
+
+def _bad_call(**override):
+    w = make_pool(28, L=2, R=8)
+    _, _, _, tw, align = named_problem(28, w, 6, 2)
+    t = stage_tensors(w, "down")
+    args = {"x": torch.randn(12, w.spec.I, device=DEVICE), "lora_a": t["lora_a"], "lora_b": t["lora_b"],
+            "align": align, "out": torch.zeros(6, 2, w.spec.H, device=DEVICE), "stage": "down", "top_k": 2,
+            "ranks": t["ranks"], "scalings": t["scalings"], "topk_weights": tw}
+    args.update(override)
+    x, a, b, al, out = (args.pop(n) for n in ("x", "lora_a", "lora_b", "align", "out"))
+    fused_moe_lora(x, a, b, al, out, **args)
+
+
+@pytest.mark.parametrize("override, match", [
+    ({"stage": "up"}, "stage"),
+    ({"topk_weights": None}, "router-weighted"),
+    ({"x": torch.randn(12, 24).half()}, "lora_a: dtype"),
+    ({"x": torch.randn(11, 24)}, "multiple of top_k"),
+    ({"out": torch.zeros(6, 2, 39)}, "out: expected"),
+    ({"out": torch.zeros(6, 40, 2).transpose(1, 2)}, "stride 1"),
+    ({"ranks": torch.zeros(2, dtype=torch.int64)}, "ranks: dtype"),
+    ({"scalings": torch.zeros(3)}, "scalings: expected shape"),
+    ({"max_rank": 9}, "max_rank"),
+    ({"align": AlignOutput(torch.zeros(2, 64, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32),
+                           torch.zeros(2, dtype=torch.int32))}, "64 rows per slot < capacity 96"),
+    ({"align": AlignOutput.empty(3, 6, 2, 5, 32, "cpu")}, "shape"),
+    ({"lora_b": torch.zeros(2, 5, 40, 4)}, "does not pair"),
+])
+def test_launcher_refuses_bad_arguments(override, match):
+    override = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else
+                (AlignOutput(*(t.to(DEVICE) for t in v)) if isinstance(v, AlignOutput) else v)
+                for k, v in override.items()}
+    with pytest.raises(KernelPreconditionError, match=match):
+        _bad_call(**override)
+
