@@ -89,12 +89,14 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def conformance(session: nox.Session) -> None:
-    """The main job: the conformance run of the built-in backends on the CPU.
+    """The main job: the conformance run of the built-in backends on the CPU, on real tiny MoE
+    checkpoints with real PEFT adapters built locally.
 
-    Until the conformance suite lands, this runs the strongest real check the project has and
-    says so.
+    Today: builds the fixtures (tiny Qwen3-MoE / Mixtral / OLMoE checkpoints and PEFT adapters, made
+    locally with transformers + peft) and checks the oracle, the checkpoint readers and the reference
+    backend against HF+PEFT on every model x adapter, printing the table.
     """
     _install_moelora(session)
-    session.log("moelora: the conformance suite is not built yet; running the core contract tests "
-                "(batch validation, weights loading, static buffers, tolerance policy) instead.")
-    session.run("python", "-m", "pytest", "packages/core/tests", "reference/tests", "-q", env=CPU_ENV)
+    fixtures = ROOT / "fixtures-cache"
+    session.run("moelora-conformance", "make-fixtures", str(fixtures), env=CPU_ENV)
+    session.run("moelora-conformance", "hf-check", "--fixtures", str(fixtures), env=CPU_ENV)
