@@ -1,0 +1,93 @@
+"""MoE-LoRA helpers shared by the kernel tests (not tests themselves): pools, handled-pair masks,
+stage inputs, the twin call and the delta check (tolerance on the output, bit-identity elsewhere)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from kernel_testing import DEVICE, assert_bitwise_equal, assert_close, cpu, launch_guard, randn
+
+from moelora_core import LoRALayerSpec, LoRAWeights, ModuleLoRA
+from moelora_kernels import moe_lora_delta, stage_tensors
+from moelora_reference import moe_lora_ops as twin
+
+
+def cpu_weights(w: LoRAWeights) -> LoRAWeights:
+    """A CPU copy of a pool (the oracle and twins run on the CPU)."""
+    spec = w.spec
+    out = LoRAWeights(LoRALayerSpec(spec.H, spec.I, spec.E, spec.top_k, dict(spec.dense_shapes), spec.max_loras,
+                                    spec.R, spec.dtype, "cpu"))
+    for name in ("gate_up_A", "gate_up_B", "down_A", "down_B", "module_ranks", "module_scalings"):
+        getattr(out, name).copy_(getattr(w, name).cpu())
+    for m in w.dense_A:
+        out.dense_A[m].copy_(w.dense_A[m].cpu())
+        out.dense_B[m].copy_(w.dense_B[m].cpu())
+    return out
+
+
+def enabled_of(mapping: torch.Tensor, L: int) -> torch.Tensor:
+    used = torch.zeros(L, dtype=torch.int32)
+    for s in mapping.cpu().tolist():
+        if s >= 0:
+            used[s] = 1
+    return used.to(DEVICE)
+
+
+def handled(stage, ids, mapping, enabled, ranks, E):
+    """Bool [S, M·top_k]: pairs (per slice) the delta must reach."""
+    ids, mapping, enabled, ranks = ids.cpu(), mapping.cpu().long(), enabled.cpu(), ranks.cpu()
+    ranks = ranks if stage == "gate_up" else ranks.unsqueeze(0)
+    slot = mapping.repeat_interleave(ids.shape[1])
+    e = ids.reshape(-1)
+    ok = (slot >= 0) & (e >= 0) & (e < E)
+    safe = slot.clamp(min=0)
+    ok &= enabled[safe] != 0
+    return torch.stack([ok & (ranks[s][safe] > 0) for s in range(ranks.shape[0])])
+
+
+def stage_inputs(gen, stage, M, k, H, I, dtype, topk_weights):
+    """(x, out0, router weights) of a stage: out0 random and small, so the delta dominates the check."""
+    if stage == "gate_up":
+        return randn(gen, M, H, dtype=dtype), randn(gen, M, k, 2 * I, dtype=dtype, scale=0.1), None
+    return randn(gen, M * k, I, dtype=dtype), randn(gen, M, k, H, dtype=dtype, scale=0.1), topk_weights
+
+
+def run_delta(stage, x, out, weights, align, k, topk_weights, enabled, fused, max_rank=None):
+    with launch_guard():
+        moe_lora_delta(stage, x, out, weights, align, top_k=k, topk_weights=topk_weights, adapter_enabled=enabled,
+                       fused=fused, max_rank=max_rank)
+    return out
+
+
+def twin_delta(stage, x, out0, weights, align, k, topk_weights, enabled, max_rank=None):
+    t = stage_tensors(cpu_weights(weights), stage)
+    return twin.fused_moe_lora(cpu(x), t["lora_a"], t["lora_b"], cpu(align), cpu(out0).clone(), stage=stage, top_k=k,
+                               ranks=t["ranks"], scalings=t["scalings"], topk_weights=cpu(topk_weights),
+                               adapter_enabled=cpu(enabled), max_rank=max_rank)
+
+
+def check_delta(stage, out, want, out0, mask, dtype, seed, what):
+    S = mask.shape[0]
+    assert_close(out, want, dtype=dtype, what=what, seed=seed)
+    width = out.shape[-1] // S
+    rows = out.cpu().reshape(mask.shape[1], S, width)
+    before = out0.cpu().reshape(mask.shape[1], S, width)
+    untouched = ~mask.t()
+    assert_bitwise_equal(rows[untouched], before[untouched], what=f"{what}: rows the delta must not touch", seed=seed)
+
+
+def make_pool(seed, *, L=3, E=5, H=40, I=24, R=16, dtype=torch.float32, ranks=None, sigma=(0.5, 2.0, 1.0)):
+    """A pool whose slot s has module ranks ranks[s] = {module: r} (default: all modules rank R)."""
+    gen = torch.Generator().manual_seed(seed)
+    spec = LoRALayerSpec(H, I, E, 2, {}, L, R, dtype=dtype, device=DEVICE)
+    w = LoRAWeights(spec)
+    ranks = ranks or {s: {"gate": R, "up": R, "down": R} for s in range(L)}
+    for slot, mods in ranks.items():
+        adapter = {}
+        for i, (m, r) in enumerate(mods.items()):
+            fin, fout = spec.module_shape(m)
+            adapter[m] = ModuleLoRA(torch.randn(E, r, fin, generator=gen) / math.sqrt(fin),
+                                    torch.randn(E, fout, r, generator=gen) / math.sqrt(r), sigma[i % len(sigma)] + slot)
+        w.load_slot(slot, adapter)
+    return w
