@@ -78,16 +78,17 @@ def test_prepare_and_forward_pass_the_host_sync_guard(device, data, layer):
     else:
         x, ids, w = static_inputs(m, init(backend, family, batch), case.seed, device)
         x[:T], ids[:T], w[:T] = m.x, m.topk_ids, m.topk_weights
+    dense_in, dense = {}, {}
+    for module, W in m.dense_weights.items():  # the caller's inputs and base outputs, made before the guard
+        dense_in[module] = torch.zeros(x.shape[0], W.shape[1], dtype=case.dtype, device=device)
+        dense_in[module][:T] = m.dense_x[module]
+        dense[module] = dense_in[module].float() @ W.float().T
     with host_sync_guard(device):
         info = backend.prepare(batch, family)
         y = layer(backend, m, info, x, ids, w)
         y_fused = backend.moe_forward(x, ids, w, m.base, m.lora, info)
-        dense = {}
-        for module, W in m.dense_weights.items():
-            xin = torch.zeros(x.shape[0], W.shape[1], dtype=case.dtype, device=device)
-            xin[:T] = m.dense_x[module]
-            dense[module] = xin.float() @ W.float().T
-            backend.dense_delta(module, xin, dense[module], m.lora, info)
+        for module, out in dense.items():
+            backend.dense_delta(module, dense_in[module], out, m.lora, info)
     expected = oracle(m, T)
     close(y[:T], expected, case, device, f"guarded layer ({family or 'eager'})")
     close(y_fused[:T], expected, case, device, f"guarded moe_forward ({family or 'eager'})")
