@@ -72,12 +72,12 @@ def compare(prog: gp.Program, seed: int) -> tuple[gp.ProgramRun, gp.ProgramRun, 
 def rng_sequence(kind: str, seed: int) -> list[torch.Tensor]:
     """Seed, capture a random program (no warm-up), replay twice, then draw eagerly: a CUDA
     capture draws nothing from the generator and each replay draws like an eager call."""
+    torch.manual_seed(seed)
     x = torch.randn(6, device="cuda")
 
     def noisy() -> torch.Tensor:
         return x + torch.randn(6, device="cuda") * torch.rand(6, device="cuda")
 
-    torch.manual_seed(seed)
     graph = GraphPool("decode", "cuda", kind=kind).capture(noisy, warmup=0)
     out = [graph.replay().clone(), graph.replay().clone(), noisy()]
     return [t.cpu() for t in out]

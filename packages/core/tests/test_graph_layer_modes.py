@@ -22,24 +22,25 @@ BATCHES = ([5, 4, 3], [2], [1, 6, 2, 3], [12])  # request lengths; small after l
 class Layer:
     """Static inputs, live metadata, and the three callables."""
 
-    def __init__(self, seed=0):
+    def __init__(self, seed=0, device="cpu"):
         g = torch.Generator().manual_seed(seed)
-        self.x = torch.zeros(T, HID)
-        self.seg_ids = torch.full((T,), -1, dtype=torch.int64)  # static: token -> request, -1 = padding
+        self.device = torch.device(device)
+        self.x = torch.zeros(T, HID, device=device)
+        self.seg_ids = torch.full((T,), -1, dtype=torch.int64, device=device)  # static: token -> request
         self.lens = []  # live host metadata
-        self.W = torch.randn(HID, HID, generator=g)
-        self.A, self.B = torch.randn(HID, R, generator=g), torch.randn(R, HID, generator=g)
-        self.sigma = torch.tensor(0.5)
-        self.router = torch.randn(HID, E, generator=g)
-        self.experts = torch.randn(E, HID, HID, generator=g) / HID
+        self.W = torch.randn(HID, HID, generator=g).to(device)
+        self.A, self.B = torch.randn(HID, R, generator=g).to(device), torch.randn(R, HID, generator=g).to(device)
+        self.sigma = torch.tensor(0.5, device=device)
+        self.router = torch.randn(HID, E, generator=g).to(device)
+        self.experts = (torch.randn(E, HID, HID, generator=g) / HID).to(device)
 
     def load(self, lens, seed):
         n = sum(lens)
         g = torch.Generator().manual_seed(seed)
-        self.x[:n] = torch.randn(n, HID, generator=g)
+        self.x[:n] = torch.randn(n, HID, generator=g).to(self.device)
         self.x[n:] = 0
         ids = [r for r, length in enumerate(lens) for _ in range(length)]
-        self.seg_ids.copy_(torch.tensor(ids + [-1] * (T - n)))
+        self.seg_ids.copy_(torch.tensor(ids + [-1] * (T - n)).to(self.device))
         self.lens = list(lens)
 
     def projection(self):
@@ -69,11 +70,11 @@ class Layer:
         return (weights[..., None] * per_expert).sum(1)
 
 
-def _run(mode, break_name):
-    layer = Layer()
+def _run(mode, break_name, device="cpu"):
+    layer = Layer(device=device)
     break_op = getattr(layer, break_name)
     layer.load(BATCHES[0], seed=0)
-    harness = LayerGraph(layer.projection, break_op, layer.moe, mode=mode, pool=GraphPool("prefill", "cpu"))
+    harness = LayerGraph(layer.projection, break_op, layer.moe, mode=mode, pool=GraphPool("prefill", device))
     harness.capture()
     results = []
     for i, lens in enumerate(BATCHES):
@@ -90,6 +91,17 @@ def test_replay_equals_eager_in_every_batch(mode, break_name):
     assert len(harness.graphs) == (2 if mode == "breakable" else 1)
     for i, (replay, eager) in enumerate(results):
         DEFAULT_POLICY.assert_close(replay, eager, dtype=torch.float32, what=f"{mode} batch {i}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("mode", "break_name"), [("breakable", "break_live"), ("full", "break_static")])
+def test_cuda_graph_replay_equals_eager_in_every_batch(mode, break_name):
+    harness, results = _run(mode, break_name, device="cuda")
+    assert {g.kind for g in harness.graphs} == {"cuda"}
+    for i, (replay, eager) in enumerate(results):
+        DEFAULT_POLICY.assert_close(replay, eager, dtype=torch.float32, device="cuda", tf32=True,
+                                    what=f"{mode} batch {i}")
 
 
 def test_full_graph_freezes_live_host_metadata():
