@@ -103,3 +103,24 @@ def test_cuda_guard_uses_sync_debug_mode_and_restores_it():
     with host_sync_guard("cuda"), staging.batch() as stage:
         buf.write([1, 2], stage=stage)
     assert buf.tensor.tolist() == [1, 2, -1, -1]
+
+
+def test_marked_host_memory_is_host_through_views_and_forgotten_when_freed():
+    import gc
+
+    from moelora_core.graphs import mark_host_memory
+    from moelora_core.graphs.host_memory import is_marked_host_memory
+
+    buf = mark_host_memory(torch.zeros(8, dtype=torch.int32))
+    view = buf[2:5]
+    del buf
+    gc.collect()
+    assert is_marked_host_memory(view)  # the storage is alive through the view
+    with host_sync_guard("cpu"):
+        assert view.tolist() == [0, 0, 0]  # host memory: reading it is not a sync
+    del view
+    gc.collect()
+    other = torch.zeros(8, dtype=torch.int32)  # may reuse the address: must not inherit the mark
+    assert not is_marked_host_memory(other)
+    with pytest.raises(TypeError, match="CPU tensor"):
+        mark_host_memory(torch.zeros(2, device="meta"))

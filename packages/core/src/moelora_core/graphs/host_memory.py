@@ -7,7 +7,8 @@ host-sync guard need to be told which host buffers play that role: :func:`mark_h
 registers them (``PinnedStaging`` registers its two buffers), and :func:`pin_host_memory` is the
 device-neutral spelling of ``tensor.pin_memory()``.
 
-The registry holds weak references: a marked buffer that is freed drops out by itself.
+The registry holds weak references to the storages: a marked buffer that is freed (with all its
+views) drops out by itself.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import weakref
 
 import torch
 
-# storage data_ptr -> weak reference to a tensor that owns it (the storage is alive while it is).
+# storage data_ptr -> weak reference to the storage (alive while any tensor or view holds it).
 _MARKED: dict[int, weakref.ref] = {}
 
 
@@ -32,9 +33,10 @@ def mark_host_memory(tensor: torch.Tensor) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
         raise TypeError(f"mark_host_memory expects a CPU tensor, got {type(tensor).__name__} "
                         f"on {getattr(tensor, 'device', '?')}")
-    key = tensor.untyped_storage().data_ptr()
+    storage = tensor.untyped_storage()
+    key = storage.data_ptr()
     if key:
-        _MARKED[key] = weakref.ref(tensor, lambda _ref, key=key: _forget(key, _ref))
+        _MARKED[key] = weakref.ref(storage, lambda ref, key=key: _forget(key, ref))
     return tensor
 
 
