@@ -230,7 +230,7 @@ def sort_based_align(ids, mapping, E, bm, L, enabled):
             b0 = int(starts[s, e]) // bm
             out.expert_ids[s, b0 : b0 + int(padded[s, e]) // bm] = e
     out.num_tokens_post_padded.copy_(padded.sum(1).to(I32))
-    assert out.sorted_token_ids.max() <= pad
+    assert out.sorted_token_ids.numel() == 0 or out.sorted_token_ids.max() <= pad
     return out
 
 
@@ -240,6 +240,13 @@ def assert_twin_matches(ids, mapping, E_, bm, L_, enabled, seed):
     other = sort_based_align(ids, mapping, E_, bm, L_, enabled)
     for got, want, name in zip(out, other, AlignOutput._fields):
         assert_exact(got, want, what=name, seed=seed)
+
+
+def test_zero_capacity_when_idle_with_block_m_1():  # M = 0 and BLOCK_M = 1 give P = 0: empty buffers
+    ids = torch.zeros(0, 1, dtype=I32)
+    out = moe_lora_align_block_size(ids, torch.zeros(0, dtype=I32), 1, 1, 1, None)
+    assert out.sorted_token_ids.shape == (1, 0) and out.expert_ids.shape == (1, 0)
+    assert_twin_matches(ids, torch.zeros(0, dtype=I32), 1, 1, 1, None, seed=None)
 
 
 def test_sort_formulation_agrees_when_every_pair_goes_to_one_slot():  # worst-case padding of one slot
