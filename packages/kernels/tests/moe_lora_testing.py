@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
-from kernel_testing import DEVICE, assert_bitwise_equal, assert_close, cpu, launch_guard, randn
+from kernel_testing import DEVICE, assert_bitwise_equal, assert_close, launch_guard, randn
 
 from moelora_core import LoRALayerSpec, LoRAWeights, ModuleLoRA
 from moelora_kernels import moe_lora_delta, stage_tensors
@@ -61,10 +61,10 @@ def run_delta(stage, x, out, weights, align, k, topk_weights, enabled, fused, ma
 
 
 def twin_delta(stage, x, out0, weights, align, k, topk_weights, enabled, max_rank=None):
-    t = stage_tensors(cpu_weights(weights), stage)
-    return twin.fused_moe_lora(cpu(x), t["lora_a"], t["lora_b"], cpu(align), cpu(out0).clone(), stage=stage, top_k=k,
-                               ranks=t["ranks"], scalings=t["scalings"], topk_weights=cpu(topk_weights),
-                               adapter_enabled=cpu(enabled), max_rank=max_rank)
+    t = stage_tensors(weights, stage)
+    return twin.fused_moe_lora(x, t["lora_a"], t["lora_b"], align, out0.clone(), stage=stage, top_k=k,
+                               ranks=t["ranks"], scalings=t["scalings"], topk_weights=topk_weights,
+                               adapter_enabled=enabled, max_rank=max_rank)
 
 
 def check_delta(stage, out, want, out0, mask, dtype, seed, what):

@@ -78,16 +78,15 @@ def run_pair(kind, x, A, B, ranks, scalings, indptr, weights, perm, out, max_len
 
 
 def twin_pair(kind, x, A, B, ranks, scalings, indptr, weights, perm, out0, max_len, max_rank=None):
-    args = (cpu(indptr), cpu(weights), cpu(ranks))
+    args = (indptr, weights, ranks)
     if kind == "csgmv":
-        t = twin.chunked_sgmv_shrink(cpu(x), cpu(A), *args, cpu(perm), max_len=max_len, max_rank=max_rank)
-        out = twin.chunked_sgmv_expand(t, cpu(B), *args, cpu(scalings), cpu(perm), cpu(out0).clone(),
-                                       max_len=max_len, max_rank=max_rank)
+        t = twin.chunked_sgmv_shrink(x, A, *args, perm, max_len=max_len, max_rank=max_rank)
+        out = twin.chunked_sgmv_expand(t, B, *args, scalings, perm, out0.clone(), max_len=max_len, max_rank=max_rank)
     else:
-        t = twin.segmented_lora_a(cpu(x), cpu(A), *args, max_len=max_len, permutation=cpu(perm), max_rank=max_rank)
-        out = twin.segmented_lora_b(t, cpu(B), *args, cpu(scalings), cpu(out0).clone(), max_len=max_len,
-                                    permutation=cpu(perm), max_rank=max_rank)
-    return t, out
+        t = twin.segmented_lora_a(x, A, *args, max_len=max_len, permutation=perm, max_rank=max_rank)
+        out = twin.segmented_lora_b(t, B, *args, scalings, out0.clone(), max_len=max_len, permutation=perm,
+                                    max_rank=max_rank)
+    return t.cpu(), out
 
 
 @st.composite
@@ -129,7 +128,7 @@ def test_dense_lora_matches_twin(problem):
     module_rank = cpu(ranks)[mapping.clamp(min=0)]
     no_lora = (mapping == NO_ADAPTER) | (module_rank == 0)
     assert_bitwise_equal(out.cpu()[no_lora], out0.cpu()[no_lora], what=f"{what}: rows without LoRA", seed=case.seed)
-    if c.x.dtype == torch.float32 and not token_tail:
+    if c.x.dtype == torch.float32 and not token_tail and T <= 512:
         oracle = dense_lora_forward(cpu(x), None, module, cpu_weights(w), mapping)
         assert_close(out.cpu().double() - out0.cpu().double(), oracle, dtype=torch.float32, what=f"{what} vs oracle",
                      seed=case.seed)

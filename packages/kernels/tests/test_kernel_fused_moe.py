@@ -41,10 +41,10 @@ def test_gate_up_gemm_matches_twin_per_pair(case):
     out = poisoned(M * k, w.shape[1], dtype=c.x.dtype)
     with launch_guard():
         fused_moe_gemm(c.x, w, out, align, top_k=k, num_pairs=M * k, in_row_div=k)
-    want = twin.fused_moe_gemm(cpu(c.x), cpu(w), torch.full_like(cpu(out), float("nan")), cpu(align), top_k=k,
+    want = twin.fused_moe_gemm(c.x, w, torch.full_like(out, float("nan")), align, top_k=k,
                                num_pairs=M * k, in_row_div=k)
     here = (c.topk_ids >= 0).reshape(-1).cpu()
-    assert_close(out.cpu()[here], want[here], dtype=c.x.dtype, what="gate_up per pair", seed=case.seed)
+    assert_close(out.cpu()[here], want.cpu()[here], dtype=c.x.dtype, what="gate_up per pair", seed=case.seed)
     assert bool(out.cpu()[~here].isnan().all()), f"rows of EXPERT_NOT_HERE pairs were written (seed={case.seed})"
 
 
@@ -54,8 +54,7 @@ def test_fused_moe_layer_matches_twin(case):
     align = _align(c.topk_ids, c.base.w_gate_up.shape[0])
     with launch_guard():
         y = fused_moe(c.x, c.topk_ids, c.topk_weights, c.base.w_gate_up, c.base.w_down, align=align)
-    want = twin.fused_moe(cpu(c.x), cpu(c.topk_ids), cpu(c.topk_weights), cpu(c.base.w_gate_up),
-                          cpu(c.base.w_down), cpu(align))
+    want = twin.fused_moe(c.x, c.topk_ids, c.topk_weights, c.base.w_gate_up, c.base.w_down, align)
     assert_close(y, want, dtype=c.x.dtype, what="fused_moe y", seed=case.seed)
     if c.x.dtype == torch.float32 and c.x.shape[0] <= 96:
         oracle = moe_lora_forward(cpu(c.x), cpu(c.topk_ids), cpu(c.topk_weights), cpu(c.base.w_gate_up),
@@ -87,7 +86,7 @@ def test_named_base_cases(name, M, k, E_base, ids, dtype):
     align = _align(ids, E_base)
     with launch_guard():
         y = fused_moe(x, ids, weights, w_gu, w_d, align=align)
-    want = twin.fused_moe(cpu(x), cpu(ids), cpu(weights), cpu(w_gu), cpu(w_d), cpu(align))
+    want = twin.fused_moe(x, ids, weights, w_gu, w_d, align)
     if name == "every id -1":
         assert_bitwise_equal(y, torch.zeros_like(y), what=name)
     else:
@@ -101,7 +100,7 @@ def test_activation_variants(activation, gated):
     align = _align(ids, 4)
     with launch_guard():
         y = fused_moe(x, ids, weights, w_gu, w_d, align=align, activation=activation, gated=gated)
-    want = twin.fused_moe(cpu(x), cpu(ids), cpu(weights), cpu(w_gu), cpu(w_d), cpu(align), activation=activation,
+    want = twin.fused_moe(x, ids, weights, w_gu, w_d, align, activation=activation,
                           gated=gated)
     assert_close(y, want, dtype=torch.float32, what=f"{activation} gated={gated}", seed=8)
 
@@ -114,7 +113,7 @@ def test_moe_sum_never_reads_rows_of_expert_not_here():
     down[:, 1] = float("nan")
     with launch_guard():
         y = moe_sum(down, ids)
-    assert_close(y, twin.moe_sum(cpu(down), cpu(ids)), dtype=torch.float16, what="moe_sum", seed=9)
+    assert_close(y, twin.moe_sum(down, ids), dtype=torch.float16, what="moe_sum", seed=9)
 
 
 @pytest.mark.parametrize("call, match", [
@@ -144,5 +143,5 @@ def test_bf16_layer_on_gpu():
     align = _align(ids, 6)
     with launch_guard():
         y = fused_moe(x, ids, weights, w_gu, w_d, align=align)
-    want = twin.fused_moe(cpu(x), cpu(ids), cpu(weights), cpu(w_gu), cpu(w_d), cpu(align))
+    want = twin.fused_moe(x, ids, weights, w_gu, w_d, align)
     assert_close(y, want, dtype=torch.bfloat16, what="bf16 fused_moe", seed=11)

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from kernel_testing import DEVICE, assert_bitwise_equal, cpu, launch_guard
-from moe_lora_testing import check_delta, cpu_weights, enabled_of, handled, make_pool, stage_inputs
+from moe_lora_testing import check_delta, enabled_of, handled, make_pool, stage_inputs
 
 from moelora_conformance.strategies import align_problems, moe_lora_cases
 from moelora_core import KernelPreconditionError, assert_exact
@@ -57,9 +57,9 @@ def test_virtual_delta_matches_per_slot_twin(case, stage):
         virtual_moe_lora_delta(stage, x, out, w, valign, top_k=k, topk_weights=tw)
     # the per-slot twin on its own alignment: the same math, another grouping
     align = moe_lora_align_block_size(c.topk_ids, c.token_lora_mapping, spec.E, 32, spec.max_loras)
-    t = stage_tensors(cpu_weights(w), stage)
-    want = twin.fused_moe_lora(cpu(x), t["lora_a"], t["lora_b"], cpu(align), cpu(out0).clone(), stage=stage, top_k=k,
-                               ranks=t["ranks"], scalings=t["scalings"], topk_weights=cpu(tw))
+    t = stage_tensors(w, stage)
+    want = twin.fused_moe_lora(x, t["lora_a"], t["lora_b"], align, out0.clone(), stage=stage, top_k=k,
+                               ranks=t["ranks"], scalings=t["scalings"], topk_weights=tw)
     ones = torch.ones(spec.max_loras, dtype=torch.int32)
     # a rank-0 module adds an exact +0.0 through the virtual path (zero factors, σ 0): its rows
     # stay bit-identical like those of NO_ADAPTER tokens and sentinel ids

@@ -1,7 +1,8 @@
 """Readable twins of the base fused-MoE kernels (``moelora_kernels.fused_moe`` / ``.moe_epilogue``).
 
 Same signatures and meaning as the kernels, written as loops over alignment blocks in float64,
-rounded to the output dtype at the kernels' rounding points:
+rounded to the output dtype at the kernels' rounding points (any device: the loops run on host
+copies of the alignment, the math where the data lives):
 
 - :func:`fused_moe_gemm`: for every block b of the slot with expert e >= 0 and every pair p in it
   (p < num_pairs): ``c[p] (+)= scale[e // experts_per_scale] · w_p · W[e] @ a[p // in_row_div]``,
@@ -56,19 +57,19 @@ def fused_moe_gemm(
     Returns:
         ``c``.
     """
-    sorted_ids = align.sorted_token_ids[slot]  # [P]
-    expert_ids = align.expert_ids[slot]  # [P // BLOCK_M]
-    block_m = sorted_ids.shape[0] // expert_ids.shape[0]
+    sorted_ids = align.sorted_token_ids[slot].tolist()  # [P]
+    expert_ids = align.expert_ids[slot].tolist()  # [P // BLOCK_M]
+    block_m = len(sorted_ids) // len(expert_ids)
     used = int(align.num_tokens_post_padded[slot])
     weights = None if topk_weights is None else topk_weights.reshape(-1).to(F64)
     for b in range(used // block_m):
-        e = int(expert_ids[b])
+        e = expert_ids[b]
         if e < 0:
             continue  # NO_EXPERT_BLOCK
-        rows = [int(p) for p in sorted_ids[b * block_m:(b + 1) * block_m] if int(p) < num_pairs]
+        rows = [p for p in sorted_ids[b * block_m:(b + 1) * block_m] if p < num_pairs]
         if not rows:
             continue
-        p = torch.tensor(rows)
+        p = torch.tensor(rows, device=c.device)
         v = a[p // in_row_div].to(F64) @ w[e].to(F64).T  # [rows, N]
         if weights is not None:
             v = v * weights[p][:, None]
@@ -114,12 +115,9 @@ def moe_sum(down_out: torch.Tensor, topk_ids: torch.Tensor, *, out: torch.Tensor
     Args:
         down_out: [M, top_k, H]; topk_ids: [M, top_k]; out: [M, H] or None.
     """
-    M, top_k, H = down_out.shape
-    y = torch.zeros(M, H, dtype=F64)
-    for t in range(M):
-        for j in range(top_k):
-            if int(topk_ids[t, j]) >= 0:  # EXPERT_NOT_HERE rows are never read
-                y[t] += down_out[t, j].to(F64)
+    here = (topk_ids >= 0)[:, :, None]  # [M, top_k, 1]
+    # where, not a product: rows of EXPERT_NOT_HERE pairs are never written and may hold NaN
+    y = torch.where(here, down_out.to(F64), 0.0).sum(dim=1)  # [M, H]
     y = y.to(down_out.dtype)
     if out is None:
         return y
@@ -150,10 +148,10 @@ def fused_moe(
     """
     M, top_k = topk_ids.shape
     num_pairs = M * top_k
-    gate_up = torch.full((num_pairs, w_gate_up.shape[1]), float("nan"), dtype=x.dtype)
+    gate_up = torch.full((num_pairs, w_gate_up.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
     fused_moe_gemm(x, w_gate_up, gate_up, align, top_k=top_k, num_pairs=num_pairs, in_row_div=top_k)
     h = moe_activation(gate_up, activation=activation, gated=gated)  # [num_pairs, I]
-    down = torch.full((num_pairs, w_down.shape[1]), float("nan"), dtype=x.dtype)
+    down = torch.full((num_pairs, w_down.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
     fused_moe_gemm(h, w_down, down, align, top_k=top_k, num_pairs=num_pairs, in_row_div=1,
                    topk_weights=topk_weights)
     return moe_sum(down.view(M, top_k, -1), topk_ids)

@@ -12,7 +12,8 @@ For a block of slot l and expert e >= 0 (slot enabled, module rank r = min(ranks
     shrink:  t[s, p, :r] = round(A[s, l, e, :r] @ in[p]);  t[s, p, r:] = 0
     expand:  out[p, s] = round(out[p, s] + σ[s, l] · w_p · B[s, l, e, :, :r] @ t[s, p, :r])
 
-(w_p = 1 for gate_up). Rows of other pairs are not touched. Source: the MoE-LoRA equation of
+(w_p = 1 for gate_up). Rows of other pairs are not touched. Any device: the loops run on host copies
+of the alignment, the math where the data lives. Source: the MoE-LoRA equation of
 DESIGN.md §1 (:mod:`moelora_reference.oracle`), laid out as vLLM's fused MoE-LoRA
 (vllm-project/vllm#21229) and SGLang's MoE-LoRA (sgl-project/sglang#14105).
 """
@@ -35,16 +36,16 @@ def _slices(stage: str, lora: torch.Tensor, ranks: torch.Tensor, scalings: torch
     raise ValueError(f"stage {stage!r} not in ('gate_up', 'down')")
 
 
-def _blocks(align: AlignOutput, slot: int, num_pairs: int):
-    """(expert, pair indices) of every used block of ``slot`` with an expert >= 0."""
-    sorted_ids = align.sorted_token_ids[slot]  # [P]
-    expert_ids = align.expert_ids[slot]  # [P // BLOCK_M]
-    block_m = sorted_ids.shape[0] // expert_ids.shape[0]
+def _blocks(align: AlignOutput, slot: int, num_pairs: int, device: torch.device):
+    """(expert, pair indices on ``device``) of every used block of ``slot`` with an expert >= 0."""
+    sorted_ids = align.sorted_token_ids[slot].tolist()  # [P]
+    expert_ids = align.expert_ids[slot].tolist()  # [P // BLOCK_M]
+    block_m = len(sorted_ids) // len(expert_ids)
     for b in range(int(align.num_tokens_post_padded[slot]) // block_m):
-        e = int(expert_ids[b])
-        rows = [int(p) for p in sorted_ids[b * block_m:(b + 1) * block_m] if int(p) < num_pairs]
+        e = expert_ids[b]
+        rows = [p for p in sorted_ids[b * block_m:(b + 1) * block_m] if p < num_pairs]
         if e >= 0 and rows:
-            yield e, torch.tensor(rows)
+            yield e, torch.tensor(rows, device=device)
 
 
 def _active(adapter_enabled, slot, rank):
@@ -82,14 +83,14 @@ def fused_moe_lora_shrink(
     in_row_div = top_k if stage == "gate_up" else 1
     bound = R if max_rank is None else max_rank
     if out is None:
-        out = torch.full((S, num_pairs, R), float("nan"), dtype=x.dtype)
+        out = torch.full((S, num_pairs, R), float("nan"), dtype=x.dtype, device=x.device)
     for slot in range(L):
         for s in range(S):
             r = min(int(rk[s, slot]), bound)
             if not _active(adapter_enabled, slot, r):
                 continue
-            for e, p in _blocks(align, slot, num_pairs):
-                t = torch.zeros(len(p), R, dtype=F64)
+            for e, p in _blocks(align, slot, num_pairs, x.device):
+                t = torch.zeros(len(p), R, dtype=F64, device=x.device)
                 t[:, :r] = x[p // in_row_div].to(F64) @ A[s, slot, e, :r].to(F64).T  # [rows, r]
                 out[s, p] = t.to(out.dtype)
     return out
@@ -132,7 +133,7 @@ def fused_moe_lora_expand(
             r = min(int(rk[s, slot]), bound)
             if not _active(adapter_enabled, slot, r):
                 continue
-            for e, p in _blocks(align, slot, num_pairs):
+            for e, p in _blocks(align, slot, num_pairs, out.device):
                 delta = intermediate[s, p, :r].to(F64) @ B[s, slot, e, :, :r].to(F64).T  # [rows, N]
                 delta = delta * float(sc[s, slot])
                 if w is not None:

@@ -9,7 +9,8 @@ max_rank) > 0, and every sorted position i in [seg_indptr[g], seg_indptr[g+1]) w
     expand:  out[row(i)] = round(out[row(i)] + σ[l] · B[l, :, :r] @ t[i_t, :r])
 
 with ``i_t = row(i)`` for segmented LoRA-A/B and ``i_t = i`` for chunked SGMV. Rows of other tokens
-are not touched. Source: S-LoRA / Punica SGMV (arXiv:2311.03285, arXiv:2310.18547); SGLang's
+are not touched. Any device: the metadata is read once into host lists, the math runs where the
+data lives. Source: S-LoRA / Punica SGMV (arXiv:2311.03285, arXiv:2310.18547); SGLang's
 ``sgemm_lora_a/b`` and ``chunked_sgmv`` LoRA backends. The per-token equation is
 :func:`moelora_reference.oracle.dense_lora_forward`.
 """
@@ -24,15 +25,15 @@ F64 = torch.float64
 def _positions(seg_indptr, weight_indices, ranks, permutation, max_rank, R):
     """(slot, rank, sorted positions, token rows) of every segment with an adapter."""
     bound = R if max_rank is None else max_rank
-    for g in range(weight_indices.shape[0]):
-        slot = int(weight_indices[g])
-        start, end = int(seg_indptr[g]), int(seg_indptr[g + 1])
+    indptr, slots, rank_of = seg_indptr.tolist(), weight_indices.tolist(), ranks.tolist()
+    for g, slot in enumerate(slots):
+        start, end = indptr[g], indptr[g + 1]
         if slot < 0 or end <= start:
             continue  # NO_ADAPTER segment, or an empty graph-tail segment
-        r = min(int(ranks[slot]), bound)
+        r = min(rank_of[slot], bound)
         if r <= 0:
             continue
-        pos = torch.arange(start, end)
+        pos = torch.arange(start, end, device=seg_indptr.device)
         rows = pos if permutation is None else permutation[start:end].to(torch.int64)
         yield slot, r, pos, rows
 
@@ -40,9 +41,9 @@ def _positions(seg_indptr, weight_indices, ranks, permutation, max_rank, R):
 def _shrink(x, lora_a, seg_indptr, weight_indices, ranks, permutation, out, max_rank, sorted_inter):
     R = lora_a.shape[1]
     if out is None:
-        out = torch.full((x.shape[0], R), float("nan"), dtype=x.dtype)
+        out = torch.full((x.shape[0], R), float("nan"), dtype=x.dtype, device=x.device)
     for slot, r, pos, rows in _positions(seg_indptr, weight_indices, ranks, permutation, max_rank, R):
-        t = torch.zeros(len(rows), R, dtype=F64)
+        t = torch.zeros(len(rows), R, dtype=F64, device=x.device)
         t[:, :r] = x[rows].to(F64) @ lora_a[slot, :r].to(F64).T  # [n, r]
         out[pos if sorted_inter else rows] = t.to(out.dtype)
     return out

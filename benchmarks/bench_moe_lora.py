@@ -1,0 +1,379 @@
+"""MoE multi-LoRA kernel benchmark on one GPU, by the method of issue 4 (see benchmarks/README.md).
+
+Shapes: Qwen3-30B-A3B MoE layer (H 2048, I 768, E 128, top-8, bf16); max_loras 4, every slot loaded
+at rank R in {16, 64}; M in {1, 8, 32, 128, 512, 2048, 8192} tokens in 5 contiguous requests (slots
+0-3 and one base request: 80 % adapter tokens); router logits ~ N(0, 1) → softmax → top-8 distinct,
+renormalised; weights ~ N(0, 1/fan-in).
+
+Units, each captured once in a CUDA graph and replayed ``--replays`` times (100) with a 128 MB
+memset before every replay (L2 flushed), CUDA events around each replay, median reported:
+
+- (a) base fused MoE: gate_up GEMM, SiLU·up, down GEMM with router weight, top-k sum (alignment
+  precomputed);
+- (b) the MoE-LoRA deltas: gate_up shrink+expand of both slices and down shrink+expand, added into
+  the base buffers — the fused kernel (the product path), plus the unfused shrink/expand pair and
+  virtual experts as variants;
+- (c) ``moe_lora_align_block_size`` (and the base alignment);
+- baseline: the reference backend's graph-safe torch deltas; ceiling: a 2 GiB device-to-device
+  copy (read + write bytes).
+
+Before timing, every unit is checked against a torch path (bucketed per (slot, expert) matmuls in
+fp32) and the alignment against the contract checker. Prints a table; writes JSON to ``--out``.
+
+    PYTHONPATH=packages/core/src:packages/kernels/src:reference/src python benchmarks/bench_moe_lora.py \\
+        --out bench.json [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for src in ("packages/core/src", "packages/kernels/src", "reference/src"):
+    if str(ROOT / src) not in sys.path:
+        sys.path.insert(0, str(ROOT / src))
+
+import triton  # noqa: E402
+
+from moelora_core import BatchSpec, ForwardMode, LoRALayerSpec, LoRAWeights, ModuleLoRA, Request  # noqa: E402
+from moelora_core.align import AlignOutput  # noqa: E402
+from moelora_kernels import (  # noqa: E402
+    fused_moe,
+    moe_align_block_size,
+    moe_block_m,
+    moe_lora_align_block_size,
+    moe_lora_delta,
+    stage_tensors,
+    token_lora_mapping,
+    virtual_align,
+    virtual_moe_lora_delta,
+)
+from moelora_kernels.fused_moe import fused_moe_gemm  # noqa: E402
+from moelora_kernels.moe_epilogue import moe_activation  # noqa: E402
+
+#: Named model registry (layer shapes) and regimes.
+MODELS = {"qwen3-30b-a3b-layer": {"H": 2048, "I": 768, "E": 128, "top_k": 8}}
+TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
+RANKS = (16, 64)
+MAX_LORAS = 4
+#: Issue 4 targets (H200 medians, µs): M → (base a, LoRA b R16, LoRA b R64). Binding for M <= 512.
+TARGETS = {1: (40, 23, 32), 8: (129, 28, 50), 32: (261, 34, 67), 128: (310, 48, 127), 512: (330, 95, 176),
+           2048: (465, 147, 294), 8192: (1285, 202, 351)}
+ALIGN_TARGET_US = 15.0
+DT = torch.bfloat16
+
+
+def regime(M: int) -> str:
+    return f"decode-{M}tok" if M <= 128 else f"prefill-{M}tok"
+
+
+# --- timing ---------------------------------------------------------------------------------------
+
+class Timer:
+    """Capture once, replay N times with an L2 flush (128 MB memset) before each replay."""
+
+    def __init__(self, replays: int):
+        self.replays = replays
+        self.flush = torch.empty(128 * 2**20, dtype=torch.uint8, device="cuda")
+
+    def __call__(self, fn, replays: int | None = None) -> dict[str, float]:
+        n = replays or self.replays
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: compile and allocate outside the capture
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        for i in range(n):
+            self.flush.zero_()
+            starts[i].record()
+            graph.replay()
+            ends[i].record()
+        torch.cuda.synchronize()
+        us = sorted(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+        return {"median_us": statistics.median(us), "p10_us": us[len(us) // 10], "p90_us": us[(9 * len(us)) // 10]}
+
+
+def copy_bandwidth(timer: Timer) -> dict[str, float]:
+    """2 GiB device-to-device copy: bytes read + written over the median time."""
+    n = 2 * 2**30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = timer(lambda s=src, d=dst: d.copy_(s), replays=20)
+    del src, dst
+    return {**t, "GBps": 2 * n / (t["median_us"] * 1e-6) / 1e9}
+
+
+# --- problem ----------------------------------------------------------------------------------------
+
+def request_lengths(M: int) -> tuple[list[int], list[int]]:
+    """5 contiguous requests (slots 0-3, then a base request), as even as M allows."""
+    slots = [0, 1, 2, 3, -1]
+    lens = [M // 5 + (i < M % 5) for i in range(5)]
+    return [n for n in lens if n], [s for s, n in zip(slots, lens) if n]
+
+
+class Problem:
+    def __init__(self, M: int, shape: dict, gen: torch.Generator, base: dict):
+        H, E, k = shape["H"], shape["E"], shape["top_k"]
+        self.M, self.k, self.E, self.H, self.I = M, k, E, H, shape["I"]
+        self.lens, self.slots = request_lengths(M)
+        self.x = torch.randn(M, H, generator=gen, device="cuda").to(DT)
+        logits = torch.randn(M, E, generator=gen, device="cuda")
+        w, ids = torch.topk(torch.softmax(logits, -1), k)
+        self.topk_weights = (w / w.sum(-1, keepdim=True)).contiguous()
+        self.topk_ids = ids.to(torch.int32).contiguous()
+        indptr = [0]
+        for n in self.lens:
+            indptr.append(indptr[-1] + n)
+        self.seg_indptr = torch.tensor(indptr, dtype=torch.int32, device="cuda")
+        self.req_to_lora = torch.tensor(self.slots, dtype=torch.int32, device="cuda")
+        self.mapping, self.enabled = token_lora_mapping(self.seg_indptr, self.req_to_lora, max_loras=MAX_LORAS,
+                                                        num_tokens=M)
+        self.w_gu, self.w_d = base["w_gu"], base["w_d"]
+        self.bm_base = moe_block_m(M, k, E)
+        self.bm_lora = moe_block_m(M, k, E, MAX_LORAS)
+        self.base_align = moe_align_block_size(self.topk_ids, E, self.bm_base)
+        self.lora_align = moe_lora_align_block_size(self.topk_ids, self.mapping, E, self.bm_lora, MAX_LORAS,
+                                                    self.enabled)
+        self.batch = BatchSpec(ForwardMode.EXTEND, [Request(s, n) for s, n in zip(self.slots, self.lens)], MAX_LORAS,
+                               (1,) * MAX_LORAS, (1.0,) * MAX_LORAS)
+
+    def base_buffers(self):
+        """Base gate_up_out, h and down_out (what the deltas add into)."""
+        M, k = self.M, self.k
+        gate_up = torch.empty(M, k, 2 * self.I, dtype=DT, device="cuda")
+        fused_moe_gemm(self.x, self.w_gu, gate_up.view(M * k, -1), self.base_align, top_k=k, num_pairs=M * k,
+                       in_row_div=k)
+        h = moe_activation(gate_up.view(M * k, -1), topk_ids=self.topk_ids)
+        down = torch.empty(M, k, self.H, dtype=DT, device="cuda")
+        fused_moe_gemm(h, self.w_d, down.view(M * k, -1), self.base_align, top_k=k, num_pairs=M * k, in_row_div=1,
+                       topk_weights=self.topk_weights)
+        return gate_up, h, down
+
+
+def make_pool(shape: dict, R: int, gen: torch.Generator) -> LoRAWeights:
+    H, I, E = shape["H"], shape["I"], shape["E"]  # noqa: E741
+    spec = LoRALayerSpec(H, I, E, shape["top_k"], {}, MAX_LORAS, R, dtype=DT, device="cuda")
+    w = LoRAWeights(spec)
+    for slot in range(MAX_LORAS):
+        adapter = {}
+        for m in ("gate", "up", "down"):
+            fin, fout = spec.module_shape(m)
+            A = torch.randn(E, R, fin, generator=gen, device="cuda") / math.sqrt(fin)
+            B = torch.randn(E, fout, R, generator=gen, device="cuda") / math.sqrt(R)
+            adapter[m] = ModuleLoRA(A, B, 2.0 / (1 + slot))
+        w.load_slot(slot, adapter)
+    return w
+
+
+# --- torch paths for the correctness checks ----------------------------------------------------------
+
+def torch_base(p: Problem) -> torch.Tensor:
+    """The base MoE by expert buckets in fp32, rounded where the kernels round."""
+    M, k = p.M, p.k
+    ids = p.topk_ids.reshape(-1).long()
+    gate_up = torch.zeros(M * k, 2 * p.I, device="cuda")
+    down = torch.zeros(M * k, p.H, device="cuda")
+    for e in ids.unique().tolist():
+        rows = (ids == e).nonzero().squeeze(1)
+        gate_up[rows] = (p.x[rows // k].float() @ p.w_gu[e].float().T).to(DT).float()
+    g, u = gate_up[:, :p.I], gate_up[:, p.I:]
+    h = (g * torch.sigmoid(g) * u).to(DT).float()
+    for e in ids.unique().tolist():
+        rows = (ids == e).nonzero().squeeze(1)
+        down[rows] = (h[rows] @ p.w_d[e].float().T * p.topk_weights.reshape(-1)[rows, None]).to(DT).float()
+    return down.view(M, k, p.H).sum(1)
+
+
+def torch_delta(p: Problem, w: LoRAWeights, stage: str, inp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out + σ·w·B(A in) by (slot, expert) buckets in fp32, t rounded to bf16 like the kernels."""
+    M, k = p.M, p.k
+    t = stage_tensors(w, stage)
+    A = t["lora_a"] if stage == "gate_up" else t["lora_a"][None]
+    B = t["lora_b"] if stage == "gate_up" else t["lora_b"][None]
+    sig = t["scalings"] if stage == "gate_up" else t["scalings"][None]
+    res = out.reshape(M * k, -1).float().clone()
+    N = B.shape[3]
+    ids = p.topk_ids.reshape(-1).long()
+    slot = p.mapping.long().repeat_interleave(k)
+    key = torch.where(slot >= 0, slot * p.E + ids, -1)
+    for v in key.unique().tolist():
+        if v < 0:
+            continue
+        s, e = divmod(v, p.E)
+        rows = (key == v).nonzero().squeeze(1)
+        src = inp[rows // k] if stage == "gate_up" else inp[rows]
+        for sl in range(A.shape[0]):
+            shrink = (src.float() @ A[sl, s, e].float().T).to(DT).float()
+            delta = shrink @ B[sl, s, e].float().T * sig[sl, s]
+            if stage == "down":
+                delta = delta * p.topk_weights.reshape(-1)[rows, None]
+            res[rows, sl * N:(sl + 1) * N] += delta
+    return res.to(DT).view_as(out)
+
+
+def close(actual, expected, what, tol=2e-2):
+    a, e = actual.float(), expected.float()
+    err = (a - e).abs().max().item() / max(e.abs().max().item(), 1e-30)
+    ok = err <= tol and bool(torch.isfinite(a).all())
+    if not ok:
+        raise AssertionError(f"correctness check failed: {what}: max rel err {err:.3e} (bound {tol})")
+    return err
+
+
+def min_bytes_lora(p: Problem, R: int) -> int:
+    """Bytes the LoRA deltas must move: LoRA weights of the (slot, expert) pairs hit, activations in,
+    read + write of the touched output rows, router weights."""
+    k, H, I = p.k, p.H, p.I  # noqa: E741
+    slot = p.mapping.long().repeat_interleave(k)
+    ids = p.topk_ids.reshape(-1).long()
+    hit = slot >= 0
+    pairs_hit = int(torch.unique(slot[hit] * p.E + ids[hit]).numel())
+    adapter_pairs = int(hit.sum())
+    adapter_tokens = int((p.mapping >= 0).sum())
+    el = 2  # bf16
+    weights = pairs_hit * (2 * (R * H + I * R) + R * I + H * R) * el
+    acts = adapter_tokens * H * el + adapter_pairs * I * el + adapter_pairs * 4
+    outs = adapter_pairs * (2 * I + H) * el * 2
+    return weights + acts + outs
+
+
+# --- main -----------------------------------------------------------------------------------------------
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON output path")
+    parser.add_argument("--model", default="qwen3-30b-a3b-layer", choices=sorted(MODELS))
+    parser.add_argument("--replays", type=int, default=100)
+    parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    parser.add_argument("--ranks", type=int, nargs="*", default=list(RANKS))
+    parser.add_argument("--quick", action="store_true", help="M in {1, 128, 2048}, 20 replays (a smoke run)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the reference backend's torch path")
+    args = parser.parse_args()
+    if args.quick:
+        args.tokens, args.replays = [1, 128, 2048], 20
+    if not torch.cuda.is_available():
+        sys.exit("bench_moe_lora: needs a CUDA device")
+    t0 = time.time()
+    shape = MODELS[args.model]
+    gen = torch.Generator("cuda").manual_seed(0)
+    timer = Timer(args.replays)
+    H, I, E = shape["H"], shape["I"], shape["E"]  # noqa: E741
+    base = {"w_gu": (torch.randn(E, 2 * I, H, generator=gen, device="cuda") / math.sqrt(H)).to(DT),
+            "w_d": (torch.randn(E, H, I, generator=gen, device="cuda") / math.sqrt(I)).to(DT)}
+    copy = copy_bandwidth(timer)
+    pools = {R: make_pool(shape, R, gen) for R in args.ranks}
+    try:
+        from moelora_reference.backend import make_backend
+    except ImportError:
+        make_backend = None
+    rows = []
+    for M in args.tokens:
+        p = Problem(M, shape, gen, base)
+        # (a) base fused MoE, checked against the torch path
+        y = fused_moe(p.x, p.topk_ids, p.topk_weights, p.w_gu, p.w_d, align=p.base_align)
+        err_a = close(y, torch_base(p), f"base M={M}")
+        t_a = timer(lambda p=p: fused_moe(p.x, p.topk_ids, p.topk_weights, p.w_gu, p.w_d, align=p.base_align))
+        # (c) alignments
+        lora_out = AlignOutput(*(t.clone() for t in p.lora_align))
+        base_out = AlignOutput(*(t.clone() for t in p.base_align))
+        if M <= 512:
+            from moelora_reference.align import check_alignment
+            check_alignment(AlignOutput(*(t.cpu() for t in lora_out)), p.topk_ids.cpu(), p.mapping.cpu(), E,
+                            p.bm_lora, MAX_LORAS, p.enabled.cpu())
+        t_c = timer(lambda p=p, o=lora_out: moe_lora_align_block_size(p.topk_ids, p.mapping, E, p.bm_lora, MAX_LORAS,
+                                                                      p.enabled, out=o))
+        t_cb = timer(lambda p=p, o=base_out: moe_align_block_size(p.topk_ids, E, p.bm_base, out=o))
+        gate_up0, h, down0 = p.base_buffers()
+        _, valign = virtual_align(p.topk_ids, p.mapping, E, MAX_LORAS)
+        for R in args.ranks:
+            w = pools[R]
+            want_gu = torch_delta(p, w, "gate_up", p.x, gate_up0)
+            want_d = torch_delta(p, w, "down", h, down0)
+            variants = {
+                "fused": lambda gu, d, w=w, p=p, h=h: (
+                    moe_lora_delta("gate_up", p.x, gu, w, p.lora_align, top_k=p.k, adapter_enabled=p.enabled),
+                    moe_lora_delta("down", h, d, w, p.lora_align, top_k=p.k, topk_weights=p.topk_weights,
+                                   adapter_enabled=p.enabled)),
+                "unfused": lambda gu, d, w=w, p=p, h=h: (
+                    moe_lora_delta("gate_up", p.x, gu, w, p.lora_align, top_k=p.k, adapter_enabled=p.enabled,
+                                   fused=False),
+                    moe_lora_delta("down", h, d, w, p.lora_align, top_k=p.k, topk_weights=p.topk_weights,
+                                   adapter_enabled=p.enabled, fused=False)),
+                "virtual": lambda gu, d, w=w, p=p, h=h, valign=valign: (
+                    virtual_moe_lora_delta("gate_up", p.x, gu, w, valign, top_k=p.k),
+                    virtual_moe_lora_delta("down", h, d, w, valign, top_k=p.k, topk_weights=p.topk_weights)),
+            }
+            backend = None
+            if make_backend is not None and not args.no_baseline:
+                backend = make_backend(w.spec)
+                info = backend.prepare(p.batch)
+                variants["reference"] = lambda gu, d, w=w, p=p, h=h, info=info, b=backend: (
+                    b.moe_gate_up_delta(p.x, p.topk_ids, gu, w, info),
+                    b.moe_down_delta(h, p.topk_ids, p.topk_weights, d, w, info))
+            row = {"model": args.model, "regime": regime(M), "M": M, "R": R, "block_m_lora": p.bm_lora,
+                   "block_m_base": p.bm_base, "a_us": t_a["median_us"], "a_p10_us": t_a["p10_us"],
+                   "a_p90_us": t_a["p90_us"], "c_us": t_c["median_us"], "c_base_us": t_cb["median_us"],
+                   "err_a": err_a}
+            for name, fn in variants.items():
+                gu, d = gate_up0.clone(), down0.clone()
+                fn(gu, d)
+                row[f"err_{name}"] = max(close(gu, want_gu, f"{name} gate_up M={M} R={R}"),
+                                         close(d, want_d, f"{name} down M={M} R={R}"))
+                gu, d = gate_up0.clone(), down0.clone()
+                reps = args.replays if name != "reference" else max(5, args.replays // 5)
+                t = timer(lambda fn=fn, gu=gu, d=d: fn(gu, d), replays=reps)
+                row[f"b_{name}_us"] = t["median_us"]
+                if name == "fused":
+                    row["b_p10_us"], row["b_p90_us"] = t["p10_us"], t["p90_us"]
+            row["b_us"] = row["b_fused_us"]
+            row["b_over_a"] = row["b_us"] / row["a_us"]
+            row["b_min_bytes"] = min_bytes_lora(p, R)
+            row["b_GBps"] = row["b_min_bytes"] / (row["b_us"] * 1e-6) / 1e9
+            row["b_frac_copy"] = row["b_GBps"] / copy["GBps"]
+            ta, tb16, tb64 = TARGETS.get(M, (None, None, None))
+            row["target_a_us"], row["target_b_us"] = ta, (tb16 if R == 16 else tb64 if R == 64 else None)
+            rows.append(row)
+            del backend
+        del p
+        torch.cuda.empty_cache()
+
+    header = (f"{'regime':>16} {'R':>3} {'a µs':>8} {'b µs':>8} {'b tgt':>6} {'unfused':>8} {'virtual':>8} "
+              f"{'ref':>9} {'c µs':>6} {'c base':>6} {'b/a':>5} {'b GB/s':>7} {'%copy':>6}")
+    print(f"\n{args.model} bf16, L={MAX_LORAS}, {args.replays} graph replays, L2 flushed; copy ceiling "
+          f"{copy['GBps']:.0f} GB/s (2 GiB D2D, median {copy['median_us']:.0f} µs)")
+    print(header)
+    for r in rows:
+        ref = f"{r['b_reference_us']:9.1f}" if "b_reference_us" in r else f"{'-':>9}"
+        print(f"{r['regime']:>16} {r['R']:>3} {r['a_us']:8.1f} {r['b_us']:8.1f} {r['target_b_us'] or '-':>6} "
+              f"{r['b_unfused_us']:8.1f} {r['b_virtual_us']:8.1f} {ref} {r['c_us']:6.1f} {r['c_base_us']:6.1f} "
+              f"{r['b_over_a']:5.2f} {r['b_GBps']:7.0f} {100 * r['b_frac_copy']:5.1f}%")
+    record = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": str(torch.version.cuda),
+        "triton": triton.__version__, "python": platform.python_version(), "replays": args.replays,
+        "copy": copy, "align_target_us": ALIGN_TARGET_US, "rows": rows, "wall_s": round(time.time() - t0, 1),
+    }
+    Path(args.out).write_text(json.dumps(record, indent=2))
+    print(f"\nwrote {args.out} ({record['wall_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
