@@ -1,0 +1,32 @@
+"""Deliberately broken backends: the suite's own test subjects.
+
+- :mod:`.mutants`: the reference backend with one known fault each (:data:`MUTANTS`); every one
+  must be caught by the general properties. Load one as a backend with
+  ``--backend moelora_conformance.faulty:<factory>`` (factories below, one per mutation).
+"""
+
+from moelora_conformance.faulty.mutants import MUTANTS
+
+
+def _factory(name: str):
+    cls = MUTANTS[name]
+
+    def make_backend(spec):
+        return cls(spec)
+
+    make_backend.__name__ = f"make_{name.replace('-', '_').lower()}"
+    make_backend.__doc__ = f"Factory of the {name!r} mutant: {cls.__doc__.splitlines()[0]}"
+    return make_backend
+
+
+#: ``--backend moelora_conformance.faulty:<factory name>`` for each mutation.
+FACTORIES = {name: _factory(name) for name in MUTANTS}
+globals().update({f.__name__: f for f in FACTORIES.values()})
+
+
+def target(name: str) -> str:
+    """The ``--backend`` string of mutation ``name``."""
+    return f"moelora_conformance.faulty:{FACTORIES[name].__name__}"
+
+
+__all__ = ["FACTORIES", "MUTANTS", "target", *(f.__name__ for f in FACTORIES.values())]

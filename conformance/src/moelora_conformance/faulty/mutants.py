@@ -1,0 +1,169 @@
+"""One-line faults in the reference backend: each class below is ``ReferenceBackend`` with one
+known class of MoE multi-LoRA fault put back in (issue 7, "the suite tests itself").
+
+Each fault is one changed line of the reference's logic, kept in the smallest override that holds
+it. The suite must catch every one in the ``interpret`` profile without shrinking
+(``tests/test_mutations.py``; the table in ``docs/mutations.md``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from moelora_core.batch import BatchSpec, Request
+from moelora_core.batch_info import LoRABatchInfo
+from moelora_core.sentinels import NO_ADAPTER
+from moelora_core.static_buffer import StaticBuffer
+from moelora_core.weights import LoRAWeights
+from moelora_reference.backend import ReferenceBackend
+
+
+def _with_slots(batch: BatchSpec, slots: list[int]) -> BatchSpec:
+    requests = [Request(s, r.extend_len, r.prefix_len) for s, r in zip(slots, batch.requests)]
+    return BatchSpec(batch.forward_mode, requests, batch.max_loras, batch.lora_ranks, batch.scalings)
+
+
+class _StaleTailBuffer(StaticBuffer):
+    """A static buffer whose write leaves the tail as the previous batch left it."""
+
+    def padded(self, values, tail_fill=None):
+        previous = getattr(self, "_last", [self.fill] * self.capacity)
+        # FAULT: the tail keeps the previous (larger) batch's entries instead of the reset value.
+        full = [*values, *previous[len(values):]]
+        self._last = full
+        return full
+
+
+class StaleTail(ReferenceBackend):
+    """Graph families do not reset the token mapping's tail: a small batch replayed after a larger
+    one maps its pad rows to the larger batch's adapters."""
+
+    name = "mutant-stale-tail"
+
+    def _init_family(self, name, max_requests, max_tokens, tpr, sizes):
+        super()._init_family(name, max_requests, max_tokens, tpr, sizes)
+        old = self._families[name].buffers["moe.token_lora_mapping"]
+        self._families[name].buffers["moe.token_lora_mapping"] = _StaleTailBuffer(
+            old.name, old.capacity, dtype=old.tensor.dtype, device=old.tensor.device, fill=old.fill)
+
+
+class BaseToSlotZero(ReferenceBackend):
+    """Base requests (``NO_ADAPTER``) are mapped to adapter slot 0."""
+
+    name = "mutant-base-to-slot-0"
+
+    def prepare(self, batch, family=None):
+        # FAULT: -1 is clamped to slot 0 instead of meaning "no adapter".
+        return super().prepare(_with_slots(batch, [max(r.adapter_id, 0) for r in batch.requests]), family)
+
+
+class UpUsesGateA(ReferenceBackend):
+    """The up projection's delta reads the gate projection's A."""
+
+    name = "mutant-up-uses-gate-A"
+
+    def _moe_factors(self, weights, module):
+        A, B = super()._moe_factors(weights, module)
+        if module == "up":
+            A = super()._moe_factors(weights, "gate")[0]  # FAULT: gate's A for up
+        return A, B
+
+
+class _AlphaOverR(LoRAWeights):
+    def scalings(self, module: str) -> torch.Tensor:
+        ranks = self.ranks(module).to(torch.float32).clamp(min=1.0)
+        # FAULT: σ = α/r where the adapter asks α/√r (rsLoRA): the stored α/√r divided by √r again.
+        return super().scalings(module) / ranks.sqrt()
+
+
+def _alpha_over_r(weights: LoRAWeights) -> LoRAWeights:
+    view = copy.copy(weights)  # shares every tensor
+    view.__class__ = _AlphaOverR
+    return view
+
+
+class AlphaOverR(ReferenceBackend):
+    """σ computed as α/r where rsLoRA asks α/√r."""
+
+    name = "mutant-alpha-over-r"
+
+    def moe_gate_up_delta(self, x, topk_ids, gate_up_out, weights, info):
+        super().moe_gate_up_delta(x, topk_ids, gate_up_out, _alpha_over_r(weights), info)
+
+    def moe_down_delta(self, h, topk_ids, topk_weights, down_out, weights, info):
+        super().moe_down_delta(h, topk_ids, topk_weights, down_out, _alpha_over_r(weights), info)
+
+    def dense_delta(self, module, x, out, weights, info):
+        super().dense_delta(module, x, out, _alpha_over_r(weights), info)
+
+
+class SentinelToOtherAdapter(ReferenceBackend):
+    """Virtual experts: a sentinel expert id (-1) of slot s becomes virtual id ``s·E - 1``, the last
+    expert of slot s-1 — another adapter's expert."""
+
+    name = "mutant-sentinel-to-other-adapter"
+
+    def _pair_index(self, topk_ids: torch.Tensor, info: LoRABatchInfo):
+        if not self.spec.virtual_experts:
+            return super()._pair_index(topk_ids, info)
+        L, E = self.spec.max_loras, self.spec.E
+        slot = info.moe.token_lora_mapping.long()[:, None].expand_as(topk_ids)
+        ids = topk_ids.long()
+        # FAULT: the id >= 0 test is missing, so slot·E + (-1) lands on slot s-1's last expert.
+        virtual = torch.where((slot >= 0) & (slot < L) & (ids < E), slot * E + ids, torch.full_like(ids, -1))
+        valid = virtual >= 0
+        v = torch.where(valid, virtual, torch.zeros_like(virtual))
+        return valid, (v,), v // E
+
+
+class HostSync(ReferenceBackend):
+    """The down delta reads a device value on the host (a hidden ``.item()``)."""
+
+    name = "mutant-host-sync"
+
+    def moe_down_delta(self, h, topk_ids, topk_weights, down_out, weights, info):
+        if int(info.moe.adapter_enabled.sum()) == 0:  # FAULT: a host read of device data
+            return
+        super().moe_down_delta(h, topk_ids, topk_weights, down_out, weights, info)
+
+
+class RequestCap32(ReferenceBackend):
+    """Requests past the 32nd get no adapter (a fixed 32-request table)."""
+
+    name = "mutant-32-request-cap"
+
+    def prepare(self, batch, family=None):
+        # FAULT: only the first 32 requests keep their adapter.
+        slots = [r.adapter_id if i < 32 else NO_ADAPTER for i, r in enumerate(batch.requests)]
+        return super().prepare(_with_slots(batch, slots), family)
+
+
+class SharedScratch(ReferenceBackend):
+    """The decode and prefill graph families share one set of static buffers."""
+
+    name = "mutant-shared-scratch"
+
+    def _init_family(self, name, max_requests, max_tokens, tpr, sizes):
+        super()._init_family(name, max_requests, max_tokens, tpr, sizes)
+        other = self._families.get("prefill" if name == "decode" else "decode")
+        if other is not None:
+            mine = self._families[name].buffers
+            if all(other.buffers[k].capacity >= b.capacity for k, b in mine.items()):
+                self._families[name].buffers = other.buffers  # FAULT: one scratch for both families
+            else:
+                other.buffers = mine
+
+
+#: Mutation name → (backend class, what the fault is).
+MUTANTS: dict[str, type[ReferenceBackend]] = {
+    "stale-tail": StaleTail,
+    "base-to-slot-0": BaseToSlotZero,
+    "up-uses-gate-A": UpUsesGateA,
+    "alpha-over-r": AlphaOverR,
+    "sentinel-to-other-adapter": SentinelToOtherAdapter,
+    "host-sync": HostSync,
+    "32-request-cap": RequestCap32,
+    "shared-scratch": SharedScratch,
+}

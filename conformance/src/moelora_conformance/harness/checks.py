@@ -1,0 +1,113 @@
+"""Comparisons the properties make: against the oracle by the tolerance policy, LoRA deltas with the
+output's rounding accounted for, base rows bit for bit.
+
+Every failure message names what was compared, carries the case's one-line description and seed,
+and (through :class:`~moelora_core.tolerance.CloseReport`) the first differing coordinates.
+
+The delta check. A LoRA delta is compared on its own so that a wrong delta cannot hide under a
+large base output: ``delta = out_lora - out_base`` against the oracle's ``delta``. Where the
+compared outputs were rounded to the case dtype (dense outputs; ``moe_forward``'s y) the actual
+delta carries up to ``u·|out|`` of rounding per rounded output, whatever the backend does (``u`` the
+unit roundoff: 2⁻²⁴ fp32, 2⁻¹¹ fp16, 2⁻⁸ bf16). That part is subtracted element-wise before the
+policy's norm bounds apply; the harness's own MoE path keeps y in fp32 (``y32``), so its delta is
+compared with no allowance at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moelora_core.tolerance import DEFAULT_POLICY, TolerancePolicy
+
+#: Unit roundoff of each dtype (half an ulp at 1).
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float64: 2.0**-53}
+
+
+@dataclass(frozen=True)
+class CheckContext:
+    """What a comparison's failure message needs: the case, the dtype and device, the policy."""
+
+    describe: str
+    seed: int
+    dtype: torch.dtype
+    device: torch.device
+    policy: TolerancePolicy = DEFAULT_POLICY
+
+    def what(self, what: str) -> str:
+        return f"{what} | {self.describe}"
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, ctx: CheckContext, what: str) -> None:
+    """``actual`` equals ``expected`` (float64 oracle) within the policy for the case dtype."""
+    ctx.policy.assert_close(actual, expected, dtype=ctx.dtype, device=ctx.device, what=ctx.what(what), seed=ctx.seed)
+
+
+def assert_delta_close(actual_lora: torch.Tensor, actual_base: torch.Tensor, expected_delta: torch.Tensor,
+                       ctx: CheckContext, what: str, *, rounded: tuple[torch.Tensor, ...] = ()) -> None:
+    """The LoRA delta ``actual_lora - actual_base`` equals ``expected_delta`` within the policy.
+
+    Args:
+        rounded: the outputs that were rounded to the case dtype (their ``u·|out|`` is allowed).
+
+    Raises:
+        AssertionError: with the max / RMS relative errors of the delta, the bounds, and the first
+            coordinates off.
+    """
+    tol = ctx.policy.lookup(ctx.dtype, ctx.device)
+    a = actual_lora.detach().to("cpu", torch.float64) - actual_base.detach().to("cpu", torch.float64)
+    e = expected_delta.detach().to("cpu", torch.float64)
+    if a.shape != e.shape:
+        raise AssertionError(f"{ctx.what(what)}: delta shape {tuple(a.shape)} != expected {tuple(e.shape)}")
+    allowance = torch.zeros_like(e)
+    u = UNIT_ROUNDOFF[ctx.dtype]
+    for t in rounded:
+        allowance += u * t.detach().to("cpu", torch.float64).abs()
+    raw = (a - e).abs()
+    raw = torch.where(torch.isfinite(raw), raw, torch.full_like(raw, float("inf")))
+    err = (raw - allowance).clamp(min=0.0)
+    scale = float(e.abs().max()) if e.numel() else 0.0
+    norm = float(e.norm()) if e.numel() else 0.0
+    max_err = float(err.max()) if err.numel() else 0.0
+    max_rel = max_err / scale if scale > 0 else max_err
+    rms_rel = float(err.norm()) / norm if norm > 0 else float(err.norm())
+    if max_rel <= tol.max_rel and rms_rel <= tol.rms_rel:
+        return
+    bad = err > tol.max_rel * (scale if scale > 0 else 1.0)
+    lines = [f"{ctx.what(what)}: LoRA delta max_rel={max_rel:.3e} (bound {tol.max_rel:.1e}), rms_rel={rms_rel:.3e} "
+             f"(bound {tol.rms_rel:.1e}) [{tol.name}; rounding allowance {'on' if rounded else 'off'}]"]
+    for idx in bad.nonzero()[:5].tolist():
+        i = tuple(idx)
+        lines.append(f"    at {i}: expected delta {float(e[i]):.6g}, actual {float(a[i]):.6g}")
+    lines.append(f"  seed={ctx.seed}")
+    raise AssertionError("\n".join(lines))
+
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(_INT_OF_SIZE[t.element_size()])
+
+
+def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, ctx: CheckContext, what: str) -> None:
+    """Bit-for-bit equality (NaNs included), with the first differing coordinates."""
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        raise AssertionError(f"{ctx.what(what)}: {tuple(actual.shape)} {actual.dtype} vs expected "
+                             f"{tuple(expected.shape)} {expected.dtype}")
+    same = _bits(actual) == _bits(expected)
+    if bool(same.all()):
+        return
+    diff = (~same).nonzero()[:5].tolist()
+    lines = [f"{ctx.what(what)}: {int((~same).sum())} of {actual.numel()} elements differ bitwise; first:"]
+    for idx in diff:
+        i = tuple(idx)
+        lines.append(f"    at {i}: expected {float(expected[i]):.9g}, actual {float(actual[i]):.9g}")
+    lines.append(f"  seed={ctx.seed}")
+    raise AssertionError("\n".join(lines))
+
+
+def base_row_mask(token_lora_mapping: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
+    """[T] bool: rows of tokens without an adapter (from the batch's host lists, not the backend's)."""
+    return torch.tensor([s < 0 for s in token_lora_mapping], dtype=torch.bool, device=device)

@@ -1,0 +1,76 @@
+"""The property registry: stable ids, promises, modes.
+
+Ids never change meaning: manifests, reports and support matrices key on them. The promise is the
+test function's name (``test_<promise>``); the title is what the report prints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from moelora_conformance.strategies.suite import FAMILY_MODES, LAYER_MODES
+
+#: The marker the plugin parametrizes: ``moelora_property(id)``.
+MARKER = "moelora_property"
+
+
+@dataclass(frozen=True)
+class Property:
+    """One property of the suite.
+
+    Attributes:
+        id: stable id ("P01"..).
+        title: the promise, in words.
+        modes: harness modes it runs in (:data:`~moelora_conformance.strategies.suite.LAYER_MODES`
+            or the graph families for family-level properties).
+        capability: a ``Capabilities`` attribute it needs beyond the mode's (e.g. "virtual_experts").
+    """
+
+    id: str
+    title: str
+    modes: tuple[str, ...]
+    capability: str | None = None
+
+
+_GRAPH_LAYER_MODES = tuple(m for m in LAYER_MODES if m != "eager")
+
+PROPERTIES: dict[str, Property] = {p.id: p for p in (
+    Property("P01", "every output row equals the oracle (ragged mixed batches up to the caps)", LAYER_MODES),
+    Property("P02", "base rows are bit-identical to a LoRA-disabled run, whatever batch mates and history",
+             LAYER_MODES),
+    Property("P03", "permuting requests permutes outputs; a request's output ignores its batch mates", LAYER_MODES),
+    Property("P04", "a batch after any history equals the same batch on a fresh backend", LAYER_MODES),
+    Property("P05", "replay equals eager, a small batch right after a larger one, 1 to > 32 requests",
+             _GRAPH_LAYER_MODES),
+    Property("P06", "static-buffer addresses stay fixed; decode and prefill families share no storage",
+             FAMILY_MODES),
+    Property("P07", "metadata is exact: token mapping, per-request fields, segments, alignment, tails",
+             ("eager", *FAMILY_MODES)),
+    Property("P08", "no host sync in prepare + forward", LAYER_MODES),
+    Property("P09", "sentinel expert ids add nothing; IDLE batches launch nothing and leave no state", LAYER_MODES),
+    Property("P10", "virtual experts equal the standard path", LAYER_MODES, capability="virtual_experts"),
+    Property("P11", "mixed ranks, r < R, rsLoRA and different σ in one batch equal the oracle", LAYER_MODES),
+    Property("P12", "over capacity, prepare returns Fallback, touches no static buffer, and eager is right",
+             FAMILY_MODES),
+)}
+
+
+def conformance(property_id: str) -> Callable:
+    """Mark a test function as property ``property_id`` (the plugin parametrizes ``mode`` and
+    ``dtype`` from it).
+
+    Raises:
+        KeyError: an unknown id.
+    """
+    if property_id not in PROPERTIES:
+        raise KeyError(f"unknown property id {property_id!r}; known: {sorted(PROPERTIES)}")
+    return getattr(pytest.mark, MARKER)(property_id)
+
+
+def property_of(item: pytest.Item) -> Property | None:
+    """The property of a collected test item, or None for other tests."""
+    marker = item.get_closest_marker(MARKER)
+    return PROPERTIES[marker.args[0]] if marker is not None else None

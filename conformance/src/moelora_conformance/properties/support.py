@@ -1,0 +1,210 @@
+"""What every property module uses: the suite's session settings, drawing cases in a mode, and a
+:class:`Subject` — one backend on one case's layer, driven in one harness mode.
+
+Drawing: :func:`draw_case` draws the case (structure and seed) for a mode and dtype within the
+profile's caps bounded by the backend's declared limits, and starts the example's trace: the
+lines a failure report prints (the case's ``describe()`` and every batch the property ran), which
+the plugin attaches to the failure with a repro command.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from hypothesis import note
+from hypothesis import strategies as st
+
+from moelora_conformance.harness import (
+    MOE_PATHS,
+    BatchInputs,
+    CheckContext,
+    GraphLayer,
+    Layer,
+    LayerOutput,
+    Oracle,
+    check_run,
+)
+from moelora_conformance.profiles import Profile, SizeCaps
+from moelora_conformance.strategies.cases import MaterializedCase, MoELoRACase
+from moelora_conformance.strategies.suite import family_of, suite_cases, tokens_per_request
+from moelora_core.backend import BackendFactory
+from moelora_core.batch import BatchSpec
+from moelora_core.capabilities import Capabilities, Fallback
+from moelora_core.forward_mode import ForwardMode
+
+
+@dataclass
+class Suite:
+    """The session's settings, built by the plugin.
+
+    Attributes:
+        target: the ``--backend`` string. factory: the backend factory.
+        name, version: the backend's. capabilities: what it declares.
+        device: where cases are materialized and run.
+        profile: the loaded profile. caps: its size caps bounded by the backend's limits.
+        oracle_rows: rows the per-token oracle checks per run (None = all).
+    """
+
+    target: str
+    factory: BackendFactory
+    name: str
+    version: str
+    capabilities: Capabilities
+    device: torch.device
+    profile: Profile
+    caps: SizeCaps
+    oracle_rows: int | None = None
+
+    @property
+    def moe_paths(self) -> tuple[str, ...]:
+        return MOE_PATHS if self.capabilities.fused_moe else ("deltas",)
+
+    @property
+    def virtual_experts(self) -> bool | None:
+        """For case strategies: None (drawn) where declared, else False."""
+        return None if self.capabilities.virtual_experts else False
+
+
+# --- the trace of the running example (read by the plugin when a test fails) ---------------------
+
+TRACE: list[str] = []
+
+
+def trace(line: str) -> None:
+    """Add a line to the running example's trace (and to Hypothesis' failure report)."""
+    TRACE.append(line)
+    note(line)
+
+
+def draw_case(data: st.DataObject, suite: Suite, mode: str, dtype: torch.dtype, **kwargs) -> MoELoRACase:
+    """Draw the example's case for ``mode`` and ``dtype`` and start its trace.
+
+    Args:
+        kwargs: passed to :func:`~moelora_conformance.strategies.suite.suite_cases` (kinds,
+            adapter_modes, routing_modes, virtual_experts).
+    """
+    kwargs.setdefault("virtual_experts", suite.virtual_experts)
+    case = data.draw(suite_cases(suite.caps, mode, dtype, **kwargs), label="case")
+    TRACE.clear()
+    TRACE.append(f"case: {case.describe()}")
+    return case
+
+
+def draw_moe_path(data: st.DataObject, suite: Suite) -> str:
+    """The MoE path of this example ("fused" only where the backend declares ``fused_moe``)."""
+    path = data.draw(st.sampled_from(suite.moe_paths), label="moe path")
+    trace(f"moe path: {path}")
+    return path
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Graph capacities: requests, tokens (prefill), tokens per request (decode)."""
+
+    max_requests: int
+    max_tokens: int
+    tokens_per_request: int = 1
+
+
+def capacity_for(mode: str, batches: list[BatchSpec], *, extra_requests: int = 0, extra_tokens: int = 0) -> Capacity:
+    """The smallest capacity that fits every batch of ``batches`` in ``mode``, plus slack."""
+    tpr = next((tokens_per_request(b) for b in batches if b.forward_mode is ForwardMode.DECODE), 1)
+    reqs = max([b.bs for b in batches] + [1]) + extra_requests
+    if mode == "decode":
+        return Capacity(reqs, reqs * tpr, tpr)
+    toks = max([b.num_tokens for b in batches] + [1]) + extra_tokens
+    return Capacity(reqs, max(toks, 1), tpr)
+
+
+def draw_capacity(data: st.DataObject, mode: str, batches: list[BatchSpec]) -> Capacity:
+    """A capacity for ``batches`` with drawn slack (0-3 requests, 0-16 tokens)."""
+    cap = capacity_for(mode, batches, extra_requests=data.draw(st.integers(0, 3), label="request slack"),
+                       extra_tokens=data.draw(st.integers(0, 16), label="token slack"))
+    trace(f"capacity: {cap}")
+    return cap
+
+
+@dataclass
+class Subject:
+    """One backend on one case's layer, driven in one harness mode.
+
+    Args:
+        suite: the session. case: the case. mode: a layer mode.
+        moe_path: "deltas" or "fused". capacity: required for graph modes.
+        materialized: reuse a case's values (a second backend on the same weights).
+    """
+
+    suite: Suite
+    case: MoELoRACase
+    mode: str
+    moe_path: str = "deltas"
+    capacity: Capacity | None = None
+    materialized: MaterializedCase | None = None
+    layer: Layer = field(init=False)
+    graph: GraphLayer | None = field(init=False, default=None)
+    oracle: Oracle = field(init=False)
+    ctx: CheckContext = field(init=False)
+
+    def __post_init__(self) -> None:
+        s = self.suite
+        self.layer = Layer(s.factory, self.case, s.device, moe_path=self.moe_path, materialized=self.materialized)
+        if family_of(self.mode) is not None:
+            cap = self.capacity
+            if cap is None:
+                raise ValueError(f"mode {self.mode} needs a capacity")
+            self.graph = GraphLayer(self.layer, self.mode, max_requests=cap.max_requests, max_tokens=cap.max_tokens,
+                                    tokens_per_request=cap.tokens_per_request, pad_seed=self.case.seed)
+        self.oracle = Oracle(self.layer, oracle_rows=s.oracle_rows)
+        self.ctx = CheckContext(self.case.describe(), self.case.seed, self.case.dtype, s.device)
+
+    @property
+    def backend(self):
+        return self.layer.backend
+
+    @property
+    def m(self) -> MaterializedCase:
+        return self.layer.m
+
+    def inputs(self) -> BatchInputs:
+        return self.layer.inputs()
+
+    def run(self, inp: BatchInputs, *, allow_fallback: bool = False) -> LayerOutput:
+        """One forward with LoRA in the subject's mode.
+
+        Raises:
+            AssertionError: a graph family fell back on a batch within its capacity.
+        """
+        if self.graph is None:
+            return self.layer.eager(inp)
+        out = self.graph.run(inp)
+        if out.fallback is not None and not allow_fallback:
+            raise AssertionError(f"{self.mode}: prepare returned {out.fallback} for a batch within the capacity "
+                                 f"{self.capacity} ({inp.describe()}) | {self.ctx.describe}")
+        return out
+
+    def disabled(self, inp: BatchInputs, run: LayerOutput) -> LayerOutput:
+        """The LoRA-disabled twin of ``run`` (same path, shapes and inputs)."""
+        if self.graph is None or run.fallback is not None:
+            return self.layer.disabled(inp, run)
+        return self.graph.disabled(run)
+
+    def check(self, inp: BatchInputs, run: LayerOutput, what: str, **kwargs) -> None:
+        """The standard checks of ``run`` against the oracle and its LoRA-disabled twin (and pad
+        rows in graph runs)."""
+        base = self.disabled(inp, run)
+        pad = self.graph is not None and run.fallback is None
+        check_run(self.oracle, inp, run, base, self.ctx, f"{self.mode} {what}", pad_rows=pad, **kwargs)
+
+    def run_and_check(self, inp: BatchInputs, what: str, **kwargs) -> LayerOutput:
+        trace(f"{what}: {inp.describe()}")
+        out = self.run(inp)
+        self.check(inp, out, what, **kwargs)
+        return out
+
+
+def not_fallback(result, what: str):
+    """``result`` of a ``prepare`` that must not be a ``Fallback``."""
+    if isinstance(result, Fallback):
+        raise AssertionError(f"{what}: prepare returned {result}")
+    return result

@@ -1,0 +1,152 @@
+"""Conformance results: the JSON report the plugin writes, and the support matrix
+(backend × property × mode) rendered as Markdown or with rich.
+
+The JSON report (``--report-json PATH``) holds a header — backend name, target, version,
+capabilities, profile, device, every ``MOELORA_*`` variable, the manifest and its unmatched
+entries, versions — and one record per property × mode × dtype:
+
+    {"nodeid": ..., "test": "test_x[decode-fp16]", "property": "P05", "title": ..., "mode": "decode",
+     "dtype": "fp16", "outcome": "passed" | "failed" | "error" | "xfailed" | "not implemented" |
+     "skipped", "duration": seconds, "reason": skip / xfail reason, "message": first failure line,
+     "repro": {...} or null}
+
+"not implemented" is a skip for a capability the backend does not declare; it is shown apart from
+failures. JUnit XML comes from pytest's own ``--junitxml``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from moelora_conformance.properties.registry import PROPERTIES
+from moelora_conformance.strategies.suite import FAMILY_MODES, LAYER_MODES
+
+OUTCOMES = ("passed", "failed", "error", "xfailed", "not implemented", "skipped")
+#: Column order of the matrix.
+MODE_ORDER = (*LAYER_MODES, *(m for m in FAMILY_MODES if m not in LAYER_MODES))
+_SHORT = {"passed": "pass", "failed": "FAIL", "error": "ERROR", "xfailed": "xfail", "not implemented": "n/i",
+          "skipped": "skip"}
+#: Severity for summarising a cell: the worst outcome wins.
+_RANK = {"failed": 0, "error": 1, "xfailed": 2, "skipped": 3, "not implemented": 4, "passed": 5}
+
+
+def load_report(path: str | Path) -> dict:
+    """A JSON report written by the plugin.
+
+    Raises:
+        ValueError: not a moelora conformance report.
+    """
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or "records" not in data or "backend" not in data:
+        raise ValueError(f"{path} is not a moelora conformance report (no 'backend' / 'records')")
+    return data
+
+
+def summarize(records: Iterable[dict]) -> dict[str, int]:
+    """Outcome → count."""
+    counts = Counter(r["outcome"] for r in records)
+    return {o: counts[o] for o in OUTCOMES if counts[o]}
+
+
+def unexpected_failures(report: dict) -> list[dict]:
+    """Records that failed or errored (expected failures are 'xfailed')."""
+    return [r for r in report["records"] if r["outcome"] in ("failed", "error")]
+
+
+def cell(records: Sequence[dict]) -> str:
+    """One matrix cell from the records of a property × mode (one per dtype): "pass" when every
+    dtype passed, otherwise each dtype's outcome ("fp32 pass · fp16 FAIL"); "–" when empty."""
+    if not records:
+        return "–"
+    outcomes = {r["outcome"] for r in records}
+    if len(outcomes) == 1:
+        return _SHORT.get(next(iter(outcomes)), next(iter(outcomes)))
+    parts = sorted(records, key=lambda r: _RANK.get(r["outcome"], 9))
+    return " · ".join(f"{r['dtype']} {_SHORT.get(r['outcome'], r['outcome'])}" for r in parts)
+
+
+def _grid(reports: Sequence[dict]) -> tuple[list[str], list[tuple[str, str, list[str]]]]:
+    """(mode columns, rows of (property id, backend, cells))."""
+    modes_seen = {r["mode"] for rep in reports for r in rep["records"]}
+    columns = [m for m in MODE_ORDER if m in modes_seen] + sorted(modes_seen - set(MODE_ORDER))
+    rows = []
+    for pid in sorted({r["property"] for rep in reports for r in rep["records"]}):
+        for rep in reports:
+            by_mode: dict[str, list[dict]] = defaultdict(list)
+            for r in rep["records"]:
+                if r["property"] == pid:
+                    by_mode[r["mode"]].append(r)
+            rows.append((pid, rep["backend"]["name"], [cell(by_mode.get(m, [])) for m in columns]))
+    return columns, rows
+
+
+def _title(pid: str) -> str:
+    p = PROPERTIES.get(pid)
+    return f"{pid} {p.title}" if p else pid
+
+
+def _backend_line(rep: dict) -> str:
+    b = rep["backend"]
+    counts = ", ".join(f"{n} {o}" for o, n in summarize(rep["records"]).items())
+    return (f"{b['name']} {b.get('version', '')} ({b.get('target', '')}) — profile {rep.get('profile')}, "
+            f"device {rep.get('device')}, {rep.get('duration', 0):.0f} s: {counts}")
+
+
+def matrix_markdown(reports: Sequence[dict]) -> str:
+    """The support matrix as Markdown: one row per property × backend, one column per mode."""
+    columns, rows = _grid(reports)
+    multi = len(reports) > 1
+    head = ["property", *(["backend"] if multi else []), *columns]
+    lines = ["# moelora conformance: support matrix", ""]
+    lines += [f"- {_backend_line(rep)}" for rep in reports]
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for pid, backend, cells in rows:
+        lines.append("| " + " | ".join([_title(pid), *([backend] if multi else []), *cells]) + " |")
+    lines += ["", "pass: every dtype passed · FAIL: an unexpected failure · xfail: an expected failure "
+              "(manifest) · n/i: not implemented (capability not declared) · –: not applicable", ""]
+    for rep in reports:
+        bad = unexpected_failures(rep)
+        for r in bad:
+            lines.append(f"- **{rep['backend']['name']} {r['test']}**: {r.get('message', '')}")
+            repro = r.get("repro") or {}
+            for key in ("replay", "rerun"):
+                if repro.get(key):
+                    lines.append(f"  - {key}: `{repro[key]}`")
+        for entry in rep.get("manifest_unmatched", []):
+            lines.append(f"- {rep['backend']['name']}: manifest entry matched nothing: {entry}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def matrix_rich(reports: Sequence[dict], console=None) -> None:
+    """Print the support matrix with rich (colours by outcome)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    columns, rows = _grid(reports)
+    multi = len(reports) > 1
+    table = Table(title="moelora conformance: support matrix", show_lines=False)
+    table.add_column("property", overflow="fold", max_width=48)
+    if multi:
+        table.add_column("backend")
+    for c in columns:
+        table.add_column(c, justify="center")
+    style = {"pass": "green", "FAIL": "bold red", "ERROR": "bold red", "xfail": "yellow", "n/i": "dim", "–": "dim"}
+    for pid, backend, cells in rows:
+        styled = [f"[{style.get(c, 'red' if 'FAIL' in c or 'ERROR' in c else 'white')}]{c}[/]" for c in cells]
+        table.add_row(_title(pid), *([backend] if multi else []), *styled)
+    for rep in reports:
+        console.print(_backend_line(rep))
+    console.print(table)
+    for rep in reports:
+        for r in unexpected_failures(rep):
+            console.print(f"[bold red]{rep['backend']['name']} {r['test']}[/]: {r.get('message', '')}")
+            repro = r.get("repro") or {}
+            for key in ("replay", "rerun"):
+                if repro.get(key):
+                    console.print(f"  {key}: {repro[key]}", soft_wrap=True)
+        for entry in rep.get("manifest_unmatched", []):
+            console.print(f"[yellow]{rep['backend']['name']}: manifest entry matched nothing: {entry}[/]")

@@ -1,0 +1,95 @@
+"""Repro lines for failing properties: the seed, the batch structure and commands that replay them.
+
+When a property fails, the plugin builds a :class:`Repro` from the running example's trace (the
+case's ``describe()`` line and every batch the property ran), Hypothesis' seed of the run and the
+choice sequence of the failing example (the ``@reproduce_failure`` blob Hypothesis prints), and two
+one-line commands:
+
+- **replay**: ``--profile repro`` with ``--moelora-replay VERSION:BLOB`` runs exactly the failing
+  (shrunk) example once; ``--repro-caps`` names the failing run's profile, whose size caps the
+  strategies must use to read the blob the same way;
+- **rerun**: the failing run's profile with ``--hypothesis-seed=SEED`` repeats the whole search
+  (the same examples in the same order), then shrinks again.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import asdict, dataclass
+
+_BLOB = re.compile(r"@reproduce_failure\('([^']+)', b'([^']+)'\)")
+
+
+def extract_blob(exc: BaseException | None) -> tuple[str, str] | None:
+    """(hypothesis version, blob) from the ``@reproduce_failure`` note Hypothesis attaches to a
+    failure (``print_blob``), or None."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        texts = [str(exc), *getattr(exc, "__notes__", ())]
+        for text in texts:
+            m = _BLOB.search(text)
+            if m:
+                return m.group(1), m.group(2)
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+@dataclass(frozen=True)
+class Repro:
+    """How to replay one failure.
+
+    Attributes:
+        test: the test's name with its parameters (``test_x[decode-fp16]``).
+        hypothesis_seed: the run's seed (``--hypothesis-seed``), if known.
+        blob: "version:blob" of the failing example, if Hypothesis reported it.
+        trace: the example's trace lines (case description first).
+        replay: command running the failing example once (needs ``blob``), or "".
+        rerun: command repeating the run's search with its seed, or "".
+    """
+
+    test: str
+    hypothesis_seed: int | None
+    blob: str | None
+    trace: tuple[str, ...]
+    replay: str
+    rerun: str
+
+    def text(self) -> str:
+        lines = [f"moelora repro for {self.test}"]
+        lines += [f"  {t}" for t in self.trace]
+        if self.hypothesis_seed is not None:
+            lines.append(f"  hypothesis seed: {self.hypothesis_seed}")
+        if self.replay:
+            lines.append(f"  replay the failing example: {self.replay}")
+        if self.rerun:
+            lines.append(f"  rerun the search:           {self.rerun}")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        d["trace"] = list(self.trace)
+        return d
+
+
+def build_repro(*, test: str, backend: str, device: str, profile: str, caps_profile: str,
+                hypothesis_seed: int | None, blob: tuple[str, str] | None,
+                trace: list[str] | tuple[str, ...]) -> Repro:
+    """The :class:`Repro` of a failing item (commands quoted for a POSIX shell).
+
+    Args:
+        profile: the ``--profile`` of the failing run. caps_profile: the profile whose size caps it
+            used (itself, or its ``--repro-caps``).
+    """
+    base = ["pytest", "-p", "moelora_conformance.plugin", "--backend", backend, "--device", device,
+            "-k", test, "-p", "no:cacheprovider"]
+    blob_s = f"{blob[0]}:{blob[1]}" if blob else None
+    replay = ""
+    if blob_s:
+        replay = shlex.join([*base, "--profile", "repro", "--repro-caps", caps_profile, "--moelora-replay", blob_s])
+    rerun = ""
+    if hypothesis_seed is not None:
+        caps = [] if caps_profile == profile else ["--repro-caps", caps_profile]
+        rerun = shlex.join([*base, "--profile", profile, *caps, f"--hypothesis-seed={hypothesis_seed}"])
+    return Repro(test, hypothesis_seed, blob_s, tuple(trace), replay, rerun)
