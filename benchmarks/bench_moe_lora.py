@@ -350,6 +350,8 @@ def main() -> int:
             ta, tb16, tb64 = TARGETS.get(M, (None, None, None))
             row["target_a_us"], row["target_b_us"] = ta, (tb16 if R == 16 else tb64 if R == 64 else None)
             rows.append(row)
+            print(f"  M={M} R={R}: a {row['a_us']:.1f} µs, b {row['b_us']:.1f} µs (unfused {row['b_unfused_us']:.1f}, "
+                  f"virtual {row['b_virtual_us']:.1f}), c {row['c_us']:.1f} µs", flush=True)
             del backend
         del p
         torch.cuda.empty_cache()

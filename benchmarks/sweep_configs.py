@@ -1,0 +1,118 @@
+"""Block-config sweep for the H200 table (``moelora_kernels/configs/h200.json``), by the benchmark's method.
+
+For each (op, stage, M, R) it times every candidate config of the kernel (CUDA graph, L2 flushed,
+median of ``--replays``) and prints the best ones, as JSON entries ready to paste into the table.
+Ops: ``fused_moe_lora`` (the fused shrink+expand per stage) and ``fused_moe_gemm`` (base gate_up /
+down). Candidates that fail to compile or launch (e.g. too much shared memory) are reported and
+skipped.
+
+    PYTHONPATH=packages/core/src:packages/kernels/src:reference/src python benchmarks/sweep_configs.py \\
+        [--ops fused_moe_lora fused_moe_gemm] [--tokens 1 32 128 512] [--ranks 16 64] [--out sweep.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for src in ("packages/core/src", "packages/kernels/src", "reference/src"):
+    if str(ROOT / src) not in sys.path:
+        sys.path.insert(0, str(ROOT / src))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_moe_lora import MODELS, Problem, Timer, make_pool  # noqa: E402
+
+from moelora_kernels import fused_moe_gemm, fused_moe_lora, stage_tensors  # noqa: E402
+
+LORA_CANDIDATES = [
+    dict(zip(("BLOCK_K", "BLOCK_N", "N_SPLIT", "num_warps", "num_stages"), c))
+    for c in itertools.product((128, 256), (128, 256), (1, 2, 4), (4,), (3,))
+]
+GEMM_CANDIDATES = [
+    dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), c))
+    for c in itertools.product((64, 128), (64, 128), (4, 8), (4,))
+]
+
+
+def sweep_lora(p, w, timer, stage, h, gate_up, down):
+    t = stage_tensors(w, stage)
+    x, out = (p.x, gate_up.clone()) if stage == "gate_up" else (h, down.clone())
+    kw = {"stage": stage, "top_k": p.k, "ranks": t["ranks"], "scalings": t["scalings"],
+          "adapter_enabled": p.enabled, "topk_weights": p.topk_weights if stage == "down" else None}
+    results = []
+    for cfg in LORA_CANDIDATES:
+        try:
+            r = timer(lambda cfg=cfg: fused_moe_lora(x, t["lora_a"], t["lora_b"], p.lora_align, out, config=cfg,
+                                                     **kw))
+            results.append((r["median_us"], cfg))
+        except Exception as exc:  # a config the GPU cannot run: report and go on
+            print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:80]}")
+    return sorted(results, key=lambda item: item[0])
+
+
+def sweep_gemm(p, timer, stage, h):
+    M, k = p.M, p.k
+    if stage == "gate_up":
+        a, w, rows_in, tw = p.x, p.w_gu, k, None
+    else:
+        a, w, rows_in, tw = h, p.w_d, 1, p.topk_weights
+    c = torch.empty(M * k, w.shape[1], dtype=a.dtype, device="cuda")
+    results = []
+    for cfg in GEMM_CANDIDATES:
+        try:
+            r = timer(lambda cfg=cfg: fused_moe_gemm(a, w, c, p.base_align, top_k=k, num_pairs=M * k,
+                                                     in_row_div=rows_in, topk_weights=tw, config=cfg))
+            results.append((r["median_us"], cfg))
+        except Exception as exc:
+            print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:80]}")
+    return sorted(results, key=lambda item: item[0])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", nargs="*", default=["fused_moe_lora", "fused_moe_gemm"])
+    parser.add_argument("--tokens", type=int, nargs="*", default=[1, 32, 128, 512])
+    parser.add_argument("--ranks", type=int, nargs="*", default=[16, 64])
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--out", default="sweep.json")
+    args = parser.parse_args()
+    shape = MODELS["qwen3-30b-a3b-layer"]
+    gen = torch.Generator("cuda").manual_seed(0)
+    H, I, E = shape["H"], shape["I"], shape["E"]  # noqa: E741
+    base = {"w_gu": (torch.randn(E, 2 * I, H, generator=gen, device="cuda") / H**0.5).to(torch.bfloat16),
+            "w_d": (torch.randn(E, H, I, generator=gen, device="cuda") / I**0.5).to(torch.bfloat16)}
+    timer = Timer(args.replays)
+    pools = {R: make_pool(shape, R, gen) for R in args.ranks} if "fused_moe_lora" in args.ops else {}
+    found = []
+    for M in args.tokens:
+        p = Problem(M, shape, gen, base)
+        gate_up, h, down = p.base_buffers()
+        for stage in ("gate_up", "down"):
+            if "fused_moe_gemm" in args.ops:
+                ranked = sweep_gemm(p, timer, stage, h)
+                if ranked:
+                    best = ranked[0]
+                    print(f"fused_moe_gemm {stage:7} M={M:5}: best {best[0]:7.1f} µs {best[1]} "
+                          f"(worst {ranked[-1][0]:.1f})", flush=True)
+                    found.append({"op": "fused_moe_gemm", "stage": stage, "M": M, "us": best[0], **best[1]})
+            for R, w in pools.items():
+                ranked = sweep_lora(p, w, timer, stage, h, gate_up, down)
+                if ranked:
+                    best = ranked[0]
+                    print(f"fused_moe_lora {stage:7} M={M:5} R={R:3}: best {best[0]:7.1f} µs {best[1]} "
+                          f"(worst {ranked[-1][0]:.1f})", flush=True)
+                    found.append({"op": "fused_moe_lora", "stage": stage, "M": M, "R": R, "us": best[0], **best[1]})
+        del p
+    Path(args.out).write_text(json.dumps(found, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
