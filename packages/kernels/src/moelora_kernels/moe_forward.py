@@ -42,14 +42,15 @@ class MoELoRAInputs:
         align: ``moe_lora_align_block_size`` output for this batch (per slot).
         adapter_enabled: [L] int32 or None.
         max_rank: host bound on active ranks (None = R).
-        fused: shrink+expand in one kernel per stage (default) or two.
+        fused: shrink+expand in one kernel per stage (True), two (False), or by size (None:
+            the config table's choice).
     """
 
     weights: LoRAWeights
     align: AlignOutput
     adapter_enabled: torch.Tensor | None = None
     max_rank: int | None = None
-    fused: bool = True
+    fused: bool | None = None
 
 
 def fused_moe(

@@ -374,14 +374,16 @@ def moe_lora_delta(
     topk_weights: torch.Tensor | None = None,
     adapter_enabled: torch.Tensor | None = None,
     max_rank: int | None = None,
-    fused: bool = True,
+    fused: bool | None = None,
     tf32: bool = False,
 ) -> torch.Tensor:
     """Add the MoE-LoRA delta of ``stage`` from a ``LoRAWeights`` pool into ``out`` in place.
 
     ``fused=True`` runs :func:`fused_moe_lora` (one launch); ``False`` runs the shrink then the
-    expand (two launches, an intermediate in memory). Both give the same result up to fp32
-    rounding order.
+    expand (two launches, an intermediate in memory); ``None`` picks by size from the config
+    table (``moe_lora_path``: on the H200 the pair wins at a few rows per bucket, where its
+    column-parallel expand grid keeps more SMs busy). Both give the same result up to the fp32
+    rounding order of σ·w.
 
     Args:
         stage: "gate_up" (x [M, H], out [M, top_k, 2I]) or "down" (x = h [M·top_k, I], out
@@ -393,6 +395,10 @@ def moe_lora_delta(
         ``out``.
     """
     t = stage_tensors(weights, stage)
+    if fused is None:
+        pairs = x.shape[0] * top_k if stage == "gate_up" else x.shape[0]
+        rank = max_rank if max_rank is not None else weights.spec.R
+        fused = bool(kernel_config("moe_lora_path", rows=pairs, R=rank)["FUSED"])
     if fused:
         return fused_moe_lora(x, t["lora_a"], t["lora_b"], align, out, stage=stage, top_k=top_k, ranks=t["ranks"],
                               scalings=t["scalings"], topk_weights=topk_weights, adapter_enabled=adapter_enabled,
