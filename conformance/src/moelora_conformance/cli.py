@@ -9,7 +9,18 @@ arguments and returns an exit status. Built in here:
 
 Both exit 2 when the ``fixtures`` extra (transformers + peft) is not installed.
 
-A later module adds ``run`` and ``report`` the same way::
+The conformance suite's own subcommands:
+
+- ``run --backend X [--backend Y ...] --profile P [--manifest [X=]M] [--json out.json]``: run the suite
+  on each backend in a subprocess and print the support matrix with rich; exit 1 on any unexpected
+  failure (what ``nox -s conformance`` calls).
+- ``report results.json [...] [--output matrix.md]``: render the support matrix of JSON reports as
+  Markdown.
+- ``mutations [--write-docs [PATH]] [--only NAME]``: run the suite against every mutant of the
+  reference backend (``moelora_conformance.faulty``) and print (or write) the table mutation →
+  catching property → seconds; exit 1 if one is not caught.
+
+A subcommand registers itself like this::
 
     @subcommand("report", help="render the support matrix")
     def add_report(parser): ...          # declare arguments; return the handler
@@ -123,6 +134,133 @@ def _hf_check(parser: argparse.ArgumentParser) -> Handler:
             fixtures = load_fixtures(args.fixtures) if args.fixtures else build_fixtures(Path(tmp))
             rows = run_hf_check(fixtures, adapters=args.adapter)
         return 0 if render(rows) else 1
+
+    return run
+
+
+def _backend_manifest(values: list[str] | None, backend: str) -> str | None:
+    """The manifest for ``backend`` from ``--manifest [BACKEND=]PATH`` values (a bare path: every backend)."""
+    chosen = None
+    for value in values or []:
+        name, sep, path = value.partition("=")
+        if not sep:
+            chosen = chosen or value
+        elif name == backend:
+            chosen = path
+    return chosen
+
+
+def _json_path(base: Path | None, backend: str, many: bool) -> Path | None:
+    if base is None:
+        return None
+    if not many:
+        return base
+    safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in backend)
+    return base.with_name(f"{base.stem}-{safe}{base.suffix or '.json'}")
+
+
+@subcommand("run", help="run the conformance suite on backends and print the support matrix")
+def _run(parser: argparse.ArgumentParser) -> Handler:
+    parser.add_argument("--backend", action="append", required=True,
+                        help="module:factory or a built-in name (repeatable)")
+    parser.add_argument("--profile", default=None, help="moelora profile (default $MOELORA_PROFILE or dev)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--manifest", action="append", default=None,
+                        help="expected failures: PATH for every backend, or BACKEND=PATH (repeatable)")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="write the JSON report here (several backends: NAME-BACKEND.json)")
+    parser.add_argument("--junitxml", type=Path, default=None, help="write JUnit XML here (per backend likewise)")
+    parser.add_argument("--markdown", type=Path, default=None, help="also write the matrix as Markdown")
+    parser.add_argument("--max-examples", type=int, default=None, help="examples per property item")
+    parser.add_argument("-n", "--workers", type=int, default=None, help="pytest-xdist workers per run")
+    parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+
+    def run(args: argparse.Namespace) -> int:
+        import os
+
+        from moelora_conformance.report import matrix_markdown, matrix_rich, unexpected_failures
+        from moelora_conformance.session import run_suite
+
+        profile = args.profile or os.environ.get("MOELORA_PROFILE", "dev")
+        many = len(args.backend) > 1
+        reports, status = [], 0
+        for backend in args.backend:
+            junit = _json_path(args.junitxml, backend, many)
+            print(f"moelora-conformance run: {backend} (profile {profile}, {args.device})", flush=True)
+            result = run_suite(backend, profile=profile, device=args.device, cwd=Path.cwd(),
+                               report_json=_json_path(args.json, backend, many),
+                               manifest=_backend_manifest(args.manifest, backend), junitxml=junit,
+                               max_examples=args.max_examples, workers=args.workers, extra=args.pytest_args)
+            if result.report is None:
+                print(result.output, file=sys.stderr)
+                print(f"moelora-conformance run: {backend}: pytest exited {result.returncode} without a report",
+                      file=sys.stderr)
+                status = 1
+                continue
+            reports.append(result.report)
+            if result.returncode != 0 or unexpected_failures(result.report):
+                print(result.output[-6000:], file=sys.stderr)
+                status = 1
+        if reports:
+            matrix_rich(reports)
+            if args.markdown:
+                args.markdown.write_text(matrix_markdown(reports))
+        return status
+
+    return run
+
+
+@subcommand("report", help="render the support matrix (Markdown) of conformance JSON reports")
+def _report(parser: argparse.ArgumentParser) -> Handler:
+    parser.add_argument("reports", nargs="+", type=Path, help="JSON reports written by --report-json")
+    parser.add_argument("--output", type=Path, default=None, help="write here instead of stdout")
+
+    def run(args: argparse.Namespace) -> int:
+        from moelora_conformance.report import load_report, matrix_markdown
+
+        try:
+            reports = [load_report(p) for p in args.reports]
+        except (OSError, ValueError) as exc:
+            print(f"moelora-conformance report: {exc}", file=sys.stderr)
+            return 2
+        text = matrix_markdown(reports)
+        if args.output:
+            args.output.write_text(text)
+        else:
+            print(text, end="")
+        return 0
+
+    return run
+
+
+@subcommand("mutations", help="run the suite against every reference mutant; print the catching properties")
+def _mutations(parser: argparse.ArgumentParser) -> Handler:
+    parser.add_argument("--write-docs", nargs="?", type=Path, const=True, default=None,
+                        help="write the table to conformance/docs/mutations.md (or PATH)")
+    parser.add_argument("--only", action="append", default=None, help="run only this mutation (repeatable)")
+    parser.add_argument("--profile", default="interpret", help="moelora profile (default interpret)")
+    parser.add_argument("--seed", type=int, default=0, help="--hypothesis-seed of every run (default 0)")
+
+    def run(args: argparse.Namespace) -> int:
+        from moelora_conformance.faulty import MUTANTS
+        from moelora_conformance.faulty.campaign import DOCS, run_campaign, table_markdown
+
+        unknown = set(args.only or []) - set(MUTANTS)
+        if unknown:
+            print(f"moelora-conformance mutations: unknown {sorted(unknown)}; known {sorted(MUTANTS)}", file=sys.stderr)
+            return 2
+
+        def progress(r):
+            where = f"{r.property} {r.test}" if r.caught else "NOT CAUGHT"
+            print(f"{r.name:28s} {where}  {r.seconds:.1f} s", flush=True)
+
+        results = run_campaign(args.only, profile=args.profile, seed=args.seed, progress=progress)
+        text = table_markdown(results, profile=args.profile, seed=args.seed)
+        if args.write_docs is not None:
+            path = DOCS if args.write_docs is True else args.write_docs
+            path.write_text(text)
+            print(f"wrote {path}")
+        return 0 if all(r.caught for r in results) else 1
 
     return run
 

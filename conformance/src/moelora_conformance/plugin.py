@@ -40,7 +40,7 @@ from hypothesis import Phase, settings
 from moelora_conformance import __version__
 from moelora_conformance.manifest import EMPTY, Manifest, load_manifest
 from moelora_conformance.profiles import PROFILES, Profile, load_profile
-from moelora_conformance.properties import support
+from moelora_conformance.properties import registry, support
 from moelora_conformance.properties.registry import MARKER, PROPERTIES, property_of
 from moelora_conformance.report import summarize
 from moelora_conformance.repro import build_repro, extract_blob
@@ -117,9 +117,12 @@ def _load_settings(config: pytest.Config) -> Profile:
         overrides["max_examples"] = int(max_examples)
     if config.getoption("moelora_no_shrink"):
         overrides["phases"] = (Phase.explicit, Phase.generate)
+    name = f"moelora-{profile.name}"
     if overrides:
-        settings.register_profile("moelora-run", parent=settings.get_profile(f"moelora-{profile.name}"), **overrides)
-        settings.load_profile("moelora-run")
+        settings.register_profile("moelora-run", parent=settings.get_profile(name), **overrides)
+        name = "moelora-run"
+    settings.load_profile(name)
+    registry.SUITE_SETTINGS = settings.get_profile(name)
     return profile
 
 
@@ -169,8 +172,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     lines = [
         f"moelora conformance {__version__}: backend {suite.name} {suite.version} ({suite.target}) on {suite.device}",
         f"  capabilities: {json.dumps(suite.capabilities.as_dict())}",
-        f"  profile: {suite.profile.name} (max_examples={settings().max_examples}, "
-        f"phases={[p.name for p in settings().phases]}), caps: {suite.caps}",
+        f"  profile: {suite.profile.name} (max_examples={registry.SUITE_SETTINGS.max_examples}, "
+        f"phases={[p.name for p in registry.SUITE_SETTINGS.phases]}), caps: {suite.caps}",
         f"  manifest: {config.getoption('moelora_manifest') or '(empty)'}",
     ]
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOELORA_")}
@@ -285,7 +288,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     prop, params = property_of(item), _params(item)
     if prop is None or params is None:
         return
-    info = {"property": prop.id, "title": prop.title, "mode": params[0], "dtype": params[1], "test": item.name}
+    used = getattr(getattr(item, "obj", None), "_hypothesis_internal_use_settings", None)
+    info = {"property": prop.id, "title": prop.title, "mode": params[0], "dtype": params[1], "test": item.name,
+            "max_examples": getattr(used, "max_examples", None)}
     if report.failed and call.when == "call" and not hasattr(report, "wasxfail"):
         suite = item.config.stash[_SUITE]
         exc = call.excinfo.value if call.excinfo is not None else None
@@ -365,8 +370,8 @@ def build_report(config: pytest.Config, duration: float) -> dict:
         "backend": {"name": suite.name, "version": suite.version, "target": suite.target},
         "capabilities": suite.capabilities.as_dict(),
         "profile": suite.profile.name,
-        "max_examples": settings().max_examples,
-        "phases": [p.name for p in settings().phases],
+        "max_examples": registry.SUITE_SETTINGS.max_examples,
+        "phases": [p.name for p in registry.SUITE_SETTINGS.phases],
         "device": str(suite.device),
         "device_name": torch.cuda.get_device_name(suite.device) if suite.device.type == "cuda" else platform.machine(),
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOELORA_")},

@@ -7,8 +7,8 @@ entries, versions — and one record per property × mode × dtype:
 
     {"nodeid": ..., "test": "test_x[decode-fp16]", "property": "P05", "title": ..., "mode": "decode",
      "dtype": "fp16", "outcome": "passed" | "failed" | "error" | "xfailed" | "not implemented" |
-     "skipped", "duration": seconds, "reason": skip / xfail reason, "message": first failure line,
-     "repro": {...} or null}
+     "skipped", "duration": seconds, "max_examples": the Hypothesis budget it ran with,
+     "reason": skip / xfail reason, "message": first failure line, "repro": {...} or null}
 
 "not implemented" is a skip for a capability the backend does not declare; it is shown apart from
 failures. JUnit XML comes from pytest's own ``--junitxml``.

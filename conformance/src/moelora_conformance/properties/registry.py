@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import settings
 
 from moelora_conformance.strategies.suite import FAMILY_MODES, LAYER_MODES
 
@@ -58,16 +59,29 @@ PROPERTIES: dict[str, Property] = {p.id: p for p in (
 )}
 
 
+#: The Hypothesis settings of the running suite (set by the plugin before the property modules are
+#: imported). Applied to every property explicitly: a ``conftest.py`` that loads another profile
+#: while pytest collects (this repository's root one does) must not change the suite's profile.
+SUITE_SETTINGS: settings | None = None
+
+
 def conformance(property_id: str) -> Callable:
-    """Mark a test function as property ``property_id`` (the plugin parametrizes ``mode`` and
-    ``dtype`` from it).
+    """Decorate a ``@given`` test as property ``property_id``: the plugin parametrizes ``mode`` and
+    ``dtype`` from the mark, and the suite's Hypothesis settings are applied to it.
 
     Raises:
         KeyError: an unknown id.
     """
     if property_id not in PROPERTIES:
         raise KeyError(f"unknown property id {property_id!r}; known: {sorted(PROPERTIES)}")
-    return getattr(pytest.mark, MARKER)(property_id)
+    mark = getattr(pytest.mark, MARKER)(property_id)
+
+    def decorate(test: Callable) -> Callable:
+        if SUITE_SETTINGS is not None:
+            test = settings(SUITE_SETTINGS)(test)
+        return mark(test)
+
+    return decorate
 
 
 def property_of(item: pytest.Item) -> Property | None:

@@ -30,7 +30,7 @@ def test_no_host_sync_in_prepare_and_forward(moelora_suite, mode, dtype, data):
         inp = subject.inputs()
         trace(f"guarded eager batch: {inp.describe()}")
         run = subject.layer.eager(inp, guard=guard)
-        subject.check(inp, run, "guarded eager run", base_rows=False)
+        subject.check(inp, run, "guarded eager run")
         return
     second = draw_batch(data, suite, case.batch, mode, label="second batch")
     capacity = draw_capacity(data, mode, [case.batch, second])

@@ -1,0 +1,115 @@
+"""The support matrix and its commands: cells, Markdown, rich output, repro lines.
+
+Covers: a cell is "pass" only when every dtype passed and otherwise names each dtype's outcome,
+"n/i" (not implemented) and "xfail" are told apart from failures, absent modes are "–"; the
+Markdown matrix has a row per property × backend and a column per mode and lists unexpected
+failures with their repro commands and unmatched manifest entries; ``load_report`` refuses other
+JSON; ``moelora-conformance report`` renders files; ``moelora-conformance run`` runs the suite in a
+subprocess and prints the matrix with rich; repro blobs are found in Hypothesis' notes and the
+commands quote their arguments.
+"""
+
+import json
+import shlex
+
+import pytest
+
+from moelora_conformance.cli import main
+from moelora_conformance.report import cell, load_report, matrix_markdown, matrix_rich, summarize
+from moelora_conformance.repro import build_repro, extract_blob
+
+
+def rec(prop, mode, dtype, outcome, **kw):
+    return {"property": prop, "mode": mode, "dtype": dtype, "outcome": outcome, "test": f"t[{mode}-{dtype}]",
+            "duration": 0.1, **kw}
+
+
+def report(name, records, **kw):
+    return {"backend": {"name": name, "version": "1", "target": name}, "profile": "interpret", "device": "cpu",
+            "duration": 3.0, "records": records, "manifest_unmatched": [], **kw}
+
+
+def test_cells():
+    assert cell([rec("P01", "eager", "fp32", "passed"), rec("P01", "eager", "fp16", "passed")]) == "pass"
+    assert cell([rec("P01", "eager", "fp32", "passed"), rec("P01", "eager", "fp16", "failed")]) == "fp16 FAIL · fp32 pass"
+    assert cell([rec("P10", "eager", "fp32", "not implemented")]) == "n/i"
+    assert cell([rec("P05", "decode", "fp32", "xfailed")]) == "xfail"
+    assert cell([]) == "–"
+
+
+def test_markdown_matrix_of_two_backends():
+    repro = {"replay": "pytest -k 'x' --moelora-replay v:b", "rerun": ""}
+    a = report("ref", [rec("P01", "eager", "fp32", "passed"), rec("P06", "decode", "fp32", "passed")])
+    b = report("other", [rec("P01", "eager", "fp32", "failed", message="AssertionError: off", repro=repro),
+                         rec("P06", "decode", "fp32", "not implemented")],
+               manifest_unmatched=["expected_failure[0] (property=P09 mode=* dtype=*)"])
+    text = matrix_markdown([a, b])
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("| property"))
+    assert header == "| property | backend | eager | decode |"
+    assert any(line.startswith("| P01 ") and "| ref | pass | – |" in line for line in lines)
+    assert any(line.startswith("| P01 ") and "| other | FAIL | – |" in line for line in lines)
+    assert any(line.startswith("| P06 ") and "| other | – | n/i |" in line for line in lines)
+    assert "--moelora-replay v:b" in text and "matched nothing" in text
+    assert summarize(b["records"]) == {"failed": 1, "not implemented": 1}
+
+
+def test_rich_matrix_prints(capsys):
+    from rich.console import Console
+
+    matrix_rich([report("ref", [rec("P01", "eager", "fp32", "passed")])], console=Console(width=160))
+    out = capsys.readouterr().out
+    assert "support matrix" in out and "P01" in out and "pass" in out
+
+
+def test_load_report_refuses_other_json(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text(json.dumps({"tests": []}))
+    with pytest.raises(ValueError, match="not a moelora conformance report"):
+        load_report(p)
+
+
+def test_report_command_renders_files(tmp_path, capsys):
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps(report("ref", [rec("P01", "eager", "fp32", "passed")])))
+    assert main(["report", str(p)]) == 0
+    assert "| P01 " in capsys.readouterr().out
+    out = tmp_path / "m.md"
+    assert main(["report", str(p), "--output", str(out)]) == 0
+    assert "support matrix" in out.read_text()
+    assert main(["report", str(tmp_path / "missing.json")]) == 2
+
+
+@pytest.mark.slow
+def test_run_command_runs_the_suite_and_prints_the_matrix(tmp_path, capsys):
+    status = main(["run", "--backend", "reference", "--profile", "interpret", "--max-examples", "2",
+                   "--json", str(tmp_path / "r.json"), "--markdown", str(tmp_path / "m.md"),
+                   "--", "-k", "test_metadata_is_exact"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "support matrix" in out
+    data = load_report(tmp_path / "r.json")
+    assert {r["property"] for r in data["records"]} == {"P07"}
+    assert "| P07 " in (tmp_path / "m.md").read_text()
+
+
+def test_extract_blob_from_hypothesis_notes():
+    exc = AssertionError("boom")
+    exc.add_note("You can reproduce this example by temporarily adding @reproduce_failure('6.1.2', b'AXic==') "
+                 "as a decorator on your test case")
+    assert extract_blob(exc) == ("6.1.2", "AXic==")
+    wrapped = RuntimeError("outer")
+    wrapped.__cause__ = exc
+    assert extract_blob(wrapped) == ("6.1.2", "AXic==")
+    assert extract_blob(ValueError("no blob")) is None
+
+
+def test_repro_commands_quote_their_arguments():
+    r = build_repro(test="test_x[decode-fp16]", backend="my.mod:make", device="cpu", profile="gpu", caps_profile="gpu",
+                    hypothesis_seed=12, blob=("6.1", "AB+/=="), trace=["case: seed=3"])
+    replay = shlex.split(r.replay)
+    assert replay[replay.index("-k") + 1] == "test_x[decode-fp16]"
+    assert replay[replay.index("--profile") + 1] == "repro" and replay[replay.index("--repro-caps") + 1] == "gpu"
+    assert replay[replay.index("--moelora-replay") + 1] == "6.1:AB+/=="
+    assert "--hypothesis-seed=12" in shlex.split(r.rerun) and "--repro-caps" not in r.rerun
+    assert "case: seed=3" in r.text() and r.as_dict()["trace"] == ["case: seed=3"]

@@ -1,0 +1,54 @@
+"""The conformance suite over moelora's built-in backends, in the ``interpret`` profile: the run of
+the suite that ``nox -s tests`` (and so ``.ci/run``) makes.
+
+Covers: the reference backend passes every property, in every mode and dtype, with every capability
+declared and an empty manifest (nothing "not implemented", nothing skipped); the report holds one
+record per property × mode × dtype; the ``triton`` and ``csgmv`` backends, once their package is
+installed, pass everything they declare within a per-backend example budget (Triton kernels run
+under the interpreter, far slower than the torch reference).
+"""
+
+import importlib
+import os
+
+import pytest
+
+from moelora_conformance.properties.registry import PROPERTIES
+from moelora_conformance.report import unexpected_failures
+from moelora_conformance.session import run_suite
+from moelora_core.backend import BUILTIN_BACKENDS
+
+#: Examples per property item on the CPU (None = the profile's). Override all with MOELORA_MAX_EXAMPLES.
+EXAMPLE_BUDGET = {"reference": None, "triton": 4, "csgmv": 4}
+DTYPES_ON_CPU = ("fp32", "fp16")
+
+
+def _installed(target: str) -> bool:
+    module = target.partition(":")[0]
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", sorted(BUILTIN_BACKENDS))
+def test_builtin_backend_passes_the_suite(backend, tmp_path, record_property):
+    if not _installed(BUILTIN_BACKENDS[backend]):
+        pytest.skip(f"{BUILTIN_BACKENDS[backend]} is not installed yet")
+    budget = os.environ.get("MOELORA_MAX_EXAMPLES") or EXAMPLE_BUDGET.get(backend)
+    run = run_suite(backend, profile="interpret", report_json=tmp_path / "report.json",
+                    max_examples=None if budget is None else int(budget), junitxml=tmp_path / "junit.xml")
+    record_property("seconds", round(run.seconds, 1))
+    assert run.report is not None, run.output[-4000:]
+    bad = unexpected_failures(run.report)
+    assert run.returncode == 0 and not bad, f"{backend}: {[r['test'] for r in bad]}\n{run.output[-6000:]}"
+    assert (tmp_path / "junit.xml").is_file()
+    records = run.report["records"]
+    expected = {(p.id, mode, dt) for p in PROPERTIES.values() for mode in p.modes for dt in DTYPES_ON_CPU}
+    assert {(r["property"], r["mode"], r["dtype"]) for r in records} == expected
+    assert run.report["manifest"] is None and not run.report["manifest_unmatched"]
+    if backend == "reference":
+        assert {r["outcome"] for r in records} == {"passed"}, run.report["summary"]
+    else:
+        assert {r["outcome"] for r in records} <= {"passed", "not implemented"}, run.report["summary"]
