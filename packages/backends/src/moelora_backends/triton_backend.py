@@ -1,0 +1,61 @@
+"""The ``triton`` backend: dense LoRA over per-request segments (EXTEND), adapter-sorted segments
+with a permutation (DECODE), 16-token tiles in the prefill graph; MoE-LoRA per request.
+
+Segmentations (:mod:`.segmentation`), as SGLang's Triton LoRA backend (``triton_backend.py``):
+
+- eager EXTEND: one segment per request, ``max_len`` = the longest request;
+- eager DECODE and the decode graph: requests stably sorted by adapter, one segment per adapter
+  (``NO_ADAPTER`` included) with the token permutation; graph capacities: ``min(max_bs,
+  max_loras + 1)`` segments, ``max_len = max_bs · tokens_per_request`` (one adapter may hold the
+  whole batch);
+- the prefill graph: runs of adjacent requests on the same adapter cut into tiles of 16 tokens, no
+  permutation; capacities ``max_num_tokens // 16 + max_num_requests`` segments (the grid bound of
+  DESIGN.md §5) and ``max_len = 16``. Whatever the request lengths, the launch shape is fixed at
+  capture and its work is bounded by the live tiles.
+
+The dense kernels keep the rank-wide intermediate by token row (segmented LoRA-A/B). Build with
+:func:`make_backend` (the built-in name ``triton``).
+"""
+
+from __future__ import annotations
+
+from moelora_backends.kernel_backend import KernelBackend
+from moelora_backends.metadata import Capacity
+from moelora_backends.segmentation import (
+    PREFILL_TILE,
+    Segmentation,
+    adapter_segments,
+    max_adapter_segments,
+    max_tile_segments,
+    request_segments,
+    tile_segments,
+)
+from moelora_core.batch import BatchSpec
+from moelora_core.forward_mode import ForwardMode
+from moelora_core.layer_spec import LoRALayerSpec
+
+
+class TritonBackend(KernelBackend):
+    """Segmented LoRA-A/B over requests, adapters or tiles; MoE-LoRA on the per-request fields."""
+
+    name = "triton"
+    chunked = False
+
+    def eager_segmentation(self, batch: BatchSpec) -> Segmentation:
+        if batch.forward_mode is ForwardMode.DECODE:
+            return adapter_segments(batch)
+        return request_segments(batch)
+
+    def family_layout(self, family: str, max_requests: int, max_tokens: int, tokens_per_request: int | None):
+        L = self.spec.max_loras
+        if family == "decode":
+            cap = Capacity(max_requests, max_tokens, L, max_adapter_segments(max_requests, L), max_tokens, True)
+            return cap, adapter_segments
+        cap = Capacity(max_requests, max_tokens, L, max_tile_segments(max_tokens, max_requests, PREFILL_TILE),
+                       min(PREFILL_TILE, max_tokens), False)
+        return cap, tile_segments
+
+
+def make_backend(spec: LoRALayerSpec) -> TritonBackend:
+    """The factory of the built-in ``triton`` backend (``moelora_backends.triton_backend:make_backend``)."""
+    return TritonBackend(spec)
