@@ -79,7 +79,7 @@ def table_markdown(results: list[MutationResult], *, profile: str, seed: int | N
         "|---|---|---|---|---|---|",
     ]
     for r in results:
-        fault = (MUTANTS[r.name].__doc__ or "").strip().splitlines()[0]
+        fault = " ".join((MUTANTS[r.name].__doc__ or "").strip().split("\n\n")[0].split()).replace("``", "`")
         if r.caught:
             title = PROPERTIES[r.property].title if r.property in PROPERTIES else ""
             lines.append(f"| `{r.name}` | {fault} | {r.property} ({title}) | `{r.test}` | {r.seconds:.1f} | "

@@ -148,12 +148,13 @@ class SharedScratch(ReferenceBackend):
     def _init_family(self, name, max_requests, max_tokens, tpr, sizes):
         super()._init_family(name, max_requests, max_tokens, tpr, sizes)
         other = self._families.get("prefill" if name == "decode" else "decode")
-        if other is not None:
-            mine = self._families[name].buffers
-            if all(other.buffers[k].capacity >= b.capacity for k, b in mine.items()):
-                self._families[name].buffers = other.buffers  # FAULT: one scratch for both families
-            else:
-                other.buffers = mine
+        if other is None:
+            return
+        for key, mine in self._families[name].buffers.items():
+            theirs = other.buffers[key]
+            big, small = (theirs, mine) if theirs.capacity >= mine.capacity else (mine, theirs)
+            small.tensor = big.tensor[: small.capacity]  # FAULT: one scratch for both families
+            small._ptr = small.tensor.data_ptr()
 
 
 #: Mutation name → (backend class, what the fault is).
