@@ -56,7 +56,7 @@ PROPERTIES_DIR = Path(__file__).resolve().parent / "properties"
 NOT_IMPLEMENTED = "not implemented"
 #: Above this token cap the per-token oracle checks a bounded number of rows per run.
 ORACLE_ALL_ROWS_UP_TO = 512
-ORACLE_ROWS = 64
+ORACLE_ROWS = 16
 
 _SUITE = pytest.StashKey[support.Suite]()
 _STATE = pytest.StashKey[dict]()
