@@ -10,6 +10,7 @@ under the interpreter, far slower than the torch reference).
 
 import importlib
 import os
+import xml.etree.ElementTree as ET
 
 import pytest
 
@@ -43,7 +44,9 @@ def test_builtin_backend_passes_the_suite(backend, tmp_path, record_property):
     assert run.report is not None, run.output[-4000:]
     bad = unexpected_failures(run.report)
     assert run.returncode == 0 and not bad, f"{backend}: {[r['test'] for r in bad]}\n{run.output[-6000:]}"
-    assert (tmp_path / "junit.xml").is_file()
+    cases = ET.parse(tmp_path / "junit.xml").getroot().iter("testcase")
+    tagged = {p.get("value") for c in cases for p in c.iter("property") if p.get("name") == "moelora_property"}
+    assert tagged == set(PROPERTIES), tagged
     records = run.report["records"]
     expected = {(p.id, mode, dt) for p in PROPERTIES.values() for mode in p.modes for dt in DTYPES_ON_CPU}
     assert {(r["property"], r["mode"], r["dtype"]) for r in records} == expected

@@ -301,6 +301,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         report.sections.append(("moelora repro", repro.text()))
         info["repro"] = repro.as_dict()
         info["message"] = _first_line(exc)
+    if call.when == "setup":
+        # JUnit (--junitxml) writes the item's user properties as <property> elements of its test case.
+        item.user_properties += [("moelora_property", prop.id), ("moelora_mode", params[0]),
+                                 ("moelora_dtype", params[1])]
     report.user_properties.append(("moelora", json.dumps(info)))
 
 
