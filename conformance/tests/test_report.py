@@ -113,3 +113,12 @@ def test_repro_commands_quote_their_arguments():
     assert replay[replay.index("--moelora-replay") + 1] == "6.1:AB+/=="
     assert "--hypothesis-seed=12" in shlex.split(r.rerun) and "--repro-caps" not in r.rerun
     assert "case: seed=3" in r.text() and r.as_dict()["trace"] == ["case: seed=3"]
+
+
+def test_per_backend_options():
+    from moelora_conformance.cli import _per_backend
+
+    assert _per_backend(["3", "triton=1"], "triton") == "1"  # a value named for the backend wins
+    assert _per_backend(["triton=1", "3"], "reference") == "3"  # a bare value applies to every backend
+    assert _per_backend(["csgmv=m.toml"], "reference") is None
+    assert _per_backend(None, "reference") is None

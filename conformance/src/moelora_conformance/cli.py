@@ -11,9 +11,9 @@ Both exit 2 when the ``fixtures`` extra (transformers + peft) is not installed.
 
 The conformance suite's own subcommands:
 
-- ``run --backend X [--backend Y ...] --profile P [--manifest [X=]M] [--json out.json]``: run the suite
-  on each backend in a subprocess and print the support matrix with rich; exit 1 on any unexpected
-  failure (what ``nox -s conformance`` calls).
+- ``run --backend X [--backend Y ...] --profile P [--manifest [X=]M] [--max-examples [X=]N]
+  [--json out.json]``: run the suite on each backend in a subprocess and print the support matrix
+  with rich; exit 1 on any unexpected failure (what ``nox -s conformance`` calls).
 - ``report results.json [...] [--output matrix.md]``: render the support matrix of JSON reports as
   Markdown.
 - ``mutations [--write-docs [PATH]] [--only NAME]``: run the suite against every mutant of the
@@ -138,16 +138,21 @@ def _hf_check(parser: argparse.ArgumentParser) -> Handler:
     return run
 
 
-def _backend_manifest(values: list[str] | None, backend: str) -> str | None:
-    """The manifest for ``backend`` from ``--manifest [BACKEND=]PATH`` values (a bare path: every backend)."""
+def _per_backend(values: list[str] | None, backend: str) -> str | None:
+    """The value for ``backend`` from ``[BACKEND=]VALUE`` options (a bare value: every backend; a
+    value named for the backend wins)."""
     chosen = None
     for value in values or []:
-        name, sep, path = value.partition("=")
+        name, sep, rest = value.partition("=")
         if not sep:
             chosen = chosen or value
         elif name == backend:
-            chosen = path
+            return rest
     return chosen
+
+
+def _int_or_none(value: str | None) -> int | None:
+    return None if value is None else int(value)
 
 
 def _json_path(base: Path | None, backend: str, many: bool) -> Path | None:
@@ -171,7 +176,8 @@ def _run(parser: argparse.ArgumentParser) -> Handler:
                         help="write the JSON report here (several backends: NAME-BACKEND.json)")
     parser.add_argument("--junitxml", type=Path, default=None, help="write JUnit XML here (per backend likewise)")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the matrix as Markdown")
-    parser.add_argument("--max-examples", type=int, default=None, help="examples per property item")
+    parser.add_argument("--max-examples", action="append", default=None,
+                        help="examples per property item: N for every backend, or BACKEND=N (repeatable)")
     parser.add_argument("-n", "--workers", type=int, default=None, help="pytest-xdist workers per run")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
 
@@ -189,8 +195,9 @@ def _run(parser: argparse.ArgumentParser) -> Handler:
             print(f"moelora-conformance run: {backend} (profile {profile}, {args.device})", flush=True)
             result = run_suite(backend, profile=profile, device=args.device, cwd=Path.cwd(),
                                report_json=_json_path(args.json, backend, many),
-                               manifest=_backend_manifest(args.manifest, backend), junitxml=junit,
-                               max_examples=args.max_examples, workers=args.workers, extra=args.pytest_args)
+                               manifest=_per_backend(args.manifest, backend), junitxml=junit,
+                               max_examples=_int_or_none(_per_backend(args.max_examples, backend)),
+                               workers=args.workers, extra=args.pytest_args)
             if result.report is None:
                 print(result.output, file=sys.stderr)
                 print(f"moelora-conformance run: {backend}: pytest exited {result.returncode} without a report",

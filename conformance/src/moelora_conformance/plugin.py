@@ -42,7 +42,7 @@ from moelora_conformance.manifest import EMPTY, Manifest, load_manifest
 from moelora_conformance.profiles import PROFILES, Profile, load_profile
 from moelora_conformance.properties import registry, support
 from moelora_conformance.properties.registry import MARKER, PROPERTIES, property_of
-from moelora_conformance.report import summarize
+from moelora_conformance.report import NOT_IMPLEMENTED, record_phase, summarize
 from moelora_conformance.repro import build_repro, extract_blob
 from moelora_conformance.strategies.shapes import DTYPE_NAMES
 from moelora_conformance.strategies.suite import family_of, suite_caps
@@ -52,8 +52,6 @@ from moelora_core.errors import InvalidFieldError
 from moelora_core.layer_spec import LoRALayerSpec
 
 PROPERTIES_DIR = Path(__file__).resolve().parent / "properties"
-#: Prefix of the skip reason of an undeclared capability (the report's "not implemented").
-NOT_IMPLEMENTED = "not implemented"
 #: Above this token cap the per-token oracle checks a bounded number of rows per run.
 ORACLE_ALL_ROWS_UP_TO = 512
 ORACLE_ROWS = 16
@@ -323,31 +321,17 @@ def _skip_reason(report: pytest.TestReport) -> str:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # Runs where the records are kept: the only process, or the xdist controller (the worker's
+    # "moelora" user property carries the item's fields across).
     info = next((json.loads(v) for k, v in report.user_properties if k == "moelora"), None)
-    if info is None:
+    if info is None or _CONFIG is None:
         return
-    records = _CONFIG.stash[_STATE]["records"] if _CONFIG is not None else None
-    if records is None:
-        return
-    rec = records.setdefault(report.nodeid, {"nodeid": report.nodeid, "outcome": "passed", "duration": 0.0,
-                                             "reason": "", "message": "", "repro": None})
-    rec.update({k: v for k, v in info.items() if k not in ("repro", "message")})
-    rec["duration"] += report.duration
-    if info.get("repro"):
-        rec["repro"] = info["repro"]
-        rec["message"] = info.get("message", "")
-    if hasattr(report, "wasxfail"):
-        if report.skipped:
-            rec["outcome"], rec["reason"] = "xfailed", report.wasxfail
-        return
-    if report.skipped:
-        reason = _skip_reason(report)
-        rec["outcome"] = "not implemented" if reason.startswith(NOT_IMPLEMENTED) else "skipped"
-        rec["reason"] = reason
-    elif report.failed:
-        rec["outcome"] = "failed" if report.when == "call" else "error"
-        if not rec["message"]:
-            rec["message"] = str(report.longreprtext).strip().splitlines()[-1][:400] if report.longreprtext else ""
+    record_phase(_CONFIG.stash[_STATE]["records"], nodeid=report.nodeid, info=info, when=report.when,
+                 passed=report.passed, failed=report.failed, skipped=report.skipped, duration=report.duration,
+                 wasxfail=getattr(report, "wasxfail", None),
+                 skip_reason=_skip_reason(report) if report.skipped else "",
+                 last_line=str(report.longreprtext).strip().splitlines()[-1][:400] if report.failed and
+                 report.longreprtext else "")
 
 
 _CONFIG: pytest.Config | None = None

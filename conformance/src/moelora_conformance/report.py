@@ -33,6 +33,45 @@ _SHORT = {"passed": "pass", "failed": "FAIL", "error": "ERROR", "xfailed": "xfai
 _RANK = {"failed": 0, "error": 1, "xfailed": 2, "skipped": 3, "not implemented": 4, "passed": 5}
 
 
+#: Prefix of the skip reason of an undeclared capability (the outcome "not implemented").
+NOT_IMPLEMENTED = "not implemented"
+
+
+def record_phase(records: dict[str, dict], *, nodeid: str, info: dict, when: str, passed: bool, failed: bool,
+                 skipped: bool, duration: float, wasxfail: str | None, skip_reason: str, last_line: str) -> dict:
+    """Fold one phase (setup / call / teardown) of a property item into its record.
+
+    Args:
+        records: nodeid → record, updated in place.
+        info: the item's fields (property, title, mode, dtype, test, max_examples; on a failure also
+            repro and message).
+        when, passed, failed, skipped, duration, wasxfail: the phase's pytest report.
+        skip_reason: the skip's reason (without "Skipped: "). last_line: of a failure's text.
+
+    Returns:
+        The record: outcome "passed" until a phase says otherwise — "xfailed" (an expected failure
+        happened), "not implemented" (a skip for an undeclared capability), "skipped", "failed" (the
+        call phase, including a strict xpass), "error" (setup or teardown).
+    """
+    rec = records.setdefault(nodeid, {"nodeid": nodeid, "outcome": "passed", "duration": 0.0, "reason": "",
+                                      "message": "", "repro": None})
+    rec.update({k: v for k, v in info.items() if k not in ("repro", "message")})
+    rec["duration"] += duration
+    if info.get("repro"):
+        rec["repro"], rec["message"] = info["repro"], info.get("message", "")
+    if wasxfail is not None:
+        if skipped:
+            rec["outcome"], rec["reason"] = "xfailed", wasxfail
+        return rec
+    if skipped:
+        rec["outcome"] = "not implemented" if skip_reason.startswith(NOT_IMPLEMENTED) else "skipped"
+        rec["reason"] = skip_reason
+    elif failed:
+        rec["outcome"] = "failed" if when == "call" else "error"
+        rec["message"] = rec["message"] or last_line
+    return rec
+
+
 def load_report(path: str | Path) -> dict:
     """A JSON report written by the plugin.
 
