@@ -23,7 +23,6 @@ import torch
 
 from moelora_core.errors import HostSyncError
 from moelora_core.graphs.interception import Interceptor
-from moelora_core.graphs.triton_launches import intercept_triton_launches
 
 _CUDA_SYNC_ERROR = "called a synchronizing CUDA operation"
 
@@ -52,14 +51,5 @@ def host_sync_guard(device: torch.device | str) -> Iterator[None]:
         finally:
             torch.cuda.set_sync_debug_mode(previous)
         return
-    interceptor = Interceptor(device, where="inside host_sync_guard", capture=False)
-
-    def launch(kernel, run, args, kwargs, grid):
-        # A kernel launch is no host sync. Under TRITON_INTERPRET=1 the interpreter runs its own
-        # torch ops on the launch arguments (zero-size "host" views set onto their storages):
-        # checked here, they would mark the arguments' storages as host data.
-        with interceptor.paused():
-            return run(kernel, *args, grid=grid, warmup=False, **kwargs)
-
-    with interceptor.active(), intercept_triton_launches(launch):
+    with Interceptor(device, where="inside host_sync_guard", capture=False).active():
         yield
