@@ -18,7 +18,7 @@ Tensors (P = alignment rows, E_w = experts of the weight):
   pair is its token) or h / a LoRA intermediate [M·top_k, K] (``in_row_div = 1``).
 - ``w`` [E_w, N, K] same dtype, any strides: base ``w_gate_up`` [E_base, 2I, H] / ``w_down``
   [E_base, H, I]; virtual experts: LoRA A viewed as [L·E, R, H] or B as [L·E, I, R].
-- ``c`` [M·top_k, N] same dtype, any strides (a column slice of gate_up_out is fine).
+- ``c`` [M·top_k, N] same dtype or fp32, any strides (a column slice of gate_up_out is fine).
 - ``sorted_token_ids`` [P] int32, ``expert_ids`` [P // BLOCK_M] int32, ``num_tokens_post_padded``
   [1] int32: one slot of an ``AlignOutput``.
 - ``topk_weights`` [M·top_k] fp32/dtype (``mul_routed_weight``); ``scale`` [*] fp32 (σ per slot
@@ -161,7 +161,7 @@ def fused_moe_gemm(
     Args:
         a: [rows_in, K], last stride 1; ``rows_in * in_row_div >= num_pairs``.
         w: [E_w, N, K] weights, same dtype as ``a``.
-        c: [num_pairs, N] output, same dtype; written (or added into) only at aligned pairs.
+        c: [num_pairs, N] output, same dtype or fp32; written (or added into) only at aligned pairs.
         align: alignment whose slot ``slot`` groups the pairs by expert id in [0, E_w).
         top_k: experts per token (for the grid bound).
         num_pairs: M · top_k, the padding sentinel of ``align``.
@@ -185,7 +185,8 @@ def fused_moe_gemm(
     E_w, N, K = w.shape
     if a.shape[1] != K:
         raise KernelPreconditionError(f"a: {a.shape[1]} columns, but w's reduction size K is {K}")
-    check_tensor("c", c, dtypes=(dtype,), shape=(num_pairs, N), device=device)
+    # c in a's dtype or fp32: the epilogue works in fp32 and rounds once to c's dtype.
+    check_tensor("c", c, dtypes=(dtype, torch.float32), shape=(num_pairs, N), device=device)
     check_positive_int("top_k", top_k)
     check_positive_int("num_pairs", num_pairs, minimum=0)
     check_positive_int("in_row_div", in_row_div)

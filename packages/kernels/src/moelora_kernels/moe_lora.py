@@ -113,8 +113,9 @@ def _per_slice(name, t, stage, L, dtypes, device):
 
 
 def _out_2d(out, st, width, dtype, device):
-    """``out`` as [M·top_k, S·N] (a view; [M, top_k, S·N] is accepted)."""
-    check_tensor("out", out, dtypes=(dtype,), unit_last_stride=True, device=device)
+    """``out`` as [M·top_k, S·N] (a view; [M, top_k, S·N] is accepted), in x's dtype or fp32 (the
+    epilogue adds in fp32 and rounds once to out's dtype: an fp32 output keeps the delta unrounded)."""
+    check_tensor("out", out, dtypes=(dtype, torch.float32), unit_last_stride=True, device=device)
     shapes = ((st.num_pairs, width), (st.M, st.top_k, width))
     if tuple(out.shape) not in shapes:
         raise KernelPreconditionError(f"out: expected {list(shapes[1])} or {list(shapes[0])}, got {list(out.shape)}")
@@ -233,7 +234,8 @@ def fused_moe_lora_expand(
         intermediate: [S, M·top_k, R] from :func:`fused_moe_lora_shrink`.
         lora_b: gate_up: [2, L, E, I, R] (``gate_up_B``); down: [L, E, H, R] (``down_B``).
         align: as for the shrink.
-        out: gate_up: [M, top_k, 2I] (or [M·top_k, 2I]); down: [M, top_k, H]; added into in place.
+        out: gate_up: [M, top_k, 2I] (or [M·top_k, 2I]); down: [M, top_k, H]; added into in place;
+            in the intermediate's dtype or fp32.
         stage, top_k, ranks, adapter_enabled, max_rank: as for the shrink.
         scalings: gate_up: [2, L] fp32 (``module_scalings[0:2]``); down: [L] (``module_scalings[2]``).
         topk_weights: down only: [M, top_k] router weights (fp32 or the activation dtype).

@@ -90,7 +90,8 @@ def _expand(intermediate, lora_b, seg_indptr, weight_indices, ranks, scalings, p
     check_tensor("intermediate", intermediate, shape=(T, R))
     check_tensor("ranks", ranks, dtypes=(torch.int32,), shape=(L,), unit_last_stride=True, device=device)
     check_tensor("scalings", scalings, dtypes=(torch.float32,), shape=(L,), unit_last_stride=True, device=device)
-    check_tensor("out", out, dtypes=(dtype,), shape=(T, N), unit_last_stride=True, device=device)
+    # out in the intermediate's dtype or fp32: the epilogue adds in fp32 and rounds once to out's dtype.
+    check_tensor("out", out, dtypes=(dtype, torch.float32), shape=(T, N), unit_last_stride=True, device=device)
     S = _segments(seg_indptr, weight_indices, permutation, T, max_len, device, inter_sorted)
     bound = check_rank_bound(max_rank, R)
     if S == 0 or max_len == 0 or T == 0:
@@ -163,7 +164,8 @@ def segmented_lora_b(
 
     Args:
         intermediate: [T, R] from :func:`segmented_lora_a`; lora_b: [L, out, R]; scalings: [L] fp32;
-        out: [T, out] added into in place; others as :func:`segmented_lora_a`.
+        out: [T, out] added into in place (the intermediate's dtype or fp32); others as
+        :func:`segmented_lora_a`.
 
     Returns:
         ``out``.

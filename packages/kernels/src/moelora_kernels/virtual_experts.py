@@ -140,6 +140,7 @@ def virtual_moe_lora_delta(
     Args:
         stage: "gate_up" (x [M, H], out [M, top_k, 2I]) or "down" (x = h [M·top_k, I], out
             [M, top_k, H], topk_weights [M, top_k]).
+            ``out`` in x's dtype or fp32.
         weights: the pool; its [L, E, ...] buffers are viewed as [L·E, ...].
         align: :func:`virtual_align`'s alignment.
 
@@ -163,7 +164,7 @@ def virtual_moe_lora_delta(
         raise KernelPreconditionError("topk_weights: stage 'down' is router-weighted; pass [M, top_k] weights")
     if stage == "gate_up" and topk_weights is not None:
         raise KernelPreconditionError("topk_weights: stage 'gate_up' is not router-weighted")
-    check_tensor("out", out, dtypes=(x.dtype,), unit_last_stride=True, device=x.device)
+    check_tensor("out", out, dtypes=(x.dtype, torch.float32), unit_last_stride=True, device=x.device)
     if out.numel() != num_pairs * S * N:
         raise KernelPreconditionError(f"out: {list(out.shape)} is not [M, top_k, {S * N}] for {num_pairs} pairs")
     try:
