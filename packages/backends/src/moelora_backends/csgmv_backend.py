@@ -31,16 +31,18 @@ class CsgmvBackend(KernelBackend):
 
     name = "csgmv"
     chunked = True
+    #: The segmentation (a host function of a ``BatchSpec`` and a chunk size).
+    chunk_segments = staticmethod(chunk_segments)
 
     def eager_segmentation(self, batch: BatchSpec) -> Segmentation:
-        return chunk_segments(batch, chunk_size_for(batch.num_tokens))
+        return self.chunk_segments(batch, chunk_size_for(batch.num_tokens))
 
     def family_layout(self, family: str, max_requests: int, max_tokens: int, tokens_per_request: int | None):
         L = self.spec.max_loras
         size = chunk_size_for(max_tokens)
         cap = Capacity(max_requests, max_tokens, L, max_chunk_segments(max_tokens, max_requests, L, size),
                        min(size, max_tokens), True)
-        return cap, partial(chunk_segments, chunk_size=size)
+        return cap, partial(self.chunk_segments, chunk_size=size)
 
 
 def make_backend(spec: LoRALayerSpec) -> CsgmvBackend:

@@ -15,10 +15,12 @@ SGMV (``csgmv``: by sorted position) over ``seg_indptr[:S + 1]`` / ``weight_indi
 ``S = info.num_segments`` and ``max_len = info.max_len`` (capacities in graph mode).
 
 Dtypes. Kernels compute in the pool's dtype (``spec.dtype``): activations of another dtype are cast
-to it; an output of another dtype (the conformance harness keeps MoE intermediates in fp32) gets
-the delta through a zeroed scratch in the pool's dtype, merged with ``torch.where`` on the rows of
-tokens with an adapter, so rows without one are never touched (bit-identical). When the dtypes
-agree (the engine), the kernels add into the output directly.
+to it (the conformance harness keeps MoE intermediates in fp32: h is rounded once to the pool's
+dtype, as an engine stores it). Outputs in the pool's dtype (the engine) or in fp32 (the harness)
+are added into directly by the kernels' fp32 epilogue, so the delta is rounded once, to the
+output's dtype. Any other output dtype gets the delta through a zeroed scratch in the pool's dtype,
+merged with ``torch.where`` on the rows of tokens with an adapter, so rows without one are never
+touched (bit-identical).
 
 Rank bound: eagerly, the largest rank of the module in the pool's host ranks (tiles sized for it;
 nothing is launched when no slot has the module); in graph mode the pool's R, because a captured
@@ -67,12 +69,13 @@ def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _Target:
-    """Where a kernel adds: ``out`` itself when it has the pool's dtype, else a zeroed scratch that
+    """Where a kernel adds: ``out`` itself when it has the pool's dtype or fp32 (the kernels' epilogue
+    adds in fp32 and rounds once to out's dtype), else a zeroed scratch in the pool's dtype that
     :meth:`merge` adds into ``out`` on the rows of tokens with an adapter."""
 
     def __init__(self, out: torch.Tensor, dtype: torch.dtype) -> None:
         self.out = out
-        self.direct = out.dtype == dtype and out.is_contiguous()
+        self.direct = out.dtype in (dtype, torch.float32) and out.is_contiguous()
         self.tensor = out if self.direct else torch.zeros(out.shape, dtype=dtype, device=out.device)
 
     def merge(self, token_lora_mapping: torch.Tensor) -> None:

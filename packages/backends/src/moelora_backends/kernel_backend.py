@@ -26,7 +26,7 @@ import torch
 
 from moelora_backends import __version__
 from moelora_backends.deltas import MoEDeltas, dense_delta
-from moelora_backends.metadata import Capacity, EagerMetadata, GraphFamily, build_info
+from moelora_backends.metadata import PER_REQUEST, Capacity, EagerMetadata, GraphFamily, build_info
 from moelora_backends.segmentation import Segmentation, check_segment_capacity
 from moelora_core.align import AlignOutput
 from moelora_core.batch import BatchSpec
@@ -51,6 +51,8 @@ class KernelBackend:
     name = "kernel"
     #: Dense kernels read the rank-wide intermediate by sorted position (chunked SGMV).
     chunked = False
+    #: The (offsets, slots) fields the MoE token mapping is made from: always the per-request ones.
+    moe_fields: tuple[str, str] = PER_REQUEST
 
     def __init__(self, spec: LoRALayerSpec) -> None:
         if not isinstance(spec, LoRALayerSpec):
@@ -158,9 +160,10 @@ class KernelBackend:
         self._validate(batch)
         s = self.spec
         if family is None:
-            t, cap = self._eager.write(batch, self.eager_segmentation(batch))
+            t, cap = self._eager.write(batch, self.eager_segmentation(batch), self.moe_fields)
             return build_info(batch, t, cap, num_experts=s.E, max_loras=s.max_loras,
-                              has_active_lora=batch.has_active_lora, use_cuda_graph=False)
+                              has_active_lora=batch.has_active_lora, use_cuda_graph=False,
+                              moe_fields=self.moe_fields)
         if family not in ("decode", "prefill"):
             raise InvalidFieldError("family", f"must be None, 'decode' or 'prefill', got {family!r}")
         fam = self._families.get(family)
@@ -170,11 +173,11 @@ class KernelBackend:
         reason = fam.over_capacity(batch)
         if reason is not None:
             return Fallback(reason)
-        t = fam.write(batch, fam.segmentation(batch), s.max_loras)
+        t = fam.write(batch, fam.segmentation(batch), s.max_loras, self.moe_fields)
         # During capture the LoRA kernels must be recorded: has_active_lora is True; they exit early
         # on the device for slots the batch does not use.
         return build_info(batch, t, fam.cap, num_experts=s.E, max_loras=s.max_loras, has_active_lora=True,
-                          use_cuda_graph=True)
+                          use_cuda_graph=True, moe_fields=self.moe_fields)
 
     # --- argument checks (host shapes only) --------------------------------------------------------
 

@@ -88,20 +88,27 @@ def _host_lists(batch: BatchSpec, seg: Segmentation) -> dict[str, list]:
     }
 
 
-def map_tokens(t: dict[str, torch.Tensor], max_loras: int) -> None:
-    """``moe.token_lora_mapping`` and ``moe.adapter_enabled`` from the per-request fields, on the
-    device, into ``t``'s tensors (one kernel launch; tails past the live tokens become -1)."""
-    token_lora_mapping(t["req_seg_indptr"], t["req_weight_indices"], max_loras=max_loras,
-                       mapping_out=t["token_lora_mapping"], adapter_enabled_out=t["adapter_enabled"])
+#: The fields the MoE path reads as (offsets, slots) of its requests: the per-request ones, whatever
+#: the dense segmentation (csgmv chunks are not requests: sgl-project/sglang#24007).
+PER_REQUEST: tuple[str, str] = ("req_seg_indptr", "req_weight_indices")
+
+
+def map_tokens(t: dict[str, torch.Tensor], max_loras: int, moe_fields: tuple[str, str] = PER_REQUEST) -> None:
+    """``moe.token_lora_mapping`` and ``moe.adapter_enabled`` from the MoE's per-request fields, on
+    the device, into ``t``'s tensors (one kernel launch; tails past the live tokens become -1)."""
+    indptr, slots = moe_fields
+    token_lora_mapping(t[indptr], t[slots], max_loras=max_loras, mapping_out=t["token_lora_mapping"],
+                       adapter_enabled_out=t["adapter_enabled"])
 
 
 def build_info(batch: BatchSpec, t: dict[str, torch.Tensor], cap: Capacity, *, num_experts: int, max_loras: int,
-               has_active_lora: bool, use_cuda_graph: bool) -> LoRABatchInfo:
+               has_active_lora: bool, use_cuda_graph: bool,
+               moe_fields: tuple[str, str] = PER_REQUEST) -> LoRABatchInfo:
     """The ``LoRABatchInfo`` over tensors ``t`` with the host numbers of ``cap``.
 
     The MoE per-request fields are the per-request tensors themselves (same values by contract).
     """
-    moe = MoELoRABatchInfo(seg_indptr=t["req_seg_indptr"], req_to_lora=t["req_weight_indices"],
+    moe = MoELoRABatchInfo(seg_indptr=t[moe_fields[0]], req_to_lora=t[moe_fields[1]],
                            adapter_enabled=t["adapter_enabled"], token_lora_mapping=t["token_lora_mapping"],
                            num_experts=num_experts, max_loras=max_loras)
     return LoRABatchInfo(
@@ -135,7 +142,8 @@ class EagerMetadata:
         # after the copies that read them have finished.
         return PinnedStaging(max(needed, 2 * staging.capacity), dtype, device)
 
-    def write(self, batch: BatchSpec, seg: Segmentation) -> tuple[dict[str, torch.Tensor], Capacity]:
+    def write(self, batch: BatchSpec, seg: Segmentation,
+              moe_fields: tuple[str, str] = PER_REQUEST) -> tuple[dict[str, torch.Tensor], Capacity]:
         """Tensors of ``batch`` with segmentation ``seg`` and the batch's own sizes."""
         cap = Capacity(batch.bs, batch.num_tokens, self.max_loras, seg.num_segments, seg.max_len,
                        seg.permutation is not None)
@@ -161,7 +169,7 @@ class EagerMetadata:
         with self._float.batch() as stage:
             stage.copy(list(batch.scalings), t["scalings"])
         if not idle:
-            map_tokens(t, L)
+            map_tokens(t, L, moe_fields)
         return t, cap
 
 
@@ -217,7 +225,8 @@ class GraphFamily:
             return f"{batch.num_tokens} tokens > capacity {self.cap.tokens} of the {self.name} graph"
         return None
 
-    def write(self, batch: BatchSpec, seg: Segmentation, max_loras: int) -> dict[str, torch.Tensor]:
+    def write(self, batch: BatchSpec, seg: Segmentation, max_loras: int,
+              moe_fields: tuple[str, str] = PER_REQUEST) -> dict[str, torch.Tensor]:
         """Write ``batch`` into the static buffers in place, tails reset; returns the buffers.
 
         Raises:
@@ -244,5 +253,5 @@ class GraphFamily:
         with self.float_staging.batch() as stage:
             buf["scalings"].write(list(batch.scalings), stage=stage)
         t = {name: b.tensor for name, b in buf.items()}
-        map_tokens(t, max_loras)
+        map_tokens(t, max_loras, moe_fields)
         return t

@@ -19,6 +19,8 @@ The dense kernels keep the rank-wide intermediate by token row (segmented LoRA-A
 
 from __future__ import annotations
 
+from functools import partial
+
 from moelora_backends.kernel_backend import KernelBackend
 from moelora_backends.metadata import Capacity
 from moelora_backends.segmentation import (
@@ -40,20 +42,24 @@ class TritonBackend(KernelBackend):
 
     name = "triton"
     chunked = False
+    #: The segmentation of each situation (host functions of a ``BatchSpec``).
+    extend_segments = staticmethod(request_segments)
+    decode_segments = staticmethod(adapter_segments)
+    prefill_graph_segments = staticmethod(tile_segments)
 
     def eager_segmentation(self, batch: BatchSpec) -> Segmentation:
         if batch.forward_mode is ForwardMode.DECODE:
-            return adapter_segments(batch)
-        return request_segments(batch)
+            return self.decode_segments(batch)
+        return self.extend_segments(batch)
 
     def family_layout(self, family: str, max_requests: int, max_tokens: int, tokens_per_request: int | None):
         L = self.spec.max_loras
         if family == "decode":
             cap = Capacity(max_requests, max_tokens, L, max_adapter_segments(max_requests, L), max_tokens, True)
-            return cap, adapter_segments
+            return cap, self.decode_segments
         cap = Capacity(max_requests, max_tokens, L, max_tile_segments(max_tokens, max_requests, PREFILL_TILE),
                        min(PREFILL_TILE, max_tokens), False)
-        return cap, tile_segments
+        return cap, partial(self.prefill_graph_segments, tile=PREFILL_TILE)
 
 
 def make_backend(spec: LoRALayerSpec) -> TritonBackend:

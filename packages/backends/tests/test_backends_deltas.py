@@ -1,0 +1,131 @@
+"""The delta calls of ``triton`` and ``csgmv`` on the kernels (under the interpreter), on hand-built
+layers: the oracle per dtype, base rows untouched, one alignment per layer.
+
+Covers: a mixed batch (adapter, base and rank-0-slot requests; sentinel expert ids) through the
+harness's MoE path (base MoE in fp32, the backend's gate_up delta before the activation and the
+router-weighted down delta) equals ``moelora_reference.oracle`` in fp32 and fp16 (an fp16 pool adding
+into fp32 intermediates), with and without virtual experts; dense
+deltas equal the oracle; rows of tokens without an adapter stay bit for bit as they were (NaN
+poison included); the gate_up stage hands its alignment to the down stage of the same layer once
+(one alignment launch per layer; a new ``topk_ids`` aligns again).
+"""
+
+import pytest
+import torch
+
+from moelora_backends.csgmv_backend import CsgmvBackend
+from moelora_backends.triton_backend import TritonBackend
+from moelora_core import (
+    DEFAULT_POLICY,
+    BatchSpec,
+    ForwardMode,
+    LoRALayerSpec,
+    LoRAWeights,
+    ModuleLoRA,
+    MoEBaseWeights,
+    Request,
+)
+from moelora_core.graphs.triton_launches import intercept_triton_launches
+from moelora_reference import base_moe
+from moelora_reference.oracle import dense_lora_forward, moe_lora_forward
+
+pytestmark = pytest.mark.interpreter
+BACKENDS = {"triton": TritonBackend, "csgmv": CsgmvBackend}
+H, I, E, K, L, R = 24, 16, 4, 2, 3, 8  # noqa: E741
+F32 = torch.float32
+
+
+def _layer(dtype, virtual, seed=0):
+    spec = LoRALayerSpec(H, I, E, K, {"q": (H, 20), "o": (20, H)}, L, R, dtype=dtype, virtual_experts=virtual)
+    gen = torch.Generator().manual_seed(seed)
+    weights = LoRAWeights(spec)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
+    for slot, r, sigma in ((0, 8, 0.5), (2, 3, 2.0)):  # slot 1 stays empty (rank 0)
+        adapter = {m: ModuleLoRA(rnd(E, r, fin), rnd(E, fout, r), sigma)
+                   for m, (fin, fout) in (("gate", (H, I)), ("up", (H, I)), ("down", (I, H)))}
+        adapter["q"] = ModuleLoRA(rnd(r, H), rnd(20, r), sigma)
+        if slot == 0:
+            adapter["o"] = ModuleLoRA(rnd(r, 20), rnd(H, r), sigma)
+        weights.load_slot(slot, adapter)
+    base = MoEBaseWeights(w_gate_up=rnd(E, 2 * I, H).to(dtype), w_down=rnd(E, H, I).to(dtype), router=rnd(E, H))
+    return spec, weights, base, gen
+
+
+def _batch(weights):
+    reqs = [Request(0, 5), Request(-1, 3), Request(2, 1), Request(1, 2), Request(0, 1), Request(2, 7)]
+    return BatchSpec(ForwardMode.EXTEND, reqs, L, weights.slot_ranks(), weights.slot_scalings())
+
+
+def _routing(T, gen):
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(torch.int32)
+    ids[1, 0] = -1  # a sentinel: not handled here
+    return ids.contiguous(), torch.rand(T, K, generator=gen)
+
+
+def _moe(backend, x, ids, w, weights, base, info):
+    gate_up_out = base_moe.gate_up(x, ids, base, out_dtype=F32)
+    backend.moe_gate_up_delta(x, ids, gate_up_out, weights, info)
+    h = base_moe.activation(gate_up_out)
+    down_out = base_moe.down(h, ids, w, base)
+    backend.moe_down_delta(h, ids, w, down_out, weights, info)
+    return base_moe.topk_sum(down_out, out_dtype=F32)
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("virtual", [False, True], ids=["standard", "virtual"])
+def test_moe_and_dense_deltas_equal_the_oracle_and_leave_base_rows(name, dtype, virtual):
+    spec, weights, base, gen = _layer(dtype, virtual)
+    backend = BACKENDS[name](spec)
+    batch = _batch(weights)
+    T = batch.num_tokens
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    ids, w = _routing(T, gen)
+    info = backend.prepare(batch)
+    mapping = torch.tensor(batch.token_lora_mapping, dtype=torch.int32)
+    y = _moe(backend, x, ids, w, weights, base, info)
+    want = moe_lora_forward(x, ids, w, base.w_gate_up, base.w_down, weights, mapping)
+    DEFAULT_POLICY.assert_close(y, want, dtype=dtype, what=f"{name} MoE y")
+    base_rows = mapping < 0
+    y0 = _moe(backend, x, ids, w, weights, base, backend.prepare(BatchSpec(
+        ForwardMode.EXTEND, [Request(-1, r.extend_len) for r in batch.requests], L, batch.lora_ranks, batch.scalings)))
+    assert torch.equal(y[base_rows].view(torch.int32), y0[base_rows].view(torch.int32))
+    for module, (fin, fout) in spec.dense_shapes.items():
+        xd = torch.randn(T, fin, generator=gen).to(dtype)
+        out = (xd.to(F32) @ torch.randn(fout, fin, generator=gen).T).to(dtype)
+        out[base_rows] = float("nan")  # rows without an adapter must not be written
+        before = out.clone()
+        backend.dense_delta(module, xd, out, weights, info)
+        delta = dense_lora_forward(xd, None, module, weights, mapping)
+        lora_rows = ~base_rows  # out is rounded once to the dtype: compare the sums, not the differences
+        DEFAULT_POLICY.assert_close(out[lora_rows], before[lora_rows].double() + delta[lora_rows], dtype=dtype,
+                                    what=f"{name} dense {module}")
+        assert torch.equal(out[base_rows].view(torch.int16 if dtype == torch.float16 else torch.int32),
+                           before[base_rows].view(torch.int16 if dtype == torch.float16 else torch.int32))
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_one_alignment_per_layer(name):
+    spec, weights, base, gen = _layer(F32, False)
+    backend = BACKENDS[name](spec)
+    batch = _batch(weights)
+    x = torch.randn(batch.num_tokens, H, generator=gen)
+    ids, w = _routing(batch.num_tokens, gen)
+    info = backend.prepare(batch)
+    names = []
+
+    def count(kernel, run, args, kwargs, grid):
+        names.append(kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel))
+        return run(kernel, *args, grid=grid, warmup=False, **kwargs)
+
+    with intercept_triton_launches(count):
+        _moe(backend, x, ids, w, weights, base, info)
+        aligned_once = sum("align" in n for n in names)
+        names.clear()
+        gate_up_out = base_moe.gate_up(x, ids, base, out_dtype=F32)
+        backend.moe_gate_up_delta(x, ids, gate_up_out, weights, info)
+        other = ids.flip(0).contiguous()  # another routing for the down stage: aligned again
+        h = base_moe.activation(base_moe.gate_up(x, other, base, out_dtype=F32))
+        backend.moe_down_delta(h, other, w, base_moe.down(h, other, w, base), weights, info)
+    assert aligned_once == 1
+    assert sum("align" in n for n in names) == 2
