@@ -1,11 +1,23 @@
 """Deliberately broken backends: the suite's own test subjects.
 
 - :mod:`.mutants`: the reference backend with one known fault each (:data:`MUTANTS`); every one
-  must be caught by the general properties. Load one as a backend with
-  ``--backend moelora_conformance.faulty:<factory>`` (factories below, one per mutation).
+  must be caught by the general properties.
+- :mod:`.backend_mutants`: the ``triton`` and ``csgmv`` backends with one known fault each, added to
+  :data:`MUTANTS` when ``moelora_backends`` is installed (each with its example budget).
+
+Load one as a backend with ``--backend moelora_conformance.faulty:<factory>`` (factories below, one
+per mutation).
 """
 
+import importlib.util
+
 from moelora_conformance.faulty.mutants import MUTANTS
+
+if importlib.util.find_spec("moelora_backends") is not None:
+    # The triton / csgmv mutants (issue 8) join once their backends are installed.
+    from moelora_conformance.faulty.backend_mutants import BACKEND_MUTANTS
+
+    MUTANTS.update(BACKEND_MUTANTS)
 
 
 def _factory(name: str):

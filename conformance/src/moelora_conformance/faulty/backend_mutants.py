@@ -1,0 +1,103 @@
+"""One-line faults in the ``triton`` and ``csgmv`` backends (``moelora_backends``, issue 8): each class
+is one of those backends with one known fault of the field put back, kept in the smallest override
+that holds it (the line marked ``FAULT``).
+
+They join the mutation registry (:data:`moelora_conformance.faulty.MUTANTS`) when ``moelora_backends``
+is installed. Their kernels run under the Triton interpreter on a CPU, far slower than the torch
+reference, so each carries an example budget (``max_examples``) the mutation campaign passes to
+the suite; the suite must still catch every one (``tests/test_mutations.py``, ``docs/mutations.md``).
+"""
+
+from __future__ import annotations
+
+from moelora_backends.csgmv_backend import CsgmvBackend
+from moelora_backends.segmentation import PREFILL_TILE, Segmentation
+from moelora_backends.triton_backend import TritonBackend
+from moelora_core.batch import BatchSpec
+from moelora_core.capabilities import Fallback
+
+#: Examples per property item in the mutation runs of these mutants.
+KERNEL_MUTANT_BUDGET = 3
+
+
+class CsgmvFrozenSegmentCount(CsgmvBackend):
+    """csgmv decode graph: the chunk count of the batch the graph was captured on stays the launch's
+    segment count, so a later batch with more chunks loses the LoRA of its last chunks."""
+
+    name = "mutant-csgmv-frozen-segment-count"
+    max_examples = KERNEL_MUTANT_BUDGET
+
+    def prepare(self, batch, family=None):
+        info = super().prepare(batch, family)
+        if family == "decode" and not isinstance(info, Fallback):
+            if not hasattr(self, "_captured_segments"):
+                self._captured_segments = self._families["decode"].segmentation(batch).num_segments
+            info.num_segments = self._captured_segments  # FAULT: the live count at capture, not the capacity
+        return info
+
+
+class CsgmvMoEReadsChunks(CsgmvBackend):
+    """csgmv: the MoE path reads the dense chunks (adapter-sorted offsets and slots) as if they were
+    the requests (sgl-project/sglang#24007)."""
+
+    name = "mutant-csgmv-moe-reads-chunks"
+    max_examples = KERNEL_MUTANT_BUDGET
+    moe_fields = ("seg_indptr", "weight_indices")  # FAULT: chunks, not the per-request fields
+
+
+def _tiles_dropping_the_last_partial(batch: BatchSpec, tile: int = PREFILL_TILE) -> Segmentation:
+    runs: list[list[int]] = []
+    for slot, n in zip(batch.req_to_lora, batch.seq_lens):
+        if runs and runs[-1][0] == slot:
+            runs[-1][1] += n
+        else:
+            runs.append([slot, n])
+    indptr, weights = [0], []
+    for slot, n in runs:
+        for start in range(0, n - n % tile, tile):  # FAULT: the last partial tile is never cut
+            indptr.append(indptr[-1] + min(tile, n - start))
+            weights.append(slot)
+    return Segmentation(indptr, weights, None)
+
+
+class TritonTilesDropLastPartial(TritonBackend):
+    """triton prefill graph: a run's last tile shorter than 16 tokens is dropped, so its tokens get no
+    LoRA (and every run shorter than a tile gets none at all)."""
+
+    name = "mutant-triton-tiles-drop-last-partial"
+    max_examples = KERNEL_MUTANT_BUDGET
+    prefill_graph_segments = staticmethod(_tiles_dropping_the_last_partial)
+
+
+def _tiles_merging_runs_wrongly(batch: BatchSpec, tile: int = PREFILL_TILE) -> Segmentation:
+    runs: list[list[int]] = []
+    for slot, n in zip(batch.req_to_lora, batch.seq_lens):
+        if runs and runs[-1][0] == slot:
+            runs[-1][1] = n  # FAULT: a request joining a run replaces the run's length instead of extending it
+        else:
+            runs.append([slot, n])
+    indptr, weights = [0], []
+    for slot, n in runs:
+        for start in range(0, n, tile):
+            indptr.append(indptr[-1] + min(tile, n - start))
+            weights.append(slot)
+    return Segmentation(indptr, weights, None)
+
+
+class TritonRunsMergedWrongly(TritonBackend):
+    """triton prefill graph: adjacent requests on the same adapter are merged into one run of the
+    last request's length, so the run's other tokens get no LoRA and every later tile is shifted
+    onto other requests' rows."""
+
+    name = "mutant-triton-runs-merged-wrongly"
+    max_examples = KERNEL_MUTANT_BUDGET
+    prefill_graph_segments = staticmethod(_tiles_merging_runs_wrongly)
+
+
+#: Mutation name → backend class (merged into ``MUTANTS``).
+BACKEND_MUTANTS: dict[str, type] = {
+    "csgmv-frozen-segment-count": CsgmvFrozenSegmentCount,
+    "csgmv-moe-reads-chunks": CsgmvMoEReadsChunks,
+    "triton-tiles-drop-last-partial": TritonTilesDropLastPartial,
+    "triton-runs-merged-wrongly": TritonRunsMergedWrongly,
+}
