@@ -18,6 +18,7 @@
 Without path arguments the suite's own property modules are collected, so the one-line command
 works from any directory. Each property is parametrized over its harness modes and the profile's
 dtypes; what the backend does not declare is skipped with a reason starting "not implemented".
+The metadata-only properties (P06, P07) run first.
 The report header echoes the backend, its version and capabilities, and every ``MOELORA_*``
 variable. A failure carries a repro section (seed, batch structure, replay command).
 """
@@ -255,6 +256,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         if replay:
             version, _, blob = replay.partition(":")
             item.obj._hypothesis_internal_use_reproduce_failure = (version, blob)
+    # Metadata-only properties first: cheap, and a metadata fault is then reported as one.
+    items.sort(key=lambda it: 0 if (property_of(it) and property_of(it).metadata_only) else 1)
     state["unmatched"] = [e.describe() for e in manifest.entries if e.index not in used]
     for text in state["unmatched"]:
         warnings.warn(pytest.PytestWarning(f"moelora manifest {manifest.path}: {text} matched no test"),

@@ -23,6 +23,9 @@ from moelora_conformance.session import SuiteRun, run_suite
 #: Where ``--write-docs`` writes the table by default (relative to the conformance package root).
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "mutations.md"
 DEFAULT_SEED = 0
+#: ``-k`` of a run without the metadata-only properties (P06, P07): do the output properties catch
+#: the metadata faults too?
+WITHOUT_METADATA = "not test_metadata_is_exact and not test_static_buffers_keep_their_addresses"
 
 
 @dataclass(frozen=True)
@@ -49,10 +52,13 @@ class MutationResult:
 
 
 def run_mutation(name: str, *, profile: str = "interpret", seed: int | None = DEFAULT_SEED,
-                 timeout: float | None = 600) -> MutationResult:
-    """Run the suite against mutant ``name`` until its first failure."""
+                 timeout: float | None = 600, without_metadata: bool = False) -> MutationResult:
+    """Run the suite against mutant ``name`` until its first failure (with the mutant's example budget,
+    ``max_examples`` on its class, where it has one; ``without_metadata``: with the metadata-only
+    properties deselected)."""
+    extra = ["-k", WITHOUT_METADATA] if without_metadata else []
     run = run_suite(target(name), profile=profile, no_shrink=True, exitfirst=True, hypothesis_seed=seed,
-                    timeout=timeout)
+                    timeout=timeout, max_examples=getattr(MUTANTS[name], "max_examples", None), extra=extra)
     failed = [r for r in (run.report or {}).get("records", []) if r["outcome"] in ("failed", "error")]
     if run.returncode == 0 or not failed:
         return MutationResult(name, False, "", "", "", "", "", run.seconds, 0.0, run)
@@ -61,8 +67,16 @@ def run_mutation(name: str, *, profile: str = "interpret", seed: int | None = DE
                           first.get("message", ""), run.seconds, first["duration"], run)
 
 
-def table_markdown(results: list[MutationResult], *, profile: str, seed: int | None) -> str:
-    """The docs table: mutation → catching property → seconds."""
+def _caught(r: MutationResult | None) -> str:
+    if r is None:
+        return "–"
+    return f"{r.property} `{r.test.partition('[')[2].rstrip(']')}`" if r.caught else "**NOT CAUGHT**"
+
+
+def table_markdown(results: list[MutationResult], *, profile: str, seed: int | None,
+                   without_metadata: list[MutationResult] | None = None) -> str:
+    """The docs table: mutation → catching property → seconds (and, if given, the same without the
+    metadata-only properties)."""
     lines = [
         "# Mutations: one-line faults the suite must catch",
         "",
@@ -72,30 +86,32 @@ def table_markdown(results: list[MutationResult], *, profile: str, seed: int | N
         f"torch {torch.__version__}.",
         "",
         "Each mutant is `ReferenceBackend` with one known fault put back "
-        "(`moelora_conformance/faulty/mutants.py`). Seconds: wall time of the suite run until it stopped "
+        "(`moelora_conformance/faulty/mutants.py`), or a `triton` / `csgmv` backend with one "
+        "(`faulty/backend_mutants.py`, Triton kernels under the interpreter, run with the example budget of "
+        "their class). Seconds: wall time of the suite run until it stopped "
         "at the first failure (interpreter start-up included); item: the catching test alone.",
         "",
-        "| mutation | fault | caught by | test | seconds | item s |",
-        "|---|---|---|---|---|---|",
+        "| mutation | fault | caught by (mode-dtype) | seconds | item s | without P06/P07: caught by | seconds |",
+        "|---|---|---|---|---|---|---|",
     ]
+    other = {r.name: r for r in without_metadata or []}
     for r in results:
         fault = " ".join((MUTANTS[r.name].__doc__ or "").strip().split("\n\n")[0].split()).replace("``", "`")
-        if r.caught:
-            title = PROPERTIES[r.property].title if r.property in PROPERTIES else ""
-            lines.append(f"| `{r.name}` | {fault} | {r.property} ({title}) | `{r.test}` | {r.seconds:.1f} | "
-                         f"{r.item_seconds:.2f} |")
-        else:
-            lines.append(f"| `{r.name}` | {fault} | **NOT CAUGHT** | – | {r.seconds:.1f} | – |")
+        o = other.get(r.name)
+        lines.append(f"| `{r.name}` | {fault} | {_caught(r)} | {r.seconds:.1f} | "
+                     f"{r.item_seconds:.2f} | {_caught(o)} | {'–' if o is None else f'{o.seconds:.1f}'} |")
+    titles = sorted({r.property for r in [*results, *other.values()] if r.caught})
+    lines += ["", "Properties: " + "; ".join(f"{p} {PROPERTIES[p].title}" for p in titles if p in PROPERTIES) + "."]
     lines += ["", f"Total: {sum(r.seconds for r in results):.1f} s for {len(results)} mutants.", ""]
     return "\n".join(lines)
 
 
 def run_campaign(names: list[str] | None = None, *, profile: str = "interpret", seed: int | None = DEFAULT_SEED,
-                 progress=None) -> list[MutationResult]:
+                 without_metadata: bool = False, progress=None) -> list[MutationResult]:
     """Every mutant of ``names`` (default: all), in order; ``progress(result)`` after each."""
     results = []
     for name in names or list(MUTANTS):
-        result = run_mutation(name, profile=profile, seed=seed)
+        result = run_mutation(name, profile=profile, seed=seed, without_metadata=without_metadata)
         results.append(result)
         if progress is not None:
             progress(result)

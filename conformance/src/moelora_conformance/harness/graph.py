@@ -87,6 +87,7 @@ class GraphLayer:
         self.graph: LayerGraph | None = None
         self.info: LoRABatchInfo | None = None  # the metadata the graph was captured with
         self.batch = None
+        self._staged: tuple[BatchInputs, LoRABatchInfo] | None = None
         self._dense: dict[str, torch.Tensor] = {}
         self.captures = 0
 
@@ -124,21 +125,31 @@ class GraphLayer:
         """``backend.prepare(batch, family)`` (writes the backend's static buffers in place)."""
         return self.layer.backend.prepare(inp.batch, self.family)
 
-    def run(self, inp: BatchInputs) -> LayerOutput:
-        """Write ``inp``, prepare it in the family, capture (first time) and replay.
-
-        Returns:
-            The live rows (clones; capacity-wide tensors in ``rows``). A batch the family refuses
-            runs eagerly and carries the ``Fallback``.
-        """
+    def stage(self, inp: BatchInputs) -> LoRABatchInfo | Fallback:
+        """Prepare ``inp`` in the family and write its rows into the static inputs, without
+        replaying (:meth:`replay` runs it). A ``Fallback`` stages nothing."""
         info = self.prepare(inp)
         if isinstance(info, Fallback):
-            out = self.layer.eager(inp)
-            out.fallback = info
-            return out
+            return info
         self.write_inputs(inp)
         self.breaker.set_batch(inp.batch)
         self.batch = inp.batch
+        self._staged = (inp, info)
+        return info
+
+    def replay(self) -> LayerOutput:
+        """Capture (first time) and replay the staged batch.
+
+        Returns:
+            The live rows (clones; capacity-wide tensors in ``rows``).
+
+        Raises:
+            InvalidFieldError: nothing is staged.
+        """
+        if self._staged is None:
+            raise InvalidFieldError("replay", "stage a batch first")
+        inp, info = self._staged
+        self._staged = None
         if self.graph is None:
             self.info = info
             self.graph = LayerGraph(self._projection, self._break, self._moe, mode=self.layer_mode, pool=self.pool)
@@ -148,6 +159,16 @@ class GraphLayer:
         full = LayerOutput({m: t.clone() for m, t in self._dense.items()}, moe_in.clone(), y.clone(),
                            None if y32 is None else y32.clone(), info)
         return full.live(inp.num_tokens)
+
+    def run(self, inp: BatchInputs) -> LayerOutput:
+        """Stage ``inp`` and replay it. A batch the family refuses runs eagerly and the output
+        carries the ``Fallback``."""
+        info = self.stage(inp)
+        if isinstance(info, Fallback):
+            out = self.layer.eager(inp)
+            out.fallback = info
+            return out
+        return self.replay()
 
     def disabled(self, run: LayerOutput) -> LayerOutput:
         """The LoRA-disabled twin of the last replay ``run``, eagerly on the current static inputs

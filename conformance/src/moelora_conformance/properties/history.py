@@ -10,6 +10,10 @@ fresh values:
   reset would replay);
 - ``other_family``: a batch prepared and replayed in the *other* graph family of the same backend
   (eager mode: any declared family), which must not disturb this one.
+
+Graph modes may also *interleave* an other-family batch between the checked batch's ``prepare`` and
+its replay (as a scheduler that prepares a decode and a prefill step before running either): the
+replay must still read exactly what its own ``prepare`` wrote.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from moelora_conformance.harness import BatchInputs, GraphLayer, derive_inputs
+from moelora_conformance.harness import BatchInputs, GraphLayer, LayerOutput, derive_inputs
 from moelora_conformance.properties.support import Capacity, Subject, Suite, capacity_for, trace
 from moelora_conformance.strategies.cases import MaterializedCase, MoELoRACase
 from moelora_conformance.strategies.suite import family_of, mode_forward, pool_batches, tokens_per_request
 from moelora_core.batch import BatchSpec
+from moelora_core.capabilities import Fallback
 from moelora_core.forward_mode import ForwardMode
 
 STEP_KINDS: tuple[str, ...] = ("adapters", "all_base", "idle", "larger", "other_family")
@@ -35,6 +40,7 @@ class Step:
     kind: str
     mode: str
     inputs: BatchInputs
+    interleaved: bool = False
 
 
 def other_family_mode(suite: Suite, mode: str) -> str | None:
@@ -68,8 +74,9 @@ def draw_batch(data: st.DataObject, suite: Suite, like: BatchSpec, mode: str, *,
 
 
 def draw_history(data: st.DataObject, suite: Suite, case: MoELoRACase, m: MaterializedCase, mode: str,
-                 target: BatchSpec) -> list[Step]:
-    """1-3 history steps before ``target`` (see the module docstring)."""
+                 target: BatchSpec, *, interleave: bool = False) -> list[Step]:
+    """1-3 history steps before ``target`` (see the module docstring), and with ``interleave`` a last
+    other-family step run between ``target``'s prepare and replay (:meth:`HistoryRunner.interleaved`)."""
     other = other_family_mode(suite, mode)
     kinds = [k for k in STEP_KINDS if k != "other_family" or other is not None]
     n = data.draw(st.integers(1, 3), label="history length")
@@ -91,6 +98,13 @@ def draw_history(data: st.DataObject, suite: Suite, case: MoELoRACase, m: Materi
         inputs = derive_inputs(case, m, batch, seed=case.seed * 7 + 1 + i)
         steps.append(Step(kind, step_mode, inputs))
         trace(f"history step {i} ({kind}, {step_mode}): {inputs.describe()}")
+    if interleave:
+        other_mode = other_family_mode(suite, mode)
+        idle = BatchSpec(ForwardMode.IDLE, (), target.max_loras, target.lora_ranks, target.scalings)
+        batch = draw_batch(data, suite, idle, other_mode, adapters="adapters", label="interleaved batch")
+        inputs = derive_inputs(case, m, batch, seed=case.seed * 7 + 97)
+        steps.append(Step("other_family", other_mode, inputs, interleaved=True))
+        trace(f"interleaved between prepare and replay ({other_mode}): {inputs.describe()}")
     return steps
 
 
@@ -110,13 +124,29 @@ class HistoryRunner:
                                     tokens_per_request=cap.tokens_per_request, pad_seed=subject.case.seed + 5)
 
     def run(self) -> None:
+        """Run every step but the interleaved one, in order."""
         for step in self.steps:
+            if step.interleaved:
+                continue
             if step.mode == self.subject.mode:
                 self.subject.run(step.inputs)
             else:
-                out = self.other.run(step.inputs)
-                if out.fallback is not None:
-                    raise AssertionError(f"{step.mode}: prepare returned {out.fallback} within capacity")
+                self._run_other(step)
+
+    def _run_other(self, step: Step) -> None:
+        out = self.other.run(step.inputs)
+        if out.fallback is not None:
+            raise AssertionError(f"{step.mode}: prepare returned {out.fallback} within capacity")
+
+    def interleaved(self, inp: BatchInputs) -> LayerOutput:
+        """Stage ``inp`` in the subject's graph, run the interleaved other-family step, then replay
+        ``inp`` — whose static buffers the other family must not have touched."""
+        step = next(s for s in self.steps if s.interleaved)
+        info = self.subject.graph.stage(inp)
+        if isinstance(info, Fallback):
+            raise AssertionError(f"{self.subject.mode}: prepare returned {info} within capacity")
+        self._run_other(step)
+        return self.subject.graph.replay()
 
 
 def history_capacity(mode: str, target: BatchSpec, steps: list[Step], extra_requests: int = 0,

@@ -28,12 +28,15 @@ class Property:
         modes: harness modes it runs in (:data:`~moelora_conformance.strategies.suite.LAYER_MODES`
             or the graph families for family-level properties).
         capability: a ``Capabilities`` attribute it needs beyond the mode's (e.g. "virtual_experts").
+        metadata_only: checks ``prepare`` and metadata alone (no forward): cheap and precise, so the
+            plugin runs these first and a metadata fault is reported as one.
     """
 
     id: str
     title: str
     modes: tuple[str, ...]
     capability: str | None = None
+    metadata_only: bool = False
 
 
 _GRAPH_LAYER_MODES = tuple(m for m in LAYER_MODES if m != "eager")
@@ -47,9 +50,9 @@ PROPERTIES: dict[str, Property] = {p.id: p for p in (
     Property("P05", "replay equals eager, a small batch right after a larger one, 1 to > 32 requests",
              _GRAPH_LAYER_MODES),
     Property("P06", "static-buffer addresses stay fixed; decode and prefill families share no storage",
-             FAMILY_MODES),
+             FAMILY_MODES, metadata_only=True),
     Property("P07", "metadata is exact: token mapping, per-request fields, segments, alignment, tails",
-             ("eager", *FAMILY_MODES)),
+             ("eager", *FAMILY_MODES), metadata_only=True),
     Property("P08", "no host sync in prepare + forward", LAYER_MODES),
     Property("P09", "sentinel expert ids add nothing; IDLE batches launch nothing and leave no state", LAYER_MODES),
     Property("P10", "virtual experts equal the standard path", LAYER_MODES, capability="virtual_experts"),

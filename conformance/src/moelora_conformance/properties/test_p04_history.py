@@ -1,5 +1,6 @@
 """P04: history independence — a batch after a random prefix of batches (adapter batches, all-base,
-IDLE, larger, the other graph family) equals the same batch on a fresh backend.
+IDLE, larger, the other graph family) equals the same batch on a fresh backend; in graph modes the
+other family may also run between the batch's ``prepare`` and its replay.
 
 The fresh backend is built from the same factory on the same weights and runs the batch in the
 same mode with the same capacities. Outputs (MoE, MoE input, dense) match within the dtype's
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from moelora_conformance.harness import assert_bitwise, assert_close
 from moelora_conformance.harness.checks import base_row_mask
-from moelora_conformance.properties.history import HistoryRunner, draw_history, history_capacity
+from moelora_conformance.properties.history import HistoryRunner, draw_history, history_capacity, other_family_mode
 from moelora_conformance.properties.registry import conformance
 from moelora_conformance.properties.support import Subject, draw_case, draw_moe_path, trace
 
@@ -23,16 +24,23 @@ def test_batch_after_any_history_equals_a_fresh_backend(moelora_suite, mode, dty
     case = draw_case(data, suite, mode, dtype)
     path = draw_moe_path(data, suite)
     m = case.materialize(suite.device)
-    steps = draw_history(data, suite, case, m, mode, case.batch)
+    interleave = mode != "eager" and other_family_mode(suite, mode) is not None and data.draw(
+        st.booleans(), label="other family between prepare and replay")
+    steps = draw_history(data, suite, case, m, mode, case.batch, interleave=interleave)
     capacity = None
     if mode != "eager":
         capacity = history_capacity(mode, case.batch, steps, data.draw(st.integers(0, 2), label="request slack"),
                                     data.draw(st.integers(0, 8), label="token slack"))
         trace(f"capacity: {capacity}")
     subject = Subject(suite, case, mode, path, capacity, materialized=m)
-    HistoryRunner(subject, steps).run()
+    runner = HistoryRunner(subject, steps)
+    runner.run()
     inp = subject.inputs()
-    after = subject.run_and_check(inp, "after its history")
+    if interleave:
+        after = runner.interleaved(inp)
+        subject.check(inp, after, "after its history, another family run between its prepare and replay")
+    else:
+        after = subject.run_and_check(inp, "after its history")
     fresh = Subject(suite, case, mode, path, capacity, materialized=m).run(inp)
     ctx, what = subject.ctx, f"{mode} after its history vs a fresh backend"
     assert_close(after.y, fresh.y.double(), ctx, f"{what}: MoE output")
