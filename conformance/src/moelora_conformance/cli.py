@@ -20,6 +20,9 @@ The conformance suite's own subcommands:
   reference backend (``moelora_conformance.faulty``) and print (or write) the table mutation →
   catching property → seconds; ``--write-docs`` also runs each without the metadata-only properties;
   exit 1 if one is not caught.
+- ``checkpoint-pass [--fixtures DIR] [--backends reference,triton,csgmv]``: every backend × layer mode
+  on the real checkpoints and PEFT adapters, against the oracle and HF + PEFT per adapter; prints
+  the table, exits 1 on any failed comparison (:mod:`moelora_conformance.checkpoint_pass.command`).
 
 A subcommand registers itself like this::
 
@@ -277,6 +280,9 @@ def _mutations(parser: argparse.ArgumentParser) -> Handler:
 
     return run
 
+
+# Subcommands kept in their own modules register themselves on import.
+from moelora_conformance.checkpoint_pass import command as _checkpoint_pass  # noqa: E402, F401
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

@@ -1,0 +1,84 @@
+"""The adapters of the real-checkpoint pass: per fixture model, three adapters of different ranks made
+here (one rsLoRA, one legacy per-expert) plus every fixture adapter of the model that peft loads with
+the σ its file says.
+
+The fixtures (``moelora-conformance make-fixtures``) do not give every model an rsLoRA and a legacy
+adapter of distinct ranks, so the pass builds its own into a work directory with the fixtures
+builder (peft for the fused ones, the hand-written legacy keys for the per-expert one), on the same
+model specs and seeds derived from their names:
+
+- ``<model>-pass-r8``: fused experts (gate_up and down) + q, k, v, o; r 8, α 16;
+- ``<model>-pass-rslora-r6``: fused experts + q, v; r 6, α 12, rsLoRA (σ = α/√r);
+- ``<model>-pass-legacy-r3``: legacy per-expert gate/up/down (gate_A != up_A) + o; r 3, α 6.
+
+Legacy adapters under rsLoRA are left out: peft converts them with another σ (DESIGN.md §1), so no
+HF+PEFT forward exists to compare with (the hf-check covers that case against a per-module
+reference).
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from moelora_conformance.fixtures.manifest import FixtureSet
+from moelora_conformance.fixtures.specs import AdapterSpec, model_spec
+
+#: The pass's own adapters: (suffix, AdapterSpec fields).
+PASS_ADAPTERS: tuple[tuple[str, dict], ...] = (
+    ("pass-r8", dict(format="fused", r=8, alpha=16, experts=("gate_up_proj", "down_proj"),
+                     dense=("q", "k", "v", "o"), kinds=("pass", "fused"))),
+    ("pass-rslora-r6", dict(format="fused", r=6, alpha=12, use_rslora=True, experts=("gate_up_proj", "down_proj"),
+                            dense=("q", "v"), kinds=("pass", "fused", "rslora"))),
+    ("pass-legacy-r3", dict(format="per_expert", r=3, alpha=6, experts=("gate", "up", "down"), dense=("o",),
+                            kinds=("pass", "per-expert"))),
+)
+
+
+@dataclass(frozen=True)
+class PassAdapter:
+    """One adapter of the pass: name, directory, format, rank and rsLoRA as its config says."""
+
+    name: str
+    path: Path
+    format: str
+    r: int
+    use_rslora: bool
+    origin: str  # "pass" (built here) or "fixture"
+
+
+def pass_adapter_specs(model: str) -> list[AdapterSpec]:
+    """The three adapters the pass builds for fixture model ``model``."""
+    return [AdapterSpec(f"{model}-{suffix}", model, seed=zlib.crc32(f"{model}-{suffix}".encode()) % 10_000,
+                        **fields) for suffix, fields in PASS_ADAPTERS]
+
+
+def build_pass_adapters(fixtures: FixtureSet, work_dir: Path, model: str) -> list[PassAdapter]:
+    """Build (or reuse, when already built in ``work_dir``) the pass's adapters for ``model``.
+
+    Returns:
+        The pass adapters first, then the model's fixture adapters peft loads faithfully.
+    """
+    from moelora_conformance.fixtures.adapters import build_fused_adapter, build_legacy_adapter
+
+    out = []
+    mspec = model_spec(model)
+    for spec in pass_adapter_specs(model):
+        directory = Path(work_dir) / "adapters" / spec.name
+        if not (directory / "adapter_config.json").is_file():
+            build = build_fused_adapter if spec.format == "fused" else build_legacy_adapter
+            build(spec, mspec, directory)
+        out.append(PassAdapter(spec.name, directory, spec.format, spec.r, spec.use_rslora, "pass"))
+    for name, entry in sorted(fixtures.manifest["adapters"].items()):
+        if entry["model"] != model or entry["peft_divergent"]:
+            continue
+        out.append(PassAdapter(name, fixtures.adapter_dir(name), entry["format"], int(entry["r"]),
+                               bool(entry["use_rslora"]), "fixture"))
+    return out
+
+
+def describe(adapters: list[PassAdapter]) -> str:
+    """A short JSON line naming the adapters (for progress output and the report)."""
+    return json.dumps([f"{a.name}(r{a.r}{',rs' if a.use_rslora else ''},{a.format})" for a in adapters])

@@ -1,0 +1,92 @@
+"""``moelora-conformance checkpoint-pass``: the real-checkpoint pass from the command line.
+
+    moelora-conformance checkpoint-pass [--fixtures DIR] [--backends reference,triton,csgmv]
+        [--models a,b] [--modes eager,decode,prefill-full,prefill-breakable] [--layers 0,1]
+        [--requests 40] [--work-dir DIR] [--json rows.json]
+
+Builds the fixtures into a temporary directory unless ``--fixtures`` names one, builds the pass's
+own adapters into ``--work-dir`` (default: a temporary directory), runs :mod:`.run`, prints the
+table and exits 1 on any failed comparison, 2 on a usage error (a missing ``fixtures`` extra, a
+backend that cannot run here — the Triton backends on a CPU need ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from moelora_conformance.cli import Handler, _require_fixtures_extra, subcommand
+
+_MODES = "eager,decode,prefill-full,prefill-breakable"
+
+
+def _csv(value: str | None) -> list[str] | None:
+    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _usable(backends: list[str]) -> str | None:
+    """Why a backend cannot run the pass here (None = all can)."""
+    import torch
+
+    from moelora_core import InvalidFieldError, LoRALayerSpec, load_backend
+
+    spec = LoRALayerSpec(8, 8, 2, 1, {}, 1, 1)
+    for name in backends:
+        try:
+            caps = load_backend(name)(spec).capabilities()
+        except InvalidFieldError as exc:
+            return str(exc)
+        missing = [f for f in ("decode", "prefill") if f not in caps.graph_families]
+        if "cpu" not in caps.devices or torch.float32 not in caps.dtypes or missing:
+            return (f"backend {name!r} cannot run the pass on the CPU in fp32 with both graph families "
+                    f"(declares {caps.as_dict()}); Triton backends need TRITON_INTERPRET=1 on a CPU")
+    return None
+
+
+@subcommand("checkpoint-pass", help="every backend x layer mode on real checkpoints and PEFT adapters, against the "
+                                    "oracle and HF+PEFT (needs the 'fixtures' extra)")
+def _checkpoint_pass(parser: argparse.ArgumentParser) -> Handler:
+    parser.add_argument("--fixtures", type=Path, default=None,
+                        help="a directory built by make-fixtures (default: build into a temporary directory)")
+    parser.add_argument("--backends", default="reference,triton,csgmv", help="comma-separated backends")
+    parser.add_argument("--models", default=None, help="comma-separated fixture models (default: all)")
+    parser.add_argument("--modes", default=_MODES, help=f"comma-separated layer modes (default: {_MODES})")
+    parser.add_argument("--layers", default=None, help="comma-separated decoder layers (default: all)")
+    parser.add_argument("--requests", type=int, default=None, help="requests per batch (default: 40)")
+    parser.add_argument("--work-dir", type=Path, default=None, help="where the pass's own adapters are built")
+    parser.add_argument("--json", type=Path, default=None, help="also write every comparison as JSON")
+
+    def run(args: argparse.Namespace) -> int:
+        if not _require_fixtures_extra("checkpoint-pass"):
+            return 2
+        backends = _csv(args.backends) or []
+        problem = _usable(backends)
+        if problem:
+            print(f"moelora-conformance checkpoint-pass: {problem}", file=sys.stderr)
+            return 2
+        from moelora_conformance.checkpoint_pass.batches import PASS_REQUESTS
+        from moelora_conformance.checkpoint_pass.run import run_checkpoint_pass
+        from moelora_conformance.checkpoint_pass.table import render
+        from moelora_conformance.fixtures import build_fixtures, load_fixtures
+
+        layers = None if args.layers is None else [int(v) for v in _csv(args.layers)]
+        with tempfile.TemporaryDirectory(prefix="moelora-pass-") as tmp:
+            fixtures = load_fixtures(args.fixtures) if args.fixtures else build_fixtures(Path(tmp) / "fixtures")
+            work = args.work_dir or Path(tmp) / "work"
+            try:
+                rows = run_checkpoint_pass(fixtures, work, models=_csv(args.models), backends=backends,
+                                           modes=tuple(_csv(args.modes) or ()), layers=layers,
+                                           num_requests=args.requests or PASS_REQUESTS,
+                                           progress=lambda line: print(f"checkpoint-pass: {line}", flush=True))
+            except ValueError as exc:
+                print(f"moelora-conformance checkpoint-pass: {exc}", file=sys.stderr)
+                return 2
+        if args.json:
+            args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+        return 0 if render(rows) else 1
+
+    return run

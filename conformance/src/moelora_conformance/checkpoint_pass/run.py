@@ -1,0 +1,242 @@
+"""The real-checkpoint pass: every backend × layer mode on real tiny MoE checkpoints and real PEFT
+adapters, against the oracle and against HF transformers + PEFT per adapter (issue 8's main job).
+
+For every fixture model (Qwen3-MoE — the H = 2·I one included —, Mixtral, OLMoE; per-expert and
+fused expert layouts):
+
+1. the adapters of :mod:`.adapters` (three of different ranks made here, one rsLoRA, one legacy
+   per-expert, plus the model's fixture adapters) are read from disk by ``moelora_core.checkpoint``
+   into one slot each of every layer's pool (fp32, R = 16);
+2. per decoder layer, the layer's base weights come from the checkpoint readers, and two batches of
+   :mod:`.batches` (more than 32 requests, extend lengths above 1, every adapter and base requests)
+   get fresh activations and dense inputs; routing is the checkpoint's own router (transformers'
+   gate module) on those activations;
+3. per backend and layer mode — ``eager`` (both batches), ``decode`` (the DECODE batch, decode
+   graph family), ``prefill-full`` and ``prefill-breakable`` (the EXTEND batch, prefill family) — the
+   suite's layer harness runs the layer (dense LoRA projection → break op → MoE, graph modes through
+   the graph API with capacities a little above the batch) and checks it against the oracle with the
+   suite's standard checks (outputs, LoRA deltas, base rows and pad rows bit-identical to the
+   LoRA-disabled run);
+4. the same run against HF + PEFT: for each adapter, the rows of its requests — the MoE output
+   against the PEFT-wrapped experts module fed the run's own MoE input and routing, each dense output
+   against the PEFT-wrapped projection — and the base requests' rows against the model without
+   adapter; fp32, the tolerance policy's bounds (max and RMS relative error <= 1e-5).
+
+Every comparison is a :class:`PassRow`; :func:`run_checkpoint_pass` returns them all and
+:mod:`.table` prints the summary. Needs the ``fixtures`` extra (transformers + peft).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moelora_conformance.checkpoint_pass.adapters import PassAdapter, build_pass_adapters
+from moelora_conformance.checkpoint_pass.batches import PASS_REQUESTS, decode_batch, extend_batch
+from moelora_conformance.fixtures.manifest import FixtureSet
+from moelora_conformance.fixtures.specs import POOL_MAX_RANK
+from moelora_conformance.harness import BatchInputs, CheckContext, GraphLayer, Layer, Oracle, check_run
+from moelora_conformance.strategies.cases import MaterializedCase
+from moelora_core import DEFAULT_POLICY, NO_ADAPTER, BatchSpec, ForwardMode, LoRAWeights, load_backend
+from moelora_core.checkpoint import MoECheckpoint, load_adapter_into_slot, read_adapter
+
+F32 = torch.float32
+#: Layer modes of the pass (the harness's).
+MODES: tuple[str, ...] = ("eager", "decode", "prefill-full", "prefill-breakable")
+DEFAULT_BACKENDS: tuple[str, ...] = ("reference", "triton", "csgmv")
+BASE = "(base)"
+
+
+@dataclass(frozen=True)
+class PassRow:
+    """One comparison of the pass.
+
+    Attributes:
+        model, backend, mode, layer: where. batch: "extend" or "decode".
+        check: "oracle" (the suite's standard checks of the whole run) or "hf" (one adapter's rows
+            against HF + PEFT, or the base rows against HF without adapter).
+        subject: the adapter ("(base)" for base rows; "all rows" for the oracle).
+        part: "layer" (oracle), "moe" or a dense module ("q", "k", "v", "o").
+        max_rel, rms_rel: errors of HF comparisons (None for the oracle's pass/fail checks).
+        ok: the comparison passed. note: the first line of a failure.
+    """
+
+    model: str
+    backend: str
+    mode: str
+    layer: int
+    batch: str
+    check: str
+    subject: str
+    part: str
+    max_rel: float | None
+    rms_rel: float | None
+    ok: bool
+    note: str = ""
+
+
+@dataclass
+class _LayerData:
+    """One decoder layer of a model: its pool, base weights and the transformers sides."""
+
+    index: int
+    pool: LoRAWeights
+    base: object  # MoEBaseWeights
+    dense: dict[str, torch.Tensor]
+    hf_base: object
+    hf_adapters: list
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]
+
+
+def _seed(*parts: object) -> int:
+    return zlib.crc32("/".join(map(str, parts)).encode())
+
+
+def _inputs(layer: _LayerData, batch: BatchSpec, seed: int) -> tuple[MaterializedCase, BatchInputs]:
+    """Fresh activations and dense inputs for ``batch``; routing by the checkpoint's router."""
+    spec = layer.pool.spec
+    gen = torch.Generator().manual_seed(seed)
+    T = batch.num_tokens
+    x = torch.randn(T, spec.H, generator=gen)
+    with torch.no_grad():
+        _, weights, ids = layer.hf_base.mlp.gate(x)
+    ids, weights = ids.to(torch.int32).contiguous(), weights.to(F32).contiguous()
+    dense_x = {m: torch.randn(T, fin, generator=gen) for m, (fin, _) in spec.dense_shapes.items()}
+    mapping = torch.tensor(batch.token_lora_mapping, dtype=torch.int32)
+    logits = x @ layer.base.router.T.to(F32)
+    m = MaterializedCase(spec, x, logits, ids, weights, layer.base, dict(layer.dense), dense_x, layer.pool, mapping)
+    return m, BatchInputs(batch, x, ids, weights, dense_x)
+
+
+def _hf_rows(model: str, backend: str, mode: str, layer: _LayerData, batch_name: str, inp: BatchInputs, run,
+             adapters: Sequence[PassAdapter]) -> list[PassRow]:
+    """Each adapter's rows (and the base rows) against HF + PEFT."""
+    rows = []
+    slots = torch.tensor(inp.batch.token_lora_mapping)
+    sides = [(NO_ADAPTER, BASE, layer.hf_base)] + [(s, a.name, layer.hf_adapters[s]) for s, a in enumerate(adapters)]
+    for slot, name, hf in sides:
+        mask = slots == slot
+        if not bool(mask.any()):
+            continue
+        with torch.no_grad():
+            want = {"moe": hf.mlp.experts(run.moe_in[mask], inp.topk_ids[mask].long(), inp.topk_weights[mask])}
+            for m, x in inp.dense_x.items():
+                want[m] = getattr(hf.self_attn, f"{m}_proj")(x[mask])
+        for part, expected in want.items():
+            actual = run.y[mask] if part == "moe" else run.dense[part][mask]
+            rep = DEFAULT_POLICY.check(actual, expected.double(), dtype=F32, what=f"{model} {backend} {mode} "
+                                       f"L{layer.index} {name} {part}")
+            rows.append(PassRow(model, backend, mode, layer.index, batch_name, "hf", name, part, rep.max_rel,
+                                rep.rms_rel, rep.ok, "" if rep.ok else rep.message().splitlines()[0]))
+    return rows
+
+
+def _run_mode(factory, backend: str, mode: str, m: MaterializedCase, inp: BatchInputs, seed: int, describe: str):
+    """(run, LoRA-disabled twin, whether pad rows are checked) of one forward in ``mode``."""
+    layer = Layer(factory, None, "cpu", materialized=m)
+    if mode == "eager":
+        run = layer.eager(inp)
+        return layer, run, layer.disabled(inp, run), False
+    batch = inp.batch
+    tpr = batch.tokens_per_request if batch.forward_mode is ForwardMode.DECODE else 1
+    graph = GraphLayer(layer, mode, max_requests=batch.bs + 2, max_tokens=batch.num_tokens + 8,
+                       tokens_per_request=tpr, pad_seed=seed)
+    run = graph.run(inp)
+    if run.fallback is not None:
+        raise AssertionError(f"{mode}: prepare fell back ({run.fallback.reason}) within capacity | {describe}")
+    return layer, run, graph.disabled(run), True
+
+
+def run_model(fixtures: FixtureSet, work_dir: Path, model: str, *, backends: Sequence[str] = DEFAULT_BACKENDS,
+              modes: Sequence[str] = MODES, layers: Sequence[int] | None = None,
+              num_requests: int = PASS_REQUESTS, progress: Callable[[str], None] | None = None) -> list[PassRow]:
+    """Every check of the pass on one fixture model (module docstring)."""
+    from moelora_conformance.hf_check.hf_model import decoder_layers, load_hf
+
+    adapters = build_pass_adapters(fixtures, work_dir, model)
+    model_dir = fixtures.model_dir(model)
+    rows: list[PassRow] = []
+    with MoECheckpoint(model_dir) as ckpt:
+        cfg = ckpt.config
+        spec = cfg.layer_spec(max_loras=len(adapters), max_rank=POOL_MAX_RANK)
+        pools = [LoRAWeights(spec) for _ in range(cfg.num_layers)]
+        for slot, a in enumerate(adapters):
+            load_adapter_into_slot(pools, slot, read_adapter(a.path, cfg, name=a.name, max_rank=POOL_MAX_RANK))
+        hf_base = decoder_layers(load_hf(model_dir))
+        hf_adapters = [decoder_layers(load_hf(model_dir, a.path)) for a in adapters]
+        chosen = range(cfg.num_layers) if layers is None else layers
+        data = []
+        for li in chosen:
+            disk = ckpt.layer(li)
+            data.append(_LayerData(li, pools[li], disk.moe, {m: disk.dense(m) for m in spec.dense_shapes},
+                                   hf_base[li], [hf[li] for hf in hf_adapters]))
+    for layer in data:
+        ranks, scalings = layer.pool.slot_ranks(), layer.pool.slot_scalings()
+        seed = _seed(model, layer.index)
+        batches = {"extend": extend_batch(ranks, scalings, num_adapters=len(adapters), num_requests=num_requests,
+                                          seed=seed),
+                   "decode": decode_batch(ranks, scalings, num_adapters=len(adapters), num_requests=num_requests,
+                                          seed=seed)}
+        prepared = {name: _inputs(layer, b, seed + i) for i, (name, b) in enumerate(batches.items())}
+        for backend in backends:
+            factory = load_backend(backend)
+            for mode in modes:
+                names = ("extend", "decode") if mode == "eager" else ("decode",) if mode == "decode" else ("extend",)
+                for batch_name in names:
+                    m, inp = prepared[batch_name]
+                    describe = (f"{model} L{layer.index} {backend} {mode} {batch_name} bs={inp.batch.bs} "
+                                f"T={inp.num_tokens} slots={len(adapters)}")
+                    if progress:
+                        progress(describe)
+                    where = (model, backend, mode, layer.index, batch_name, "oracle", "all rows", "layer", None, None)
+                    try:
+                        harness, run, base, pad = _run_mode(factory, backend, mode, m, inp, seed, describe)
+                    except AssertionError as exc:  # the run itself went wrong (a Fallback within capacity)
+                        rows.append(PassRow(*where, False, _first_line(exc)))
+                        continue
+                    ctx = CheckContext(describe, seed, F32, torch.device("cpu"))
+                    try:
+                        check_run(Oracle(harness), inp, run, base, ctx, f"{mode} {batch_name}", pad_rows=pad)
+                        rows.append(PassRow(*where, True))
+                    except AssertionError as exc:
+                        rows.append(PassRow(*where, False, _first_line(exc)))
+                    rows += _hf_rows(model, backend, mode, layer, batch_name, inp, run, adapters)
+    return rows
+
+
+def run_checkpoint_pass(fixtures: FixtureSet, work_dir: str | Path, *, models: Sequence[str] | None = None,
+                        backends: Sequence[str] = DEFAULT_BACKENDS, modes: Sequence[str] = MODES,
+                        layers: Sequence[int] | None = None, num_requests: int = PASS_REQUESTS,
+                        progress: Callable[[str], None] | None = None) -> list[PassRow]:
+    """The pass over ``models`` (default: every fixture model).
+
+    Args:
+        fixtures: a built fixtures directory (``moelora-conformance make-fixtures``).
+        work_dir: where the pass's own adapters are built (reused when already there).
+        backends: backend names or ``module:factory`` targets. modes: a subset of :data:`MODES`.
+        layers: decoder layers to check (default: all). num_requests: requests per batch.
+        progress: called with a line before each run.
+
+    Raises:
+        ValueError: an unknown mode or model.
+    """
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        raise ValueError(f"unknown modes {sorted(unknown)}; expected a subset of {MODES}")
+    names = sorted(fixtures.manifest["models"]) if models is None else list(models)
+    missing = [m for m in names if m not in fixtures.manifest["models"]]
+    if missing:
+        raise ValueError(f"unknown fixture models {missing}; known {sorted(fixtures.manifest['models'])}")
+    rows: list[PassRow] = []
+    for model in names:
+        rows += run_model(fixtures, Path(work_dir), model, backends=backends, modes=modes, layers=layers,
+                          num_requests=num_requests, progress=progress)
+    return rows

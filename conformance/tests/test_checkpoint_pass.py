@@ -1,0 +1,95 @@
+"""The real-checkpoint pass (``moelora_conformance.checkpoint_pass``, ``moelora-conformance checkpoint-pass``).
+
+Covers: every fixture model gets at least three adapters of different ranks, one rsLoRA and one
+legacy per-expert, read back from disk with the rank and σ their configs say; the batches hold
+more than 32 requests of more than one token, every adapter slot and base requests; the pass on
+the H = 2·I model through the reference, ``triton`` and ``csgmv`` backends in every layer mode
+passes with every adapter and the base rows compared against HF + PEFT; a faulty backend (σ = α/r
+for rsLoRA) fails it on the rsLoRA adapter's rows and the command exits 1; the command refuses a
+backend it cannot load (exit 2) and registers through the CLI's subcommand registry.
+"""
+
+import importlib.util
+import json
+import math
+
+import pytest
+
+from moelora_conformance import cli
+from moelora_conformance.checkpoint_pass.adapters import build_pass_adapters
+from moelora_conformance.checkpoint_pass.batches import decode_batch, extend_batch
+from moelora_conformance.checkpoint_pass.run import MODES, run_model
+from moelora_conformance.fixtures.specs import MODELS, POOL_MAX_RANK
+from moelora_core import NO_ADAPTER, ForwardMode
+from moelora_core.checkpoint import MoECheckpoint, read_adapter
+
+KERNEL_BACKENDS = ("triton", "csgmv") if importlib.util.find_spec("moelora_backends") else ()
+
+
+def test_the_subcommand_is_registered():
+    assert "checkpoint-pass" in cli.SUBCOMMANDS
+
+
+@pytest.mark.parametrize("model", [m.name for m in MODELS])
+def test_every_model_gets_three_ranks_with_rslora_and_legacy(fixture_set, tmp_path, model):
+    adapters = build_pass_adapters(fixture_set, tmp_path, model)
+    ours = [a for a in adapters if a.origin == "pass"]
+    assert len({a.r for a in ours}) == 3
+    assert any(a.use_rslora for a in ours) and any(a.format == "per_expert" for a in ours)
+    with MoECheckpoint(fixture_set.model_dir(model)) as ckpt:
+        for a in ours:
+            read = read_adapter(a.path, ckpt.config, name=a.name, max_rank=POOL_MAX_RANK)
+            for layer in read.layers:
+                for module, lora in layer.items():
+                    alpha = 2 * a.r  # the pass's adapters all have α = 2r
+                    sigma = alpha / math.sqrt(a.r) if a.use_rslora else alpha / a.r
+                    assert lora.rank == a.r and math.isclose(lora.scaling, sigma, rel_tol=1e-12), (a.name, module)
+
+
+def test_batches_mix_every_slot_and_base_past_32_requests():
+    ranks, scalings = (8, 6, 3), (2.0, 4.9, 2.0)
+    ext = extend_batch(ranks, scalings, num_adapters=3, seed=5)
+    dec = decode_batch(ranks, scalings, num_adapters=3, seed=5)
+    for batch in (ext, dec):
+        assert batch.bs > 32 and min(batch.seq_lens) >= 2
+        assert set(batch.req_to_lora) == {NO_ADAPTER, 0, 1, 2}
+    assert ext.forward_mode is ForwardMode.EXTEND and len(set(ext.seq_lens)) > 1
+    assert dec.forward_mode is ForwardMode.DECODE and dec.tokens_per_request == 2
+
+
+@pytest.mark.slow
+@pytest.mark.interpreter
+def test_the_h2i_model_passes_on_every_backend_and_mode(fixture_set, tmp_path):
+    backends = ("reference", *KERNEL_BACKENDS)
+    rows = run_model(fixture_set, tmp_path, "qwen3_moe_h2i", backends=backends, layers=[0])
+    bad = [r for r in rows if not r.ok]
+    assert not bad, bad[:5]
+    adapters = {a.name for a in build_pass_adapters(fixture_set, tmp_path, "qwen3_moe_h2i")}
+    for backend in backends:
+        for mode in MODES:
+            cell = [r for r in rows if r.backend == backend and r.mode == mode]
+            assert any(r.check == "oracle" for r in cell), (backend, mode)
+            assert {r.subject for r in cell if r.check == "hf"} == adapters | {"(base)"}, (backend, mode)
+            assert {r.part for r in cell if r.check == "hf"} == {"moe", "q", "k", "v", "o"}
+
+
+def test_a_faulty_backend_fails_the_pass(fixture_set, tmp_path, capsys):
+    bad = "moelora_conformance.faulty:make_alpha_over_r"  # σ = α/r where rsLoRA asks α/√r
+    rows = run_model(fixture_set, tmp_path, "qwen3_moe_h2i", backends=[bad], modes=["eager"], layers=[0])
+    failed = {(r.check, r.subject) for r in rows if not r.ok}
+    assert ("oracle", "all rows") in failed
+    assert ("hf", "qwen3_moe_h2i-pass-rslora-r6") in failed and ("hf", "(base)") not in failed
+    status = cli.main(["checkpoint-pass", "--fixtures", str(fixture_set.root), "--work-dir", str(tmp_path),
+                       "--backends", bad, "--models", "qwen3_moe_h2i", "--modes", "eager", "--layers", "0",
+                       "--json", str(tmp_path / "rows.json")])
+    assert status == 1
+    assert "FAIL" in capsys.readouterr().out
+    written = json.loads((tmp_path / "rows.json").read_text())
+    assert any(not r["ok"] for r in written) and {r["backend"] for r in written} == {bad}
+
+
+def test_an_unknown_backend_is_a_usage_error(fixture_set, tmp_path, capsys):
+    status = cli.main(["checkpoint-pass", "--fixtures", str(fixture_set.root), "--work-dir", str(tmp_path),
+                       "--backends", "no_such_module:make_backend"])
+    assert status == 2
+    assert "cannot import" in capsys.readouterr().err
