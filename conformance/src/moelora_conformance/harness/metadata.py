@@ -12,8 +12,9 @@ Against the batch's host lists (what any correct backend must derive):
 - the dense segmentation (backend-specific, so checked by invariants): ``seg_lens`` equals the
   differences of ``seg_indptr``, offsets start at 0 and never decrease, slots lie in [-1, L), the
   permutation (if any) is a permutation of the rows, and every token with an adapter lies in
-  exactly one segment of its slot while no other row (base token or pad row) lies in a segment
-  with a slot;
+  exactly one segment of its slot *among the first* ``num_segments`` (the segments a launch
+  iterates over), no longer than ``max_len``, while no other row (base token or pad row) lies in a
+  segment with a slot;
 - the MoE alignment: every block of ``BLOCK_M`` rows holds one (slot, expert), each routed pair
   exactly once (``moelora_reference.align.check_alignment``), on the backend's own alignment when
   it exposes one (``backend.moe_alignment(topk_ids, info) -> (AlignOutput, block_m)``), else on
@@ -111,12 +112,21 @@ def check_segments(info: LoRABatchInfo, batch: BatchSpec, ctx: CheckContext) -> 
     perm = list(range(rows)) if info.permutation is None else info.permutation.detach().cpu().tolist()
     if info.permutation is not None and sorted(perm) != list(range(len(perm))):
         problems.append(f"permutation is not a permutation of its {len(perm)} rows")
+    launched = info.num_segments
+    if not 0 <= launched <= S:
+        problems.append(f"num_segments = {launched} outside [0, {S}] (the segment buffers' length)")
     if not problems:
         covered = [0] * rows
         mapping = list(batch.token_lora_mapping) + [-1] * (rows - batch.num_tokens)
         for i in range(S):
             if slots[i] < 0:
                 continue
+            if lens[i] and i >= launched:
+                problems.append(f"segment {i} (slot {slots[i]}, {lens[i]} tokens) lies past num_segments = "
+                                f"{launched}: no launch reaches it")
+                continue
+            if lens[i] > info.max_len:
+                problems.append(f"segment {i} has {lens[i]} tokens > max_len = {info.max_len}")
             for pos in range(indptr[i], indptr[i + 1]):
                 row = perm[pos] if pos < len(perm) else -1
                 if not 0 <= row < rows:

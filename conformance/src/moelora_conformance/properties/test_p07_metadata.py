@@ -2,9 +2,10 @@
 are valid whatever the segmentation, the dense segmentation covers each adapter token once, each
 alignment block holds one expert, and graph tails are reset.
 
-Eager: the drawn batch. Graph families: a drawn larger batch, then the drawn batch, then an IDLE
-batch, in the same static buffers — each prepared batch must read exactly as if it were the
-first (tails reset to -1 / the last live offset). The alignment is checked over every token row
+Eager: the drawn batch. Graph families: the drawn batch, a drawn larger batch, the drawn batch
+again and an IDLE batch, in the same static buffers — each prepared batch must read exactly as if it
+were the first (tails reset to -1 / the last live offset; launch counts that still cover the larger
+batch's segments). The alignment is checked over every token row
 the kernels see (graph mode: the whole capacity, pad rows mapped to -1).
 """
 
@@ -40,7 +41,7 @@ def test_metadata_is_exact(moelora_suite, mode, dtype, data):
         family = mode
         larger = draw_batch(data, suite, b, family, min_requests=b.bs + 1, label="larger batch")
         idle = BatchSpec(ForwardMode.IDLE, (), b.max_loras, b.lora_ranks, b.scalings)
-        batches = [larger, b, idle]
+        batches = [b, larger, b, idle]  # a count frozen on the first batch, then tails after a larger one
         cap = capacity_for(family, batches, extra_requests=data.draw(st.integers(0, 3), label="request slack"),
                            extra_tokens=data.draw(st.integers(0, 16), label="token slack"))
         trace(f"capacity: {cap}")
