@@ -5,7 +5,8 @@ Covers: the delta check (exact deltas pass; a delta 0.1 % off fails in fp32; fp1
 is allowed, a real fp16 error is not; NaN fails); the bitwise check (one ulp fails); the standard
 run checks on the reference (eager and each graph mode) and their failure on a base row nudged by
 one ulp and on a pad row that picked up LoRA; the metadata checks on the reference's metadata, and
-their failure on a stale tail, a lost token and a wrong per-request field; the break op (live and
+their failure on a stale tail, a lost token, a wrong per-request field, a launch count that misses
+segments and a segment longer than ``max_len``; the break op (live and
 static maps agree with the float64 twin); ``BatchInputs.select`` keeps rows with their request.
 """
 
@@ -152,6 +153,12 @@ def test_metadata_checks_pass_on_the_reference_and_fail_on_faults():
     lost.weight_indices[1] = -1  # the slot-0 request's tokens lie in no adapter segment
     with pytest.raises(AssertionError, match="lies in 0 segments"):
         check_segments(lost, small, ctx())
+    eager = backend.prepare(big)
+    check_segments(eager, big, ctx())
+    with pytest.raises(AssertionError, match="past num_segments"):  # a launch count frozen on a smaller batch
+        check_segments(dataclasses.replace(eager, num_segments=1), big, ctx())
+    with pytest.raises(AssertionError, match="> max_len"):
+        check_segments(dataclasses.replace(eager, max_len=2), big, ctx())
 
 
 def test_break_op_live_and_static_agree_with_the_float64_twin():
