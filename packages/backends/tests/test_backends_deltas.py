@@ -7,7 +7,9 @@ router-weighted down delta) equals ``moelora_reference.oracle`` in fp32 and fp16
 into fp32 intermediates), with and without virtual experts; dense
 deltas equal the oracle; rows of tokens without an adapter stay bit for bit as they were (NaN
 poison included); the gate_up stage hands its alignment to the down stage of the same layer once
-(one alignment launch per layer; a new ``topk_ids`` aligns again).
+(one alignment launch per layer; a new ``topk_ids`` aligns again); a Triton launch inside the CPU
+host-sync guard leaves its arguments device data (regression: the interpreter's storage copies
+after a launch marked them as host data, and the suite's P08 failed on the next op on ``topk_ids``).
 """
 
 import pytest
@@ -25,7 +27,9 @@ from moelora_core import (
     MoEBaseWeights,
     Request,
 )
+from moelora_core.graphs import host_sync_guard
 from moelora_core.graphs.triton_launches import intercept_triton_launches
+from moelora_kernels import moe_lora_align_block_size
 from moelora_reference import base_moe
 from moelora_reference.oracle import dense_lora_forward, moe_lora_forward
 
@@ -129,3 +133,12 @@ def test_one_alignment_per_layer(name):
         backend.moe_down_delta(h, other, w, base_moe.down(h, other, w, base), weights, info)
     assert aligned_once == 1
     assert sum("align" in n for n in names) == 2
+
+
+def test_a_triton_launch_inside_the_host_sync_guard_leaves_its_arguments_device_data():
+    ids = torch.zeros(1, 1, dtype=torch.int32)  # the shrunk P08 case: T = 1, top_k = 1
+    weight = torch.randn(4, 3)
+    with host_sync_guard("cpu"):
+        moe_lora_align_block_size(ids, torch.zeros(1, dtype=torch.int32), 4, 32, 1, torch.ones(1, dtype=torch.int32))
+        picked = weight[ids.long()]  # device data indexed by device data: no host sync
+    assert picked.shape == (1, 1, 3)

@@ -23,6 +23,7 @@ import torch
 
 from moelora_core.errors import HostSyncError
 from moelora_core.graphs.interception import Interceptor
+from moelora_core.graphs.triton_launches import intercept_triton_launches
 
 _CUDA_SYNC_ERROR = "called a synchronizing CUDA operation"
 
@@ -51,5 +52,15 @@ def host_sync_guard(device: torch.device | str) -> Iterator[None]:
         finally:
             torch.cuda.set_sync_debug_mode(previous)
         return
-    with Interceptor(device, where="inside host_sync_guard", capture=False).active():
+    interceptor = Interceptor(device, where="inside host_sync_guard", capture=False)
+
+    def launch(kernel, run, args, kwargs, grid):
+        # A kernel launch is no host sync. Under TRITON_INTERPRET=1 the interpreter copies each
+        # argument's storage back after the kernel (``UntypedStorage.copy_``, dispatched on
+        # zero-size views set onto the storages): checked here, those copies would mark the
+        # arguments' storages as host data, and the next device op on them would fail.
+        with interceptor.paused():
+            return run(kernel, *args, grid=grid, warmup=False, **kwargs)
+
+    with interceptor.active(), intercept_triton_launches(launch):
         yield
