@@ -78,6 +78,9 @@ def test_a_family_over_the_launch_limit_is_refused():
     assert check_segment_capacity("prefill", 65535) == 65535
     with pytest.raises(InvalidFieldError, match="65536 segments"):
         check_segment_capacity("prefill", 65536)
+    assert check_segment_capacity("decode", 9, 16 * 65535) == 9
+    with pytest.raises(InvalidFieldError, match="65536 tiles"):  # a decode family whose one adapter holds 2^20 tokens
+        check_segment_capacity("decode", 9, 16 * 65536)
 
 
 def test_chunk_size_must_be_positive():

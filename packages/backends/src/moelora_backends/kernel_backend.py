@@ -127,7 +127,7 @@ class KernelBackend:
             max_tokens, max_requests = init_sizes
             tpr = None
         cap, segmentation = self.family_layout(name, max_requests, max_tokens, tpr)
-        check_segment_capacity(name, cap.segments)
+        check_segment_capacity(name, cap.segments, cap.max_len)
         self._families[name] = GraphFamily.allocate(name, cap, tpr, segmentation, init_sizes, self.spec.device)
 
     # --- prepare -------------------------------------------------------------------------------

@@ -182,15 +182,18 @@ def max_adapter_segments(max_requests: int, max_loras: int) -> int:
     return min(max_requests, max_loras + 1)
 
 
-def check_segment_capacity(family: str, segments: int) -> int:
-    """A graph family's segment capacity within the launch limit.
+def check_segment_capacity(family: str, segments: int, max_len: int = 1) -> int:
+    """A graph family's launch shape within CUDA's grid limits: at most :data:`MAX_SEGMENTS` segments,
+    and at most as many 16-row tiles of the longest segment (the tile axis of the dense kernels).
 
     Raises:
-        InvalidFieldError: more than :data:`MAX_SEGMENTS` segments (the capacities are too large for
-            one launch of the dense kernels).
+        InvalidFieldError: a larger launch (the capacities are too large for one launch).
     """
     if segments > MAX_SEGMENTS:
         raise InvalidFieldError(family, f"its capacities need up to {segments} segments per launch, over the "
                                         f"{MAX_SEGMENTS} a grid axis allows; use smaller capacities")
+    tiles = -(-max_len // MIN_CHUNK)
+    if tiles > MAX_SEGMENTS:
+        raise InvalidFieldError(family, f"its longest segment of {max_len} tokens needs {tiles} tiles per launch, "
+                                        f"over the {MAX_SEGMENTS} a grid axis allows; use smaller capacities")
     return segments
-
