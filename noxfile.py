@@ -92,11 +92,29 @@ def conformance(session: nox.Session) -> None:
     """The main job: the conformance run of the built-in backends on the CPU, on real tiny MoE
     checkpoints with real PEFT adapters built locally.
 
-    Today: builds the fixtures (tiny Qwen3-MoE / Mixtral / OLMoE checkpoints and PEFT adapters, made
-    locally with transformers + peft) and checks the oracle, the checkpoint readers and the reference
-    backend against HF+PEFT on every model x adapter, printing the table.
+    1. Build the fixtures (tiny Qwen3-MoE / Mixtral / OLMoE checkpoints and PEFT adapters, made
+       locally with transformers + peft) and check the oracle, the checkpoint readers and the
+       reference backend against HF+PEFT on every model x adapter.
+    2. Run the conformance suite (interpret profile) on reference, triton and csgmv (Triton kernels
+       under the interpreter) and print the support matrix.
+    3. The real-checkpoint pass: every fixture model, >32-request mixed batches, every backend x
+       {eager, decode graph, prefill full, prefill breakable} against the oracle and HF+PEFT.
+
+    Exits non-zero on any unexpected failure. Reports land in .reports/. Extra arguments go to
+    ``moelora-conformance run`` (e.g. ``nox -s conformance -- --profile dev``).
     """
     _install_moelora(session)
+    REPORTS.mkdir(exist_ok=True)
     fixtures = ROOT / "fixtures-cache"
     session.run("moelora-conformance", "make-fixtures", str(fixtures), env=CPU_ENV)
     session.run("moelora-conformance", "hf-check", "--fixtures", str(fixtures), env=CPU_ENV)
+    run_args = session.posargs or ["--profile", "interpret", "--max-examples", "triton=2", "--max-examples", "csgmv=2"]
+    session.run(
+        "moelora-conformance", "run", "--backend", "reference", "--backend", "triton", "--backend", "csgmv",
+        "-n", "2", "--json", str(REPORTS / "conformance.json"), "--junitxml", str(REPORTS / "conformance.xml"),
+        "--markdown", str(REPORTS / "support-matrix.md"), *run_args, env=CPU_ENV,
+    )
+    session.run(
+        "moelora-conformance", "checkpoint-pass", "--fixtures", str(fixtures),
+        "--backends", "reference,triton,csgmv", "--json", str(REPORTS / "checkpoint-pass.json"), env=CPU_ENV,
+    )
