@@ -10,7 +10,9 @@ under the interpreter, far slower than the torch reference).
 
 import importlib
 import os
+import tempfile
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
@@ -33,19 +35,31 @@ def _installed(target: str) -> bool:
         return False
 
 
+def _failures(run) -> str:
+    """What failed, with each failure's repro (the nested run's output is long)."""
+    lines = [f"pytest exited {run.returncode} after {run.seconds:.0f} s"]
+    for r in unexpected_failures(run.report or {"records": []}):
+        repro = r.get("repro") or {}
+        lines += [f"{r['test']}: {r['message']}", *(f"    {t}" for t in repro.get("trace", [])[:4]),
+                  f"    replay: {repro.get('replay', '')}", f"    rerun: {repro.get('rerun', '')}"]
+    return "\n".join(lines) + "\n--- output tail ---\n" + run.output[-4000:]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", sorted(BUILTIN_BACKENDS))
-def test_builtin_backend_passes_the_suite(backend, tmp_path, record_property):
+def test_builtin_backend_passes_the_suite(backend, record_property):
     if not _installed(BUILTIN_BACKENDS[backend]):
         pytest.skip(f"{BUILTIN_BACKENDS[backend]} is not installed yet")
     budget = os.environ.get("MOELORA_MAX_EXAMPLES") or EXAMPLE_BUDGET.get(backend)
-    run = run_suite(backend, profile="interpret", report_json=tmp_path / "report.json",
-                    max_examples=None if budget is None else int(budget), junitxml=tmp_path / "junit.xml")
-    record_property("seconds", round(run.seconds, 1))
-    assert run.report is not None, run.output[-4000:]
-    bad = unexpected_failures(run.report)
-    assert run.returncode == 0 and not bad, f"{backend}: {[r['test'] for r in bad]}\n{run.output[-6000:]}"
-    cases = ET.parse(tmp_path / "junit.xml").getroot().iter("testcase")
+    # A private directory: pytest's tmp_path can be pruned by other pytest sessions during a long run.
+    with tempfile.TemporaryDirectory(prefix=f"moelora-suite-{backend}-") as tmp:
+        tmp_path = Path(tmp)
+        run = run_suite(backend, profile="interpret", report_json=tmp_path / "report.json",
+                        max_examples=None if budget is None else int(budget), junitxml=tmp_path / "junit.xml")
+        record_property("seconds", round(run.seconds, 1))
+        assert run.report is not None, _failures(run)
+        assert run.returncode == 0 and not unexpected_failures(run.report), _failures(run)
+        cases = list(ET.parse(tmp_path / "junit.xml").getroot().iter("testcase"))
     tagged = {p.get("value") for c in cases for p in c.iter("property") if p.get("name") == "moelora_property"}
     assert tagged == set(PROPERTIES), tagged
     records = run.report["records"]
