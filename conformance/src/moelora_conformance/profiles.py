@@ -12,12 +12,15 @@ profile for test sessions (the root ``conftest.py`` and the conformance plugin r
 - ``dev``: a developer's CPU run: the same caps, 50 examples.
 - ``gpu``: the H200: Qwen3-30B-A3B layer shapes among the draws, bf16/fp16/fp32, 100 examples.
 - ``soak``: long CPU/GPU runs: the gpu caps with 2000 examples.
+``MOELORA_MAX_EXAMPLES=N`` overrides the profile's example count (caps unchanged).
+
 - ``repro``: replay one failure: ``--hypothesis-seed`` from the failure's repro line, 1 example per
   explicit case + the seed's generation, no shrinking.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -105,6 +108,10 @@ def load_profile(name: str | None = None) -> Profile:
     if name not in PROFILES:
         raise KeyError(f"unknown moelora profile {name!r}; known: {sorted(PROFILES)}")
     profile = PROFILES[name]
+    override = os.environ.get("MOELORA_MAX_EXAMPLES")
+    if override:
+        # One knob to bound a run (e.g. a GPU call with a time limit) without another profile.
+        profile = dataclasses.replace(profile, max_examples=int(override))
     settings.register_profile(f"moelora-{name}", profile.settings())
     settings.load_profile(f"moelora-{name}")
     _current = profile

@@ -1,0 +1,81 @@
+"""The GPU matrix runner: every GPU suite and the benchmark, from source, in stages that each fit
+one device call (10 minutes), ending with one short table.
+
+Stages (run in this order by default; pick with ``--stage``):
+
+==============  ==========================================================  ==========
+stage           what                                                        ~minutes
+==============  ==========================================================  ==========
+graphs          CUDA graphs vs the CPU-graph emulator (ci/gpu/graph_agreement.py)   1
+kernels         kernel suite, gpu profile, sync debug "error" (ci/gpu/kernels_gpu.py)  6–8
+reference       conformance suite on ``reference``, --device cuda, gpu profile           3–5
+backends        conformance suite on ``triton`` and ``csgmv``, gpu profile (backends_gpu.py) 6–9
+bench           issue-4 benchmark (benchmarks/bench_moe_lora.py)                          1–2
+==============  ==========================================================  ==========
+
+    python ci/gpu/run_all.py --stage graphs --stage kernels --out-dir "$OUT"
+    python ci/gpu/run_all.py --stage backends --out-dir "$OUT"
+
+Every stage writes its own record (JSON / text / JUnit) under ``--out-dir``; this script prints one
+row per stage (exit code, seconds, where the record is) and exits non-zero if any stage failed.
+Needs torch, triton, pytest, hypothesis, rich (all on the H200 image); no nox, no install: the source
+folders are put on PYTHONPATH for every stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = ["packages/core/src", "packages/kernels/src", "packages/backends/src", "reference/src", "conformance/src"]
+
+
+def _stages(out: Path, examples: int) -> dict[str, list[str]]:
+    py = sys.executable
+    return {
+        "graphs": [py, "ci/gpu/graph_agreement.py", "--seeds", "3", "--overhead", "--out", str(out / "graphs.txt")],
+        "kernels": [py, "ci/gpu/kernels_gpu.py", "--profile", "gpu", "--out", str(out / "kernels_gpu.json")],
+        "reference": [py, "-m", "pytest", "-p", "moelora_conformance.plugin", "--backend", "reference",
+                      "--device", "cuda", "--profile", "gpu", "--max-examples", str(examples),
+                      "--report-json", str(out / "reference_gpu.json"), "--junitxml", str(out / "reference_gpu.xml"),
+                      "-q"],
+        "backends": [py, "ci/gpu/backends_gpu.py", "--max-examples", str(examples), "--out-dir", str(out / "backends")],
+        "bench": [py, "benchmarks/bench_moe_lora.py", "--out", str(out / "bench.json")],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stage", action="append", choices=["graphs", "kernels", "reference", "backends", "bench"],
+                        help="stages to run (repeatable; default: all, in order)")
+    parser.add_argument("--out-dir", type=Path, default=Path(os.environ.get("OUT", "gpu_run")))
+    parser.add_argument("--max-examples", type=int, default=5,
+                        help="examples per conformance property item (kernel property tests get 4x)")
+    args = parser.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(ROOT / s) for s in SOURCES), PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)  # real kernels on the GPU
+    stages = _stages(args.out_dir, args.max_examples)
+    rows = []
+    for name in args.stage or list(stages):
+        start = time.monotonic()
+        with open(args.out_dir / f"{name}.log", "w") as log:
+            print(f"== {name}: {' '.join(stages[name])}", flush=True)
+            stage_env = dict(env, MOELORA_MAX_EXAMPLES=str(4 * args.max_examples)) if name == "kernels" else env
+            rc = subprocess.run(stages[name], cwd=ROOT, env=stage_env, stdout=log, stderr=subprocess.STDOUT).returncode
+        rows.append((name, rc, time.monotonic() - start))
+        tail = (args.out_dir / f"{name}.log").read_text().splitlines()[-15:]
+        print("\n".join(tail), flush=True)
+    print(f"\n{'stage':<10} {'exit':>4} {'seconds':>8}  log")
+    for name, rc, secs in rows:
+        print(f"{name:<10} {rc:>4} {secs:>8.1f}  {args.out_dir / (name + '.log')}")
+    return 0 if all(rc == 0 for _, rc, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
