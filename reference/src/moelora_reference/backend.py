@@ -7,6 +7,8 @@ Metadata (``prepare``): one segment per request (``seg_indptr = req_seg_indptr``
 = req_to_lora``, no permutation), built from the ``BatchSpec``'s host lists only and staged through
 ``PinnedStaging`` — into fresh tensors sized to the batch (eager) or in place into a graph family's
 ``StaticBuffer``s with tails reset (graph). Over capacity returns ``Fallback`` before any write.
+The argument checks (batch, graph-family capacities and ``Fallback`` reasons, delta shapes) are
+those of :mod:`moelora_core.backend_checks`, shared with the kernel backends.
 
 Deltas: for every (token, k) pair, gather the slot's and expert's A and B and run two batched
 mat-vecs (:func:`moelora_reference.base_moe.gather_matvec`), in fp32, σ from
@@ -29,12 +31,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moelora_core.backend_checks import (
+    FamilyCapacity,
+    check_batch,
+    check_dense_module,
+    check_init_sizes,
+    check_shape,
+    check_topk_ids,
+    check_weights,
+    initialised_family,
+    needs_allocation,
+)
 from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.batch import BatchSpec
 from moelora_core.batch_info import LoRABatchInfo, MoELoRABatchInfo
 from moelora_core.capabilities import Capabilities, Fallback
 from moelora_core.errors import InvalidFieldError
-from moelora_core.forward_mode import ForwardMode
 from moelora_core.layer_spec import LoRALayerSpec
 from moelora_core.staging import PinnedStaging
 from moelora_core.static_buffer import StaticBuffer
@@ -87,10 +99,7 @@ def _host_lists(batch: BatchSpec) -> dict[str, list]:
 class _GraphFamily:
     """One graph family's static buffers (capacities fixed at init) and staging."""
 
-    name: str
-    max_requests: int
-    max_tokens: int
-    tokens_per_request: int | None  # decode family only
+    capacity: FamilyCapacity
     buffers: dict[str, StaticBuffer] = field(default_factory=dict)
     int_staging: PinnedStaging | None = None
     float_staging: PinnedStaging | None = None
@@ -150,18 +159,13 @@ class ReferenceBackend:
 
     def _init_family(self, name: str, max_requests: int, max_tokens: int, tpr: int | None,
                      sizes: dict[str, int]) -> None:
-        for field_name, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidFieldError(field_name, f"must be an int >= 1, got {value!r}")
+        check_init_sizes(sizes)
+        capacity = FamilyCapacity(name, max_requests, max_tokens, tpr)
         existing = self._families.get(name)
-        if existing is not None:
-            if (existing.max_requests, existing.max_tokens, existing.tokens_per_request) == (max_requests, max_tokens,
-                                                                                             tpr):
-                return  # buffers are allocated once; graphs captured on them stay valid
-            raise InvalidFieldError(name, f"graph family already initialised with {existing.max_requests} requests / "
-                                          f"{existing.max_tokens} tokens; static buffers are allocated once")
+        if not needs_allocation(existing.capacity if existing is not None else None, capacity):
+            return  # buffers are allocated once; graphs captured on them stay valid
         L, dev = self.spec.max_loras, self.spec.device
-        fam = _GraphFamily(name, max_requests, max_tokens, tpr)
+        fam = _GraphFamily(capacity)
         total = 0
         for field_name, kind, fill in _INT_FIELDS:
             n = _length(kind, max_requests, max_tokens, L)
@@ -173,15 +177,6 @@ class ReferenceBackend:
         self._families[name] = fam
 
     # --- prepare -------------------------------------------------------------------------------
-
-    def _validate(self, batch: BatchSpec) -> None:
-        if not isinstance(batch, BatchSpec):
-            raise InvalidFieldError("batch", f"must be a BatchSpec, got {type(batch).__name__}")
-        if batch.max_loras != self.spec.max_loras:
-            raise InvalidFieldError("batch.max_loras", f"{batch.max_loras} != spec.max_loras {self.spec.max_loras}")
-        for slot, rank in enumerate(batch.lora_ranks):
-            if rank > self.spec.max_rank:
-                raise InvalidFieldError(f"batch.lora_ranks[{slot}]", f"rank {rank} > max_rank {self.spec.max_rank}")
 
     def prepare(self, batch: BatchSpec, family: str | None = None) -> LoRABatchInfo | Fallback:
         """Metadata for ``batch`` from its host lists (no device reads).
@@ -199,33 +194,14 @@ class ReferenceBackend:
         Raises:
             InvalidFieldError: another slot count, a rank > R, an unknown or uninitialised family.
         """
-        self._validate(batch)
+        check_batch(batch, self.spec)
         if family is None:
             return self._prepare_eager(batch)
-        if family not in ("decode", "prefill"):
-            raise InvalidFieldError("family", f"must be None, 'decode' or 'prefill', got {family!r}")
-        fam = self._families.get(family)
-        if fam is None:
-            raise InvalidFieldError("family", f"the {family} graph family is not initialised "
-                                              f"(call init_{family}_graph first)")
-        reason = self._over_capacity(batch, fam)
+        fam = initialised_family(self._families, family)
+        reason = fam.capacity.fallback_reason(batch)
         if reason is not None:
             return Fallback(reason)
         return self._prepare_graph(batch, fam)
-
-    @staticmethod
-    def _over_capacity(batch: BatchSpec, fam: _GraphFamily) -> str | None:
-        if fam.tokens_per_request is not None and batch.forward_mode is not ForwardMode.IDLE:
-            if batch.forward_mode is not ForwardMode.DECODE:
-                return f"{batch.forward_mode.name} batch in the decode graph family"
-            if batch.tokens_per_request != fam.tokens_per_request:
-                return (f"tokens_per_request {batch.tokens_per_request} != decode graph's "
-                        f"{fam.tokens_per_request}")
-        if batch.bs > fam.max_requests:
-            return f"{batch.bs} requests > capacity {fam.max_requests} of the {fam.name} graph"
-        if batch.num_tokens > fam.max_tokens:
-            return f"{batch.num_tokens} tokens > capacity {fam.max_tokens} of the {fam.name} graph"
-        return None
 
     def _prepare_graph(self, batch: BatchSpec, fam: _GraphFamily) -> LoRABatchInfo:
         lists = _host_lists(batch)
@@ -239,8 +215,9 @@ class ReferenceBackend:
         with fam.float_staging.batch() as stage:
             buf["scalings"].write(lists["scalings"], stage=stage)
         t = {name: b.tensor for name, b in buf.items()}
-        max_len = fam.tokens_per_request if fam.tokens_per_request is not None else fam.max_tokens
-        return self._info(batch, t, bs=fam.max_requests, num_tokens=fam.max_tokens, max_len=max_len,
+        cap = fam.capacity
+        max_len = cap.tokens_per_request if cap.tokens_per_request is not None else cap.max_tokens
+        return self._info(batch, t, bs=cap.max_requests, num_tokens=cap.max_tokens, max_len=max_len,
                           has_active_lora=True, use_cuda_graph=True)
 
     def _prepare_eager(self, batch: BatchSpec) -> LoRABatchInfo:
@@ -280,27 +257,10 @@ class ReferenceBackend:
 
     # --- argument checks (host shapes only) --------------------------------------------------------
 
-    def _check_weights(self, weights: LoRAWeights) -> None:
-        s, w = self.spec, getattr(weights, "spec", None)
-        if not isinstance(weights, LoRAWeights) or w is None:
-            raise InvalidFieldError("weights", f"must be a LoRAWeights, got {type(weights).__name__}")
-        mine = (s.max_loras, s.E, s.R, s.H, s.I)
-        theirs = (w.max_loras, w.E, w.R, w.H, w.I)
-        if mine != theirs:
-            raise InvalidFieldError("weights", f"(max_loras, E, R, H, I) = {theirs} != the backend's {mine}")
-
-    def _check_tokens(self, info: LoRABatchInfo, what: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
-        if tuple(tensor.shape) != shape:
-            raise InvalidFieldError(what, f"expected shape {shape} (T = {info.moe.token_lora_mapping.numel()} "
-                                          f"rows of token_lora_mapping), got {tuple(tensor.shape)}")
-
     def _check_moe(self, info: LoRABatchInfo, topk_ids: torch.Tensor, weights: LoRAWeights) -> int:
-        self._check_weights(weights)
-        T = info.moe.token_lora_mapping.numel()
-        if topk_ids.is_floating_point():
-            raise InvalidFieldError("topk_ids", f"must be an integer tensor, got {topk_ids.dtype}")
-        self._check_tokens(info, "topk_ids", topk_ids, (T, self.spec.top_k))
-        return T
+        # The reference computes in fp32 from weights of any dtype and takes any integer topk_ids.
+        check_weights(self.spec, weights, same_dtype=False)
+        return check_topk_ids(info, topk_ids, self.spec.top_k)
 
     # --- the pair index: (slot, expert) or virtual expert -------------------------------------------
 
@@ -346,8 +306,8 @@ class ReferenceBackend:
         """
         T = self._check_moe(info, topk_ids, weights)
         H, I, k = self.spec.H, self.spec.I, self.spec.top_k  # noqa: E741
-        self._check_tokens(info, "x", x, (T, H))
-        self._check_tokens(info, "gate_up_out", gate_up_out, (T, k, 2 * I))
+        check_shape(info, "x", x, (T, H))
+        check_shape(info, "gate_up_out", gate_up_out, (T, k, 2 * I))
         if not info.has_active_lora:
             return
         valid, index, slot = self._pair_index(topk_ids, info)
@@ -372,9 +332,9 @@ class ReferenceBackend:
         """
         T = self._check_moe(info, topk_ids, weights)
         H, I, k = self.spec.H, self.spec.I, self.spec.top_k  # noqa: E741
-        self._check_tokens(info, "h", h, (T * k, I))
-        self._check_tokens(info, "topk_weights", topk_weights, (T, k))
-        self._check_tokens(info, "down_out", down_out, (T, k, H))
+        check_shape(info, "h", h, (T * k, I))
+        check_shape(info, "topk_weights", topk_weights, (T, k))
+        check_shape(info, "down_out", down_out, (T, k, H))
         if not info.has_active_lora:
             return
         valid, index, slot = self._pair_index(topk_ids, info)
@@ -393,14 +353,11 @@ class ReferenceBackend:
         Raises:
             InvalidFieldError: a module not in the spec, or shapes that do not match.
         """
-        self._check_weights(weights)
-        if module not in self.spec.dense_shapes:
-            raise InvalidFieldError("module", f"{module!r} is not a dense module of this spec "
-                                              f"({tuple(self.spec.dense_shapes)})")
-        fin, fout = self.spec.dense_shapes[module]
+        check_weights(self.spec, weights, same_dtype=False)
+        fin, fout = check_dense_module(self.spec, module)
         T = info.moe.token_lora_mapping.numel()
-        self._check_tokens(info, "x", x, (T, fin))
-        self._check_tokens(info, "out", out, (T, fout))
+        check_shape(info, "x", x, (T, fin))
+        check_shape(info, "out", out, (T, fout))
         if not info.has_active_lora:
             return
         L = self.spec.max_loras
@@ -448,10 +405,7 @@ class ReferenceBackend:
         Raises:
             InvalidFieldError: the family is not initialised.
         """
-        fam = self._families.get(family)
-        if fam is None:
-            raise InvalidFieldError("family", f"the {family!r} graph family is not initialised")
-        return {name: b.tensor for name, b in fam.buffers.items()}
+        return {name: b.tensor for name, b in initialised_family(self._families, family).buffers.items()}
 
 
 def make_backend(spec: LoRALayerSpec) -> ReferenceBackend:

@@ -5,7 +5,8 @@ A subclass says only how it segments a batch for the dense kernels — eagerly
 the segmentation and its capacities) — and whether the dense kernels read the intermediate by
 sorted position (chunked SGMV). Everything else is here:
 
-- ``prepare``: validation, then :mod:`.metadata` (host lists → pinned staging → device; the token
+- ``prepare``: validation (:mod:`moelora_core.backend_checks`, shared with the reference backend),
+  then :mod:`.metadata` (host lists → pinned staging → device; the token
   mapping kernel from the per-request fields); ``Fallback`` over a family's capacity, before any
   write;
 - ``init_decode_graph(max_bs, tokens_per_request)`` / ``init_prefill_graph(max_num_tokens,
@@ -29,6 +30,16 @@ from moelora_backends.deltas import MoEDeltas, dense_delta
 from moelora_backends.metadata import PER_REQUEST, Capacity, EagerMetadata, GraphFamily, build_info
 from moelora_backends.segmentation import Segmentation, check_segment_capacity
 from moelora_core.align import AlignOutput
+from moelora_core.backend_checks import (
+    FamilyCapacity,
+    check_batch,
+    check_dense_module,
+    check_shape,
+    check_topk_ids,
+    check_weights,
+    initialised_family,
+    needs_allocation,
+)
 from moelora_core.batch import BatchSpec
 from moelora_core.batch_info import LoRABatchInfo
 from moelora_core.capabilities import Capabilities, Fallback
@@ -98,7 +109,7 @@ class KernelBackend:
             InvalidFieldError: a size < 1, capacities over the launch limit, or a second call with
                 other capacities (static buffers are allocated once).
         """
-        self._init_family("decode", {"max_bs": max_bs, "tokens_per_request": tokens_per_request})
+        self._init_family(FamilyCapacity.decode(max_bs, tokens_per_request))
 
     def init_prefill_graph(self, max_num_tokens: int, max_num_requests: int) -> None:
         """Allocate the prefill family for up to ``max_num_tokens`` tokens in ``max_num_requests``
@@ -107,39 +118,19 @@ class KernelBackend:
         Raises:
             InvalidFieldError: as :meth:`init_decode_graph`.
         """
-        self._init_family("prefill", {"max_num_tokens": max_num_tokens, "max_num_requests": max_num_requests})
+        self._init_family(FamilyCapacity.prefill(max_num_tokens, max_num_requests))
 
-    def _init_family(self, name: str, sizes: dict[str, int]) -> None:
-        for field_name, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidFieldError(field_name, f"must be an int >= 1, got {value!r}")
-        init_sizes = tuple(sizes.values())
-        existing = self._families.get(name)
-        if existing is not None:
-            if existing.init_sizes == init_sizes:
-                return  # allocated once; graphs captured on these buffers stay valid
-            raise InvalidFieldError(name, f"graph family already initialised with {existing.init_sizes}; static "
-                                          f"buffers are allocated once")
-        if name == "decode":
-            max_bs, tpr = init_sizes
-            max_requests, max_tokens = max_bs, max_bs * tpr
-        else:
-            max_tokens, max_requests = init_sizes
-            tpr = None
-        cap, segmentation = self.family_layout(name, max_requests, max_tokens, tpr)
+    def _init_family(self, capacity: FamilyCapacity) -> None:
+        existing = self._families.get(capacity.family)
+        if not needs_allocation(existing.capacity if existing is not None else None, capacity):
+            return  # allocated once; graphs captured on these buffers stay valid
+        name = capacity.family
+        cap, segmentation = self.family_layout(name, capacity.max_requests, capacity.max_tokens,
+                                               capacity.tokens_per_request)
         check_segment_capacity(name, cap.segments, cap.max_len)
-        self._families[name] = GraphFamily.allocate(name, cap, tpr, segmentation, init_sizes, self.spec.device)
+        self._families[name] = GraphFamily.allocate(capacity, cap, segmentation, self.spec.device)
 
     # --- prepare -------------------------------------------------------------------------------
-
-    def _validate(self, batch: BatchSpec) -> None:
-        if not isinstance(batch, BatchSpec):
-            raise InvalidFieldError("batch", f"must be a BatchSpec, got {type(batch).__name__}")
-        if batch.max_loras != self.spec.max_loras:
-            raise InvalidFieldError("batch.max_loras", f"{batch.max_loras} != spec.max_loras {self.spec.max_loras}")
-        for slot, rank in enumerate(batch.lora_ranks):
-            if rank > self.spec.max_rank:
-                raise InvalidFieldError(f"batch.lora_ranks[{slot}]", f"rank {rank} > max_rank {self.spec.max_rank}")
 
     def prepare(self, batch: BatchSpec, family: str | None = None) -> LoRABatchInfo | Fallback:
         """Metadata for ``batch`` from its host lists (no device reads).
@@ -157,20 +148,15 @@ class KernelBackend:
         Raises:
             InvalidFieldError: another slot count, a rank > R, an unknown or uninitialised family.
         """
-        self._validate(batch)
+        check_batch(batch, self.spec)
         s = self.spec
         if family is None:
             t, cap = self._eager.write(batch, self.eager_segmentation(batch), self.moe_fields)
             return build_info(batch, t, cap, num_experts=s.E, max_loras=s.max_loras,
                               has_active_lora=batch.has_active_lora, use_cuda_graph=False,
                               moe_fields=self.moe_fields)
-        if family not in ("decode", "prefill"):
-            raise InvalidFieldError("family", f"must be None, 'decode' or 'prefill', got {family!r}")
-        fam = self._families.get(family)
-        if fam is None:
-            raise InvalidFieldError("family", f"the {family} graph family is not initialised "
-                                              f"(call init_{family}_graph first)")
-        reason = fam.over_capacity(batch)
+        fam = initialised_family(self._families, family)
+        reason = fam.capacity.fallback_reason(batch)
         if reason is not None:
             return Fallback(reason)
         t = fam.write(batch, fam.segmentation(batch), s.max_loras, self.moe_fields)
@@ -181,29 +167,10 @@ class KernelBackend:
 
     # --- argument checks (host shapes only) --------------------------------------------------------
 
-    def _check_weights(self, weights: LoRAWeights) -> None:
-        s, w = self.spec, getattr(weights, "spec", None)
-        if not isinstance(weights, LoRAWeights) or w is None:
-            raise InvalidFieldError("weights", f"must be a LoRAWeights, got {type(weights).__name__}")
-        mine = (s.max_loras, s.E, s.R, s.H, s.I, s.dtype)
-        theirs = (w.max_loras, w.E, w.R, w.H, w.I, w.dtype)
-        if mine != theirs:
-            raise InvalidFieldError("weights", f"(max_loras, E, R, H, I, dtype) = {theirs} != the backend's {mine}")
-
-    @staticmethod
-    def _check_shape(info: LoRABatchInfo, what: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape:
-            got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise InvalidFieldError(what, f"expected shape {shape} (T = {info.moe.token_lora_mapping.numel()} rows of "
-                                          f"the batch info), got {got}")
-
     def _check_moe(self, info: LoRABatchInfo, topk_ids: torch.Tensor, weights: LoRAWeights) -> int:
-        self._check_weights(weights)
-        T = info.moe.token_lora_mapping.numel()
-        self._check_shape(info, "topk_ids", topk_ids, (T, self.spec.top_k))
-        if topk_ids.dtype not in (torch.int32, torch.int64):
-            raise InvalidFieldError("topk_ids", f"must be int32 or int64, got {topk_ids.dtype}")
-        return T
+        # The kernels read weights of the spec's dtype and int32 / int64 expert ids.
+        check_weights(self.spec, weights)
+        return check_topk_ids(info, topk_ids, self.spec.top_k, (torch.int32, torch.int64))
 
     # --- deltas --------------------------------------------------------------------------------
 
@@ -217,8 +184,8 @@ class KernelBackend:
         """
         T = self._check_moe(info, topk_ids, weights)
         s = self.spec
-        self._check_shape(info, "x", x, (T, s.H))
-        self._check_shape(info, "gate_up_out", gate_up_out, (T, s.top_k, 2 * s.I))
+        check_shape(info, "x", x, (T, s.H))
+        check_shape(info, "gate_up_out", gate_up_out, (T, s.top_k, 2 * s.I))
         if info.has_active_lora and T:
             self._moe.apply("gate_up", x, topk_ids, gate_up_out, weights, info)
 
@@ -231,9 +198,9 @@ class KernelBackend:
         """
         T = self._check_moe(info, topk_ids, weights)
         s = self.spec
-        self._check_shape(info, "h", h, (T * s.top_k, s.I))
-        self._check_shape(info, "topk_weights", topk_weights, (T, s.top_k))
-        self._check_shape(info, "down_out", down_out, (T, s.top_k, s.H))
+        check_shape(info, "h", h, (T * s.top_k, s.I))
+        check_shape(info, "topk_weights", topk_weights, (T, s.top_k))
+        check_shape(info, "down_out", down_out, (T, s.top_k, s.H))
         if info.has_active_lora and T:
             self._moe.apply("down", h, topk_ids, down_out, weights, info, topk_weights=topk_weights)
 
@@ -244,14 +211,11 @@ class KernelBackend:
         Raises:
             InvalidFieldError: a module not in the spec, or shapes that do not match.
         """
-        self._check_weights(weights)
-        if module not in self.spec.dense_shapes:
-            raise InvalidFieldError("module", f"{module!r} is not a dense module of this spec "
-                                              f"({tuple(self.spec.dense_shapes)})")
-        fin, fout = self.spec.dense_shapes[module]
+        check_weights(self.spec, weights)
+        fin, fout = check_dense_module(self.spec, module)
         T = info.moe.token_lora_mapping.numel()
-        self._check_shape(info, "x", x, (T, fin))
-        self._check_shape(info, "out", out, (T, fout))
+        check_shape(info, "x", x, (T, fin))
+        check_shape(info, "out", out, (T, fout))
         if info.has_active_lora and T:
             dense_delta(module, x, out, weights, info, chunked=self.chunked)
 
@@ -269,8 +233,5 @@ class KernelBackend:
         Raises:
             InvalidFieldError: the family is not initialised.
         """
-        fam = self._families.get(family)
-        if fam is None:
-            raise InvalidFieldError("family", f"the {family!r} graph family is not initialised")
-        return {name: b.tensor for name, b in fam.buffers.items()}
+        return {name: b.tensor for name, b in initialised_family(self._families, family).buffers.items()}
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moelora_backends.segmentation import Segmentation
+from moelora_core.backend_checks import FamilyCapacity
 from moelora_core.batch import BatchSpec
 from moelora_core.batch_info import LoRABatchInfo, MoELoRABatchInfo
 from moelora_core.errors import InvalidFieldError
@@ -178,27 +179,25 @@ class GraphFamily:
     """One graph family's static buffers (allocated once, at its capacities) and staging.
 
     Attributes:
-        name: "decode" or "prefill". cap: the capacities (host numbers of every info it returns).
-        tokens_per_request: the decode family's request length (None for prefill).
+        capacity: what a batch of the family may hold (from its ``init_*_graph`` call; a second
+            call must repeat it; ``capacity.fallback_reason`` says why a batch does not fit).
+        cap: the launch sizes (host numbers of every info it returns).
         segmentation: the backend's segmentation of a batch in this family.
-        init_sizes: the arguments of its ``init_*_graph`` call (a second call must repeat them).
     """
 
-    name: str
+    capacity: FamilyCapacity
     cap: Capacity
-    tokens_per_request: int | None
     segmentation: Callable[[BatchSpec], Segmentation]
-    init_sizes: tuple[int, int]
     buffers: dict[str, StaticBuffer] = field(default_factory=dict)
     int_staging: PinnedStaging | None = None
     long_staging: PinnedStaging | None = None
     float_staging: PinnedStaging | None = None
 
     @classmethod
-    def allocate(cls, name: str, cap: Capacity, tokens_per_request: int | None,
-                 segmentation: Callable[[BatchSpec], Segmentation], init_sizes: tuple[int, int],
+    def allocate(cls, capacity: FamilyCapacity, cap: Capacity, segmentation: Callable[[BatchSpec], Segmentation],
                  device: torch.device) -> GraphFamily:
-        fam = cls(name, cap, tokens_per_request, segmentation, init_sizes)
+        fam = cls(capacity, cap, segmentation)
+        name = fam.name
         for field_name, kind, fill in INT_FIELDS + KERNEL_FIELDS:
             fam.buffers[field_name] = StaticBuffer(f"{name}.{field_name}", cap.length(kind), dtype=I32,
                                                    device=device, fill=fill)
@@ -212,18 +211,10 @@ class GraphFamily:
             fam.long_staging = PinnedStaging(cap.tokens, I64, device)
         return fam
 
-    def over_capacity(self, batch: BatchSpec) -> str | None:
-        """Why ``batch`` does not fit this family (None = it fits). Host numbers only."""
-        if self.tokens_per_request is not None and batch.forward_mode is not ForwardMode.IDLE:
-            if batch.forward_mode is not ForwardMode.DECODE:
-                return f"{batch.forward_mode.name} batch in the decode graph family"
-            if batch.tokens_per_request != self.tokens_per_request:
-                return f"tokens_per_request {batch.tokens_per_request} != decode graph's {self.tokens_per_request}"
-        if batch.bs > self.cap.requests:
-            return f"{batch.bs} requests > capacity {self.cap.requests} of the {self.name} graph"
-        if batch.num_tokens > self.cap.tokens:
-            return f"{batch.num_tokens} tokens > capacity {self.cap.tokens} of the {self.name} graph"
-        return None
+    @property
+    def name(self) -> str:
+        """The family's name: "decode" or "prefill"."""
+        return self.capacity.family
 
     def write(self, batch: BatchSpec, seg: Segmentation, max_loras: int,
               moe_fields: tuple[str, str] = PER_REQUEST) -> dict[str, torch.Tensor]:
