@@ -125,6 +125,21 @@ def test_bad_adapter_refused_and_nothing_changes(case):
     with pytest.raises(InvalidFieldError) as exc:
         w.load_slot(1, bad)
     assert exc.value.field == field, str(exc.value)
+    if bad:  # validate refuses what load_slot refuses, with the same field (an empty adapter only checks the slot)
+        with pytest.raises(InvalidFieldError) as exc:
+            w.validate(1, bad)
+        assert exc.value.field == field, str(exc.value)
+    assert_unchanged(w, before)
+
+
+def test_validate_returns_the_checked_modules_and_writes_nothing():
+    gen = torch.Generator().manual_seed(7)
+    w = LoRAWeights(make_spec())
+    before = snapshot(w)
+    ad = adapter(gen, r=2, modules=("down", "q"))
+    checked = w.validate(2, ad)
+    assert list(checked) == ["down", "q"] and all(checked[m] is ad[m] for m in ad)
+    assert w.validate(0, {}) == {}  # the slot alone
     assert_unchanged(w, before)
 
 
@@ -136,6 +151,8 @@ def test_slot_out_of_range(slot):
         w.load_slot(slot, adapter(torch.Generator().manual_seed(6)))
     with pytest.raises(SlotError):
         w.clear_slot(slot)
+    with pytest.raises(SlotError):
+        w.validate(slot, {})
     assert_unchanged(w, before)
 
 

@@ -154,7 +154,31 @@ class LoRAWeights:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.spec.max_loras:
             raise SlotError("slot", f"must be an int in [0, max_loras={self.spec.max_loras}), got {slot!r}")
 
-    def _validated(self, module: str, lora: ModuleLoRA) -> ModuleLoRA:
+    def validate(self, slot: int, adapter: Mapping[str, ModuleLoRA]) -> dict[str, ModuleLoRA]:
+        """Check that ``adapter`` can be loaded into ``slot`` of this pool, writing nothing.
+
+        The checks of :meth:`load_slot` (which calls this before its first write), for callers
+        that must validate several pools before writing any (``checkpoint.load_adapter_into_slot``).
+        An empty ``adapter`` only checks the slot.
+
+        Args:
+            slot: slot index in ``[0, max_loras)``.
+            adapter: module name → ``ModuleLoRA`` (MoE factors [E, r, in] / [E, out, r], dense
+                [r, in] / [out, r], any floating dtype).
+
+        Returns:
+            The checked modules, module name → ``ModuleLoRA`` (the same objects, in ``adapter``'s order).
+
+        Raises:
+            SlotError: slot out of range (checked first).
+            InvalidFieldError: a module not in this layer, not a ``ModuleLoRA``, non-floating
+                factors, wrong dims or shapes, rank outside [1, R], non-finite σ, NaN/Inf weights
+                (field ``adapter[<module>]...``).
+        """
+        self._check_slot(slot)
+        return {m: self._validated_module(m, lora) for m, lora in adapter.items()}
+
+    def _validated_module(self, module: str, lora: ModuleLoRA) -> ModuleLoRA:
         spec = self.spec
         if module not in MOE_MODULES and module not in spec.dense_shapes:
             known = MOE_MODULES + tuple(m for m in DENSE_MODULES if m in spec.dense_shapes)
@@ -209,10 +233,9 @@ class LoRAWeights:
             InvalidFieldError: unknown module, wrong shapes or dims, rank outside [1, R], NaN/Inf
                 weights, non-finite σ, an empty adapter.
         """
-        self._check_slot(slot)
-        if not adapter:
+        checked = self.validate(slot, adapter)
+        if not checked:
             raise InvalidFieldError("adapter", "has no modules; use clear_slot to empty a slot")
-        checked = {m: self._validated(m, lora) for m, lora in adapter.items()}
         if adapter_scaling is None:
             adapter_scaling = next(checked[m].scaling for m in ALL_MODULES if m in checked)
         if not math.isfinite(float(adapter_scaling)):

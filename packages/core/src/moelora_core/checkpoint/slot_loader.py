@@ -45,7 +45,7 @@ def load_adapter_into_slot(
     if adapter_scaling is None:
         adapter_scaling = adapter.scaling()
     for layer, (pool, modules) in enumerate(zip(pools, adapter.layers)):
-        pool._check_slot(slot)  # raises SlotError before anything is written
+        pool.validate(slot, {})  # the slot alone: SlotError before anything is written
         spec = pool.spec
         for module, lora in modules.items():
             where = f"layer {layer} {module}"
@@ -65,7 +65,7 @@ def load_adapter_into_slot(
                 raise kind(name, where, "factors do not fit the pool's layer spec",
                            expected=f"A {want_a}, B {want_b}", found=f"A {got_a}, B {got_b}")
             try:
-                pool._validated(module, lora)  # the pool's own checks (finiteness, σ), still before any write
+                pool.validate(slot, {module: lora})  # the pool's own checks (finiteness, σ), still before any write
             except InvalidFieldError as exc:
                 raise InvalidFieldError(f"adapter {name!r} {where}", exc.problem) from None
     # Everything fits every pool: write. load_slot re-validates (cheap) and cannot fail now.
