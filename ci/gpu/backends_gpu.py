@@ -20,44 +20,14 @@ folders on the path of the pytest it starts. Exit status: non-zero if any backen
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from _record import environment, hypothesis_examples, run_timed, source_env, write_record
+
 SOURCES = ["packages/core/src", "packages/kernels/src", "packages/backends/src", "reference/src", "conformance/src"]
-
-
-def _versions() -> dict[str, str]:
-    import torch
-    import triton
-
-    return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
-        "torch": torch.__version__, "cuda": str(torch.version.cuda), "triton": triton.__version__,
-        "python": platform.python_version(),
-    }
-
-
-def _examples(output: str) -> dict[str, dict[str, int]]:
-    """Hypothesis' per-test statistics: test id → passing / failing / invalid examples."""
-    examples, current = {}, None
-    for line in output.splitlines():
-        m = re.match(r"^(\S+::\S+):$", line.strip())
-        if m:
-            current = m.group(1)
-            continue
-        m = re.search(r"- (\d+) passing, (\d+) failing, and (\d+) invalid", line)
-        if m and current:
-            examples[current] = {"passing": int(m.group(1)), "failing": int(m.group(2)), "invalid": int(m.group(3))}
-    return examples
 
 
 def run_backend(backend: str, args: argparse.Namespace, env: dict[str, str], out_dir: Path) -> dict:
@@ -68,15 +38,11 @@ def run_backend(backend: str, args: argparse.Namespace, env: dict[str, str], out
     if args.max_examples:
         cmd += ["--max-examples", str(args.max_examples)]
     cmd += args.pytest_args
-    print("running:", " ".join(cmd), flush=True)
-    start = time.time()
-    proc = subprocess.run(cmd, cwd=out_dir, env=env, capture_output=True, text=True)
-    wall = time.time() - start
-    output = proc.stdout + proc.stderr
+    proc, wall, output = run_timed(cmd, cwd=out_dir, env=env)
     print(output[-20000:])
     (out_dir / f"{backend}.log").write_text(output)
     summary = json.loads(report.read_text())["summary"] if report.is_file() else {}
-    examples = _examples(proc.stdout)
+    examples = hypothesis_examples(proc.stdout)
     return {"backend": backend, "exit_code": proc.returncode, "wall_s": round(wall, 1), "summary": summary,
             "examples_total": sum(v["passing"] for v in examples.values()), "examples": examples,
             "report": str(report)}
@@ -99,13 +65,11 @@ def main() -> int:
         return 2
     out_dir = args.out_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)  # real kernels, not the interpreter
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / p) for p in SOURCES] + [env.get("PYTHONPATH", "")])
-    record = {**_versions(), "profile": args.profile, "max_examples": args.max_examples or None, "runs": []}
+    env = source_env(SOURCES)
+    record = {**environment(), "profile": args.profile, "max_examples": args.max_examples or None, "runs": []}
     for backend in args.backend or ["triton", "csgmv"]:
         record["runs"].append(run_backend(backend, args, env, out_dir))
-    (out_dir / "backends_gpu.json").write_text(json.dumps(record, indent=2))
+    write_record(out_dir / "backends_gpu.json", record)
     reports = [r["report"] for r in record["runs"] if Path(r["report"]).is_file()]
     if reports:
         matrix = subprocess.run([sys.executable, "-m", "moelora_conformance", "report", *reports], env=env,

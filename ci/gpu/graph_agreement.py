@@ -19,12 +19,11 @@ Runs from source (no install needed besides torch; Triton programs run when Trit
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from _record import ROOT, environment_line
+
 for extra in (ROOT / "packages" / "core" / "src", ROOT / "packages" / "core" / "tests"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
@@ -33,18 +32,6 @@ import graph_programs as gp  # noqa: E402
 import torch  # noqa: E402
 
 from moelora_core.graphs import GraphPool  # noqa: E402
-
-
-def _versions() -> str:
-    props = torch.cuda.get_device_properties(0)
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
-    return (f"date {datetime.date.today().isoformat()} | {props.name} | torch {torch.__version__} "
-            f"(CUDA {torch.version.cuda}) | triton {triton_version} | python {platform.python_version()}")
 
 
 def _outcome(run: gp.ProgramRun) -> str:
@@ -93,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("graph_agreement: needs a CUDA device", file=sys.stderr)
         return 2
-    lines = [f"graph agreement: CUDA graphs vs emulator ({_versions()})", ""]
+    lines = [f"graph agreement: CUDA graphs vs emulator ({environment_line()})", ""]
     lines.append(f"{'program':26} {'fault':18} {'cuda':14} {'emulated':14} {'seeds':>5}  result")
     all_problems: list[str] = []
     for prog in gp.PROGRAMS:

@@ -1,0 +1,92 @@
+"""What the GPU scripts of ``ci/gpu`` share: the environment they run pytest in (source folders on
+``PYTHONPATH``, real kernels), the environment record every report starts with (date, GPU,
+versions), and the counts read back from pytest's and Hypothesis' output.
+
+Imported by the scripts beside it (``python ci/gpu/<script>.py`` puts this folder first on
+``sys.path``); needs only the standard library until :func:`environment` imports torch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+#: The repository root (the scripts run pytest from here or name paths under it).
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def source_env(sources: Sequence[str]) -> dict[str, str]:
+    """``os.environ`` for a pytest run from source: ``sources`` (folders under :data:`ROOT`) first on
+    ``PYTHONPATH``, and no ``TRITON_INTERPRET`` (real kernels, not the interpreter)."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / p) for p in sources] + [env.get("PYTHONPATH", "")])
+    return env
+
+
+def environment() -> dict[str, str]:
+    """The run's environment: ``date`` (UTC, ISO 8601 to the second), ``gpu`` (device 0's name, or
+    "none"), ``torch``, ``cuda``, ``triton`` ("not installed" without it) and ``python`` versions."""
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+        "torch": torch.__version__, "cuda": str(torch.version.cuda), "triton": triton_version,
+        "python": platform.python_version(),
+    }
+
+
+def environment_line(env: dict[str, str] | None = None) -> str:
+    """:func:`environment` as one line for a text report."""
+    env = env or environment()
+    return (f"date {env['date'][:10]} | {env['gpu']} | torch {env['torch']} (CUDA {env['cuda']}) | "
+            f"triton {env['triton']} | python {env['python']}")
+
+
+def pytest_summary(output: str) -> dict[str, int]:
+    """Counts of pytest's last output line (``3 passed, 1 skipped in 2.0s`` → passed / skipped)."""
+    last = output.splitlines()[-1] if output.strip() else ""
+    return {what: int(n) for n, what in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", last)}
+
+
+def hypothesis_examples(output: str) -> dict[str, dict[str, int]]:
+    """Hypothesis' per-test statistics (``--hypothesis-show-statistics``): test id → passing /
+    failing / invalid examples."""
+    examples, current = {}, None
+    for line in output.splitlines():
+        m = re.match(r"^(\S+::\S+):$", line.strip())
+        if m:
+            current = m.group(1)
+            continue
+        m = re.search(r"- (\d+) passing, (\d+) failing, and (\d+) invalid", line)
+        if m and current:
+            examples[current] = {"passing": int(m.group(1)), "failing": int(m.group(2)), "invalid": int(m.group(3))}
+    return examples
+
+
+def run_timed(cmd: Sequence[str], *, cwd: Path, env: dict[str, str],
+              note: str = "") -> tuple[subprocess.CompletedProcess, float, str]:
+    """Print and run ``cmd``; returns (the finished process, wall seconds, stdout + stderr)."""
+    print("running:", " ".join(cmd), note, flush=True)
+    start = time.time()
+    proc = subprocess.run(list(cmd), cwd=cwd, env=env, capture_output=True, text=True)
+    return proc, time.time() - start, proc.stdout + proc.stderr
+
+
+def write_record(path: Path | str, record: dict) -> None:
+    """Write a run's record as indented JSON."""
+    Path(path).write_text(json.dumps(record, indent=2))
