@@ -43,6 +43,21 @@ from moelora_kernels._common import INDEX_DTYPES, check_positive_int, check_tens
 
 
 @triton.jit
+def _slot_pairs(start, slot, topk_ids_ptr, token_lora_mapping_ptr, num_pairs, top_k, num_experts,
+                BLOCK_PAIRS: tl.constexpr, HAS_MAPPING: tl.constexpr):
+    """(pairs, valid, e) of the chunk of pairs from ``start``: which belong to ``slot`` with an
+    expert in [0, E) (phase 1 counts them, phase 3 places them), and their expert (0 where not valid)."""
+    pairs = start + tl.arange(0, BLOCK_PAIRS)
+    in_range = pairs < num_pairs
+    e_raw = tl.load(topk_ids_ptr + pairs, mask=in_range, other=-1)
+    valid = in_range & (e_raw >= 0) & (e_raw < num_experts)
+    if HAS_MAPPING:
+        tok_slot = tl.load(token_lora_mapping_ptr + pairs // top_k, mask=in_range, other=-1)
+        valid = valid & (tok_slot == slot)
+    return pairs, valid, tl.where(valid, e_raw, 0).to(tl.int32)
+
+
+@triton.jit
 def _moe_lora_align_block_size_kernel(
     # pointers
     topk_ids_ptr,            # [M * top_k] int32/int64
@@ -84,14 +99,8 @@ def _moe_lora_align_block_size_kernel(
     # --- 1. count pairs per expert -----------------------------------------------------------
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for start in range(0, pair_end, BLOCK_PAIRS):
-        pairs = start + tl.arange(0, BLOCK_PAIRS)
-        in_range = pairs < num_pairs
-        e_raw = tl.load(topk_ids_ptr + pairs, mask=in_range, other=-1)
-        valid = in_range & (e_raw >= 0) & (e_raw < num_experts)
-        if HAS_MAPPING:
-            tok_slot = tl.load(token_lora_mapping_ptr + pairs // top_k, mask=in_range, other=-1)
-            valid = valid & (tok_slot == slot)
-        e = tl.where(valid, e_raw, 0).to(tl.int32)
+        _, valid, e = _slot_pairs(start, slot, topk_ids_ptr, token_lora_mapping_ptr, num_pairs, top_k, num_experts,
+                                  BLOCK_PAIRS, HAS_MAPPING)
         counts += tl.histogram(e, E_PAD, mask=valid)
 
     # --- 2. layout: padded sizes, first rows, block experts, padding rows ----------------------
@@ -126,14 +135,8 @@ def _moe_lora_align_block_size_kernel(
 
     # --- 3. place every pair at its expert's next free row ---------------------------------------
     for start in range(0, pair_end, BLOCK_PAIRS):
-        pairs = start + tl.arange(0, BLOCK_PAIRS)
-        in_range = pairs < num_pairs
-        e_raw = tl.load(topk_ids_ptr + pairs, mask=in_range, other=-1)
-        valid = in_range & (e_raw >= 0) & (e_raw < num_experts)
-        if HAS_MAPPING:
-            tok_slot = tl.load(token_lora_mapping_ptr + pairs // top_k, mask=in_range, other=-1)
-            valid = valid & (tok_slot == slot)
-        e = tl.where(valid, e_raw, 0).to(tl.int32)
+        pairs, valid, e = _slot_pairs(start, slot, topk_ids_ptr, token_lora_mapping_ptr, num_pairs, top_k,
+                                      num_experts, BLOCK_PAIRS, HAS_MAPPING)
         row = tl.atomic_add(cursor_base + e, 1, mask=valid, sem="relaxed", scope="cta")
         tl.store(sorted_base + row, pairs.to(tl.int32), mask=valid)
 

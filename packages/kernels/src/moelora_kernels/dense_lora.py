@@ -18,7 +18,8 @@ only in where the rank-wide intermediate lives:
 Early exits first: a tile past its segment's length, a segment of slot -1 (NO_ADAPTER), a module
 rank of 0. Rows they would cover are not touched. Ranks are per slot (mixed in one batch); the
 rank loop is bounded by the slot's rank (and the host ``max_rank``), so smaller adapters move
-fewer bytes.
+fewer bytes. Both kernels share the early exits (``_segment_work``) and the tile's positions and
+rows (``_segment_rows``); the shrink's K loop is ``_tiles.accumulate_k`` (jit helpers, inlined).
 
 Tensors (T tokens, S segments, L slots, R pool rank):
 
@@ -41,6 +42,39 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moelora_kernels._tiles import accumulate_k
+
+
+@triton.jit
+def _segment_work(seg, tile, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, rank_bound, BLOCK_S: tl.constexpr):
+    """(start, end, slot, rank) of tile ``tile`` of segment ``seg``; rank 0 when the tile has no
+    work. The early exits of the module docstring, in its order, each before the next load."""
+    start = tl.load(seg_indptr_ptr + seg)
+    end = tl.load(seg_indptr_ptr + seg + 1)
+    if tile * BLOCK_S >= end - start:
+        return start, end, -1, 0
+    slot = tl.load(weight_indices_ptr + seg)
+    if slot < 0:
+        return start, end, slot, 0
+    rank = tl.minimum(tl.load(ranks_ptr + slot), rank_bound)
+    if rank <= 0:
+        return start, end, slot, 0
+    return start, end, slot, rank
+
+
+@triton.jit
+def _segment_rows(start, end, tile, permutation_ptr, BLOCK_S: tl.constexpr, HAS_PERMUTATION: tl.constexpr):
+    """(pos [BLOCK_S] int64, pos_ok, rows): the tile's sorted positions, which of them lie in the
+    segment, and the token row each reads (``permutation[pos]``, or ``pos`` without one)."""
+    pos = start + tile * BLOCK_S + tl.arange(0, BLOCK_S)
+    pos_ok = pos < end
+    pos64 = pos.to(tl.int64)
+    if HAS_PERMUTATION:
+        rows = tl.load(permutation_ptr + pos64, mask=pos_ok, other=0).to(tl.int64)
+    else:
+        rows = pos64
+    return pos64, pos_ok, rows
+
 
 @triton.jit
 def _dense_lora_shrink_kernel(
@@ -58,41 +92,20 @@ def _dense_lora_shrink_kernel(
     seg = tl.program_id(0)
     tile = tl.program_id(1)
     # --- early exits ---------------------------------------------------------------------------
-    start = tl.load(seg_indptr_ptr + seg)
-    end = tl.load(seg_indptr_ptr + seg + 1)
-    if tile * BLOCK_S >= end - start:
-        return
-    slot = tl.load(weight_indices_ptr + seg)
-    if slot < 0:
-        return
-    rank = tl.minimum(tl.load(ranks_ptr + slot), rank_bound)
+    start, end, slot, rank = _segment_work(seg, tile, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, rank_bound,
+                                           BLOCK_S)
     if rank <= 0:
         return
     # --- tile ----------------------------------------------------------------------------------
-    pos = start + tile * BLOCK_S + tl.arange(0, BLOCK_S)
-    pos_ok = pos < end
-    pos64 = pos.to(tl.int64)
-    if HAS_PERMUTATION:
-        rows = tl.load(permutation_ptr + pos64, mask=pos_ok, other=0).to(tl.int64)
-    else:
-        rows = pos64
+    pos64, pos_ok, rows = _segment_rows(start, end, tile, permutation_ptr, BLOCK_S, HAS_PERMUTATION)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
     a_ptrs = a_ptr + slot.to(tl.int64) * stride_al + offs_r[None, :] * stride_ar + offs_k[:, None]
     # --- accumulate in fp32 ----------------------------------------------------------------------
-    acc = tl.zeros([BLOCK_S, BLOCK_R], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
-        x = tl.load(x_ptrs, mask=pos_ok[:, None] & k_ok[None, :], other=0.0)
-        a = tl.load(a_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        if UPCAST:
-            x = x.to(tl.float32)
-            a = a.to(tl.float32)
-        acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
+    acc = accumulate_k(tl.zeros([BLOCK_S, BLOCK_R], dtype=tl.float32), x_ptrs, a_ptrs, pos_ok, r_ok, K,
+                       BLOCK_K, BLOCK_K, BLOCK_K, DOT_PRECISION, UPCAST)
     # --- epilogue --------------------------------------------------------------------------------
     if INTER_SORTED:
         i_rows = pos64
@@ -119,24 +132,12 @@ def _dense_lora_expand_kernel(
     tile = tl.program_id(1)
     pid_n = tl.program_id(2)
     # --- early exits ---------------------------------------------------------------------------
-    start = tl.load(seg_indptr_ptr + seg)
-    end = tl.load(seg_indptr_ptr + seg + 1)
-    if tile * BLOCK_S >= end - start:
-        return
-    slot = tl.load(weight_indices_ptr + seg)
-    if slot < 0:
-        return
-    rank = tl.minimum(tl.load(ranks_ptr + slot), rank_bound)
+    start, end, slot, rank = _segment_work(seg, tile, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, rank_bound,
+                                           BLOCK_S)
     if rank <= 0:
         return
     # --- tile ----------------------------------------------------------------------------------
-    pos = start + tile * BLOCK_S + tl.arange(0, BLOCK_S)
-    pos_ok = pos < end
-    pos64 = pos.to(tl.int64)
-    if HAS_PERMUTATION:
-        rows = tl.load(permutation_ptr + pos64, mask=pos_ok, other=0).to(tl.int64)
-    else:
-        rows = pos64
+    pos64, pos_ok, rows = _segment_rows(start, end, tile, permutation_ptr, BLOCK_S, HAS_PERMUTATION)
     if INTER_SORTED:
         i_rows = pos64
     else:

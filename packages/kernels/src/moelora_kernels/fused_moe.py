@@ -43,9 +43,9 @@ from moelora_kernels._common import (
     check_grid,
     check_positive_int,
     check_tensor,
-    dot_precision,
-    upcast_bf16,
+    gemm_launch_options,
 )
+from moelora_kernels._tiles import accumulate_k
 from moelora_kernels.configs import kernel_config
 
 
@@ -104,17 +104,8 @@ def _fused_moe_gemm_kernel(
     w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
 
     # --- accumulate in fp32 ------------------------------------------------------------------------
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        w_ptrs += BLOCK_K * stride_wk
+    acc = accumulate_k(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), a_ptrs, w_ptrs, row_ok, n_ok, K,
+                       BLOCK_K * stride_ak, BLOCK_K * stride_wk, BLOCK_K, DOT_PRECISION, UPCAST)
 
     # --- epilogue: router weight, scale, add, one rounding ------------------------------------------
     if MUL_ROUTED_WEIGHT:
@@ -215,9 +206,7 @@ def fused_moe_gemm(
                 f"scale: {scale.shape[0]} entries × experts_per_scale={experts_per_scale} < {E_w} experts")
     if num_pairs == 0:
         return c
-    cfg = kernel_config("fused_moe_gemm", rows=num_pairs, N=N, K=K)
-    if config:
-        cfg.update(config)
+    cfg = kernel_config("fused_moe_gemm", rows=num_pairs, N=N, K=K, overrides=config)
     grid_m = used_blocks_bound(num_pairs, E_w, block_m, num_blocks)
     grid = check_grid("fused_moe_gemm", (grid_m, triton.cdiv(N, cfg["BLOCK_N"])))
     dummy = align.num_tokens_post_padded
@@ -230,7 +219,6 @@ def fused_moe_gemm(
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         MUL_ROUTED_WEIGHT=topk_weights is not None, HAS_SCALE=scale is not None, ADD_INTO=add_into,
-        DOT_PRECISION=dot_precision(dtype, tf32), UPCAST=upcast_bf16(dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **gemm_launch_options(dtype, tf32, cfg),
     )
     return c

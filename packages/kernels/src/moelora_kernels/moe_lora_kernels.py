@@ -14,7 +14,9 @@ Early exits, before any load of activations or weights, in this order: a disable
 rank of 0, a block at or past the slot's ``num_tokens_post_padded``, a block of expert -1 (or an id
 >= E, never produced by the alignment). Their output rows are not touched (bit-identical).
 The rank loop bound is the slot's own rank (columns past it are masked, never loaded), so a pool
-of R = 64 serving rank-16 adapters moves rank-16 bytes.
+of R = 64 serving rank-16 adapters moves rank-16 bytes. The three kernels share the early exits
+(``_block_work``) and the block's pairs (``_block_pairs``); the shrink and the fused kernel share
+the shrink (``_shrink_block``, over ``_tiles.accumulate_k``): jit helpers, inlined at compile time.
 
 Tensors (L slots, E experts, R pool rank, P alignment rows per slot, S slices, K input width,
 N output width per slice, num_pairs = M · top_k):
@@ -43,6 +45,53 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moelora_kernels._tiles import accumulate_k
+
+
+@triton.jit
+def _block_work(pid_m, slot, s, expert_ids_ptr, num_tokens_post_padded_ptr, adapter_enabled_ptr, ranks_ptr,
+                rank_bound, num_experts, stride_expert_ids, stride_rank_s,
+                BLOCK_M: tl.constexpr, HAS_ENABLED: tl.constexpr):
+    """(rank, expert) of alignment block ``pid_m`` of ``slot`` in slice ``s``; rank 0 when the block
+    has no work. The early exits of the module docstring, in its order, each before the next load."""
+    if HAS_ENABLED:
+        if tl.load(adapter_enabled_ptr + slot) == 0:
+            return 0, -1
+    # the host bound keeps a corrupt device rank from reading past R
+    rank = tl.minimum(tl.load(ranks_ptr + s * stride_rank_s + slot), rank_bound)
+    if rank <= 0:
+        return 0, -1
+    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr + slot):
+        return 0, -1
+    expert = tl.load(expert_ids_ptr + slot.to(tl.int64) * stride_expert_ids + pid_m)
+    if (expert < 0) | (expert >= num_experts):
+        return 0, -1
+    return rank, expert
+
+
+@triton.jit
+def _block_pairs(sorted_token_ids_ptr, pid_m, slot, num_pairs, stride_sorted, BLOCK_M: tl.constexpr):
+    """(pairs [BLOCK_M] int64, row_ok): the pairs of block ``pid_m`` of ``slot``; padding rows
+    (``pairs >= num_pairs``) are not ok."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_token_ids_ptr + slot.to(tl.int64) * stride_sorted + offs_m).to(tl.int64)
+    return pairs, pairs < num_pairs
+
+
+@triton.jit
+def _shrink_block(x_ptr, a_ptr, pairs, row_ok, offs_r, r_ok, s, slot, expert, K, in_row_div,
+                  stride_xm, stride_as, stride_al, stride_ae, stride_ar,
+                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """[BLOCK_M, BLOCK_R] fp32: in[pair // in_row_div] · A[s, slot, expert]ᵀ over K for the block's
+    pairs (rows not ok and rank columns not ok read 0)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (pairs // in_row_div)[:, None] * stride_xm + offs_k[None, :]
+    a_ptrs = (a_ptr + s.to(tl.int64) * stride_as + slot.to(tl.int64) * stride_al + expert * stride_ae
+              + offs_r[None, :] * stride_ar + offs_k[:, None])
+    return accumulate_k(tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32), x_ptrs, a_ptrs, row_ok, r_ok, K,
+                        BLOCK_K, BLOCK_K, BLOCK_K, DOT_PRECISION, UPCAST)
+
 
 @triton.jit
 def _moe_lora_shrink_kernel(
@@ -64,41 +113,20 @@ def _moe_lora_shrink_kernel(
     slot = tl.program_id(1)
     s = tl.program_id(2)
     # --- early exits ---------------------------------------------------------------------------
-    if HAS_ENABLED:
-        if tl.load(adapter_enabled_ptr + slot) == 0:
-            return
-    # the host bound keeps a corrupt device rank from reading past R
-    rank = tl.minimum(tl.load(ranks_ptr + s * stride_rank_s + slot), rank_bound)
+    rank, expert = _block_work(pid_m, slot, s, expert_ids_ptr, num_tokens_post_padded_ptr, adapter_enabled_ptr,
+                               ranks_ptr, rank_bound, num_experts, stride_expert_ids, stride_rank_s,
+                               BLOCK_M, HAS_ENABLED)
     if rank <= 0:
         return
-    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr + slot):
-        return
-    expert = tl.load(expert_ids_ptr + slot.to(tl.int64) * stride_expert_ids + pid_m).to(tl.int64)
-    if (expert < 0) | (expert >= num_experts):
-        return
+    expert = expert.to(tl.int64)
     # --- tile ----------------------------------------------------------------------------------
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_token_ids_ptr + slot.to(tl.int64) * stride_sorted + offs_m).to(tl.int64)
-    row_ok = pairs < num_pairs
+    pairs, row_ok = _block_pairs(sorted_token_ids_ptr, pid_m, slot, num_pairs, stride_sorted, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
-    offs_k = tl.arange(0, BLOCK_K)
-    # --- pointers ------------------------------------------------------------------------------
-    x_ptrs = x_ptr + (pairs // in_row_div)[:, None] * stride_xm + offs_k[None, :]
-    a_ptrs = (a_ptr + s.to(tl.int64) * stride_as + slot.to(tl.int64) * stride_al + expert * stride_ae
-              + offs_r[None, :] * stride_ar + offs_k[:, None])
     # --- accumulate in fp32 ----------------------------------------------------------------------
-    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
-        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        a = tl.load(a_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        if UPCAST:
-            x = x.to(tl.float32)
-            a = a.to(tl.float32)
-        acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
+    acc = _shrink_block(x_ptr, a_ptr, pairs, row_ok, offs_r, r_ok, s, slot, expert, K, in_row_div,
+                        stride_xm, stride_as, stride_al, stride_ae, stride_ar,
+                        BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, UPCAST)
     # --- epilogue: one rounding to the activation dtype ----------------------------------------------
     i_ptrs = inter_ptr + s.to(tl.int64) * stride_is + pairs[:, None] * stride_im + offs_r[None, :]
     tl.store(i_ptrs, acc.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_r < R)[None, :])
@@ -125,22 +153,14 @@ def _moe_lora_expand_kernel(
     s = tl.program_id(2) // num_n_tiles
     pid_n = tl.program_id(2) % num_n_tiles
     # --- early exits ---------------------------------------------------------------------------
-    if HAS_ENABLED:
-        if tl.load(adapter_enabled_ptr + slot) == 0:
-            return
-    # the host bound keeps a corrupt device rank from reading past R
-    rank = tl.minimum(tl.load(ranks_ptr + s * stride_rank_s + slot), rank_bound)
+    rank, expert = _block_work(pid_m, slot, s, expert_ids_ptr, num_tokens_post_padded_ptr, adapter_enabled_ptr,
+                               ranks_ptr, rank_bound, num_experts, stride_expert_ids, stride_rank_s,
+                               BLOCK_M, HAS_ENABLED)
     if rank <= 0:
         return
-    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr + slot):
-        return
-    expert = tl.load(expert_ids_ptr + slot.to(tl.int64) * stride_expert_ids + pid_m).to(tl.int64)
-    if (expert < 0) | (expert >= num_experts):
-        return
+    expert = expert.to(tl.int64)
     # --- tile ----------------------------------------------------------------------------------
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_token_ids_ptr + slot.to(tl.int64) * stride_sorted + offs_m).to(tl.int64)
-    row_ok = pairs < num_pairs
+    pairs, row_ok = _block_pairs(sorted_token_ids_ptr, pid_m, slot, num_pairs, stride_sorted, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -188,40 +208,20 @@ def _fused_moe_lora_kernel(
     s = tl.program_id(2) // N_SPLIT
     part = tl.program_id(2) % N_SPLIT
     # --- early exits ---------------------------------------------------------------------------
-    if HAS_ENABLED:
-        if tl.load(adapter_enabled_ptr + slot) == 0:
-            return
-    # the host bound keeps a corrupt device rank from reading past R
-    rank = tl.minimum(tl.load(ranks_ptr + s * stride_rank_s + slot), rank_bound)
+    rank, expert = _block_work(pid_m, slot, s, expert_ids_ptr, num_tokens_post_padded_ptr, adapter_enabled_ptr,
+                               ranks_ptr, rank_bound, num_experts, stride_expert_ids, stride_rank_s,
+                               BLOCK_M, HAS_ENABLED)
     if rank <= 0:
         return
-    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr + slot):
-        return
-    expert = tl.load(expert_ids_ptr + slot.to(tl.int64) * stride_expert_ids + pid_m).to(tl.int64)
-    if (expert < 0) | (expert >= num_experts):
-        return
+    expert = expert.to(tl.int64)
     # --- tile ----------------------------------------------------------------------------------
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_token_ids_ptr + slot.to(tl.int64) * stride_sorted + offs_m).to(tl.int64)
-    row_ok = pairs < num_pairs
+    pairs, row_ok = _block_pairs(sorted_token_ids_ptr, pid_m, slot, num_pairs, stride_sorted, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
-    offs_k = tl.arange(0, BLOCK_K)
     # --- shrink: t = in · Aᵀ over K, fp32 accumulation ---------------------------------------------
-    x_ptrs = x_ptr + (pairs // in_row_div)[:, None] * stride_xm + offs_k[None, :]
-    a_ptrs = (a_ptr + s.to(tl.int64) * stride_as + slot.to(tl.int64) * stride_al + expert * stride_ae
-              + offs_r[None, :] * stride_ar + offs_k[:, None])
-    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
-        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        a = tl.load(a_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        if UPCAST:
-            x = x.to(tl.float32)
-            a = a.to(tl.float32)
-        acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
+    acc = _shrink_block(x_ptr, a_ptr, pairs, row_ok, offs_r, r_ok, s, slot, expert, K, in_row_div,
+                        stride_xm, stride_as, stride_al, stride_ae, stride_ar,
+                        BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, UPCAST)
     # rounding point: t in the activation dtype, as the unfused path stores it
     t = acc.to(x_ptr.dtype.element_ty)
     if UPCAST:

@@ -1,0 +1,43 @@
+"""Triton helpers shared by the kernel files (``@triton.jit`` functions called from kernels).
+
+Triton inlines a jit function into the kernel that calls it, so a helper costs nothing at run time:
+the kernels compile to the same code as with the body written in place. Each helper here is a step
+that several kernels take the same way.
+
+- :func:`accumulate_k`: the fp32 reduction over K of a gathered row tile and a weight tile, in
+  ``BLOCK_K`` steps (base grouped GEMM, MoE-LoRA shrink, fused MoE-LoRA, dense LoRA shrink).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def accumulate_k(acc, x_ptrs, w_ptrs, row_ok, col_ok, K, step_x, step_w,
+                 BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc += Σ over k < K of x[:, k] · w[k, :], in ``BLOCK_K`` steps; returns acc.
+
+    Args:
+        acc: [ROWS, COLS] fp32 accumulator.
+        x_ptrs: [ROWS, BLOCK_K] pointers to the rows' first K step; w_ptrs: [BLOCK_K, COLS]
+            pointers to the weight's first K step.
+        row_ok: [ROWS] rows to load (others read 0); col_ok: [COLS] weight columns to load.
+        K: reduction length (columns past it read 0).
+        step_x, step_w: pointer increments per K step (``BLOCK_K`` times the K stride).
+        BLOCK_K, DOT_PRECISION, UPCAST: the step, ``tl.dot``'s input precision, and whether to
+            widen tiles to fp32 before the dot (bf16 under the interpreter).
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+        x_ptrs += step_x
+        w_ptrs += step_w
+    return acc
