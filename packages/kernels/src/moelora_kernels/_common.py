@@ -48,6 +48,14 @@ def upcast_bf16(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and interpreting()
 
 
+def gemm_launch_options(dtype: torch.dtype, tf32: bool, cfg: dict[str, int]) -> dict[str, object]:
+    """The launch keywords every GEMM kernel takes the same way: ``DOT_PRECISION`` and ``UPCAST`` for
+    ``dtype`` (:func:`dot_precision`, :func:`upcast_bf16`), ``num_warps`` and ``num_stages`` of the
+    block config ``cfg``."""
+    return {"DOT_PRECISION": dot_precision(dtype, tf32), "UPCAST": upcast_bf16(dtype),
+            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+
+
 def next_pow2(n: int, minimum: int = 1) -> int:
     """Smallest power of two >= max(n, minimum)."""
     return max(triton.next_power_of_2(max(int(n), 1)), minimum)

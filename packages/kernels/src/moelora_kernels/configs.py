@@ -52,7 +52,7 @@ def _table() -> dict[str, list[dict]]:
 
 
 def kernel_config(op: str, *, rows: int, N: int | None = None, K: int | None = None,
-                  R: int | None = None) -> dict[str, int]:
+                  R: int | None = None, overrides: dict | None = None) -> dict[str, int]:
     """Tile sizes and launch options for ``op`` at this shape.
 
     Args:
@@ -62,11 +62,19 @@ def kernel_config(op: str, *, rows: int, N: int | None = None, K: int | None = N
             kernel or the shrink/expand pair at this size).
         rows: host row count the launch is sized for (a capacity in graph mode).
         N, K: output width and reduction depth; R: the LoRA rank bound.
+        overrides: a launcher's ``config`` argument: entries that replace the looked-up ones.
 
     Returns:
         A fresh dict with every key of :data:`GPU_FALLBACK_CONFIG` (``BLOCK_M`` is advisory for
-        GEMMs: they take the alignment's).
+        GEMMs: they take the alignment's), ``overrides`` applied last.
     """
+    out = _looked_up(op, rows, N, K, R)
+    if overrides:
+        out.update(overrides)
+    return out
+
+
+def _looked_up(op: str, rows: int, N: int | None, K: int | None, R: int | None) -> dict[str, int]:
     if interpreting():
         return dict(INTERPRETER_CONFIG)
     best: dict | None = None

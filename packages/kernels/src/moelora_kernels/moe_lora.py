@@ -27,9 +27,8 @@ from moelora_kernels._common import (
     check_positive_int,
     check_rank_bound,
     check_tensor,
-    dot_precision,
+    gemm_launch_options,
     next_pow2,
-    upcast_bf16,
 )
 from moelora_kernels.configs import kernel_config
 from moelora_kernels.fused_moe import used_blocks_bound
@@ -192,9 +191,7 @@ def fused_moe_lora_shrink(
                  device=device)
     if st.num_pairs == 0:
         return out
-    cfg = kernel_config("moe_lora_shrink", rows=st.num_pairs, K=K, R=st.rank_bound)
-    if config:
-        cfg.update(config)
+    cfg = kernel_config("moe_lora_shrink", rows=st.num_pairs, K=K, R=st.rank_bound, overrides=config)
     grid = check_grid("fused_moe_lora_shrink", (st.grid_m, st.L, st.slices))
     a = st.lora
     _moe_lora_shrink_kernel[grid](
@@ -206,8 +203,7 @@ def fused_moe_lora_shrink(
         out.stride(0), out.stride(1),
         align.sorted_token_ids.stride(0), align.expert_ids.stride(0), st.ranks.stride(0),
         BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_K=cfg["BLOCK_K"],
-        HAS_ENABLED=adapter_enabled is not None, DOT_PRECISION=dot_precision(dtype, tf32),
-        UPCAST=upcast_bf16(dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        HAS_ENABLED=adapter_enabled is not None, **gemm_launch_options(dtype, tf32, cfg),
     )
     return out
 
@@ -256,9 +252,7 @@ def fused_moe_lora_expand(
     weights = _routed(topk_weights, st, dtype, device)
     if st.num_pairs == 0:
         return out
-    cfg = kernel_config("moe_lora_expand", rows=st.num_pairs, N=N, R=st.rank_bound)
-    if config:
-        cfg.update(config)
+    cfg = kernel_config("moe_lora_expand", rows=st.num_pairs, N=N, R=st.rank_bound, overrides=config)
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
     grid = check_grid("fused_moe_lora_expand", (st.grid_m, st.L, st.slices * n_tiles))
     b = st.lora
@@ -273,8 +267,7 @@ def fused_moe_lora_expand(
         align.sorted_token_ids.stride(0), align.expert_ids.stride(0), st.ranks.stride(0), st.scalings.stride(0),
         BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_N=cfg["BLOCK_N"],
         HAS_ENABLED=adapter_enabled is not None, MUL_ROUTED_WEIGHT=weights is not None,
-        DOT_PRECISION=dot_precision(dtype, tf32), UPCAST=upcast_bf16(dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **gemm_launch_options(dtype, tf32, cfg),
     )
     return out
 
@@ -323,9 +316,7 @@ def fused_moe_lora(
     weights = _routed(topk_weights, st, dtype, device)
     if st.num_pairs == 0:
         return out
-    cfg = kernel_config("fused_moe_lora", rows=st.num_pairs, N=N, K=K, R=st.rank_bound)
-    if config:
-        cfg.update(config)
+    cfg = kernel_config("fused_moe_lora", rows=st.num_pairs, N=N, K=K, R=st.rank_bound, overrides=config)
     grid = check_grid("fused_moe_lora", (st.grid_m, st.L, st.slices * cfg["N_SPLIT"]))
     _fused_moe_lora_kernel[grid](
         x, a, b, out2, weights if weights is not None else st.scalings,
@@ -340,8 +331,7 @@ def fused_moe_lora(
         BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"],
         N_SPLIT=cfg["N_SPLIT"],
         HAS_ENABLED=adapter_enabled is not None, MUL_ROUTED_WEIGHT=weights is not None,
-        DOT_PRECISION=dot_precision(dtype, tf32), UPCAST=upcast_bf16(dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **gemm_launch_options(dtype, tf32, cfg),
     )
     return out
 

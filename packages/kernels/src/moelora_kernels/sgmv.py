@@ -25,9 +25,8 @@ from moelora_kernels._common import (
     check_positive_int,
     check_rank_bound,
     check_tensor,
-    dot_precision,
+    gemm_launch_options,
     next_pow2,
-    upcast_bf16,
 )
 from moelora_kernels.configs import kernel_config
 from moelora_kernels.dense_lora import _dense_lora_expand_kernel, _dense_lora_shrink_kernel
@@ -64,18 +63,14 @@ def _shrink(x, lora_a, seg_indptr, weight_indices, ranks, permutation, max_len, 
     check_tensor("out", out, dtypes=(dtype,), shape=(T, R), unit_last_stride=True, device=device)
     if S == 0 or max_len == 0 or T == 0:
         return out
-    cfg = kernel_config("dense_lora_shrink", rows=T, K=K, R=bound)
-    if config:
-        cfg.update(config)
+    cfg = kernel_config("dense_lora_shrink", rows=T, K=K, R=bound, overrides=config)
     grid = check_grid(name, (S, triton.cdiv(max_len, cfg["BLOCK_S"])))
     _dense_lora_shrink_kernel[grid](
         x, lora_a, out, seg_indptr, weight_indices, ranks, permutation if permutation is not None else seg_indptr,
         K, R, bound,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
         BLOCK_S=cfg["BLOCK_S"], BLOCK_R=next_pow2(bound, 16), BLOCK_K=cfg["BLOCK_K"],
-        HAS_PERMUTATION=permutation is not None, INTER_SORTED=inter_sorted,
-        DOT_PRECISION=dot_precision(dtype, tf32), UPCAST=upcast_bf16(dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        HAS_PERMUTATION=permutation is not None, INTER_SORTED=inter_sorted, **gemm_launch_options(dtype, tf32, cfg),
     )
     return out
 
@@ -96,9 +91,7 @@ def _expand(intermediate, lora_b, seg_indptr, weight_indices, ranks, scalings, p
     bound = check_rank_bound(max_rank, R)
     if S == 0 or max_len == 0 or T == 0:
         return out
-    cfg = kernel_config("dense_lora_expand", rows=T, N=N, R=bound)
-    if config:
-        cfg.update(config)
+    cfg = kernel_config("dense_lora_expand", rows=T, N=N, R=bound, overrides=config)
     grid = check_grid(name, (S, triton.cdiv(max_len, cfg["BLOCK_S"]), triton.cdiv(N, cfg["BLOCK_N"])))
     _dense_lora_expand_kernel[grid](
         intermediate, lora_b, out, seg_indptr, weight_indices, ranks, scalings,
@@ -106,9 +99,7 @@ def _expand(intermediate, lora_b, seg_indptr, weight_indices, ranks, scalings, p
         N, bound,
         intermediate.stride(0), lora_b.stride(0), lora_b.stride(1), out.stride(0),
         BLOCK_S=cfg["BLOCK_S"], BLOCK_R=next_pow2(bound, 16), BLOCK_N=cfg["BLOCK_N"],
-        HAS_PERMUTATION=permutation is not None, INTER_SORTED=inter_sorted,
-        DOT_PRECISION=dot_precision(dtype, tf32), UPCAST=upcast_bf16(dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        HAS_PERMUTATION=permutation is not None, INTER_SORTED=inter_sorted, **gemm_launch_options(dtype, tf32, cfg),
     )
     return out
 
