@@ -1,6 +1,8 @@
 """One-line faults in the ``triton`` and ``csgmv`` backends (``moelora_backends``, issue 8): each class
 is one of those backends with one known fault of the field put back, kept in the smallest override
-that holds it (the line marked ``FAULT``).
+that holds it (the line marked ``FAULT``). The tile mutants rebuild the prefill-graph segmentation
+from the real pieces of ``moelora_backends.segmentation`` (``slot_runs``, ``cut_runs``,
+``segmentation_of``), with one piece replaced by a faulty line.
 
 They join the mutation registry (:data:`moelora_conformance.faulty.MUTANTS`) when ``moelora_backends``
 is installed. Their kernels run under the Triton interpreter on a CPU, far slower than the torch
@@ -10,8 +12,11 @@ the suite; the suite must still catch every one (``tests/test_mutations.py``, ``
 
 from __future__ import annotations
 
+from itertools import groupby
+from operator import itemgetter
+
 from moelora_backends.csgmv_backend import CsgmvBackend
-from moelora_backends.segmentation import PREFILL_TILE, Segmentation
+from moelora_backends.segmentation import PREFILL_TILE, Segmentation, cut_runs, segmentation_of, slot_runs
 from moelora_backends.triton_backend import TritonBackend
 from moelora_core.batch import BatchSpec
 from moelora_core.capabilities import Fallback
@@ -46,18 +51,10 @@ class CsgmvMoEReadsChunks(CsgmvBackend):
 
 
 def _tiles_dropping_the_last_partial(batch: BatchSpec, tile: int = PREFILL_TILE) -> Segmentation:
-    runs: list[list[int]] = []
-    for slot, n in zip(batch.req_to_lora, batch.seq_lens):
-        if runs and runs[-1][0] == slot:
-            runs[-1][1] += n
-        else:
-            runs.append([slot, n])
-    indptr, weights = [0], []
-    for slot, n in runs:
-        for start in range(0, n - n % tile, tile):  # FAULT: the last partial tile is never cut
-            indptr.append(indptr[-1] + min(tile, n - start))
-            weights.append(slot)
-    return Segmentation(indptr, weights, None)
+    runs = slot_runs(zip(batch.req_to_lora, batch.seq_lens))
+    # FAULT: the last partial tile is never cut (cut_runs ranges over range(0, n, tile))
+    tiles = [(slot, min(tile, n - start)) for slot, n in runs for start in range(0, n - n % tile, tile)]
+    return segmentation_of(tiles)
 
 
 class TritonTilesDropLastPartial(TritonBackend):
@@ -70,18 +67,10 @@ class TritonTilesDropLastPartial(TritonBackend):
 
 
 def _tiles_merging_runs_wrongly(batch: BatchSpec, tile: int = PREFILL_TILE) -> Segmentation:
-    runs: list[list[int]] = []
-    for slot, n in zip(batch.req_to_lora, batch.seq_lens):
-        if runs and runs[-1][0] == slot:
-            runs[-1][1] = n  # FAULT: a request joining a run replaces the run's length instead of extending it
-        else:
-            runs.append([slot, n])
-    indptr, weights = [0], []
-    for slot, n in runs:
-        for start in range(0, n, tile):
-            indptr.append(indptr[-1] + min(tile, n - start))
-            weights.append(slot)
-    return Segmentation(indptr, weights, None)
+    requests = zip(batch.req_to_lora, batch.seq_lens)
+    # FAULT: a run takes its last request's length instead of the sum (slot_runs sums the lengths)
+    runs = [(slot, [n for _, n in run][-1]) for slot, run in groupby(requests, key=itemgetter(0))]
+    return segmentation_of(cut_runs(runs, tile))
 
 
 class TritonRunsMergedWrongly(TritonBackend):

@@ -12,6 +12,9 @@ segmented kernels run one program row per segment. Everything here is plain Pyth
 - :func:`chunk_segments`: tokens stably sorted by slot, each slot's run cut into chunks of at most
   ``chunk_size`` tokens, with the permutation (``csgmv``).
 
+All four are built from the same pieces: :func:`slot_runs` (adjacent requests on one slot joined),
+:func:`cut_runs` (runs cut into pieces of a bounded length) and :func:`segmentation_of`.
+
 Base tokens keep segments of slot ``NO_ADAPTER`` (the kernels skip them), so every token lies in
 exactly one segment. Segments cover consecutive positions of the permuted order where a
 permutation is set (``permutation[i]`` = original row read at sorted position i).
@@ -28,7 +31,10 @@ LoRA backends (``triton_backend.py``; ``chunked_backend.py``, sgl-project/sglang
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import groupby
+from operator import itemgetter
 
 from moelora_core.batch import BatchSpec
 from moelora_core.errors import InvalidFieldError
@@ -74,11 +80,37 @@ class Segmentation:
         return max(self.seg_lens, default=0)
 
 
-def _offsets(lens: list[int]) -> list[int]:
-    out = [0]
-    for n in lens:
-        out.append(out[-1] + n)
-    return out
+def slot_runs(requests: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(slot, tokens) of each run of adjacent requests on the same slot, given (slot, tokens) per
+    request in order."""
+    return [(slot, sum(n for _, n in run)) for slot, run in groupby(requests, key=itemgetter(0))]
+
+
+def cut_runs(runs: Iterable[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """(slot, tokens) of the pieces each run is cut into, in order: pieces of ``size`` tokens, only
+    a run's last piece shorter."""
+    return [(slot, min(size, n - start)) for slot, n in runs for start in range(0, n, size)]
+
+
+def segmentation_of(pieces: list[tuple[int, int]], permutation: list[int] | None = None) -> Segmentation:
+    """The segmentation with one segment per (slot, tokens) piece, in order."""
+    indptr = [0]
+    for _, n in pieces:
+        indptr.append(indptr[-1] + n)
+    return Segmentation(indptr, [slot for slot, _ in pieces], permutation)
+
+
+def _requests(batch: BatchSpec) -> list[tuple[int, int]]:
+    return list(zip(batch.req_to_lora, batch.seq_lens))
+
+
+def _sorted_by_slot(batch: BatchSpec) -> tuple[list[tuple[int, int]], list[int]]:
+    """(slot, tokens) of the requests stably sorted by slot (``NO_ADAPTER`` first), and the
+    permutation of token rows that order gives (each request's rows kept in order)."""
+    starts, requests = batch.req_seg_indptr, _requests(batch)
+    order = sorted(range(batch.bs), key=batch.req_to_lora.__getitem__)  # stable
+    permutation = [row for r in order for row in range(starts[r], starts[r + 1])]
+    return [requests[r] for r in order], permutation
 
 
 def request_segments(batch: BatchSpec) -> Segmentation:
@@ -89,19 +121,8 @@ def request_segments(batch: BatchSpec) -> Segmentation:
 def adapter_segments(batch: BatchSpec) -> Segmentation:
     """Requests stably sorted by slot (``NO_ADAPTER`` first), one segment per slot of the batch,
     and the permutation of token rows (each request's rows kept in order)."""
-    slots = batch.req_to_lora
-    starts = batch.req_seg_indptr
-    order = sorted(range(batch.bs), key=slots.__getitem__)  # stable
-    indptr, weights, permutation = [0], [], []
-    for r in order:
-        n = starts[r + 1] - starts[r]
-        if weights and weights[-1] == slots[r]:
-            indptr[-1] += n  # the run of this slot goes on
-        else:
-            weights.append(slots[r])
-            indptr.append(indptr[-1] + n)
-        permutation.extend(range(starts[r], starts[r + 1]))
-    return Segmentation(indptr, weights, permutation)
+    requests, permutation = _sorted_by_slot(batch)
+    return segmentation_of(slot_runs(requests), permutation)
 
 
 def tile_segments(batch: BatchSpec, tile: int = PREFILL_TILE) -> Segmentation:
@@ -113,18 +134,7 @@ def tile_segments(batch: BatchSpec, tile: int = PREFILL_TILE) -> Segmentation:
     its requests' ``ceil(len / tile)``. Twin: ``moelora_reference.segments.tile_segments(...,
     merge=True)``.
     """
-    runs: list[list[int]] = []  # [slot, tokens]
-    for slot, n in zip(batch.req_to_lora, batch.seq_lens):
-        if runs and runs[-1][0] == slot:
-            runs[-1][1] += n
-        else:
-            runs.append([slot, n])
-    indptr, weights = [0], []
-    for slot, n in runs:
-        for start in range(0, n, tile):
-            indptr.append(indptr[-1] + min(tile, n - start))
-            weights.append(slot)
-    return Segmentation(indptr, weights, None)
+    return segmentation_of(cut_runs(slot_runs(_requests(batch)), tile))
 
 
 def chunk_segments(batch: BatchSpec, chunk_size: int) -> Segmentation:
@@ -136,20 +146,8 @@ def chunk_segments(batch: BatchSpec, chunk_size: int) -> Segmentation:
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise InvalidFieldError("chunk_size", f"must be an int >= 1, got {chunk_size!r}")
-    slots = batch.req_to_lora
-    starts = batch.req_seg_indptr
-    permutation: list[int] = []
-    run_of: dict[int, int] = {}
-    for r in sorted(range(batch.bs), key=slots.__getitem__):  # stable: rows keep batch order per slot
-        permutation.extend(range(starts[r], starts[r + 1]))
-        run_of[slots[r]] = run_of.get(slots[r], 0) + starts[r + 1] - starts[r]
-    indptr, weights = [0], []
-    for slot in sorted(run_of):
-        n = run_of[slot]
-        for start in range(0, n, chunk_size):
-            indptr.append(indptr[-1] + min(chunk_size, n - start))
-            weights.append(slot)
-    return Segmentation(indptr, weights, permutation)
+    requests, permutation = _sorted_by_slot(batch)
+    return segmentation_of(cut_runs(slot_runs(requests), chunk_size), permutation)
 
 
 def chunk_size_for(num_tokens: int) -> int:
