@@ -1,19 +1,22 @@
 """The delta calls of ``triton`` and ``csgmv`` on the kernels (under the interpreter), on hand-built
-layers: the oracle per dtype, base rows untouched, one alignment per layer.
+layers: the oracle per dtype, base rows untouched, each stage on its own call's routing.
 
 Covers: a mixed batch (adapter, base and rank-0-slot requests; sentinel expert ids) through the
 harness's MoE path (base MoE in fp32, the backend's gate_up delta before the activation and the
 router-weighted down delta) equals ``moelora_reference.oracle`` in fp32 and fp16 (an fp16 pool adding
 into fp32 intermediates), with and without virtual experts; dense
 deltas equal the oracle; rows of tokens without an adapter stay bit for bit as they were (NaN
-poison included); the gate_up stage hands its alignment to the down stage of the same layer once
-(one alignment launch per layer; a new ``topk_ids`` aligns again); a Triton launch inside the CPU
+poison included); each stage aligns its own call (one alignment launch per stage, nothing kept
+between calls), and layers with other pools sharing one routing buffer rewritten in place by a
+Triton kernel each use their own routing (regression of adversarial finding 1); a Triton launch inside the CPU
 host-sync guard leaves its arguments device data (regression: the interpreter's storage copies
 after a launch marked them as host data, and the suite's P08 failed on the next op on ``topk_ids``).
 """
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from moelora_backends.csgmv_backend import CsgmvBackend
 from moelora_backends.triton_backend import TritonBackend
@@ -31,6 +34,7 @@ from moelora_core.graphs import host_sync_guard
 from moelora_core.graphs.triton_launches import intercept_triton_launches
 from moelora_kernels import moe_lora_align_block_size
 from moelora_reference import base_moe
+from moelora_reference.backend import ReferenceBackend
 from moelora_reference.oracle import dense_lora_forward, moe_lora_forward
 
 pytestmark = pytest.mark.interpreter
@@ -108,8 +112,52 @@ def test_moe_and_dense_deltas_equal_the_oracle_and_leave_base_rows(name, dtype, 
                            before[base_rows].view(torch.int16 if dtype == torch.float16 else torch.int32))
 
 
+@triton.jit
+def _write_routing_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """Stands for an engine's top-k routing kernel: writes a layer's routing into a static buffer
+    (a Triton store bumps no autograd version counter)."""
+    offs = tl.arange(0, BLOCK)
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def _pool_of(weights, modules):
+    """A pool with only ``modules`` of ``weights``'s slots (other modules absent: rank 0)."""
+    pool = LoRAWeights(weights.spec)
+    for slot in range(L):
+        r = weights.host_ranks["gate"][slot]
+        if r:
+            pool.load_slot(slot, {m: ModuleLoRA(weights.factors(m)[0][slot, :, :r], weights.factors(m)[1][slot, ..., :r],
+                                                float(weights.scalings(m)[slot])) for m in modules})
+    return pool
+
+
 @pytest.mark.parametrize("name", sorted(BACKENDS))
-def test_one_alignment_per_layer(name):
+def test_layers_with_other_pools_and_one_rewritten_routing_buffer_each_use_their_own_routing(name):
+    # Regression (adversarial finding 1): the gate_up stage handed its alignment to the next down
+    # call, keyed by the topk_ids object and its version. Layer 1 has only gate/up (its down stage
+    # is skipped, the hand-off stayed), layer 2 only down (its gate_up stage is skipped), and the
+    # engine rewrites one routing buffer with a Triton kernel: layer 2's down used layer 1's routing.
+    spec, weights, base, gen = _layer(F32, False)
+    backend = BACKENDS[name](spec)
+    batch = _batch(weights)
+    T = batch.num_tokens
+    info = backend.prepare(batch)
+    mapping = torch.tensor(batch.token_lora_mapping, dtype=torch.int32)
+    layers = [_pool_of(weights, ("gate", "up")), _pool_of(weights, ("down",)), weights, _pool_of(weights, ("down",))]
+    ids = torch.empty(T, K, dtype=torch.int32)  # the engine's static routing buffer
+    for n, pool in enumerate(layers):
+        routing, w = _routing(T, gen)
+        _write_routing_kernel[(1,)](routing, ids, ids.numel(), BLOCK=triton.next_power_of_2(ids.numel()))
+        x = torch.randn(T, H, generator=gen)
+        y = _moe(backend, x, ids, w, pool, base, info)
+        want = moe_lora_forward(x, routing, w, base.w_gate_up, base.w_down, pool, mapping)
+        DEFAULT_POLICY.assert_close(y, want, dtype=F32, what=f"{name} layer {n} MoE y")
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_each_stage_aligns_its_own_call(name):
+    # No alignment is kept between delta calls: one alignment launch per stage, and a down stage
+    # with another routing than its gate_up stage uses its own.
     spec, weights, base, gen = _layer(F32, False)
     backend = BACKENDS[name](spec)
     batch = _batch(weights)
@@ -124,15 +172,18 @@ def test_one_alignment_per_layer(name):
 
     with intercept_triton_launches(count):
         _moe(backend, x, ids, w, weights, base, info)
-        aligned_once = sum("align" in n for n in names)
-        names.clear()
+        per_layer = sum("align" in n for n in names)
         gate_up_out = base_moe.gate_up(x, ids, base, out_dtype=F32)
         backend.moe_gate_up_delta(x, ids, gate_up_out, weights, info)
-        other = ids.flip(0).contiguous()  # another routing for the down stage: aligned again
+        other = ids.flip(0).contiguous()  # another routing for the down stage
         h = base_moe.activation(base_moe.gate_up(x, other, base, out_dtype=F32))
-        backend.moe_down_delta(h, other, w, base_moe.down(h, other, w, base), weights, info)
-    assert aligned_once == 1
-    assert sum("align" in n for n in names) == 2
+        down_out = base_moe.down(h, other, w, base)
+        backend.moe_down_delta(h, other, w, down_out, weights, info)
+    assert per_layer == 2
+    reference = ReferenceBackend(spec)
+    want = base_moe.down(h, other, w, base)
+    reference.moe_down_delta(h, other, w, want, weights, reference.prepare(batch))
+    DEFAULT_POLICY.assert_close(down_out, want, dtype=F32, what=f"{name} down stage on its own routing")
 
 
 def test_a_triton_launch_inside_the_host_sync_guard_leaves_its_arguments_device_data():

@@ -5,10 +5,12 @@ MoE (:class:`MoEDeltas`): the token mapping of the batch info (written from the 
 → ``moe_lora_align_block_size`` (per slot, pairs grouped by expert) → ``moe_lora_delta`` of the stage
 ("gate_up" before the activation, "down" router-weighted), σ and ranks read on the device at run
 time. With ``spec.virtual_experts``: ``virtual_align`` over ``max_loras · E`` experts and
-``virtual_moe_lora_delta`` (the base grouped GEMM on the ``[L·E, ...]`` views). The alignment made
-for the gate_up stage is handed to the down stage of the same layer (same ``topk_ids`` tensor,
-unmodified, same info), once: one alignment per layer, and a capture that replays both stages
-records the alignment launch it reads.
+``virtual_moe_lora_delta`` (the base grouped GEMM on the ``[L·E, ...]`` views). Each stage call aligns
+its own ``topk_ids`` (one small launch, grid ``(max_loras,)``): nothing is kept between delta calls.
+A hand-off from gate_up to down keyed by the ``topk_ids`` object cannot be made safe without reading
+the device: an engine rewrites one routing buffer per layer in place (a Triton store bumps no
+version counter; inference tensors have none), and a layer whose pool lacks a stage skips that
+stage, so a cached alignment outlived its layer (adversarial finding 1).
 
 Dense (:func:`dense_delta`): segmented LoRA-A/B (``triton``: intermediate by token row) or chunked
 SGMV (``csgmv``: by sorted position) over ``seg_indptr[:S + 1]`` / ``weight_indices[:S]`` with
@@ -135,8 +137,6 @@ class MoEDeltas:
 
     def __init__(self, spec: LoRALayerSpec) -> None:
         self.spec = spec
-        # The alignment the gate_up stage made, for the down stage of the same layer (used once).
-        self._handoff: tuple | None = None
 
     # --- alignment -----------------------------------------------------------------------------
 
@@ -158,18 +158,10 @@ class MoEDeltas:
         _, align = virtual_align(topk_ids, info.moe.token_lora_mapping, self.spec.E, self.spec.max_loras)
         return align
 
-    def _aligned(self, stage: str, topk_ids: torch.Tensor, info: LoRABatchInfo):
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        handoff, self._handoff = self._handoff, None
-        if stage == "down" and handoff is not None:
-            ids, version, same_info, was_capturing, align = handoff
-            # Identity and version only (comparing tensors would read the device).
-            if ids is topk_ids and version == topk_ids._version and same_info is info and was_capturing == capturing:
-                return align
-        align = self._virtual(topk_ids, info) if self.spec.virtual_experts else self.alignment(topk_ids, info)[0]
-        if stage == "gate_up":
-            self._handoff = (topk_ids, topk_ids._version, info, capturing, align)
-        return align
+    def _aligned(self, topk_ids: torch.Tensor, info: LoRABatchInfo) -> AlignOutput:
+        """The alignment of this call's ``topk_ids`` and info, made now (module docstring: nothing
+        is kept between delta calls)."""
+        return self._virtual(topk_ids, info) if self.spec.virtual_experts else self.alignment(topk_ids, info)[0]
 
     # --- stages --------------------------------------------------------------------------------
 
@@ -186,7 +178,7 @@ class MoEDeltas:
             return
         dtype = self.spec.dtype
         topk_ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-        align = self._aligned(stage, topk_ids, info)
+        align = self._aligned(topk_ids, info)
         inp_k = _in_dtype(inp, dtype)
         if topk_weights is not None and not topk_weights.is_contiguous():
             topk_weights = topk_weights.contiguous()
