@@ -245,3 +245,21 @@ def test_missing_files(tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 2}))
     with pytest.raises(AdapterFormatError, match=r"no safetensors file"):
         read_adapter(tmp_path, cfg)
+
+
+# --- adversarial-input findings ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra_conf", "fragments"),
+    [
+        ({"lora_alpha": 1e40}, ("adapter_config.json", "σ = α/r = 1e+40/2 = 5e+39 overflows fp32")),
+        ({"alpha_pattern": {"q_proj": 1e40}}, ("layer 0 q (model.layers.0.self_attn.q_proj)", "overflows fp32")),
+    ],
+)
+def test_sigma_overflowing_fp32_is_refused_on_read(tmp_path, extra_conf, fragments):
+    # Finding 2: lora_alpha 1e40 gave σ = 1.25e39, a finite Python float that is Inf in the pools'
+    # fp32 σ tables; read_adapter accepted it and load_slot failed half-way.
+    cfg = _cfg()
+    tensors, conf = _good(cfg)
+    _refused(tmp_path, cfg, tensors, {**conf, **extra_conf}, AdapterFormatError, *fragments)

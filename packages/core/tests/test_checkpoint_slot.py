@@ -5,10 +5,12 @@ first completely, other slots untouched, and refusals (rank > R, pools of anothe
 layer count, bad slot) that leave every pool bit-identical, host lists included.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
-from moelora_core import LoRAWeights, SlotError
+from moelora_core import InvalidFieldError, LoRAWeights, ModuleLoRA, SlotError
 from moelora_core.checkpoint import ModelMismatchError, MoEModelConfig, RankTooLargeError, load_adapter_into_slot
 from moelora_core.checkpoint.adapter_reader import read_adapter
 from moelora_core.checkpoint.synthetic import adapter_tensors, model_config_dict, write_adapter
@@ -125,4 +127,67 @@ def test_refusal_in_the_last_layer_leaves_the_first_untouched(tmp_path):
     snap = _snapshot(pools)
     with pytest.raises(RankTooLargeError, match=r"adapter 'mixed': layer 2 q: rank above the pool's max rank"):
         load_adapter_into_slot(pools, 0, ad)
+    _assert_unchanged(pools, snap)
+
+
+@pytest.mark.parametrize("adapter_scaling", [float("nan"), float("inf"), 1e39, "abc"])
+def test_bad_adapter_scaling_refused_before_any_layer_is_cleared(tmp_path, adapter_scaling):
+    # Finding 2: an adapter touching only layer 1, loaded with a bad adapter_scaling, cleared layer 0
+    # of the slot and then refused in layer 1: the slot held nothing on layer 0 and the old adapter
+    # on layer 1. Every argument is checked before the first write or clear.
+    cfg = _cfg()
+    only1, _ = _adapter(tmp_path, cfg, "only1", {1: ALL}, r=2, seed=5)
+    old, _ = _adapter(tmp_path, cfg, "old", {0: ALL, 1: ALL, 2: ALL}, r=3, seed=6)
+    pools = _pools(cfg)
+    load_adapter_into_slot(pools, 0, old)
+    snap = _snapshot(pools)
+    with pytest.raises(InvalidFieldError, match="adapter_scaling"):
+        load_adapter_into_slot(pools, 0, only1, adapter_scaling=adapter_scaling)
+    _assert_unchanged(pools, snap)
+
+
+def test_sigma_overflowing_fp32_refused_before_any_write(tmp_path):
+    # Finding 2: σ = 1.25e39 (lora_alpha 1e40) is a finite Python float; the pool's fp32 σ table
+    # cannot hold it. load_slot used to fail half-way (layer 0 slot 0 with device ranks
+    # [0, 0, 8, 0, ...] and host ranks 0; layer 1 still the previous adapter).
+    cfg = _cfg()
+    good, _ = _adapter(tmp_path, cfg, "good", {0: ALL, 1: ALL, 2: ALL}, r=2, seed=7)
+    old, _ = _adapter(tmp_path, cfg, "old", {0: ALL, 1: ALL, 2: ALL}, r=3, seed=8)
+    layers = [dict(layer) for layer in good.layers]
+    layers[1]["q"] = dataclasses.replace(layers[1]["q"], scaling=1.25e39)
+    huge = dataclasses.replace(good, layers=tuple(layers))
+    pools = _pools(cfg)
+    load_adapter_into_slot(pools, 0, old)
+    snap = _snapshot(pools)
+    with pytest.raises(InvalidFieldError, match=r"adapter 'good' layer 1 q.*fp32"):
+        load_adapter_into_slot(pools, 0, huge)
+    _assert_unchanged(pools, snap)
+
+
+def test_fp32_adapter_overflowing_fp16_pools_is_refused(tmp_path):
+    # Finding 4: read_adapter returns fp32 by default; loading |B| ~ 1e5 into fp16 pools overflowed
+    # in load_slot's cast (Inf in the pool, no error), while reading with dtype=fp16 was refused.
+    cfg = _cfg()
+    big, _ = _adapter(tmp_path, cfg, "big", {0: ALL, 2: ALL}, r=2, seed=9)
+    layers = [dict(layer) for layer in big.layers]
+    layers[2]["o"] = dataclasses.replace(layers[2]["o"], lora_B=layers[2]["o"].lora_B * 1e6)
+    big = dataclasses.replace(big, layers=tuple(layers))
+    pools = [LoRAWeights(cfg.layer_spec(max_loras=2, max_rank=8, dtype=torch.float16)) for _ in range(3)]
+    old, _ = _adapter(tmp_path, cfg, "old", {0: ALL, 1: ALL, 2: ALL}, r=3, seed=10)
+    load_adapter_into_slot(pools, 1, old)
+    snap = _snapshot(pools)
+    with pytest.raises(InvalidFieldError, match=r"adapter 'big' layer 2 o lora_B: overflows the pool's float16"):
+        load_adapter_into_slot(pools, 1, big)
+    _assert_unchanged(pools, snap)
+
+
+def test_hand_built_factor_of_wrong_dims_is_a_named_error(tmp_path):
+    # Finding 11: a 1-D factor in a hand-built AdapterWeights raised IndexError from the shape check.
+    cfg = _cfg()
+    good, _ = _adapter(tmp_path, cfg, "hand", {0: ("q",)}, r=2, seed=11)
+    bad = dataclasses.replace(good, layers=({"q": ModuleLoRA(torch.randn(24), torch.randn(20), 1.0)}, {}, {}))
+    pools = _pools(cfg)
+    snap = _snapshot(pools)
+    with pytest.raises(InvalidFieldError, match=r"adapter 'hand' layer 0 q lora_A: expected a tensor of 2 dims"):
+        load_adapter_into_slot(pools, 0, bad)
     _assert_unchanged(pools, snap)

@@ -1,5 +1,13 @@
 """LoRAWeights.load_slot: rank zero-padding, absent modules zeroed, σ kept apart, and every bad
-input refused with a named error and no change to any slot."""
+input refused with a named error and no change to any slot.
+
+Also the adversarial-input findings: σ / adapter_scaling that fp32 cannot hold (2), factors that
+overflow the pool's dtype only after the cast (4), factors with autograd history (9), and the
+unclear errors of 11 (meta factors, σ of the wrong type).
+"""
+
+import gc
+import weakref
 
 import pytest
 import torch
@@ -109,6 +117,12 @@ def _bad_cases(gen):
         "Inf σ": ({"q": ModuleLoRA(good["q"].lora_A, good["q"].lora_B, float("inf"))}, "adapter['q'].scaling"),
         "integer A": ({"q": ModuleLoRA(good["q"].lora_A.int(), good["q"].lora_B, 1.0)}, "adapter['q'].lora_A"),
         "empty": ({}, "adapter"),
+        # finding 11: a meta tensor crashed in .item(); σ None raised TypeError, '2.0' and True were taken
+        "meta A": ({"q": ModuleLoRA(torch.empty(4, H, device="meta"), good["q"].lora_B, 1.0)}, "adapter['q'].lora_A"),
+        "σ None": ({"q": ModuleLoRA(good["q"].lora_A, good["q"].lora_B, None)}, "adapter['q'].scaling"),
+        "σ str": ({"q": ModuleLoRA(good["q"].lora_A, good["q"].lora_B, "2.0")}, "adapter['q'].scaling"),
+        "σ bool": ({"q": ModuleLoRA(good["q"].lora_A, good["q"].lora_B, True)}, "adapter['q'].scaling"),
+        "not a mapping": ([("q", good["q"])], "adapter"),
     }
     # a valid module next to a bad one: nothing of the valid one may land either
     cases["good then bad"] = ({"gate": good["gate"], "down": cases["B rank mismatch"][0]["down"]}, "adapter['down'].lora_B")
@@ -125,7 +139,7 @@ def test_bad_adapter_refused_and_nothing_changes(case):
     with pytest.raises(InvalidFieldError) as exc:
         w.load_slot(1, bad)
     assert exc.value.field == field, str(exc.value)
-    if bad:  # validate refuses what load_slot refuses, with the same field (an empty adapter only checks the slot)
+    if bad and isinstance(bad, dict):  # validate refuses what load_slot refuses, with the same field (an empty adapter only checks the slot)
         with pytest.raises(InvalidFieldError) as exc:
             w.validate(1, bad)
         assert exc.value.field == field, str(exc.value)
@@ -160,3 +174,85 @@ def test_module_tables_cover_every_module():
     w = LoRAWeights(make_spec())
     assert w.module_ranks.shape == (len(ALL_MODULES), L)
     assert w.module_ranks.dtype == torch.int32 and w.module_scalings.dtype == torch.float32
+
+
+# --- adversarial-input findings ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sigma", [1e39, -1e39, 3.5e38])
+def test_sigma_overflowing_fp32_is_refused_and_changes_nothing(sigma):
+    # Finding 2: σ = 1.25e39 is a finite Python float but not an fp32 one; load_slot cleared the
+    # slot, then raised a raw RuntimeError half-way through writing the σ table.
+    gen = torch.Generator().manual_seed(8)
+    w = LoRAWeights(make_spec())
+    w.load_slot(1, adapter(gen, r=3))
+    before = snapshot(w)
+    bad = adapter(gen, r=2, modules=("gate", "q"))
+    bad["q"] = ModuleLoRA(bad["q"].lora_A, bad["q"].lora_B, sigma)
+    with pytest.raises(InvalidFieldError, match=r"adapter\['q'\]\.scaling: .*fp32") as exc:
+        w.load_slot(1, bad)
+    assert exc.value.field == "adapter['q'].scaling"
+    assert_unchanged(w, before)
+
+
+@pytest.mark.parametrize("adapter_scaling", [float("nan"), float("inf"), 1e39, "abc", "2.0", True])
+def test_bad_adapter_scaling_is_refused_and_changes_nothing(adapter_scaling):
+    # Finding 2/11: a non-finite, fp32-overflowing or non-numeric adapter_scaling must be refused
+    # with a named error before the slot is cleared ('abc' was a raw ValueError).
+    gen = torch.Generator().manual_seed(9)
+    w = LoRAWeights(make_spec())
+    w.load_slot(0, adapter(gen, r=3))
+    before = snapshot(w)
+    with pytest.raises(InvalidFieldError) as exc:
+        w.load_slot(0, adapter(gen, r=2), adapter_scaling=adapter_scaling)
+    assert exc.value.field == "adapter_scaling", str(exc.value)
+    assert_unchanged(w, before)
+
+
+def test_factors_overflowing_the_pool_dtype_are_refused_after_the_cast():
+    # Finding 4: fp32 factors with |B| ~ 1e5 are finite, but Inf in an fp16 pool; load_slot checked
+    # finiteness before its cast and left 236 Inf in q's B.
+    gen = torch.Generator().manual_seed(10)
+    w = LoRAWeights(make_spec(torch.float16))
+    w.load_slot(2, adapter(gen, r=3))
+    before = snapshot(w)
+    bad = adapter(gen, r=2, modules=("gate", "q"))
+    bad["q"] = ModuleLoRA(bad["q"].lora_A, bad["q"].lora_B * 1e6, 1.0)
+    with pytest.raises(InvalidFieldError, match=r"overflows the pool's float16 when cast from float32") as exc:
+        w.load_slot(2, bad)
+    assert exc.value.field == "adapter['q'].lora_B"
+    with pytest.raises(InvalidFieldError, match="overflows"):
+        w.validate(2, bad)
+    assert_unchanged(w, before)
+    assert bool(torch.isfinite(w.dense_B["q"]).all())
+
+
+def test_pool_keeps_no_autograd_history_and_no_caller_tensor():
+    # Finding 9: nn.Parameter factors made the pool buffers require grad (grad_fn CopySlices), kept
+    # the caller's tensors alive through the graph, and survived clear_slot and reloads.
+    gen = torch.Generator().manual_seed(11)
+    w = LoRAWeights(make_spec())
+    params = {m: ModuleLoRA(torch.nn.Parameter(v.lora_A), torch.nn.Parameter(v.lora_B), v.scaling)
+              for m, v in adapter(gen, r=3).items()}
+    alive = weakref.ref(params["q"].lora_A)
+    w.load_slot(0, params)
+    tensors = [w.gate_up_A, w.gate_up_B, w.down_A, w.down_B, w.module_ranks, w.module_scalings,
+               *w.dense_A.values(), *w.dense_B.values()]
+    assert not any(t.requires_grad or t.grad_fn is not None for t in tensors)
+    assert torch.equal(w.dense_A["q"][0, :3], params["q"].lora_A.detach())
+    del params
+    gc.collect()
+    assert alive() is None  # the pool copied the values and kept nothing of the caller's
+
+
+def test_pool_built_in_inference_mode_loads_outside_it():
+    # A serving engine may build its pools under torch.inference_mode(); in-place writes into
+    # inference tensors outside that mode raise, so the buffers must be ordinary tensors.
+    gen = torch.Generator().manual_seed(12)
+    with torch.inference_mode():
+        w = LoRAWeights(make_spec())
+        w.load_slot(1, adapter(gen, r=2))
+    ad = adapter(gen, r=4)
+    w.load_slot(1, ad)
+    assert torch.equal(w.gate_A[1, :, :4], ad["gate"].lora_A)
+    assert not w.gate_up_A.is_inference()

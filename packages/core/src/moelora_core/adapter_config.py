@@ -16,12 +16,40 @@ computes it.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from moelora_core.errors import InvalidFieldError
+
+#: The largest σ the fp32 ``scalings`` tables hold (``torch.finfo(torch.float32).max``).
+FP32_MAX: float = 3.4028234663852886e38
+
+
+def fp32_scaling(field: str, value: object) -> float:
+    """``value`` as a σ that an fp32 ``scalings`` table holds exactly as a finite number.
+
+    Args:
+        field: the field named in the error (``"adapter['q'].scaling"``, ``"scalings[2]"``).
+        value: an int or float (numpy scalars included); not a bool, a string or a tensor.
+
+    Returns:
+        ``float(value)``.
+
+    Raises:
+        InvalidFieldError: not a real number, NaN/Inf, or ``|value|`` above the fp32 maximum
+            (a finite Python float such as 1.25e39 becomes Inf in fp32).
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidFieldError(field, f"must be a real number (int or float), got {type(value).__name__} {value!r}")
+    s = float(value)
+    if not math.isfinite(s):
+        raise InvalidFieldError(field, f"must be finite, got {s}")
+    if abs(s) > FP32_MAX:
+        raise InvalidFieldError(field, f"{s:.6g} overflows fp32 (σ is applied from fp32 tables; |σ| <= {FP32_MAX:.6g})")
+    return s
 
 
 def lora_scaling(rank: int, alpha: float, use_rslora: bool) -> float:
@@ -36,13 +64,18 @@ def lora_scaling(rank: int, alpha: float, use_rslora: bool) -> float:
         σ as a Python float (callers store it as fp32).
 
     Raises:
-        InvalidFieldError: ``rank < 1`` or a non-finite α.
+        InvalidFieldError: ``rank < 1``, a non-finite α, or a σ that overflows fp32 (field
+            ``scaling``).
     """
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise InvalidFieldError("rank", f"must be an int >= 1, got {rank!r}")
     if not math.isfinite(float(alpha)):
         raise InvalidFieldError("lora_alpha", f"must be finite, got {alpha!r}")
-    return float(alpha) / (math.sqrt(rank) if use_rslora else rank)
+    sigma = float(alpha) / (math.sqrt(rank) if use_rslora else rank)
+    label = f"σ = α/{'√' if use_rslora else ''}r = {float(alpha):g}/{'√' if use_rslora else ''}{rank}"
+    if abs(sigma) > FP32_MAX:
+        raise InvalidFieldError("scaling", f"{label} = {sigma:.6g} overflows fp32 (|σ| <= {FP32_MAX:.6g})")
+    return sigma
 
 
 def _pattern_key(patterns: Mapping[str, object], module_path: str) -> str | None:

@@ -23,16 +23,22 @@ and the ``[L, E, ...]`` buffers reshape to ``[L * E, ...]`` without a copy (virt
 
 Host copies of ranks and σ are kept so a scheduler can build a ``BatchSpec`` without reading the
 device.
+
+Loading is all-or-nothing: every argument (dims, shapes, rank, σ as an fp32 value, the factors
+finite *after* the cast to the pool's dtype) is checked before the first write or clear, and
+writes run under ``torch.no_grad()``, so the pool never keeps a caller's tensor or its autograd
+history. The buffers are allocated outside inference mode even when the pool is built inside
+one, so a pool made under ``torch.inference_mode()`` can still be loaded outside it.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from moelora_core.adapter_config import fp32_scaling
 from moelora_core.errors import InvalidFieldError, SlotError
 from moelora_core.layer_spec import ALL_MODULES, DENSE_MODULES, MOE_MODULES, LoRALayerSpec
 
@@ -42,9 +48,11 @@ class ModuleLoRA:
     """One module's LoRA factors for one adapter, as the checkpoint readers produce them.
 
     Attributes:
-        lora_A: MoE modules: [E, r, in]; dense modules: [r, in]. Any floating dtype.
+        lora_A: MoE modules: [E, r, in]; dense modules: [r, in]. Any floating dtype, any device
+            but ``meta``.
         lora_B: MoE modules: [E, out, r]; dense modules: [out, r].
-        scaling: the module's σ (α/r or α/√r with the module's own r and α).
+        scaling: the module's σ (α/r or α/√r with the module's own r and α): an int or float
+            that fp32 holds (checked by ``LoRAWeights.validate``).
     """
 
     lora_A: torch.Tensor
@@ -81,14 +89,17 @@ class LoRAWeights:
         self.spec = spec
         L, E, R, H, I = spec.max_loras, spec.E, spec.R, spec.H, spec.I  # noqa: E741
         kw = {"dtype": spec.dtype, "device": spec.device}
-        self.gate_up_A = torch.zeros(2, L, E, R, H, **kw)
-        self.gate_up_B = torch.zeros(2, L, E, I, R, **kw)
-        self.down_A = torch.zeros(L, E, R, I, **kw)
-        self.down_B = torch.zeros(L, E, H, R, **kw)
-        self.dense_A = {m: torch.zeros(L, R, fin, **kw) for m, (fin, _) in spec.dense_shapes.items()}
-        self.dense_B = {m: torch.zeros(L, fout, R, **kw) for m, (_, fout) in spec.dense_shapes.items()}
-        self.module_ranks = torch.zeros(len(ALL_MODULES), L, dtype=torch.int32, device=spec.device)
-        self.module_scalings = torch.zeros(len(ALL_MODULES), L, dtype=torch.float32, device=spec.device)
+        # Inference tensors cannot be updated in place outside inference mode: a pool built inside
+        # torch.inference_mode() must still accept load_slot later.
+        with torch.inference_mode(False):
+            self.gate_up_A = torch.zeros(2, L, E, R, H, **kw)
+            self.gate_up_B = torch.zeros(2, L, E, I, R, **kw)
+            self.down_A = torch.zeros(L, E, R, I, **kw)
+            self.down_B = torch.zeros(L, E, H, R, **kw)
+            self.dense_A = {m: torch.zeros(L, R, fin, **kw) for m, (fin, _) in spec.dense_shapes.items()}
+            self.dense_B = {m: torch.zeros(L, fout, R, **kw) for m, (_, fout) in spec.dense_shapes.items()}
+            self.module_ranks = torch.zeros(len(ALL_MODULES), L, dtype=torch.int32, device=spec.device)
+            self.module_scalings = torch.zeros(len(ALL_MODULES), L, dtype=torch.float32, device=spec.device)
         self.host_ranks: dict[str, list[int]] = {m: [0] * L for m in ALL_MODULES}
         self.host_scalings: dict[str, list[float]] = {m: [0.0] * L for m in ALL_MODULES}
         self.host_adapter_scalings: list[float] = [0.0] * L
@@ -157,7 +168,7 @@ class LoRAWeights:
     def validate(self, slot: int, adapter: Mapping[str, ModuleLoRA]) -> dict[str, ModuleLoRA]:
         """Check that ``adapter`` can be loaded into ``slot`` of this pool, writing nothing.
 
-        The checks of :meth:`load_slot` (which calls this before its first write), for callers
+        The checks of :meth:`load_slot` (which makes them before its first write), for callers
         that must validate several pools before writing any (``checkpoint.load_adapter_into_slot``).
         An empty ``adapter`` only checks the slot.
 
@@ -171,14 +182,23 @@ class LoRAWeights:
 
         Raises:
             SlotError: slot out of range (checked first).
-            InvalidFieldError: a module not in this layer, not a ``ModuleLoRA``, non-floating
-                factors, wrong dims or shapes, rank outside [1, R], non-finite σ, NaN/Inf weights
-                (field ``adapter[<module>]...``).
+            InvalidFieldError: ``adapter`` not a mapping; a module not in this layer, not a
+                ``ModuleLoRA``, non-floating or meta-device factors, wrong dims or shapes, rank
+                outside [1, R], a σ that is not a real number or not finite in fp32, NaN/Inf in a
+                factor as given or after the cast to the pool's dtype (field ``adapter[<module>]...``).
         """
+        return {m: lora for m, (lora, _, _) in self._checked(slot, adapter).items()}
+
+    def _checked(
+        self, slot: int, adapter: Mapping[str, ModuleLoRA]
+    ) -> dict[str, tuple[ModuleLoRA, torch.Tensor, torch.Tensor]]:
+        """module → (the caller's ModuleLoRA, A and B cast to the pool's dtype, detached)."""
         self._check_slot(slot)
+        if not isinstance(adapter, Mapping):
+            raise InvalidFieldError("adapter", f"must be a mapping module -> ModuleLoRA, got {type(adapter).__name__}")
         return {m: self._validated_module(m, lora) for m, lora in adapter.items()}
 
-    def _validated_module(self, module: str, lora: ModuleLoRA) -> ModuleLoRA:
+    def _validated_module(self, module: str, lora: ModuleLoRA) -> tuple[ModuleLoRA, torch.Tensor, torch.Tensor]:
         spec = self.spec
         if module not in MOE_MODULES and module not in spec.dense_shapes:
             known = MOE_MODULES + tuple(m for m in DENSE_MODULES if m in spec.dense_shapes)
@@ -192,6 +212,8 @@ class LoRAWeights:
         for name, t in (("lora_A", A), ("lora_B", B)):
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 raise InvalidFieldError(f"adapter[{module!r}].{name}", "must be a floating-point tensor")
+            if t.device.type == "meta":
+                raise InvalidFieldError(f"adapter[{module!r}].{name}", "is on the meta device (it holds no values)")
             if t.dim() != len(lead) + 2:
                 raise InvalidFieldError(
                     f"adapter[{module!r}].{name}",
@@ -206,12 +228,22 @@ class LoRAWeights:
             raise InvalidFieldError(f"adapter[{module!r}].lora_B", f"expected shape {want_B}, got {tuple(B.shape)}")
         if not 1 <= r <= spec.R:
             raise InvalidFieldError(f"adapter[{module!r}].rank", f"rank {r} is outside [1, max_rank={spec.R}]")
-        if not math.isfinite(float(lora.scaling)):
-            raise InvalidFieldError(f"adapter[{module!r}].scaling", f"must be finite, got {lora.scaling}")
-        for name, t in (("lora_A", A), ("lora_B", B)):
-            if not bool(torch.isfinite(t).all()):
-                raise InvalidFieldError(f"adapter[{module!r}].{name}", "holds NaN or Inf")
-        return lora
+        fp32_scaling(f"adapter[{module!r}].scaling", lora.scaling)
+        cast = []
+        with torch.no_grad():
+            for name, t in (("lora_A", A), ("lora_B", B)):
+                # Finite as given is not enough: fp32 values above 65504 become Inf in an fp16 pool.
+                c = t.detach().to(spec.dtype)
+                if not bool(torch.isfinite(c).all()):
+                    if not bool(torch.isfinite(t).all()):
+                        raise InvalidFieldError(f"adapter[{module!r}].{name}", "holds NaN or Inf")
+                    raise InvalidFieldError(
+                        f"adapter[{module!r}].{name}",
+                        f"overflows the pool's {str(spec.dtype).removeprefix('torch.')} when cast from "
+                        f"{str(t.dtype).removeprefix('torch.')} (max |w| = {float(t.detach().abs().max()):.3g})",
+                    )
+                cast.append(c)
+        return lora, cast[0], cast[1]
 
     def load_slot(
         self, slot: int, adapter: Mapping[str, ModuleLoRA], *, adapter_scaling: float | None = None
@@ -219,39 +251,41 @@ class LoRAWeights:
         """Load one adapter's layer tensors into ``slot``, replacing what was there.
 
         Ranks below R are zero-padded; modules absent from ``adapter`` are zeroed with rank 0 and
-        σ 0. Tensors are cast to the spec's dtype and copied (the caller's tensors are not kept).
-        Everything is validated before the first write: on error the slot is unchanged.
+        σ 0. Tensors are cast to the spec's dtype and copied under ``torch.no_grad()`` (the
+        caller's tensors and their autograd history are not kept). Everything is validated before
+        the first write: on error the slot is unchanged.
 
         Args:
             slot: slot index in ``[0, max_loras)``.
             adapter: module name ("gate", "up", "down", "q", "k", "v", "o") → ``ModuleLoRA``.
-            adapter_scaling: the adapter-level σ reported in ``slot_scalings()``; defaults to the
-                σ of the first present module in ``ALL_MODULES`` order.
+            adapter_scaling: the adapter-level σ reported in ``slot_scalings()`` (an int or float
+                that fp32 holds); defaults to the σ of the first present module in ``ALL_MODULES`` order.
 
         Raises:
             SlotError: slot out of range.
-            InvalidFieldError: unknown module, wrong shapes or dims, rank outside [1, R], NaN/Inf
-                weights, non-finite σ, an empty adapter.
+            InvalidFieldError: everything :meth:`validate` refuses; an empty adapter; a bad
+                ``adapter_scaling`` (field ``adapter_scaling``).
         """
-        checked = self.validate(slot, adapter)
+        checked = self._checked(slot, adapter)
         if not checked:
             raise InvalidFieldError("adapter", "has no modules; use clear_slot to empty a slot")
         if adapter_scaling is None:
-            adapter_scaling = next(checked[m].scaling for m in ALL_MODULES if m in checked)
-        if not math.isfinite(float(adapter_scaling)):
-            raise InvalidFieldError("adapter_scaling", f"must be finite, got {adapter_scaling}")
+            adapter_scaling = next(checked[m][0].scaling for m in ALL_MODULES if m in checked)
+        adapter_scaling = fp32_scaling("adapter_scaling", adapter_scaling)
         self.clear_slot(slot)
-        for module, lora in checked.items():
-            A, B = self.factors(module)
-            r = lora.rank
-            A[slot, ..., :r, :].copy_(lora.lora_A.to(self.spec.dtype))
-            B[slot, ..., :, :r].copy_(lora.lora_B.to(self.spec.dtype))
-            idx = module_index(module)
-            self.module_ranks[idx, slot] = r
-            self.module_scalings[idx, slot] = float(lora.scaling)
-            self.host_ranks[module][slot] = r
-            self.host_scalings[module][slot] = float(lora.scaling)
-        self.host_adapter_scalings[slot] = float(adapter_scaling)
+        with torch.no_grad():
+            for module, (lora, cast_A, cast_B) in checked.items():
+                A, B = self.factors(module)
+                r = lora.rank
+                sigma = float(lora.scaling)
+                A[slot, ..., :r, :].copy_(cast_A)
+                B[slot, ..., :, :r].copy_(cast_B)
+                idx = module_index(module)
+                self.module_ranks[idx, slot] = r
+                self.module_scalings[idx, slot] = sigma
+                self.host_ranks[module][slot] = r
+                self.host_scalings[module][slot] = sigma
+        self.host_adapter_scalings[slot] = adapter_scaling
 
     def clear_slot(self, slot: int) -> None:
         """Zero every module of ``slot`` (rank 0, σ 0).
@@ -260,12 +294,13 @@ class LoRAWeights:
             SlotError: slot out of range.
         """
         self._check_slot(slot)
-        for t in (self.gate_up_A, self.gate_up_B):
-            t[:, slot].zero_()
-        for t in (self.down_A, self.down_B, *self.dense_A.values(), *self.dense_B.values()):
-            t[slot].zero_()
-        self.module_ranks[:, slot] = 0
-        self.module_scalings[:, slot] = 0.0
+        with torch.no_grad():
+            for t in (self.gate_up_A, self.gate_up_B):
+                t[:, slot].zero_()
+            for t in (self.down_A, self.down_B, *self.dense_A.values(), *self.dense_B.values()):
+                t[slot].zero_()
+            self.module_ranks[:, slot] = 0
+            self.module_scalings[:, slot] = 0.0
         for m in ALL_MODULES:
             self.host_ranks[m][slot] = 0
             self.host_scalings[m][slot] = 0.0

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from moelora_core.adapter_config import AdapterConfig
 from moelora_core.checkpoint.adapter_keys import LoraKey, classify_keys
 from moelora_core.checkpoint.errors import (
     AdapterFormatError,
@@ -149,6 +150,15 @@ def _resolve_fused(
     return {"outer": targeted[0]}
 
 
+def _rank_and_scaling(lora: AdapterConfig, path: str, plan: _Plan, name: str) -> tuple[int, float]:
+    """(rank, σ) of the module at ``path``; a σ the fp32 tables cannot hold (α from ``alpha_pattern``)
+    is refused here, at read time, rather than in the middle of a slot load."""
+    try:
+        return lora.rank_for(path), lora.scaling_for(path)
+    except InvalidFieldError as exc:
+        raise AdapterFormatError(name, f"layer {plan.layer} {plan.module} ({path})", str(exc)) from None
+
+
 def _plan(keys: list[LoraKey], cfg: PeftAdapterConfig, model: MoEModelConfig, name: str) -> list[_Plan]:
     groups = _pairs(keys, name)
     lora = cfg.lora
@@ -172,20 +182,20 @@ def _plan(keys: list[LoraKey], cfg: PeftAdapterConfig, model: MoEModelConfig, na
             path = factors["A"].module_path
             plan = plans.setdefault((layer, target), _Plan(layer, "dense", target, path))
             plan.a_keys[None], plan.b_keys[None] = a, b
-            plan.ranks[None], plan.scalings[None] = lora.rank_for(path), lora.scaling_for(path)
+            plan.ranks[None], plan.scalings[None] = _rank_and_scaling(lora, path, plan, name)
         elif kind == "fused":
             param = resolved[(layer, block)][target]
             path = f"{factors['A'].module_path}.{param}"
             module = "gate_up" if param == "gate_up_proj" else "down"
             plan = plans.setdefault((layer, module), _Plan(layer, module, module, path))
             plan.a_keys[None], plan.b_keys[None] = a, b
-            plan.ranks[None], plan.scalings[None] = lora.rank_for(path), lora.scaling_for(path)
+            plan.ranks[None], plan.scalings[None] = _rank_and_scaling(lora, path, plan, name)
         else:
             path = factors["A"].module_path
             plan = plans.setdefault((layer, target), _Plan(layer, "expert", target,
                                                           path.replace(f".experts.{expert}.", ".experts.*.")))
             plan.a_keys[expert], plan.b_keys[expert] = a, b
-            plan.ranks[expert], plan.scalings[expert] = lora.rank_for(path), lora.scaling_for(path)
+            plan.ranks[expert], plan.scalings[expert] = _rank_and_scaling(lora, path, plan, name)
     for plan in plans.values():
         if plan.kind == "expert" and len(set(plan.scalings.values())) > 1:
             raise AdapterFormatError(name, plan.describe(), "σ differs between experts of one module; moelora keeps "

@@ -1,8 +1,9 @@
 """Load one adapter into one slot of every layer's pool, atomically.
 
 A model has one ``LoRAWeights`` pool per decoder layer. :func:`load_adapter_into_slot` validates the
-adapter against every pool (layer count, module shapes, rank <= R, finiteness) before it writes the
-first layer, so a refusal leaves every slot of every pool exactly as it was. Layers the adapter does
+adapter against every pool (layer count, module shapes, rank <= R, σ and ``adapter_scaling`` as fp32
+values, factors finite after the cast to each pool's dtype) before it writes or clears the first
+layer, so a refusal leaves every slot of every pool exactly as it was. Layers the adapter does
 not touch are cleared in that slot (rank 0, σ 0): a slot holds one adapter, never leftovers of the
 previous one.
 """
@@ -11,11 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
+from moelora_core.adapter_config import fp32_scaling
 from moelora_core.checkpoint.adapter_reader import AdapterWeights
 from moelora_core.checkpoint.errors import ModelMismatchError, RankTooLargeError, ShapeMismatchError
 from moelora_core.errors import InvalidFieldError
 from moelora_core.layer_spec import MOE_MODULES
-from moelora_core.weights import LoRAWeights
+from moelora_core.weights import LoRAWeights, ModuleLoRA
 
 
 def load_adapter_into_slot(
@@ -27,8 +31,8 @@ def load_adapter_into_slot(
         pools: one pool per decoder layer, in layer order.
         slot: the adapter slot, in ``[0, max_loras)`` of every pool.
         adapter: from :func:`~moelora_core.checkpoint.read_adapter` (for the same model).
-        adapter_scaling: the adapter-level σ recorded in each pool (``slot_scalings()``); defaults to
-            :meth:`AdapterWeights.scaling`.
+        adapter_scaling: the adapter-level σ recorded in each pool (``slot_scalings()``), an int or
+            float that fp32 holds; defaults to :meth:`AdapterWeights.scaling`.
 
     Raises:
         SlotError: ``slot`` outside a pool's range.
@@ -36,14 +40,17 @@ def load_adapter_into_slot(
             pool's spec, other dims).
         RankTooLargeError: a module's rank above a pool's max rank R.
         ShapeMismatchError: a factor's shape the pool refuses.
-        InvalidFieldError: anything else ``LoRAWeights.load_slot`` would refuse (non-finite σ, ...).
+        InvalidFieldError: a bad ``adapter_scaling`` (field ``adapter_scaling``); factors that are not
+            tensors of the module's dims; anything else ``LoRAWeights.load_slot`` would refuse (σ not
+            finite in fp32, NaN/Inf after the cast to a pool's dtype, ...), named by adapter and layer.
     """
     name = adapter.name
     if len(pools) != adapter.num_layers:
         raise ModelMismatchError(name, "pools", "one pool per decoder layer is needed",
                                  expected=adapter.num_layers, found=len(pools))
-    if adapter_scaling is None:
-        adapter_scaling = adapter.scaling()
+    # Checked before any layer is cleared: a layer without modules is cleared in the write loop.
+    if adapter_scaling is not None:
+        adapter_scaling = fp32_scaling("adapter_scaling", adapter_scaling)
     for layer, (pool, modules) in enumerate(zip(pools, adapter.layers)):
         pool.validate(slot, {})  # the slot alone: SlotError before anything is written
         spec = pool.spec
@@ -54,6 +61,7 @@ def load_adapter_into_slot(
                                          expected=f"one of {MOE_MODULES + tuple(spec.dense_shapes)}", found=module)
             fin, fout = spec.module_shape(module)
             lead = (spec.E,) if module in MOE_MODULES else ()
+            _check_factor_dims(name, where, lora, len(lead) + 2)
             r = lora.rank
             if r > spec.R:
                 raise RankTooLargeError(name, where, "rank above the pool's max rank", expected=f"<= {spec.R}", found=r)
@@ -67,10 +75,25 @@ def load_adapter_into_slot(
             try:
                 pool.validate(slot, {module: lora})  # the pool's own checks (finiteness, σ), still before any write
             except InvalidFieldError as exc:
-                raise InvalidFieldError(f"adapter {name!r} {where}", exc.problem) from None
-    # Everything fits every pool: write. load_slot re-validates (cheap) and cannot fail now.
+                part = exc.field.removeprefix(f"adapter[{module!r}]").lstrip(".")  # "scaling", "lora_B", ...
+                field = f"adapter {name!r} {where}" + (f" {part}" if part else "")
+                raise InvalidFieldError(field, exc.problem) from None
+    if adapter_scaling is None:  # the modules' σ were checked above, so this one fits fp32 too
+        adapter_scaling = fp32_scaling("adapter_scaling", adapter.scaling())
+    # Everything fits every pool: write. load_slot re-validates and cannot fail now.
     for pool, modules in zip(pools, adapter.layers):
         if modules:
             pool.load_slot(slot, dict(modules), adapter_scaling=adapter_scaling)
         else:
             pool.clear_slot(slot)
+
+
+def _check_factor_dims(name: str, where: str, lora: object, dims: int) -> None:
+    """A hand-built adapter's factors must be tensors of the module's dims before shapes are compared."""
+    if not isinstance(lora, ModuleLoRA):
+        raise InvalidFieldError(f"adapter {name!r} {where}", f"must be a ModuleLoRA, got {type(lora).__name__}")
+    for factor, t in (("lora_A", lora.lora_A), ("lora_B", lora.lora_B)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dims:
+            found = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InvalidFieldError(f"adapter {name!r} {where} {factor}",
+                                    f"expected a tensor of {dims} dims, got {found}")
