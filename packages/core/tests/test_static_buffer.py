@@ -62,3 +62,17 @@ def test_staging_alternates_buffers_and_checks_capacity():
         stage.copy([1, 2], a)
     with staging.batch() as stage, pytest.raises(InvalidFieldError, match="dtype"):
         stage.copy([1.0, 2.0], torch.zeros(2))
+
+
+@pytest.mark.parametrize("built_inside", [True, False], ids=["built-in-inference-mode", "built-outside"])
+def test_buffers_built_in_either_mode_take_staged_writes_in_the_other(built_inside):
+    # Regression (adversarial finding 5): built inside torch.inference_mode(), both were inference
+    # tensors, and every later staged write outside it failed ("Inplace update to inference tensor").
+    with torch.inference_mode(built_inside):
+        buf = StaticBuffer("w", 4, dtype=torch.int32, device="cpu", fill=-1)
+        staging = PinnedStaging(4, torch.int32, "cpu")
+    with torch.inference_mode(not built_inside):
+        with staging.batch() as stage:
+            buf.write([5, 6], stage=stage)
+    assert not buf.tensor.is_inference()
+    assert buf.tensor.tolist() == [5, 6, -1, -1]

@@ -8,7 +8,8 @@ previous copies (issued two batches ago, in practice long finished), so a copy n
 staging the device is still reading. No device value is ever read back.
 
 On a CPU device there is no pinned memory and copies are synchronous; the same code runs with
-plain host tensors.
+plain host tensors. The buffers are normal (not inference) tensors wherever they are built, so a
+staging made inside ``torch.inference_mode()`` serves later batches outside it and vice versa.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ class PinnedStaging:
         self.dtype = dtype
         self.capacity = int(capacity)
         pin = self.device.type == "cuda"
-        self._host = [torch.empty(self.capacity, dtype=dtype, pin_memory=pin) for _ in range(2)]
+        # Normal tensors even when built inside torch.inference_mode(): every later batch writes
+        # them in place, and an inference tensor refuses in-place writes outside inference mode.
+        with torch.inference_mode(False):
+            self._host = [torch.empty(self.capacity, dtype=dtype, pin_memory=pin) for _ in range(2)]
         for host in self._host:
             # The CPU twin of pinned memory: the graph emulator and the host-sync guard treat
             # copies from these buffers as pinned staging, not as device data.

@@ -4,7 +4,9 @@ A CUDA graph binds the addresses of the tensors it reads at capture. Metadata fo
 must therefore be written *into* the captured tensors, never into new ones, and whatever a small
 batch does not overwrite must be reset, or a replay after a larger batch reads stale entries.
 :class:`StaticBuffer` makes both mechanical: ``write`` copies the live values and fills the tail
-in the same call, and ``data_ptr`` is fixed for the buffer's life.
+in the same call, and ``data_ptr`` is fixed for the buffer's life. The tensor is a normal (not an
+inference) tensor wherever it is built, so buffers allocated inside ``torch.inference_mode()`` take
+writes outside it and vice versa.
 """
 
 from __future__ import annotations
@@ -38,7 +40,10 @@ class StaticBuffer:
             raise InvalidFieldError(name, f"capacity must be >= 0, got {capacity}")
         self.name = name
         self.fill = fill
-        self.tensor = torch.full((capacity,), fill, dtype=dtype, device=device)
+        # A normal tensor even when built inside torch.inference_mode(): every batch writes it in
+        # place, and an inference tensor refuses in-place writes outside inference mode.
+        with torch.inference_mode(False):
+            self.tensor = torch.full((capacity,), fill, dtype=dtype, device=device)
         self._ptr = self.tensor.data_ptr()
 
     @property
