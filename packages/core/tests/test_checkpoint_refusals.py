@@ -263,3 +263,27 @@ def test_sigma_overflowing_fp32_is_refused_on_read(tmp_path, extra_conf, fragmen
     cfg = _cfg()
     tensors, conf = _good(cfg)
     _refused(tmp_path, cfg, tensors, {**conf, **extra_conf}, AdapterFormatError, *fragments)
+
+
+@pytest.mark.parametrize(
+    ("extra_conf", "kind", "fragments"),
+    [
+        # Finding 11: [1, 2] raised a raw AttributeError; string lists were iterated by character.
+        ({"target_modules": [1, 2]}, AdapterFormatError,
+         ("adapter_config.json target_modules", "must be a list of module names or one regular-expression string")),
+        ({"target_modules": "q_proj("}, AdapterFormatError, ("target_modules", "not a valid regular expression")),
+        ({"exclude_modules": {"q_proj": 1}}, AdapterFormatError, ("adapter_config.json exclude_modules",)),
+        ({"target_parameters": "mlp.experts.gate_up_proj"}, AdapterFormatError,
+         ("adapter_config.json target_parameters", "a string is not a list", "found 'mlp.experts.gate_up_proj'")),
+        ({"layers_to_transform": ["0"]}, AdapterFormatError, ("layers_to_transform", "list of layer indices")),
+        ({"layers_to_transform": True}, AdapterFormatError, ("layers_to_transform",)),
+        ({"layers_pattern": 3}, AdapterFormatError, ("layers_pattern",)),
+        ({"modules_to_save": "lm_head"}, VocabularyTargetError, ("modules_to_save", "found ['lm_head']")),
+        ({"modules_to_save": "score"}, UnsupportedTargetError, ("modules_to_save", "found ['score']")),
+        ({"modules_to_save": 7}, AdapterFormatError, ("modules_to_save", "must be a list")),
+    ],
+)
+def test_config_fields_of_the_wrong_type_are_named(tmp_path, extra_conf, kind, fragments):
+    cfg = _cfg()
+    tensors, conf = _good(cfg)
+    _refused(tmp_path, cfg, tensors, {**conf, **extra_conf}, kind, *fragments)

@@ -16,10 +16,16 @@ model.layers.l.block_sparse_moe.experts.e.{w1,w3,w2}.lora  ``block_sparse_moe``,
 =========================================================  =========================================
 
 Everything else is refused, by kind (the first non-empty kind in this order wins, listing up to 5
-keys): a LoRA bias (format), DoRA magnitudes, vocabulary keys (embedding / LM head / trainable
-tokens), real modules of the model that moelora does not serve (router, norms, ...), keys made for
-another model (another family's expert names, a layer or expert index past the model's), and keys
-that match no module at all.
+keys): a non-canonical index (``layers.00``, non-ASCII digits; see :mod:`.key_names`), an adapter
+name inside the key (``lora_A.default.weight``), a LoRA bias (all three format errors), DoRA
+magnitudes, vocabulary keys (embedding / LM head / trainable tokens), real modules of the model that
+moelora does not serve (router, norms, ...), keys made for another model (another family's expert
+names, a layer or expert index past the model's), and keys that match no module at all.
+
+``lora_A.default.weight`` is what a model's ``state_dict()`` holds; ``save_pretrained`` strips the
+adapter name. peft 0.21.2 passes unknown keys through unchanged when it loads, so such a file
+loads only under the adapter name ``default`` and is dropped without a warning under any other:
+its meaning depends on how it is loaded, and it is refused with that reason.
 """
 
 from __future__ import annotations
@@ -37,11 +43,16 @@ from moelora_core.checkpoint.errors import (
     VocabularyTargetError,
 )
 from moelora_core.checkpoint.families import ALL_EXPERT_LEAVES, FAMILIES
+from moelora_core.checkpoint.key_names import canonical_key, describe_non_canonical
 from moelora_core.checkpoint.model_config import MoEModelConfig
 from moelora_core.checkpoint.peft_config import VOCABULARY_MODULES
 
 PREFIX = "base_model.model."
 _WRAPPER_PARTS = ("base_layer", "modules_to_save", "original_module", "token_adapter")
+#: A list index as torch names it: ASCII digits, no leading zero (``\d`` would match any script).
+_IDX = r"(0|[1-9][0-9]*)"
+#: ``lora_A.<adapter name>.weight``: the in-memory name of a factor, not the saved one.
+_NAMED_FACTOR = re.compile(r"\.(?:lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)\.([^.]+)\.(?:weight|bias)$")
 
 
 @dataclass(frozen=True)
@@ -114,7 +125,8 @@ def classify_keys(keys: list[str], model: MoEModelConfig, adapter: str) -> list[
         One :class:`LoraKey` per key, in key order.
 
     Raises:
-        AdapterFormatError: a LoRA bias (``lora_B.bias``).
+        AdapterFormatError: a non-canonical index, an adapter name inside keys, a LoRA bias
+            (``lora_B.bias``).
         DoRAError: ``lora_magnitude_vector`` keys.
         VocabularyTargetError: embedding / LM-head / trainable-token keys.
         UnsupportedTargetError: LoRA on a real module moelora does not serve (router, norms, ...).
@@ -124,37 +136,48 @@ def classify_keys(keys: list[str], model: MoEModelConfig, adapter: str) -> list[
     """
     fam = model.family
     blocks, leaves = _alt(fam.expert_blocks), _alt(fam.expert_leaves)
-    dense_re = re.compile(r"model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.lora_([AB])\.weight")
-    fused_re = re.compile(rf"model\.layers\.(\d+)\.({blocks})\.experts\.(base_layer\.)?lora_([AB])\.weight")
-    expert_re = re.compile(rf"model\.layers\.(\d+)\.({blocks})\.experts\.(\d+)\.({leaves})\.lora_([AB])\.weight")
+    dense_re = re.compile(rf"model\.layers\.{_IDX}\.self_attn\.([qkvo])_proj\.lora_([AB])\.weight")
+    fused_re = re.compile(rf"model\.layers\.{_IDX}\.({blocks})\.experts\.(base_layer\.)?lora_([AB])\.weight")
+    expert_re = re.compile(
+        rf"model\.layers\.{_IDX}\.({blocks})\.experts\.{_IDX}\.({leaves})\.lora_([AB])\.weight")
     foreign_blocks = {b for f in FAMILIES.values() for b in f.expert_blocks} - set(fam.expert_blocks)
     foreign_leaves = ALL_EXPERT_LEAVES - set(fam.expert_leaves)
     foreign_forms = []
     if foreign_blocks:
         foreign_forms.append(rf"(?:{_alt(foreign_blocks)})\.")
     if foreign_leaves:
-        foreign_forms.append(rf"[^.]+\.experts\.\d+\.(?:{_alt(foreign_leaves)})\.")
-    foreign_re = re.compile(rf"model\.layers\.\d+\.(?:{'|'.join(foreign_forms)})") if foreign_forms else None
+        foreign_forms.append(rf"[^.]+\.experts\.[0-9]+\.(?:{_alt(foreign_leaves)})\.")
+    foreign_re = re.compile(rf"model\.layers\.[0-9]+\.(?:{'|'.join(foreign_forms)})") if foreign_forms else None
     known = _model_modules(model)
+    present = set(keys)
+    adapter_names: set[str] = set()
 
     found: list[LoraKey] = []
-    refused: dict[type[AdapterRefusal], list[str]] = {}
+    # (kind, problem) → keys; the first non-empty entry in ``problems`` order is raised.
+    refused: dict[str, list[str]] = {}
 
-    def refuse(kind: type[AdapterRefusal], key: str) -> None:
+    def refuse(kind: str, key: str) -> None:
         refused.setdefault(kind, []).append(key)
 
     for key in keys:
+        if canonical_key(key) != key:
+            refuse("index", key)
+            continue
         if not key.startswith(PREFIX):
-            refuse(UnmatchedKeysError, key)
+            refuse("unmatched", key)
             continue
         rest = key[len(PREFIX):]
         parts = rest.split(".")
         if "lora_magnitude_vector" in parts:
-            refuse(DoRAError, key)
+            refuse("dora", key)
             continue
         if (any(p in VOCABULARY_MODULES for p in parts) or any(p.startswith("lora_embedding_") for p in parts)
                 or "trainable_tokens_delta" in parts):
-            refuse(VocabularyTargetError, key)
+            refuse("vocabulary", key)
+            continue
+        if named := _NAMED_FACTOR.search(rest):
+            adapter_names.add(named[1])
+            refuse("adapter_name", key)
             continue
         if m := dense_re.fullmatch(rest):
             layer, target, factor = int(m[1]), m[2], m[3]
@@ -170,33 +193,41 @@ def classify_keys(keys: list[str], model: MoEModelConfig, adapter: str) -> list[
                           f"model.layers.{layer}.{block}.experts.{expert}.{leaf}")
         else:
             if rest.endswith(".lora_B.bias"):
-                refuse(AdapterFormatError, key)
+                refuse("bias", key)
             elif foreign_re is not None and foreign_re.match(rest):
-                refuse(ModelMismatchError, key)
+                refuse("other_model", key)
             elif _module_path(rest) in known:
-                refuse(UnsupportedTargetError, key)
-            elif (m := re.match(r"model\.layers\.(\d+)\.", rest)) and int(m[1]) >= model.num_layers:
-                refuse(ModelMismatchError, key)
+                refuse("unsupported", key)
+            elif (m := re.match(r"model\.layers\.([0-9]+)\.", rest)) and int(m[1]) >= model.num_layers:
+                refuse("other_model", key)
             else:
-                refuse(UnmatchedKeysError, key)
+                refuse("unmatched", key)
             continue
         if rec.layer >= model.num_layers or (rec.expert is not None and rec.expert >= model.num_experts):
-            refuse(ModelMismatchError, key)
+            refuse("other_model", key)
             continue
         found.append(rec)
 
-    problems = {
-        AdapterFormatError: "LoRA bias is not supported",
-        DoRAError: "DoRA magnitude vectors are not supported",
-        VocabularyTargetError: "the adapter changes the embedding / LM head / token vocabulary",
-        UnsupportedTargetError: "LoRA on modules moelora does not serve (router, norms, ...)",
-        ModelMismatchError: f"keys made for another model (this is a {model.num_layers}-layer, "
-                            f"{model.num_experts}-expert {fam.display} model)",
-        UnmatchedKeysError: "keys that match no module of the model",
+    if "index" in refused:
+        shown, problem = describe_non_canonical([(k, canonical_key(k)) for k in refused["index"]], present=present)
+        raise AdapterFormatError(adapter, shown, problem)
+    names = ", ".join(repr(n) for n in sorted(adapter_names))
+    problems: dict[str, tuple[type[AdapterRefusal], str]] = {
+        "adapter_name": (AdapterFormatError,
+                         f"the keys carry the adapter name {names} after lora_A / lora_B (a model's state_dict(), "
+                         "not what save_pretrained writes): peft loads such keys only under that adapter name and "
+                         "drops them under any other; save the adapter with peft's save_pretrained"),
+        "bias": (AdapterFormatError, "LoRA bias is not supported"),
+        "dora": (DoRAError, "DoRA magnitude vectors are not supported"),
+        "vocabulary": (VocabularyTargetError, "the adapter changes the embedding / LM head / token vocabulary"),
+        "unsupported": (UnsupportedTargetError, "LoRA on modules moelora does not serve (router, norms, ...)"),
+        "other_model": (ModelMismatchError, f"keys made for another model (this is a {model.num_layers}-layer, "
+                                            f"{model.num_experts}-expert {fam.display} model)"),
+        "unmatched": (UnmatchedKeysError, "keys that match no module of the model"),
     }
-    for kind, problem in problems.items():
+    for kind, (cls, problem) in problems.items():
         if kind in refused:
             bad = refused[kind]
             shown = ", ".join(bad[:5]) + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else "")
-            raise kind(adapter, shown, f"{len(bad)} key(s): {problem}")
+            raise cls(adapter, shown, f"{len(bad)} key(s): {problem}")
     return found

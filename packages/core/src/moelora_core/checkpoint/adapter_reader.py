@@ -23,8 +23,11 @@ Formats (peft 0.21.2, transformers 5.17):
 σ is returned apart, never folded into B. Weights stored in fp32, fp16 or bf16 are cast to the
 compute dtype.
 
-Everything is validated (config, keys, shapes, ranks, finiteness before and after the cast) before
-anything is returned; refusals are the classes of :mod:`.errors`.
+Only modules the config targets are read: keys of modules peft would not wrap (``target_modules``,
+``exclude_modules``, ``layers_to_transform``; see :mod:`.peft_targets`) are refused, not served.
+
+Everything is validated (config, keys, targets, shapes, ranks, finiteness before and after the
+cast) before anything is returned; refusals are the classes of :mod:`.errors`.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from moelora_core.checkpoint.errors import (
 from moelora_core.checkpoint.families import ALL_EXPERT_LEAVES, DENSE_LEAVES
 from moelora_core.checkpoint.model_config import MoEModelConfig
 from moelora_core.checkpoint.peft_config import PeftAdapterConfig, read_adapter_config
+from moelora_core.checkpoint.peft_targets import refuse_untargeted
 from moelora_core.checkpoint.tensor_source import TensorSource
 from moelora_core.errors import InvalidFieldError
 from moelora_core.layer_spec import ALL_MODULES, SUPPORTED_DTYPES
@@ -332,6 +336,7 @@ def read_adapter(
         keys = classify_keys(src.keys(), model, name)
         if not keys:
             raise AdapterFormatError(name, "adapter_model.safetensors", "holds no LoRA factor")
+        refuse_untargeted(keys, cfg, name)
         for k in keys:
             if src.dtype_name(k.key) not in _FLOATS:
                 raise AdapterFormatError(name, k.key, "not a floating-point tensor", found=src.dtype_name(k.key))

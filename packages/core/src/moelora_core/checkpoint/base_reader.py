@@ -29,6 +29,7 @@ from moelora_core.checkpoint.errors import (
     MissingTensorError,
     UnsupportedModelError,
 )
+from moelora_core.checkpoint.key_names import describe_non_canonical, non_canonical
 from moelora_core.checkpoint.layout import DecoderLayerWeights, ModelWeights
 from moelora_core.checkpoint.model_config import MoEModelConfig, read_model_config
 from moelora_core.checkpoint.tensor_source import TensorSource
@@ -48,8 +49,9 @@ class MoECheckpoint:
         expert_format: per layer, "per_expert" or "fused" (as stored).
 
     Raises (on open):
-        CheckpointFormatError: missing/unreadable files, a duplicated key, keys the layout does not
-            consume, a non-floating tensor.
+        CheckpointFormatError: missing/unreadable files, a duplicated key, a key with a
+            non-canonical index (``experts.00``, non-ASCII digits; see :mod:`.key_names`), a
+            non-floating tensor.
         UnsupportedModelError: see :meth:`MoEModelConfig.from_dict`.
         MissingTensorError: a required tensor is absent.
         CheckpointShapeError: a tensor's shape differs from the config's (expected vs found).
@@ -92,6 +94,10 @@ class MoECheckpoint:
         c = self.config
         H, I, E = c.hidden_size, c.moe_intermediate_size, c.num_experts  # noqa: E741
         dense = c.dense_shapes
+        keys = self._src.keys()
+        if bad := non_canonical(keys):  # before _expect, which would report the canonical key missing
+            shown, problem = describe_non_canonical(bad, present=set(keys))
+            raise CheckpointFormatError(self.path, shown, problem)
         self._expect("model.embed_tokens.weight", (c.vocab_size, H))
         self._expect("model.norm.weight", (H,))
         if "lm_head.weight" in self._src or not c.tie_word_embeddings:

@@ -11,11 +11,19 @@ matching key wins. The path PEFT matches is the module's path in the transformer
   gate_up and down can get separate patterns, and a key such as ``mlp.experts`` matches neither;
 - legacy per-expert modules: ``model.layers.{l}.mlp.experts.{e}.gate_proj`` (Mixtral:
   ``block_sparse_moe.experts.{e}.w1``).
+
+The fields that decide which modules peft wraps (``target_modules``, ``exclude_modules``,
+``layers_to_transform``, ``layers_pattern``, ``target_parameters``) are kept, type-checked, for
+:mod:`.peft_targets`. A field of the wrong JSON type is refused by name (``target_modules: [1, 2]``,
+a string ``target_parameters``) rather than iterated character by character; a single string
+``modules_to_save`` is read as one module name, since any ``modules_to_save`` is refused anyway and
+the refusal should name the module (``"lm_head"`` → :class:`VocabularyTargetError`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +60,10 @@ class PeftAdapterConfig:
         target_parameters: parameter paths or suffixes (``mlp.experts.gate_up_proj``), may be empty.
         base_model_class: ``auto_mapping.base_model_class`` when PEFT recorded it.
         raw: the whole JSON object.
+        exclude_modules: names (list) or a regex string of modules peft must not wrap, or None.
+        layers_to_transform: the layer index (int) or indices peft restricts list-form
+            ``target_modules`` to, or None (every layer).
+        layers_pattern: names of the module list holding the layers (``"layers"``), or None.
     """
 
     name: str
@@ -60,6 +72,9 @@ class PeftAdapterConfig:
     target_parameters: tuple[str, ...]
     base_model_class: str | None
     raw: Mapping[str, object]
+    exclude_modules: tuple[str, ...] | str | None = None
+    layers_to_transform: tuple[int, ...] | int | None = None
+    layers_pattern: tuple[str, ...] | None = None
 
     def targets_parameter(self, param_path: str) -> bool:
         """Whether ``target_parameters`` names ``param_path`` (PEFT's rule: equal, or ends with
@@ -69,6 +84,57 @@ class PeftAdapterConfig:
 
 def _leaf(name: str) -> str:
     return name.rsplit(".", 1)[-1]
+
+
+def _names_or_regex(raw: Mapping[str, object], field: str, name: str) -> tuple[str, ...] | str | None:
+    """A ``target_modules`` / ``exclude_modules`` value: None, a list of names, or one regex string."""
+    value = raw.get(field)
+    where = f"adapter_config.json {field}"
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value.lower() != "all-linear":
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise AdapterFormatError(name, where, f"not a valid regular expression: {exc}",
+                                         found=repr(value)) from None
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise AdapterFormatError(name, where, "must be a list of module names or one regular-expression string",
+                             found=repr(value))
+
+
+def _name_list(raw: Mapping[str, object], field: str, name: str) -> tuple[str, ...]:
+    """A list-of-names field (``target_parameters``): None or a list of strings, nothing else."""
+    value = raw.get(field)
+    if value is None:
+        return ()
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise AdapterFormatError(name, f"adapter_config.json {field}", "must be a list of names (a string is not a list)",
+                             found=repr(value))
+
+
+def _layer_filter(raw: Mapping[str, object], name: str) -> tuple[tuple[int, ...] | int | None, tuple[str, ...] | None]:
+    """``layers_to_transform`` (None, an int or a list of ints) and ``layers_pattern`` (None, a
+    string or a list of strings)."""
+    indexes = raw.get("layers_to_transform")
+
+    def is_int(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not (indexes is None or is_int(indexes) or (isinstance(indexes, list) and all(is_int(v) for v in indexes))):
+        raise AdapterFormatError(name, "adapter_config.json layers_to_transform",
+                                 "must be a layer index or a list of layer indices", found=repr(indexes))
+    pattern = raw.get("layers_pattern")
+    if isinstance(pattern, str):
+        pattern = [pattern]
+    if not (pattern is None or (isinstance(pattern, list) and all(isinstance(v, str) for v in pattern))):
+        raise AdapterFormatError(name, "adapter_config.json layers_pattern",
+                                 "must be a name or a list of names of the layer list", found=repr(pattern))
+    return (tuple(indexes) if isinstance(indexes, list) else indexes), (tuple(pattern) if pattern else None)
 
 
 def parse_adapter_config(
@@ -92,8 +158,8 @@ def parse_adapter_config(
             ``auto_mapping.base_model_class`` differs was made for another model.
 
     Raises:
-        AdapterFormatError: not LoRA; malformed r / α / patterns; lora bias, fan_in_fan_out, or a
-            LoRA variant.
+        AdapterFormatError: not LoRA; malformed r / α / patterns; a target field of the wrong type
+            or an invalid regular expression; lora bias, fan_in_fan_out, or a LoRA variant.
         ModelMismatchError: made for another architecture, or names another family's experts.
         DoRAError: ``use_dora``.
         VocabularyTargetError: ``trainable_token_indices``, or embedding / LM-head targets or
@@ -110,8 +176,11 @@ def parse_adapter_config(
     if base_class and architecture and base_class != architecture:
         raise ModelMismatchError(name, "adapter_config.json auto_mapping.base_model_class",
                                  "the adapter was made for another model", expected=architecture, found=base_class)
-    targets = raw.get("target_modules")
-    leaves = [_leaf(t) for t in targets] if isinstance(targets, list) else []
+    targets = _names_or_regex(raw, "target_modules", name)
+    exclude = _names_or_regex(raw, "exclude_modules", name)
+    params = _name_list(raw, "target_parameters", name)
+    layers_to_transform, layers_pattern = _layer_filter(raw, name)
+    leaves = [_leaf(t) for t in targets] if isinstance(targets, tuple) else []
     foreign = sorted({t for t in leaves if t in foreign_leaves})
     if foreign:
         raise ModelMismatchError(name, "adapter_config.json target_modules", "names the experts of another model "
@@ -123,7 +192,12 @@ def parse_adapter_config(
             name, "adapter_config.json trainable_token_indices", "the adapter trains token embeddings "
             "(added or re-trained tokens)", found=raw["trainable_token_indices"],
         )
-    saved = [str(m) for m in (raw.get("modules_to_save") or [])]
+    saved_raw = raw.get("modules_to_save") or []
+    saved_raw = [saved_raw] if isinstance(saved_raw, str) else saved_raw
+    if not isinstance(saved_raw, list):
+        raise AdapterFormatError(name, "adapter_config.json modules_to_save", "must be a list of module names",
+                                 found=repr(saved_raw))
+    saved = [str(m) for m in saved_raw]
     vocab = sorted({t for t in leaves + [_leaf(m) for m in saved] if t in VOCABULARY_MODULES})
     if vocab:
         raise VocabularyTargetError(name, "adapter_config.json target_modules/modules_to_save",
@@ -142,7 +216,6 @@ def parse_adapter_config(
     if unsupported:
         raise UnsupportedTargetError(name, "adapter_config.json target_modules", "targets moelora does not serve",
                                      expected=f"a subset of {sorted(supported_leaves)}", found=unsupported)
-    params = tuple(str(p) for p in (raw.get("target_parameters") or []))
     bad_params = [p for p in params if _leaf(p) not in EXPERT_PARAMETERS or ".experts." not in f".{p}"]
     if bad_params:
         raise UnsupportedTargetError(name, "adapter_config.json target_parameters", "parameters moelora does not "
@@ -161,10 +234,13 @@ def parse_adapter_config(
     return PeftAdapterConfig(
         name=name,
         lora=lora,
-        target_modules=tuple(targets) if isinstance(targets, list) else targets,
+        target_modules=targets,
         target_parameters=params,
         base_model_class=str(base_class) if base_class else None,
         raw=dict(raw),
+        exclude_modules=exclude,
+        layers_to_transform=layers_to_transform,
+        layers_pattern=layers_pattern,
     )
 
 
