@@ -15,11 +15,21 @@ only in where the rank-wide intermediate lives:
 - chunked SGMV (``csgmv``: tokens stably sorted by adapter, cut into chunks, always permuted):
   ``i_t = i``, the sorted position, so the intermediate is read and written contiguously.
 
-Early exits first: a tile past its segment's length, a segment of slot -1 (NO_ADAPTER), a module
-rank of 0. Rows they would cover are not touched. Ranks are per slot (mixed in one batch); the
-rank loop is bounded by the slot's rank (and the host ``max_rank``), so smaller adapters move
-fewer bytes. Both kernels share the early exits (``_segment_work``) and the tile's positions and
-rows (``_segment_rows``); the shrink's K loop is ``_tiles.accumulate_k`` (jit helpers, inlined).
+Early exits first: a tile past its segment's length, a segment of slot -1 (NO_ADAPTER) or of a
+slot outside [0, L), a module rank of 0. Rows they would cover are not touched.
+
+Range contract of the device metadata (what a backend writes; checked in the kernels against the
+host ints T and L, because the launchers never read the device): ``weight_indices`` in [-1, L);
+``seg_indptr`` non-decreasing within [0, T]; ``permutation`` entries in [0, T). Out-of-range
+values add nothing and are never dereferenced: a slot outside [0, L) skips its segment, and a
+position outside [0, T) or one whose permutation row lies outside [0, T) is masked (neither read
+nor written). The host ``max_len`` must bound every segment's length: positions of a segment past
+``max_len`` are not computed (no program covers them; the device cannot tell the host).
+
+Ranks are per slot (mixed in one batch); the rank loop is bounded by the slot's rank (and the host
+``max_rank``), so smaller adapters move fewer bytes. Both kernels share the early exits
+(``_segment_work``) and the tile's positions and rows (``_segment_rows``); the shrink's K loop is
+``_tiles.accumulate_k`` (jit helpers, inlined).
 
 Tensors (T tokens, S segments, L slots, R pool rank):
 
@@ -46,15 +56,17 @@ from moelora_kernels._tiles import accumulate_k
 
 
 @triton.jit
-def _segment_work(seg, tile, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, rank_bound, BLOCK_S: tl.constexpr):
+def _segment_work(seg, tile, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, rank_bound, num_slots,
+                  BLOCK_S: tl.constexpr):
     """(start, end, slot, rank) of tile ``tile`` of segment ``seg``; rank 0 when the tile has no
     work. The early exits of the module docstring, in its order, each before the next load."""
-    start = tl.load(seg_indptr_ptr + seg)
-    end = tl.load(seg_indptr_ptr + seg + 1)
+    start = tl.load(seg_indptr_ptr + seg).to(tl.int64)
+    end = tl.load(seg_indptr_ptr + seg + 1).to(tl.int64)
     if tile * BLOCK_S >= end - start:
         return start, end, -1, 0
     slot = tl.load(weight_indices_ptr + seg)
-    if slot < 0:
+    # NO_ADAPTER, and any slot outside the pool: never an index into ranks, A or B
+    if (slot < 0) | (slot >= num_slots):
         return start, end, slot, 0
     rank = tl.minimum(tl.load(ranks_ptr + slot), rank_bound)
     if rank <= 0:
@@ -63,17 +75,20 @@ def _segment_work(seg, tile, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, rank
 
 
 @triton.jit
-def _segment_rows(start, end, tile, permutation_ptr, BLOCK_S: tl.constexpr, HAS_PERMUTATION: tl.constexpr):
-    """(pos [BLOCK_S] int64, pos_ok, rows): the tile's sorted positions, which of them lie in the
-    segment, and the token row each reads (``permutation[pos]``, or ``pos`` without one)."""
-    pos = start + tile * BLOCK_S + tl.arange(0, BLOCK_S)
-    pos_ok = pos < end
-    pos64 = pos.to(tl.int64)
+def _segment_rows(start, end, tile, permutation_ptr, num_tokens, BLOCK_S: tl.constexpr,
+                  HAS_PERMUTATION: tl.constexpr):
+    """(pos [BLOCK_S] int64, ok, rows): the tile's sorted positions, which of them to compute, and
+    the token row each reads (``permutation[pos]``, or ``pos`` without one). A position is ok when it
+    lies in the segment and in [0, T) and its row lies in [0, T): offsets or a permutation out of
+    range add nothing and are never dereferenced."""
+    pos64 = start + tile * BLOCK_S + tl.arange(0, BLOCK_S)
+    ok = (pos64 < end) & (pos64 >= 0) & (pos64 < num_tokens)
     if HAS_PERMUTATION:
-        rows = tl.load(permutation_ptr + pos64, mask=pos_ok, other=0).to(tl.int64)
+        rows = tl.load(permutation_ptr + pos64, mask=ok, other=0).to(tl.int64)
+        ok = ok & (rows >= 0) & (rows < num_tokens)
     else:
         rows = pos64
-    return pos64, pos_ok, rows
+    return pos64, ok, rows
 
 
 @triton.jit
@@ -82,6 +97,8 @@ def _dense_lora_shrink_kernel(
     x_ptr, a_ptr, inter_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, permutation_ptr,
     # sizes
     K, R, rank_bound,
+    num_tokens,              # T: rows of x, the intermediate and the permutation
+    num_slots,               # L: slots of lora_a / ranks
     # strides
     stride_xm, stride_al, stride_ar, stride_im,
     # meta-parameters
@@ -93,11 +110,11 @@ def _dense_lora_shrink_kernel(
     tile = tl.program_id(1)
     # --- early exits ---------------------------------------------------------------------------
     start, end, slot, rank = _segment_work(seg, tile, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, rank_bound,
-                                           BLOCK_S)
+                                           num_slots, BLOCK_S)
     if rank <= 0:
         return
     # --- tile ----------------------------------------------------------------------------------
-    pos64, pos_ok, rows = _segment_rows(start, end, tile, permutation_ptr, BLOCK_S, HAS_PERMUTATION)
+    pos64, pos_ok, rows = _segment_rows(start, end, tile, permutation_ptr, num_tokens, BLOCK_S, HAS_PERMUTATION)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     offs_k = tl.arange(0, BLOCK_K)
@@ -121,6 +138,8 @@ def _dense_lora_expand_kernel(
     inter_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, scalings_ptr, permutation_ptr,
     # sizes
     N, rank_bound,
+    num_tokens,              # T: rows of the intermediate, out and the permutation
+    num_slots,               # L: slots of lora_b / ranks / scalings
     # strides
     stride_im, stride_bl, stride_bn, stride_om,
     # meta-parameters
@@ -133,11 +152,11 @@ def _dense_lora_expand_kernel(
     pid_n = tl.program_id(2)
     # --- early exits ---------------------------------------------------------------------------
     start, end, slot, rank = _segment_work(seg, tile, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, rank_bound,
-                                           BLOCK_S)
+                                           num_slots, BLOCK_S)
     if rank <= 0:
         return
     # --- tile ----------------------------------------------------------------------------------
-    pos64, pos_ok, rows = _segment_rows(start, end, tile, permutation_ptr, BLOCK_S, HAS_PERMUTATION)
+    pos64, pos_ok, rows = _segment_rows(start, end, tile, permutation_ptr, num_tokens, BLOCK_S, HAS_PERMUTATION)
     if INTER_SORTED:
         i_rows = pos64
     else:

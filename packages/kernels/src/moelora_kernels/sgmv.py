@@ -67,7 +67,7 @@ def _shrink(x, lora_a, seg_indptr, weight_indices, ranks, permutation, max_len, 
     grid = check_grid(name, (S, triton.cdiv(max_len, cfg["BLOCK_S"])))
     _dense_lora_shrink_kernel[grid](
         x, lora_a, out, seg_indptr, weight_indices, ranks, permutation if permutation is not None else seg_indptr,
-        K, R, bound,
+        K, R, bound, T, L,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
         BLOCK_S=cfg["BLOCK_S"], BLOCK_R=next_pow2(bound, 16), BLOCK_K=cfg["BLOCK_K"],
         HAS_PERMUTATION=permutation is not None, INTER_SORTED=inter_sorted, **gemm_launch_options(dtype, tf32, cfg),
@@ -96,7 +96,7 @@ def _expand(intermediate, lora_b, seg_indptr, weight_indices, ranks, scalings, p
     _dense_lora_expand_kernel[grid](
         intermediate, lora_b, out, seg_indptr, weight_indices, ranks, scalings,
         permutation if permutation is not None else seg_indptr,
-        N, bound,
+        N, bound, T, L,
         intermediate.stride(0), lora_b.stride(0), lora_b.stride(1), out.stride(0),
         BLOCK_S=cfg["BLOCK_S"], BLOCK_R=next_pow2(bound, 16), BLOCK_N=cfg["BLOCK_N"],
         HAS_PERMUTATION=permutation is not None, INTER_SORTED=inter_sorted, **gemm_launch_options(dtype, tf32, cfg),
