@@ -154,7 +154,8 @@ def test_rank_from_config_must_match_file(tmp_path):
     cfg = _cfg()
     tensors, conf = _good(cfg, r=2)
     _refused(tmp_path, cfg, tensors, {**conf, "rank_pattern": {"q_proj": 3}}, ShapeMismatchError,
-             "self_attn.q_proj.lora_A.weight", "at rank 3", "expected (3, 24), found (2, 24)")
+             "self_attn.q_proj.lora_A.weight", "the file's rank differs from the rank the config gives layer 0 q",
+             "expected 3, found 2")
 
 
 def test_rank_above_pool(tmp_path):
@@ -287,3 +288,24 @@ def test_config_fields_of_the_wrong_type_are_named(tmp_path, extra_conf, kind, f
     cfg = _cfg()
     tensors, conf = _good(cfg)
     _refused(tmp_path, cfg, tensors, {**conf, **extra_conf}, kind, *fragments)
+
+
+@pytest.mark.parametrize(("r_conf", "found"), [(1, 2), (4, 2)])
+def test_config_rank_other_than_the_files_names_the_rank(tmp_path, r_conf, found):
+    # Finding 11: r = 4 for a file of rank 8 was reported as "number of experts (expected 6,
+    # found 12)": the fused lora_A rows are E·r, and the reader divided by the config's r.
+    cfg = _cfg()
+    tensors, conf = _good(cfg, r=2)
+    err = _refused(tmp_path, cfg, tensors, {**conf, "r": r_conf, "lora_alpha": 2 * r_conf}, ShapeMismatchError,
+                   "rank", f"expected {r_conf}, found {found}")
+    assert "number of experts" not in str(err)
+
+
+def test_expert_only_adapter_with_another_rank_names_both_readings(tmp_path):
+    # Finding 11, without dense factors to show the file's rank: E'·r' rows fit either another
+    # expert count or another rank, and the message says both.
+    cfg = _cfg()
+    tensors, conf = _good(cfg, r=2)
+    tensors = {k: v for k, v in tensors.items() if "self_attn" not in k}
+    _refused(tmp_path, cfg, tensors, {**conf, "r": 1, "lora_alpha": 2, "target_modules": []}, ModelMismatchError,
+             "number of experts", "expected 4, found 8", "or the file's expert rank is 2 where the config says [1]")

@@ -76,3 +76,38 @@ def test_buffers_built_in_either_mode_take_staged_writes_in_the_other(built_insi
             buf.write([5, 6], stage=stage)
     assert not buf.tensor.is_inference()
     assert buf.tensor.tolist() == [5, 6, -1, -1]
+
+
+@pytest.mark.parametrize("values", [[2**31], [-(2**31) - 1], [1, 2**40]])
+def test_host_values_outside_the_dtype_are_refused_and_change_nothing(values):
+    # Finding 11: write([2**31]) into an int32 buffer raised a raw RuntimeError from the copy.
+    buf = StaticBuffer("seg_indptr", 4, dtype=torch.int32, device="cpu", fill=-1)
+    buf.write([1, 2])
+    with pytest.raises(InvalidFieldError, match=r"seg_indptr: .*outside int32"):
+        buf.write(values)
+    staging = PinnedStaging(8, torch.int32, "cpu")
+    with staging.batch() as stage, pytest.raises(InvalidFieldError, match="outside int32"):
+        buf.write(values, stage=stage)
+    assert buf.tensor.tolist() == [1, 2, -1, -1]
+
+
+def test_float_tensor_into_an_integer_buffer_is_refused():
+    # A float tensor would be truncated silently ([1.7, 2.9] -> [1, 2]).
+    buf = StaticBuffer("weight_indices", 3, dtype=torch.int32, device="cpu", fill=-1)
+    with pytest.raises(InvalidFieldError, match=r"weight_indices: .*float"):
+        buf.write(torch.tensor([1.7, 2.9]))
+    assert buf.tensor.tolist() == [-1, -1, -1]
+
+
+def test_buffer_keeps_no_autograd_history():
+    buf = StaticBuffer("scalings", 4, dtype=torch.float32, device="cpu", fill=0.0)
+    buf.write(torch.ones(2, requires_grad=True))
+    assert not buf.tensor.requires_grad and buf.tensor.grad_fn is None
+    assert buf.tensor.tolist() == [1.0, 1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("capacity", [2.5, "4", True, -1])
+def test_capacity_must_be_a_non_negative_int(capacity):
+    with pytest.raises(InvalidFieldError, match="capacity"):
+        StaticBuffer("b", capacity, dtype=torch.int32, device="cpu", fill=-1)
+

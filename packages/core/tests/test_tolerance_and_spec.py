@@ -56,6 +56,9 @@ def test_assert_exact_reports_coordinates():
         ({"dense_shapes": {"gate": (4, 4)}}, "dense_shapes['gate']"),
         ({"dense_shapes": {"q": (4,)}}, "dense_shapes['q']"),
         ({"dtype": torch.int8}, "dtype"),
+        # adversarial inputs: raw TypeError / RuntimeError before
+        ({"dense_shapes": None}, "dense_shapes"),
+        ({"device": "bogus"}, "device"),
     ],
 )
 def test_layer_spec_validation(kw, field):

@@ -8,11 +8,11 @@ only (no device reads). Every field is validated on construction and the error n
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from moelora_core.adapter_config import fp32_scaling
 from moelora_core.errors import InvalidFieldError
 from moelora_core.forward_mode import ForwardMode
 from moelora_core.sentinels import NO_ADAPTER
@@ -60,7 +60,8 @@ class BatchSpec:
         InvalidFieldError: an adapter id outside ``[-1, max_loras)``; a negative or zero
             ``extend_len``; a negative ``prefix_len``; unequal lengths in DECODE; requests in an
             IDLE batch; an EXTEND/DECODE batch without requests; ``lora_ranks`` / ``scalings`` not
-            of length ``max_loras``; a negative rank; a non-finite σ.
+            of length ``max_loras``; a negative rank; a σ that is not a real number or not finite
+            in fp32.
     """
 
     forward_mode: ForwardMode
@@ -82,16 +83,14 @@ class BatchSpec:
         _check_int("max_loras", max_loras, minimum=1)
         requests = tuple(requests)
         lora_ranks = tuple(lora_ranks)
-        scalings = tuple(float(s) for s in scalings)
+        # σ is staged into fp32 buffers: a string, NaN/Inf or 1e39 must fail here, by name.
+        scalings = tuple(fp32_scaling(f"scalings[{slot}]", s) for slot, s in enumerate(scalings))
         if len(lora_ranks) != max_loras:
             raise InvalidFieldError("lora_ranks", f"must have max_loras={max_loras} entries, got {len(lora_ranks)}")
         if len(scalings) != max_loras:
             raise InvalidFieldError("scalings", f"must have max_loras={max_loras} entries, got {len(scalings)}")
         for slot, rank in enumerate(lora_ranks):
             _check_int(f"lora_ranks[{slot}]", rank, minimum=0)
-        for slot, s in enumerate(scalings):
-            if not math.isfinite(s):
-                raise InvalidFieldError(f"scalings[{slot}]", f"must be finite, got {s}")
         for i, req in enumerate(requests):
             if not isinstance(req, Request):
                 raise InvalidFieldError(f"requests[{i}]", f"must be a Request, got {type(req).__name__}")

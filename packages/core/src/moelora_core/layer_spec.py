@@ -45,8 +45,8 @@ class LoRALayerSpec:
             Only meaningful for backends whose capabilities declare ``virtual_experts``.
 
     Raises:
-        InvalidFieldError: a non-positive size, ``top_k > num_experts``, an unknown dense module,
-            an unsupported dtype.
+        InvalidFieldError: a non-positive size, ``top_k > num_experts``, ``dense_shapes`` not a
+            mapping or an unknown dense module, an unsupported dtype, an unparsable device.
     """
 
     hidden_size: int
@@ -65,6 +65,8 @@ class LoRALayerSpec:
             _positive(name, getattr(self, name))
         if self.top_k > self.num_experts:
             raise InvalidFieldError("top_k", f"must be <= num_experts={self.num_experts}, got {self.top_k}")
+        if not isinstance(self.dense_shapes, Mapping):
+            raise InvalidFieldError("dense_shapes", f"must be a mapping module -> (in, out), got {self.dense_shapes!r}")
         shapes = {}
         for module, shape in dict(self.dense_shapes).items():
             if module not in DENSE_MODULES:
@@ -80,7 +82,11 @@ class LoRALayerSpec:
         object.__setattr__(self, "dense_shapes", MappingProxyType(shapes))
         if self.dtype not in SUPPORTED_DTYPES:
             raise InvalidFieldError("dtype", f"must be one of {SUPPORTED_DTYPES}, got {self.dtype}")
-        object.__setattr__(self, "device", torch.device(self.device))
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise InvalidFieldError("device", f"not a torch device: {self.device!r} ({exc})") from None
+        object.__setattr__(self, "device", device)
 
     @property
     def H(self) -> int:

@@ -36,8 +36,8 @@ class StaticBuffer:
     def __init__(
         self, name: str, capacity: int, *, dtype: torch.dtype, device: torch.device | str, fill: int | float
     ) -> None:
-        if capacity < 0:
-            raise InvalidFieldError(name, f"capacity must be >= 0, got {capacity}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise InvalidFieldError(name, f"capacity must be an int >= 0, got {capacity!r}")
         self.name = name
         self.fill = fill
         # A normal tensor even when built inside torch.inference_mode(): every batch writes it in
@@ -75,25 +75,51 @@ class StaticBuffer:
         """Write ``values`` into the head and ``tail_fill`` (default ``fill``) into the rest, in place.
 
         Host sequences go through ``stage`` (a pinned staging writer) when given, as one
-        non-blocking copy of the whole buffer; device tensors are copied on the device.
+        non-blocking copy of the whole buffer; device tensors are copied on the device (their
+        values are not read back, so only their dtype is checked). Writes run under
+        ``torch.no_grad()``: the buffer never records autograd history.
 
         Returns:
             ``self.tensor`` (same storage as before).
 
         Raises:
-            InvalidFieldError: more values than capacity (nothing is written).
+            InvalidFieldError: more values than capacity; a floating tensor for an integer buffer,
+                which a copy would truncate; host values outside an integer buffer's range
+                (``2**31`` for int32). Nothing is written.
         """
+        integer = not self.tensor.dtype.is_floating_point
         if isinstance(values, torch.Tensor):
             n = values.numel()
             if n > self.capacity:
                 raise InvalidFieldError(self.name, f"{n} values exceed capacity {self.capacity}")
-            self.tensor[:n].copy_(values.reshape(-1))
-            self.tensor[n:].fill_(self.fill if tail_fill is None else tail_fill)
+            if integer and (values.is_floating_point() or values.is_complex()):
+                raise InvalidFieldError(self.name, f"{values.dtype} values for a {self.tensor.dtype} buffer "
+                                                   "(a copy would truncate them)")
+            with torch.no_grad():
+                self.tensor[:n].copy_(values.reshape(-1))
+                self.tensor[n:].fill_(self.fill if tail_fill is None else tail_fill)
         else:
             full = self.padded(values, tail_fill)
-            if stage is not None:
-                stage.copy(full, self.tensor)
-            else:
-                self.tensor.copy_(torch.as_tensor(full, dtype=self.tensor.dtype))
+            self._check_host_values(values)
+            with torch.no_grad():
+                if stage is not None:
+                    stage.copy(full, self.tensor)
+                else:
+                    self.tensor.copy_(torch.as_tensor(full, dtype=self.tensor.dtype))
         assert self.tensor.data_ptr() == self._ptr  # in-place by construction
         return self.tensor
+
+    def _check_host_values(self, values: Sequence[int] | Sequence[float]) -> None:
+        """Refuse host values outside an integer buffer's dtype, which the copy would fail on.
+
+        min/max run in C, so the check costs little on every prepare; host lists come from
+        ``BatchSpec``, whose fields are checked ints, so a per-element type check is not made.
+        """
+        if not len(values) or self.tensor.dtype.is_floating_point or self.tensor.dtype == torch.bool:
+            return
+        info = torch.iinfo(self.tensor.dtype)
+        lo, hi = min(values), max(values)
+        if lo < info.min or hi > info.max:
+            bad = lo if lo < info.min else hi
+            dtype = str(self.tensor.dtype).removeprefix("torch.")
+            raise InvalidFieldError(self.name, f"value {bad} is outside {dtype} [{info.min}, {info.max}]")

@@ -223,8 +223,14 @@ def _expected_shapes(plan: _Plan, model: MoEModelConfig, expert: int | None) -> 
 
 def _check_model_dims(plans: list[_Plan], src: TensorSource, model: MoEModelConfig, name: str) -> None:
     """Refuse an adapter whose tensors all agree on a hidden size, expert width or expert count
-    other than the model's: it was made for another model (per-key shape errors come later)."""
-    hidden, inter, experts = [], [], []
+    other than the model's: it was made for another model (per-key shape errors come later).
+
+    Between the hidden size / expert width and the expert count, the ranks the file shows directly
+    (dense and per-expert A ``[r, in]`` with B ``[out, r]``) are compared with the config's: the
+    fused factors hold E·r rows, so a config rank other than the file's would otherwise read as
+    another expert count.
+    """
+    hidden, inter, experts, fused_rows = [], [], [], []
     for plan in plans:
         for e in plan.a_keys:
             a, b = src.shape(plan.a_keys[e]), src.shape(plan.b_keys[e])
@@ -240,12 +246,34 @@ def _check_model_dims(plans: list[_Plan], src: TensorSource, model: MoEModelConf
                 inter.append(a[1])
             if plan.kind in ("gate_up", "down") and plan.ranks[e] and a[0] % plan.ranks[e] == 0:
                 experts.append(a[0] // plan.ranks[e])
+                fused_rows.append((a[0], plan.ranks[e]))
     for what, found, want in (("hidden size", hidden, model.hidden_size),
-                              ("expert intermediate size", inter, model.moe_intermediate_size),
-                              ("number of experts", experts, model.num_experts)):
+                              ("expert intermediate size", inter, model.moe_intermediate_size)):
         if found and len(set(found)) == 1 and found[0] != want:
             raise ModelMismatchError(name, what, "the adapter was made for another model (all its factors agree)",
                                      expected=want, found=found[0])
+    confirmed: set[int] = set()  # config ranks the file shows directly
+    for plan in plans:
+        if plan.kind not in ("dense", "expert"):
+            continue
+        for e in plan.a_keys:
+            a, b = src.shape(plan.a_keys[e]), src.shape(plan.b_keys[e])
+            if len(a) == 2 and len(b) == 2 and a[0] == b[1] and a[0] != plan.ranks[e]:
+                raise ShapeMismatchError(
+                    name, plan.a_keys[e], f"the file's rank differs from the rank the config gives "
+                    f"{plan.describe()} (r / rank_pattern)", expected=plan.ranks[e], found=a[0])
+            confirmed.add(plan.ranks[e])
+    E = model.num_experts
+    if experts and len(set(experts)) == 1 and experts[0] != E:
+        problem = "the adapter was made for another model (all its factors agree)"
+        implied = {rows // E for rows, _ in fused_rows if rows % E == 0}
+        fused_ranks = {r for _, r in fused_rows}
+        if len(implied) == 1 and all(rows % E == 0 for rows, _ in fused_rows) and not fused_ranks <= confirmed:
+            # E·r rows fit the model's E at another rank too, and no other factor shows the
+            # config's rank to be the file's: name both readings.
+            problem += (f"; or the file's expert rank is {implied.pop()} where the config says "
+                        f"{sorted(fused_ranks)} (r / rank_pattern)")
+        raise ModelMismatchError(name, "number of experts", problem, expected=E, found=experts[0])
 
 
 def _read(src: TensorSource, key: str, dtype: torch.dtype, name: str) -> torch.Tensor:
