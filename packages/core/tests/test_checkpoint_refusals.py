@@ -309,3 +309,15 @@ def test_expert_only_adapter_with_another_rank_names_both_readings(tmp_path):
     tensors = {k: v for k, v in tensors.items() if "self_attn" not in k}
     _refused(tmp_path, cfg, tensors, {**conf, "r": 1, "lora_alpha": 2, "target_modules": []}, ModelMismatchError,
              "number of experts", "expected 4, found 8", "or the file's expert rank is 2 where the config says [1]")
+
+
+@pytest.mark.parametrize("stem", ["adapter_model.bin", "adapter_model.pt"])
+def test_pickled_adapter_weights_are_named_as_not_read(tmp_path, stem):
+    # Finding 12: a folder with only adapter_model.bin said "no safetensors file", not why.
+    cfg = _cfg()
+    tensors, conf = _good(cfg)
+    path = write_adapter(tmp_path / "bad", tensors, conf)
+    (path / "adapter_model.safetensors").unlink()
+    torch.save(tensors, path / stem)
+    with pytest.raises(AdapterFormatError, match=rf"{stem}: pickled PyTorch weights are not read.*safetensors"):
+        read_adapter(path, cfg)

@@ -4,7 +4,8 @@ Headers (names, shapes, dtypes) are read up front so a reader can validate a who
 adapter before it reads a single tensor; tensor data is read only on :meth:`TensorSource.get`.
 A sharded checkpoint is read through its ``*.safetensors.index.json`` (``weight_map``: key → shard
 file, as transformers writes it); without an index every ``*.safetensors`` file of the directory is
-read and a key found twice is an error.
+read and a key found twice is an error. Pickled weights (``pytorch_model.bin``,
+``adapter_model.bin``) are never read: unpickling can run code; the error names them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ _DTYPES: dict[str, torch.dtype] = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+
+
+#: Pickled weight files (``torch.save``) that moelora never opens, named in the "no safetensors" error.
+_PICKLED: tuple[str, ...] = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 
 
 class TensorSource:
@@ -82,7 +87,8 @@ class TensorSource:
         ``{stem}.safetensors.index.json``, or else every ``*.safetensors`` file there.
 
         Raises:
-            whatever ``error`` builds: no safetensors file, an unreadable index.
+            whatever ``error`` builds: no safetensors file (naming any pickled ``*.bin`` / ``*.pt``
+            files found instead, which are never read), an unreadable index.
         """
         index = directory / f"{stem}.safetensors.index.json"
         single = directory / f"{stem}.safetensors"
@@ -100,6 +106,11 @@ class TensorSource:
             return cls([single], error=error)
         files = sorted(directory.glob("*.safetensors"))
         if not files:
+            pickled = sorted(p.name for pattern in _PICKLED for p in directory.glob(pattern))
+            if pickled:
+                raise error(", ".join(pickled), f"pickled PyTorch weights are not read (loading a pickle can run "
+                            f"arbitrary code); no safetensors file in {directory}: convert them to "
+                            f"{stem}.safetensors (e.g. save_pretrained(safe_serialization=True))")
             raise error(f"{stem}.safetensors", f"no safetensors file in {directory}")
         return cls(files, error=error)
 
