@@ -10,13 +10,38 @@ Covers:
 - dense kernels (segmented LoRA-A/B, chunked SGMV): a weight index of L, of 10⁶ or below -1, a
   segment end past T, a negative segment start, permutation rows past T or negative: equal to a run
   on the in-range equivalent, nothing outside read or written (finding 6);
+- ``fused_moe_gemm``: an alignment made for more experts than ``w`` holds is refused on the host;
+  built by hand (its expert count unknown), blocks of experts >= E_w add nothing and read no
+  weight past E_w (finding 7);
+- an alignment written for another pair count than the launch (a static ``AlignOutput`` reused
+  for a smaller batch: its padding sentinel is a real pair of the larger launch) is refused by every
+  MoE launcher before anything is written (finding 8); the alignment launchers record the pair and
+  expert counts they wrote, in place on ``out``; a hand-built alignment (counts unknown) still runs;
+- MoE-LoRA kernels: negative pair indices in a hand-built alignment add nothing and touch no row
+  outside the output.
 """
 
 import pytest
 import torch
 from kernel_testing import DEVICE, assert_bitwise_equal, assert_close
+from moe_lora_testing import make_pool
 
-from moelora_kernels import chunked_sgmv_expand, chunked_sgmv_shrink, segmented_lora_a, segmented_lora_b
+from moelora_core import AlignOutput, KernelPreconditionError
+from moelora_kernels import (
+    chunked_sgmv_expand,
+    chunked_sgmv_shrink,
+    fused_moe_gemm,
+    fused_moe_lora,
+    fused_moe_lora_expand,
+    fused_moe_lora_shrink,
+    moe_align_block_size,
+    moe_lora_align_block_size,
+    moe_lora_delta,
+    segmented_lora_a,
+    segmented_lora_b,
+    stage_tensors,
+    virtual_align,
+)
 
 pytestmark = pytest.mark.interpreter
 F32 = torch.float32
@@ -90,3 +115,141 @@ def test_dense_metadata_out_of_range_adds_nothing_and_reads_nothing_outside(kind
     got, want = results
     assert not torch.equal(want.cpu(), out0), "the in-range run adds a delta (the comparison can fail)"
     assert_close(got, want, dtype=F32, what=f"{kind} {case} vs its in-range equivalent")
+
+
+# --- fused_moe_gemm: experts past the weight (finding 7) ----------------------------------------------
+
+E_W, M, TOP_K = 4, 5, 2
+#: experts 4 and 5 do not exist in w (E_w = 4)
+GEMM_IDS = [[0, 1], [4, 5], [1, 4], [5, 0], [1, 5]]  # four blocks: all within the grid bound
+
+
+def _gemm_problem(seed):
+    gen = torch.Generator().manual_seed(seed)
+    w_buf = torch.randn(E_W + 2, 32, 32, generator=gen, device="cpu").to(DEVICE)
+    w_buf[E_W:] = float("nan")  # sentinel experts just past w
+    a, _ = _padded(gen, M, 32)
+    ids = torch.tensor(GEMM_IDS, dtype=I32, device=DEVICE)
+    return w_buf[:E_W], a, ids
+
+
+def test_fused_moe_gemm_refuses_an_alignment_over_more_experts_than_w():
+    w, a, ids = _gemm_problem(61)
+    align = moe_align_block_size(ids, E_W + 2, 16)  # aligned with the wrong expert count
+    c = torch.full((M * TOP_K, 32), 7.0, device=DEVICE)
+    with pytest.raises(KernelPreconditionError, match="experts"):
+        fused_moe_gemm(a, w, c, align, top_k=TOP_K, num_pairs=M * TOP_K, in_row_div=TOP_K)
+    assert bool((c == 7.0).all()), "nothing is written before the refusal"
+
+
+def test_fused_moe_gemm_skips_blocks_of_experts_past_w_in_a_hand_built_alignment():
+    w, a, ids = _gemm_problem(62)
+    made = moe_align_block_size(ids, E_W + 2, 16)
+    align = AlignOutput(*made)  # built from tensors: the expert count is unknown on the host
+    c = torch.full((M * TOP_K, 32), 7.0, device=DEVICE)
+    fused_moe_gemm(a, w, c, align, top_k=TOP_K, num_pairs=M * TOP_K, in_row_div=TOP_K)
+    flat = ids.reshape(-1).cpu()
+    inside = flat < E_W
+    want = torch.stack([a[p // TOP_K].cpu().double() @ w[flat[p]].cpu().double().T if inside[p]
+                        else torch.full((32,), 7.0, dtype=torch.float64) for p in range(M * TOP_K)])
+    assert_close(c[inside.to(DEVICE)], want[inside], dtype=F32, what="pairs of experts in w")
+    assert bool((c.cpu()[~inside] == 7.0).all()), "rows of pairs of experts past w stay unwritten"
+
+
+# --- alignments for another pair count (finding 8) ----------------------------------------------------
+
+LM, EM, M_BIG, M_SMALL = 3, 5, 9, 4
+
+
+def _moe_problem(seed):
+    gen = torch.Generator().manual_seed(seed)
+    weights = make_pool(seed, L=LM, E=EM, H=40, I=24, R=16)
+    ids = torch.randint(0, EM, (M_BIG, TOP_K), generator=gen, dtype=I32).to(DEVICE)
+    mapping = torch.tensor([0, 1, 2, -1, 0, 1, 1, 2, 0], dtype=I32, device=DEVICE)
+    enabled = torch.ones(LM, dtype=I32, device=DEVICE)
+    x = torch.randn(M_BIG, 40, generator=gen).to(DEVICE)
+    return weights, ids, mapping, enabled, x
+
+
+def _small_alignment(ids, mapping, enabled, *, base=False):
+    """A static AlignOutput of the large batch's capacity, rewritten for the first M_SMALL tokens
+    (per slot, or the base layout of one slot with ``base``)."""
+    align = AlignOutput.empty(1 if base else LM, M_BIG, TOP_K, EM, 16, DEVICE)
+    small = ids[:M_SMALL].contiguous()
+    # the return values are ignored: `align` itself must say what it holds now
+    if base:
+        moe_align_block_size(small, EM, 16, out=align)
+    else:
+        moe_lora_align_block_size(small, mapping[:M_SMALL].contiguous(), EM, 16, LM, enabled, out=align)
+    return align
+
+
+def test_alignment_launchers_record_their_pair_and_expert_counts_on_out():
+    _, ids, mapping, enabled, _ = _moe_problem(63)
+    align = _small_alignment(ids, mapping, enabled)
+    assert (align.num_pairs, align.num_experts) == (M_SMALL * TOP_K, EM)
+    fresh = moe_lora_align_block_size(ids, mapping, EM, 16, LM, enabled)
+    assert (fresh.num_pairs, fresh.num_experts) == (M_BIG * TOP_K, EM)
+    base = moe_align_block_size(ids, EM + 1, 16)
+    assert (base.num_pairs, base.num_experts) == (M_BIG * TOP_K, EM + 1)
+    _, virtual = virtual_align(ids, mapping, EM, LM)
+    assert (virtual.num_pairs, virtual.num_experts) == (M_BIG * TOP_K, EM * LM)
+
+
+MOE_LAUNCHES = {
+    "moe_lora_delta-fused": lambda t, x, out, al, w: moe_lora_delta("gate_up", x, out, w, al, top_k=TOP_K, fused=True),
+    "moe_lora_delta-pair": lambda t, x, out, al, w: moe_lora_delta("gate_up", x, out, w, al, top_k=TOP_K, fused=False),
+    "fused_moe_lora": lambda t, x, out, al, w: fused_moe_lora(x, t["lora_a"], t["lora_b"], al, out, stage="gate_up",
+                                                              top_k=TOP_K, ranks=t["ranks"], scalings=t["scalings"]),
+    "fused_moe_lora_shrink": lambda t, x, out, al, w: fused_moe_lora_shrink(x, t["lora_a"], al, stage="gate_up",
+                                                                            top_k=TOP_K, ranks=t["ranks"]),
+    "fused_moe_lora_expand": lambda t, x, out, al, w: fused_moe_lora_expand(
+        torch.zeros(2, M_BIG * TOP_K, 16, device=DEVICE), t["lora_b"], al, out, stage="gate_up", top_k=TOP_K,
+        ranks=t["ranks"], scalings=t["scalings"]),
+    "fused_moe_gemm": lambda t, x, out, al, w: fused_moe_gemm(
+        x, t["lora_a"][0, 0], out.view(M_BIG * TOP_K, -1)[:, :16], al, top_k=TOP_K, num_pairs=M_BIG * TOP_K,
+        in_row_div=TOP_K),
+}
+
+
+@pytest.mark.parametrize("launch", sorted(MOE_LAUNCHES))
+def test_moe_launchers_refuse_an_alignment_written_for_another_pair_count(launch):
+    # Regression (adversarial finding 8): an alignment of M = 4 tokens used with x of M = 9 took its
+    # padding sentinel 4·top_k for a real pair, and token 4 got a spurious delta.
+    weights, ids, mapping, enabled, x = _moe_problem(64)
+    align = _small_alignment(ids, mapping, enabled, base=launch == "fused_moe_gemm")
+    out = torch.full((M_BIG, TOP_K, 2 * 24), 7.0, device=DEVICE)
+    with pytest.raises(KernelPreconditionError, match="pairs"):
+        MOE_LAUNCHES[launch](stage_tensors(weights, "gate_up"), x, out, align, weights)
+    assert bool((out == 7.0).all()), "nothing is written before the refusal"
+
+
+def test_a_hand_built_alignment_of_unknown_pair_count_still_runs():
+    weights, ids, mapping, enabled, x = _moe_problem(65)
+    made = moe_lora_align_block_size(ids, mapping, EM, 16, LM, enabled)
+    out = torch.zeros(M_BIG, TOP_K, 48, device=DEVICE)
+    moe_lora_delta("gate_up", x, out, weights, AlignOutput(*made), top_k=TOP_K, adapter_enabled=enabled)
+    want = torch.zeros_like(out)
+    moe_lora_delta("gate_up", x, want, weights, made, top_k=TOP_K, adapter_enabled=enabled)
+    assert_bitwise_equal(out, want, what="the same alignment with and without its recorded counts")
+
+
+# --- MoE-LoRA: negative pair indices --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "shrink-expand"])
+def test_moe_lora_skips_negative_pairs_and_writes_nothing_outside_out(fused):
+    weights, ids, mapping, enabled, _ = _moe_problem(66)
+    gen = torch.Generator().manual_seed(66)
+    x, _ = _padded(gen, M_BIG, 40)
+    made = moe_lora_align_block_size(ids, mapping, EM, 16, LM, enabled)
+    corrupt = AlignOutput(*(t.clone() for t in made))
+    real = corrupt.sorted_token_ids < M_BIG * TOP_K
+    corrupt.sorted_token_ids[~real] = -TOP_K - 1  # every padding row of every slot points before row 0
+    results = []
+    for align in (made, corrupt):
+        out_buf = torch.full((M_BIG + 2, TOP_K, 48), 7.0, device=DEVICE)
+        moe_lora_delta("gate_up", x, out_buf[1:-1], weights, align, top_k=TOP_K, adapter_enabled=enabled, fused=fused)
+        assert_bitwise_equal(out_buf[[0, -1]], torch.full_like(out_buf[[0, -1]], 7.0), what="rows around out")
+        results.append(out_buf[1:-1])
+    assert_bitwise_equal(results[1], results[0], what="negative pair indices add nothing")

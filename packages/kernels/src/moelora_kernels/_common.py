@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import triton
 
+from moelora_core.align import AlignOutput
 from moelora_core.errors import KernelPreconditionError
 
 #: Activation / weight dtypes the GEMM kernels compute in.
@@ -151,3 +152,17 @@ def check_rank_bound(max_rank: int | None, pool_rank: int, what: str = "max_rank
     if max_rank > pool_rank:
         raise KernelPreconditionError(f"{what}: rank {max_rank} > the pool's max rank R={pool_rank}")
     return max_rank
+
+
+def check_align_pairs(align: AlignOutput, num_pairs: int) -> None:
+    """An alignment recorded for this launch's pair count (unknown counts pass: a hand-built one).
+
+    Raises:
+        KernelPreconditionError: ``align.num_pairs`` differs from ``num_pairs``: its padding rows
+            hold ``align.num_pairs``, which this launch would take for a real pair (or its pairs
+            would not be this launch's).
+    """
+    if align.num_pairs is not None and align.num_pairs != num_pairs:
+        raise KernelPreconditionError(
+            f"align: written for {align.num_pairs} pairs (M*top_k; its padding rows hold {align.num_pairs}), but "
+            f"this launch has {num_pairs} pairs; align this launch's topk_ids (one alignment per batch shape)")

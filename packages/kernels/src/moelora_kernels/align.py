@@ -189,7 +189,9 @@ def _launch(topk_ids, token_lora_mapping, adapter_enabled, num_experts, block_m,
         HAS_MAPPING=token_lora_mapping is not None, HAS_ENABLED=adapter_enabled is not None,
         num_warps=8 if e_pad >= 128 else 4,
     )
-    return out
+    # In place on the caller's buffers: a static AlignOutput reused for a smaller batch says what
+    # it holds now, and consumers refuse a launch on another pair count (its sentinel would be a pair).
+    return out.set_launch(num_pairs, num_experts)
 
 
 def _check_block_m(block_m: int) -> int:
@@ -226,7 +228,8 @@ def moe_lora_align_block_size(
         workspace: [L, next_pow2(max(E, 16))] int32 scratch, allocated when None.
 
     Returns:
-        ``out``.
+        ``out``, recording ``num_pairs = M * top_k`` (the padding sentinel) and ``num_experts``
+        (``AlignOutput.set_launch``) for the consumers' host checks.
 
     Raises:
         KernelPreconditionError: wrong dtypes, shapes, devices or non-contiguous inputs; buffers

@@ -8,7 +8,10 @@ of each pair and by a per-expert scale, optionally adds the existing output, and
     C[p, n] (+)= scale[e // experts_per_scale] · w_p · Σ_k A[p // in_row_div, k] · W[e, n, k]
 
 for every pair p in the block (p < num_pairs; padding rows are skipped). Blocks at or past
-``num_tokens_post_padded`` and blocks of expert -1 exit first. The grid is sized from capacities:
+``num_tokens_post_padded`` and blocks of expert -1 exit first, as do blocks of an expert >= E_w
+and rows outside [0, num_pairs) (a corrupt alignment reads and writes nothing outside the tensors);
+an alignment recorded for more experts than ``w`` has, or for another pair count, is refused on
+the host (``AlignOutput.num_experts`` / ``num_pairs``). The grid is sized from capacities:
 ``min(P // BLOCK_M, num_pairs // BLOCK_M + min(E, num_pairs))`` blocks bound the used ones, so at
 small M only a few programs launch, and the idle ones return at once.
 
@@ -40,6 +43,7 @@ from moelora_core.align import AlignOutput
 from moelora_core.errors import KernelPreconditionError
 from moelora_kernels._common import (
     FLOAT_DTYPES,
+    check_align_pairs,
     check_grid,
     check_positive_int,
     check_tensor,
@@ -66,6 +70,7 @@ def _fused_moe_gemm_kernel(
     num_pairs,                    # M * top_k; rows >= it are padding
     in_row_div,                   # top_k when a holds one row per token, else 1
     experts_per_scale,
+    num_experts,                  # E_w: blocks of other experts are skipped
     # strides
     stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,
@@ -86,13 +91,14 @@ def _fused_moe_gemm_kernel(
     if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
         return
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    if expert < 0:
+    # -1 blocks, and ids past the weight's E_w (an alignment made for more experts): no weight to read
+    if (expert < 0) | (expert >= num_experts):
         return
 
     # --- tile ------------------------------------------------------------------------------------
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_token_ids_ptr + offs_m)
-    row_ok = pairs < num_pairs
+    row_ok = (pairs >= 0) & (pairs < num_pairs)
     pairs64 = pairs.to(tl.int64)
     a_rows = pairs64 // in_row_div
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -153,7 +159,8 @@ def fused_moe_gemm(
         a: [rows_in, K], last stride 1; ``rows_in * in_row_div >= num_pairs``.
         w: [E_w, N, K] weights, same dtype as ``a``.
         c: [num_pairs, N] output, same dtype or fp32; written (or added into) only at aligned pairs.
-        align: alignment whose slot ``slot`` groups the pairs by expert id in [0, E_w).
+        align: alignment whose slot ``slot`` groups the pairs by expert id in [0, E_w) (blocks of
+            other experts are skipped; one recorded for more experts or other pairs is refused).
         top_k: experts per token (for the grid bound).
         num_pairs: M · top_k, the padding sentinel of ``align``.
         in_row_div: ``top_k`` when ``a`` has one row per token, 1 when one row per pair.
@@ -168,7 +175,8 @@ def fused_moe_gemm(
         ``c``.
 
     Raises:
-        KernelPreconditionError: dtype / shape / stride / device mismatches, bad sizes.
+        KernelPreconditionError: dtype / shape / stride / device mismatches, bad sizes; an alignment
+            recorded for more experts than ``w`` or for another ``num_pairs``.
     """
     check_tensor("a", a, dtypes=FLOAT_DTYPES, dim=2, unit_last_stride=True)
     device, dtype = a.device, a.dtype
@@ -194,6 +202,10 @@ def fused_moe_gemm(
     if num_blocks == 0 or P % num_blocks:
         raise KernelPreconditionError(f"align: {P} rows do not split into {num_blocks} blocks")
     block_m = P // num_blocks
+    check_align_pairs(align, num_pairs)
+    if align.num_experts is not None and align.num_experts > E_w:
+        raise KernelPreconditionError(f"align: made for {align.num_experts} experts, but w holds {E_w}: blocks of "
+                                      f"experts >= {E_w} have no weight (align with w's expert count)")
     if topk_weights is not None:
         check_tensor("topk_weights", topk_weights, dtypes=(torch.float32, dtype), contiguous=True, device=device)
         if topk_weights.numel() != num_pairs:
@@ -215,7 +227,7 @@ def fused_moe_gemm(
         align.sorted_token_ids[slot], align.expert_ids[slot], align.num_tokens_post_padded[slot:slot + 1],
         topk_weights if topk_weights is not None else dummy,
         scale if scale is not None else dummy,
-        N, K, num_pairs, in_row_div, experts_per_scale,
+        N, K, num_pairs, in_row_div, experts_per_scale, E_w,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         MUL_ROUTED_WEIGHT=topk_weights is not None, HAS_SCALE=scale is not None, ADD_INTO=add_into,

@@ -23,6 +23,7 @@ from moelora_core.errors import KernelPreconditionError
 from moelora_core.weights import LoRAWeights, module_index
 from moelora_kernels._common import (
     FLOAT_DTYPES,
+    check_align_pairs,
     check_grid,
     check_positive_int,
     check_rank_bound,
@@ -90,6 +91,7 @@ class _Stage:
         if P < need:
             raise KernelPreconditionError(f"align: {P} rows per slot < capacity {need} for M={self.M}, "
                                           f"top_k={top_k}, E={self.E}, BLOCK_M={self.block_m}")
+        check_align_pairs(align, self.num_pairs)
         self.align = align
         self.num_blocks = nb
         if adapter_enabled is not None:

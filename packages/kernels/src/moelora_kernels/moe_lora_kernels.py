@@ -13,6 +13,10 @@ Slices: stage "gate_up" has two (s = 0 gate, 1 up), each with its own A and B, w
 Early exits, before any load of activations or weights, in this order: a disabled slot, a module
 rank of 0, a block at or past the slot's ``num_tokens_post_padded``, a block of expert -1 (or an id
 >= E, never produced by the alignment). Their output rows are not touched (bit-identical).
+Range contract: rows of ``sorted_token_ids`` outside [0, num_pairs) are padding (never read or
+written), expert ids outside [0, E) skip their block, so a corrupt alignment adds nothing and
+dereferences nothing outside the tensors; the launchers refuse an alignment recorded for another
+pair count on the host (``AlignOutput.num_pairs``: its padding sentinel would be a real pair).
 The rank loop bound is the slot's own rank (columns past it are masked, never loaded), so a pool
 of R = 64 serving rank-16 adapters moves rank-16 bytes. The three kernels share the early exits
 (``_block_work``) and the block's pairs (``_block_pairs``); the shrink and the fused kernel share
@@ -72,10 +76,10 @@ def _block_work(pid_m, slot, s, expert_ids_ptr, num_tokens_post_padded_ptr, adap
 @triton.jit
 def _block_pairs(sorted_token_ids_ptr, pid_m, slot, num_pairs, stride_sorted, BLOCK_M: tl.constexpr):
     """(pairs [BLOCK_M] int64, row_ok): the pairs of block ``pid_m`` of ``slot``; padding rows
-    (``pairs >= num_pairs``) are not ok."""
+    (``pairs >= num_pairs``) and negative entries (never written by the alignment) are not ok."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_token_ids_ptr + slot.to(tl.int64) * stride_sorted + offs_m).to(tl.int64)
-    return pairs, pairs < num_pairs
+    return pairs, (pairs >= 0) & (pairs < num_pairs)
 
 
 @triton.jit
