@@ -333,6 +333,23 @@ def test_guard_catches_a_host_sync(guard):  # the guard used above can fail
                                       torch.zeros(2, 2, 4), i[1], i[0]), "gate_up_out"),
     (lambda b, i: b.moe_down_delta(torch.zeros(4, 4), torch.zeros(2, 2), torch.zeros(2, 2),
                                    torch.zeros(2, 2, 8), i[1], i[0]), "topk_ids"),
+    # non-floating activations, router weights and outputs (adversarial finding 10: int32 was
+    # accepted and the delta truncated)
+    (lambda b, i: b.moe_gate_up_delta(torch.ones(2, 8, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32),
+                                      torch.zeros(2, 2, 8), i[1], i[0]), "x: .*floating"),
+    (lambda b, i: b.moe_gate_up_delta(torch.ones(2, 8), torch.zeros(2, 2, dtype=torch.int32),
+                                      torch.zeros(2, 2, 8, dtype=torch.int32), i[1], i[0]), "gate_up_out: .*floating"),
+    (lambda b, i: b.moe_down_delta(torch.ones(4, 4, dtype=torch.int64), torch.zeros(2, 2, dtype=torch.int32),
+                                   torch.ones(2, 2), torch.zeros(2, 2, 8), i[1], i[0]), "h: .*floating"),
+    (lambda b, i: b.moe_down_delta(torch.ones(4, 4), torch.zeros(2, 2, dtype=torch.int32),
+                                   torch.ones(2, 2, dtype=torch.int32), torch.zeros(2, 2, 8), i[1], i[0]),
+     "topk_weights: .*floating"),
+    (lambda b, i: b.moe_down_delta(torch.ones(4, 4), torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 2),
+                                   torch.zeros(2, 2, 8, dtype=torch.bool), i[1], i[0]), "down_out: .*floating"),
+    (lambda b, i: b.dense_delta("q", torch.ones(2, 8, dtype=torch.int32), torch.zeros(2, 6), i[1], i[0]),
+     "x: .*floating"),
+    (lambda b, i: b.dense_delta("q", torch.ones(2, 8), torch.zeros(2, 6, dtype=torch.int32), i[1], i[0]),
+     "out: .*floating"),
 ])
 def test_bad_calls_raise_clear_errors(call, field):
     backend = make_backend(small_spec())

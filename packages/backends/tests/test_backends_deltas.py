@@ -8,7 +8,9 @@ into fp32 intermediates), with and without virtual experts; dense
 deltas equal the oracle; rows of tokens without an adapter stay bit for bit as they were (NaN
 poison included); each stage aligns its own call (one alignment launch per stage, nothing kept
 between calls), and layers with other pools sharing one routing buffer rewritten in place by a
-Triton kernel each use their own routing (regression of adversarial finding 1); a Triton launch inside the CPU
+Triton kernel each use their own routing (regression of adversarial finding 1); non-floating
+activations, router weights and outputs are refused before any launch or write (finding 10); a
+Triton launch inside the CPU
 host-sync guard leaves its arguments device data (regression: the interpreter's storage copies
 after a launch marked them as host data, and the suite's P08 failed on the next op on ``topk_ids``).
 """
@@ -24,6 +26,7 @@ from moelora_core import (
     DEFAULT_POLICY,
     BatchSpec,
     ForwardMode,
+    InvalidFieldError,
     LoRALayerSpec,
     LoRAWeights,
     ModuleLoRA,
@@ -193,3 +196,35 @@ def test_a_triton_launch_inside_the_host_sync_guard_leaves_its_arguments_device_
         moe_lora_align_block_size(ids, torch.zeros(1, dtype=torch.int32), 4, 32, 1, torch.ones(1, dtype=torch.int32))
         picked = weight[ids.long()]  # device data indexed by device data: no host sync
     assert picked.shape == (1, 1, 3)
+
+
+NON_FLOAT_ARGS = ("x", "gate_up_out", "h", "topk_weights", "down_out", "dense x", "dense out")
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+@pytest.mark.parametrize("arg", NON_FLOAT_ARGS)
+def test_non_floating_activations_and_outputs_are_refused_before_any_work(name, arg):
+    # Regression (adversarial finding 10): int32 x or out were accepted and the delta truncated.
+    spec, weights, _, gen = _layer(F32, False)
+    backend = BACKENDS[name](spec)
+    batch = _batch(weights)
+    T = batch.num_tokens
+    info = backend.prepare(batch)
+    ids, w = _routing(T, gen)
+    args = {"x": torch.randn(T, H, generator=gen), "gate_up_out": torch.randn(T, K, 2 * I, generator=gen),
+            "h": torch.randn(T * K, I, generator=gen), "topk_weights": w, "down_out": torch.randn(T, K, H, generator=gen),
+            "dense x": torch.randn(T, H, generator=gen), "dense out": torch.randn(T, 20, generator=gen)}
+    args[arg] = (args[arg] * 4).to(torch.int32)
+    before = {k: v.clone() for k, v in args.items()}
+    launches = []
+    field = arg.removeprefix("dense ")
+    with intercept_triton_launches(lambda kernel, run, a, kw, grid: launches.append(kernel)), \
+            pytest.raises(InvalidFieldError, match=f"{field}: .*floating"):
+        if arg in ("x", "gate_up_out"):
+            backend.moe_gate_up_delta(args["x"], ids, args["gate_up_out"], weights, info)
+        elif arg.startswith("dense"):
+            backend.dense_delta("q", args["dense x"], args["dense out"], weights, info)
+        else:
+            backend.moe_down_delta(args["h"], ids, args["topk_weights"], args["down_out"], weights, info)
+    assert not launches, "refused before any kernel launch"
+    assert all(torch.equal(args[k], before[k]) for k in args), "refused before anything is written"

@@ -95,6 +95,18 @@ def _host_lists(batch: BatchSpec) -> dict[str, list]:
     }
 
 
+def _check_floating(**tensors: torch.Tensor) -> None:
+    """Refuse activations, router weights and outputs that are not floating point (an integer
+    output would truncate the delta; an integer input is no activation).
+
+    Raises:
+        InvalidFieldError: naming the first such argument.
+    """
+    for what, t in tensors.items():
+        if not t.is_floating_point():
+            raise InvalidFieldError(what, f"must be a floating-point tensor, got {t.dtype}")
+
+
 @dataclass
 class _GraphFamily:
     """One graph family's static buffers (capacities fixed at init) and staging."""
@@ -302,12 +314,14 @@ class ReferenceBackend:
         ``gate_up_out`` [T, k, 2I] in place (see the protocol).
 
         Raises:
-            InvalidFieldError: shapes that do not match the spec and the info's token count.
+            InvalidFieldError: shapes that do not match the spec and the info's token count; a
+                non-floating ``x`` or ``gate_up_out``.
         """
         T = self._check_moe(info, topk_ids, weights)
         H, I, k = self.spec.H, self.spec.I, self.spec.top_k  # noqa: E741
         check_shape(info, "x", x, (T, H))
         check_shape(info, "gate_up_out", gate_up_out, (T, k, 2 * I))
+        _check_floating(x=x, gate_up_out=gate_up_out)
         if not info.has_active_lora:
             return
         valid, index, slot = self._pair_index(topk_ids, info)
@@ -328,13 +342,15 @@ class ReferenceBackend:
         """Add w_k·σ_down·B_down(A_down h) into ``down_out`` [T, k, H] in place (see the protocol).
 
         Raises:
-            InvalidFieldError: shapes that do not match the spec and the info's token count.
+            InvalidFieldError: shapes that do not match the spec and the info's token count; a
+                non-floating ``h``, ``topk_weights`` or ``down_out``.
         """
         T = self._check_moe(info, topk_ids, weights)
         H, I, k = self.spec.H, self.spec.I, self.spec.top_k  # noqa: E741
         check_shape(info, "h", h, (T * k, I))
         check_shape(info, "topk_weights", topk_weights, (T, k))
         check_shape(info, "down_out", down_out, (T, k, H))
+        _check_floating(h=h, topk_weights=topk_weights, down_out=down_out)
         if not info.has_active_lora:
             return
         valid, index, slot = self._pair_index(topk_ids, info)
@@ -351,13 +367,15 @@ class ReferenceBackend:
         """Add σ·B(A x) of dense ``module`` into ``out`` [T, out] in place.
 
         Raises:
-            InvalidFieldError: a module not in the spec, or shapes that do not match.
+            InvalidFieldError: a module not in the spec, shapes that do not match, a non-floating
+                ``x`` or ``out``.
         """
         check_weights(self.spec, weights, same_dtype=False)
         fin, fout = check_dense_module(self.spec, module)
         T = info.moe.token_lora_mapping.numel()
         check_shape(info, "x", x, (T, fin))
         check_shape(info, "out", out, (T, fout))
+        _check_floating(x=x, out=out)
         if not info.has_active_lora:
             return
         L = self.spec.max_loras

@@ -49,6 +49,18 @@ from moelora_core.weights import LoRAWeights
 from moelora_kernels._common import interpreting
 
 
+def _check_floating(**tensors: torch.Tensor) -> None:
+    """Refuse activations, router weights and outputs that are not floating point (an integer
+    output would truncate the delta; an integer input is no activation).
+
+    Raises:
+        InvalidFieldError: naming the first such argument.
+    """
+    for what, t in tensors.items():
+        if not t.is_floating_point():
+            raise InvalidFieldError(what, f"must be a floating-point tensor, got {t.dtype}")
+
+
 class KernelBackend:
     """The protocol on moelora's kernels; subclasses choose the dense segmentation (module doc).
 
@@ -180,12 +192,14 @@ class KernelBackend:
         ``gate_up_out`` [T, k, 2I] in place, before the activation.
 
         Raises:
-            InvalidFieldError: shapes that do not match the spec and the info's token count.
+            InvalidFieldError: shapes that do not match the spec and the info's token count; a
+                non-floating ``x`` or ``gate_up_out``.
         """
         T = self._check_moe(info, topk_ids, weights)
         s = self.spec
         check_shape(info, "x", x, (T, s.H))
         check_shape(info, "gate_up_out", gate_up_out, (T, s.top_k, 2 * s.I))
+        _check_floating(x=x, gate_up_out=gate_up_out)
         if info.has_active_lora and T:
             self._moe.apply("gate_up", x, topk_ids, gate_up_out, weights, info)
 
@@ -194,13 +208,15 @@ class KernelBackend:
         """Add w_k·σ_down·B_down(A_down h) into ``down_out`` [T, k, H] in place.
 
         Raises:
-            InvalidFieldError: shapes that do not match the spec and the info's token count.
+            InvalidFieldError: shapes that do not match the spec and the info's token count; a
+                non-floating ``h``, ``topk_weights`` or ``down_out``.
         """
         T = self._check_moe(info, topk_ids, weights)
         s = self.spec
         check_shape(info, "h", h, (T * s.top_k, s.I))
         check_shape(info, "topk_weights", topk_weights, (T, s.top_k))
         check_shape(info, "down_out", down_out, (T, s.top_k, s.H))
+        _check_floating(h=h, topk_weights=topk_weights, down_out=down_out)
         if info.has_active_lora and T:
             self._moe.apply("down", h, topk_ids, down_out, weights, info, topk_weights=topk_weights)
 
@@ -209,13 +225,15 @@ class KernelBackend:
         """Add σ·B(A x) of dense ``module`` into ``out`` [T, out] in place.
 
         Raises:
-            InvalidFieldError: a module not in the spec, or shapes that do not match.
+            InvalidFieldError: a module not in the spec, shapes that do not match, a non-floating
+                ``x`` or ``out``.
         """
         check_weights(self.spec, weights)
         fin, fout = check_dense_module(self.spec, module)
         T = info.moe.token_lora_mapping.numel()
         check_shape(info, "x", x, (T, fin))
         check_shape(info, "out", out, (T, fout))
+        _check_floating(x=x, out=out)
         if info.has_active_lora and T:
             dense_delta(module, x, out, weights, info, chunked=self.chunked)
 
