@@ -6,8 +6,11 @@ by adapter with a permutation; 16-token prefill-graph tiles; csgmv chunks of 3â€
 and with graph capacity tails (empty tail segments, weight index -1, padding rows, max_len a
 capacity): output equal to the twin within tolerance, rows of tokens without LoRA bit-identical,
 the intermediate NaN where nothing is written; fp32 deltas against the fp64 oracle; named cases:
-mixed ranks with a host max_rank, a single token, launcher precondition errors.
+mixed ranks with a host max_rank, a single token, launcher precondition errors, a max_rank below a
+loaded slot's rank refused by ``dense_lora_delta`` (finding 12).
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -27,9 +30,16 @@ from moelora_core import (
     ModuleLoRA,
     Request,
 )
-from moelora_kernels import chunked_sgmv_expand, chunked_sgmv_shrink, segmented_lora_a, segmented_lora_b
+from moelora_kernels import (
+    chunked_sgmv_expand,
+    chunked_sgmv_shrink,
+    dense_lora_delta,
+    segmented_lora_a,
+    segmented_lora_b,
+)
 from moelora_reference import segments as seg
 from moelora_reference import sgmv as twin
+from moelora_reference.backend import ReferenceBackend
 from moelora_reference.oracle import dense_lora_forward
 
 pytestmark = pytest.mark.interpreter
@@ -221,3 +231,21 @@ def test_launcher_refuses_bad_arguments(name, override, match):
     override = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in override.items()}
     with pytest.raises(KernelPreconditionError, match=match):
         _call(name, **override)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["segmented", "chunked"])
+def test_dense_lora_delta_refuses_max_rank_below_a_loaded_slots_rank(chunked):
+    # Regression (adversarial finding 12): dense_lora_delta has the pool, so a max_rank below a
+    # loaded slot's rank of the module (which would cut that slot's rank loop) is refused on the host.
+    w, gen = _pool(43, [4, 2])
+    batch = BatchSpec(ForwardMode.EXTEND, [Request(0, 3), Request(1, 2)], 2, (4, 2), (1.0, 2.0))
+    info = ReferenceBackend(w.spec).prepare(batch)
+    if chunked:
+        info = dataclasses.replace(info, permutation=torch.arange(5, device=DEVICE))
+    x, out = randn(gen, 5, 40, dtype=torch.float32), randn(gen, 5, 24, dtype=torch.float32)
+    before = out.clone()
+    with pytest.raises(KernelPreconditionError, match="max_rank: 3 < rank 4 of slot 0"):
+        dense_lora_delta("q", x, out, w, info, chunked=chunked, max_rank=3)
+    assert_bitwise_equal(out, before, what="nothing written before the refusal")
+    dense_lora_delta("q", x, out, w, info, chunked=chunked, max_rank=4)
+    assert not torch.equal(out.cpu(), before.cpu())

@@ -6,7 +6,8 @@ touch bit-identical; the shrink's intermediate on handled rows, NaN elsewhere; t
 with LoRA against the fp64 oracle (fp32). Named cases: gate_A != up_A; rank < R and mixed ranks
 (with and without a host max_rank); base tokens in a mixed batch bit-identical to a LoRA-free run;
 disabled slots; expert ids -1, E and E+1; a single token; all tokens to one expert; empty experts;
-top_k = 1; an IDLE batch; launcher precondition errors (rank > R among them).
+top_k = 1; an IDLE batch; launcher precondition errors (rank > R among them); a max_rank below a
+loaded slot's rank refused by ``moe_lora_delta`` (finding 12).
 """
 
 import math
@@ -170,6 +171,18 @@ def test_max_rank_above_R_is_refused():
     w = make_pool(22, L=1, R=8)
     with pytest.raises(KernelPreconditionError, match="max_rank: rank 9 > the pool's max rank R=8"):
         check_named(22, w, "gate_up", 4, 2, max_rank=9)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_max_rank_below_a_loaded_slots_rank_is_refused(stage):
+    # Regression (adversarial finding 12): max_rank=4 with a rank-8 slot silently cut its rank loop.
+    # moe_lora_delta has the pool, so it checks max_rank against every loaded slot's host rank.
+    ranks = {0: {"gate": 3, "up": 8, "down": 6}, 1: {"gate": 2, "up": 2, "down": 2}}
+    w = make_pool(25, L=2, R=16, ranks=ranks)
+    need = 8 if stage == "gate_up" else 6
+    with pytest.raises(KernelPreconditionError, match=f"max_rank: {need - 1} < rank {need} of slot 0"):
+        check_named(25, w, stage, 6, 2, max_rank=need - 1)
+    check_named(25, w, stage, 6, 2, max_rank=need, what=f"max_rank = the largest {stage} rank")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 
 from moelora_core.align import AlignOutput
 from moelora_core.errors import KernelPreconditionError
+
+if TYPE_CHECKING:
+    from moelora_core.weights import LoRAWeights
 
 #: Activation / weight dtypes the GEMM kernels compute in.
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
@@ -152,6 +156,26 @@ def check_rank_bound(max_rank: int | None, pool_rank: int, what: str = "max_rank
     if max_rank > pool_rank:
         raise KernelPreconditionError(f"{what}: rank {max_rank} > the pool's max rank R={pool_rank}")
     return max_rank
+
+
+def check_rank_covers(max_rank: int | None, weights: LoRAWeights, modules: Iterable[str]) -> None:
+    """A host ``max_rank`` at or above every loaded slot's rank of ``modules`` (from the pool's host
+    ranks; None, the pool's R, always covers). Launchers that take a ``LoRAWeights`` check it: the
+    kernels clamp a slot's rank loop to ``max_rank``, which would silently cut a larger adapter.
+    Stricter than "every active slot" (which slots a batch uses is device data): a loaded slot the
+    batch does not use counts too.
+
+    Raises:
+        KernelPreconditionError: naming the first module and slot whose rank exceeds ``max_rank``.
+    """
+    if max_rank is None:
+        return
+    for module in modules:
+        for slot, rank in enumerate(weights.host_ranks[module]):
+            if rank > max_rank:
+                raise KernelPreconditionError(
+                    f"max_rank: {max_rank} < rank {rank} of slot {slot} ({module}); the kernels would cut its rank "
+                    f"loop. Pass the largest loaded rank (or None for the pool's R)")
 
 
 def check_align_pairs(align: AlignOutput, num_pairs: int) -> None:

@@ -27,6 +27,7 @@ from moelora_kernels._common import (
     check_grid,
     check_positive_int,
     check_rank_bound,
+    check_rank_covers,
     check_tensor,
     gemm_launch_options,
     next_pow2,
@@ -36,6 +37,8 @@ from moelora_kernels.fused_moe import used_blocks_bound
 from moelora_kernels.moe_lora_kernels import _fused_moe_lora_kernel, _moe_lora_expand_kernel, _moe_lora_shrink_kernel
 
 STAGES: tuple[str, ...] = ("gate_up", "down")
+#: LoRAWeights modules of each stage.
+STAGE_MODULES: dict[str, tuple[str, ...]] = {"gate_up": ("gate", "up"), "down": ("down",)}
 
 
 class _Stage:
@@ -383,12 +386,19 @@ def moe_lora_delta(
         stage: "gate_up" (x [M, H], out [M, top_k, 2I]) or "down" (x = h [M·top_k, I], out
             [M, top_k, H], topk_weights [M, top_k]).
         weights: the pool (σ and ranks per module are read on the device at run time).
-        align, top_k, adapter_enabled, max_rank, tf32: as the launchers.
+        max_rank: host rank bound; must cover every loaded slot's rank of the stage's modules
+            (``weights.host_ranks``), None = the pool's R.
+        align, top_k, adapter_enabled, tf32: as the launchers.
 
     Returns:
         ``out``.
+
+    Raises:
+        KernelPreconditionError: as the launchers; ``max_rank`` below a loaded slot's rank of the
+            stage's modules.
     """
     t = stage_tensors(weights, stage)
+    check_rank_covers(max_rank, weights, STAGE_MODULES[stage])
     if fused is None:
         pairs = x.shape[0] * top_k if stage == "gate_up" else x.shape[0]
         rank = max_rank if max_rank is not None else weights.spec.R

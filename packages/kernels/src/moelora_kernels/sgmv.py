@@ -24,6 +24,7 @@ from moelora_kernels._common import (
     check_grid,
     check_positive_int,
     check_rank_bound,
+    check_rank_covers,
     check_tensor,
     gemm_launch_options,
     next_pow2,
@@ -233,12 +234,18 @@ def dense_lora_delta(
 
     ``info.seg_indptr`` / ``weight_indices`` / ``permutation`` / ``max_len`` feed the kernels;
     the module's own ranks and σ come from ``weights`` (they bound the rank loop per slot).
-    ``chunked=True`` runs the chunked SGMV pair (needs ``info.permutation``).
+    ``chunked=True`` runs the chunked SGMV pair (needs ``info.permutation``). ``max_rank`` must
+    cover every loaded slot's rank of ``module`` (``weights.host_ranks``); None = the pool's R.
 
     Returns:
         ``out``.
+
+    Raises:
+        KernelPreconditionError: as the launchers; ``max_rank`` below a loaded slot's rank of
+            ``module``.
     """
     A, B = weights.factors(module)
+    check_rank_covers(max_rank, weights, (module,))
     ranks, scalings = weights.ranks(module), weights.scalings(module)
     common = {"max_len": info.max_len, "max_rank": max_rank, "tf32": tf32}
     if chunked:
