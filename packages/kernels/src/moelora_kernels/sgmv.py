@@ -8,7 +8,9 @@
   ``LoRABatchInfo`` (``seg_indptr``, ``weight_indices``, ``permutation``, ``max_len``).
 
 Grids are ``(S, cdiv(max_len, BLOCK_S)[, cdiv(out, BLOCK_N)])`` from host numbers only; the device
-segment bounds decide which programs work. No launcher reads a device value.
+segment bounds decide which programs work. No launcher reads a device value; the kernels check the
+device metadata against the host T and L instead (range contract in :mod:`.dense_lora`: slots
+outside [0, L) and rows outside [0, T) add nothing and are never dereferenced).
 """
 
 from __future__ import annotations
