@@ -47,62 +47,58 @@ def _batch(w, slots=(0, -1)):
     return BatchSpec(ForwardMode.EXTEND, [Request(s, 2) for s in slots], 2, w.slot_ranks(), w.slot_scalings())
 
 
-def _args(T, spec, dtype=None):
-    dtype = dtype or spec.dtype
-    x = torch.randn(T, spec.H).to(dtype)
+def _gate_up(backend, w, info, T=4, dtype=None):
+    """A gate_up delta call with T rows of activations in ``dtype`` (the spec's by default)."""
+    spec = backend.spec
+    x = torch.randn(T, spec.H).to(dtype or spec.dtype)
     ids = torch.zeros(T, spec.top_k, dtype=torch.int32)
     out = torch.zeros(T, spec.top_k, 2 * spec.I)
-    return x, ids, out
+    backend.moe_gate_up_delta(x, ids, out, w, info)
+
+
+def _inspected():
+    """(an inspecting backend, a pool with slot 0 loaded) on the small spec."""
+    spec = _spec()
+    return InspectingBackend(spec), _pool(spec)
 
 
 def test_a_well_formed_call_passes_and_is_recorded():
-    spec = _spec()
-    backend, w = InspectingBackend(spec), _pool(spec)
-    info = backend.prepare(_batch(w))
-    backend.moe_gate_up_delta(*_args(4, spec)[:2], _args(4, spec)[2], w, info)
+    backend, w = _inspected()
+    _gate_up(backend, w, backend.prepare(_batch(w)))
     assert [c.method for c in backend.calls] == ["prepare", "moe_gate_up_delta"]
     assert backend.calls[1].shapes == ((4, 8), (4, 2), (4, 2, 12))
 
 
 def test_foreign_metadata_is_refused():
-    spec = _spec()
-    backend, w = InspectingBackend(spec), _pool(spec)
-    foreign = make_reference(spec).prepare(_batch(w))
-    x, ids, out = _args(4, spec)
+    backend, w = _inspected()
+    foreign = make_reference(backend.spec).prepare(_batch(w))
     with pytest.raises(MalformedCallError, match="did not return"):
-        backend.moe_gate_up_delta(x, ids, out, w, foreign)
+        _gate_up(backend, w, foreign)
 
 
 def test_activations_of_another_dtype_are_refused():
-    spec = _spec()
-    backend, w = InspectingBackend(spec), _pool(spec)
+    backend, w = _inspected()
     info = backend.prepare(_batch(w))
-    x, ids, out = _args(4, spec, dtype=torch.float16)
     with pytest.raises(MalformedCallError, match="dtype"):
-        backend.moe_gate_up_delta(x, ids, out, w, info)
+        _gate_up(backend, w, info, dtype=torch.float16)
 
 
 def test_a_batch_that_misdescribes_the_pool_is_refused():
-    spec = _spec()
-    backend, w = InspectingBackend(spec), _pool(spec)
+    backend, w = _inspected()
     wrong = BatchSpec(ForwardMode.EXTEND, [Request(0, 2), Request(-1, 2)], 2, (3, 0), w.slot_scalings())
     info = backend.prepare(wrong)
-    x, ids, out = _args(4, spec)
     with pytest.raises(MalformedCallError, match="ranks"):
-        backend.moe_gate_up_delta(x, ids, out, w, info)
+        _gate_up(backend, w, info)
 
 
 def test_rows_that_disagree_with_the_metadata_are_refused():
-    spec = _spec()
-    backend, w = InspectingBackend(spec), _pool(spec)
+    backend, w = _inspected()
     info = backend.prepare(_batch(w))
-    x, ids, out = _args(5, spec)
     with pytest.raises(MalformedCallError, match="shape"):
-        backend.moe_gate_up_delta(x, ids, out, w, info)
+        _gate_up(backend, w, info, T=5)  # the batch has 4 tokens
 
 
 def test_preparing_a_graph_family_before_its_init_is_refused():
-    spec = _spec()
-    backend, w = InspectingBackend(spec), _pool(spec)
+    backend, w = _inspected()
     with pytest.raises(MalformedCallError, match="before init_decode_graph"):
         backend.prepare(_batch(w), "decode")

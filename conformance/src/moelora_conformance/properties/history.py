@@ -154,3 +154,14 @@ def history_capacity(mode: str, target: BatchSpec, steps: list[Step], extra_requ
     """The subject's capacity: every own-mode batch of the history and the target fit."""
     own = [s.inputs.batch for s in steps if s.mode == mode] + [target]
     return capacity_for(mode, own, extra_requests=extra_requests, extra_tokens=extra_tokens)
+
+
+def draw_history_capacity(data: st.DataObject, mode: str, target: BatchSpec, steps: list[Step]) -> Capacity | None:
+    """:func:`history_capacity` with drawn slack (0-2 requests, 0-8 tokens), traced; None (nothing
+    drawn) in eager mode."""
+    if mode == "eager":
+        return None
+    capacity = history_capacity(mode, target, steps, data.draw(st.integers(0, 2), label="request slack"),
+                                data.draw(st.integers(0, 8), label="token slack"))
+    trace(f"capacity: {capacity}")
+    return capacity

@@ -4,12 +4,14 @@
 Drawing: :func:`draw_case` draws the case (structure and seed) for a mode and dtype within the
 profile's caps bounded by the backend's declared limits, and starts the example's trace: the
 lines a failure report prints (the case's ``describe()`` and every batch the property ran), which
-the plugin attaches to the failure with a repro command.
+the plugin attaches to the failure with a repro command. :func:`draw_routing`,
+:func:`draw_moe_path` and :func:`draw_capacity` draw the rest of an example's structure;
+:func:`assert_outputs_close` compares two runs of the same inputs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from hypothesis import note
@@ -23,10 +25,12 @@ from moelora_conformance.harness import (
     Layer,
     LayerOutput,
     Oracle,
+    assert_close,
     check_run,
 )
 from moelora_conformance.profiles import Profile, SizeCaps
 from moelora_conformance.strategies.cases import MaterializedCase, MoELoRACase
+from moelora_conformance.strategies.routing import routing_plans
 from moelora_conformance.strategies.suite import family_of, suite_cases, tokens_per_request
 from moelora_core.backend import BackendFactory
 from moelora_core.batch import BatchSpec
@@ -91,6 +95,17 @@ def draw_case(data: st.DataObject, suite: Suite, mode: str, dtype: torch.dtype, 
     return case
 
 
+def draw_routing(data: st.DataObject, case: MoELoRACase, sentinel_shares: tuple[float, ...], *,
+                 label: str) -> MoELoRACase:
+    """``case`` with drawn routing (``routing_plans``: a share of sentinel ids among ``sentinel_shares``,
+    values from the case's seed), traced."""
+    shape = case.shape
+    routing = data.draw(routing_plans(shape.num_experts, shape.top_k, shape.num_base_experts,
+                                      sentinel_shares=sentinel_shares, seed=case.seed), label=label)
+    trace(f"routing: {routing.describe()}")
+    return replace(case, routing=routing)
+
+
 def draw_moe_path(data: st.DataObject, suite: Suite) -> str:
     """The MoE path of this example ("fused" only where the backend declares ``fused_moe``)."""
     path = data.draw(st.sampled_from(suite.moe_paths), label="moe path")
@@ -117,8 +132,11 @@ def capacity_for(mode: str, batches: list[BatchSpec], *, extra_requests: int = 0
     return Capacity(reqs, max(toks, 1), tpr)
 
 
-def draw_capacity(data: st.DataObject, mode: str, batches: list[BatchSpec]) -> Capacity:
-    """A capacity for ``batches`` with drawn slack (0-3 requests, 0-16 tokens)."""
+def draw_capacity(data: st.DataObject, mode: str, batches: list[BatchSpec]) -> Capacity | None:
+    """A capacity for ``batches`` with drawn slack (0-3 requests, 0-16 tokens); None (nothing drawn)
+    in eager mode."""
+    if mode == "eager":
+        return None
     cap = capacity_for(mode, batches, extra_requests=data.draw(st.integers(0, 3), label="request slack"),
                        extra_tokens=data.draw(st.integers(0, 16), label="token slack"))
     trace(f"capacity: {cap}")
@@ -201,6 +219,22 @@ class Subject:
         out = self.run(inp)
         self.check(inp, out, what, **kwargs)
         return out
+
+
+def assert_outputs_close(out: LayerOutput, ref: LayerOutput, ctx: CheckContext, what: str, *,
+                         rows: torch.Tensor | None = None, moe_in: bool = False) -> None:
+    """``out``'s MoE output (and MoE input, with ``moe_in``) and every dense output equal ``ref``'s
+    within the dtype's tolerance; ``rows`` (a long index) picks the rows of ``ref`` that ``out`` ran.
+
+    Raises:
+        AssertionError: naming ``what`` and the output that differs.
+    """
+    pick = (lambda t: t) if rows is None else (lambda t: t[rows])
+    assert_close(out.y, pick(ref.y).double(), ctx, f"{what}: MoE output")
+    if moe_in:
+        assert_close(out.moe_in, pick(ref.moe_in).double(), ctx, f"{what}: MoE input")
+    for mod, t in out.dense.items():
+        assert_close(t, pick(ref.dense[mod]).double(), ctx, f"{what}: dense {mod}")
 
 
 def not_fallback(result, what: str):

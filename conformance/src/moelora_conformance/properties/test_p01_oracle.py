@@ -20,6 +20,6 @@ from moelora_conformance.properties.support import Subject, draw_capacity, draw_
 def test_every_output_row_equals_the_oracle(moelora_suite, mode, dtype, data):
     case = draw_case(data, moelora_suite, mode, dtype)
     path = draw_moe_path(data, moelora_suite)
-    capacity = draw_capacity(data, mode, [case.batch]) if mode != "eager" else None
+    capacity = draw_capacity(data, mode, [case.batch])
     subject = Subject(moelora_suite, case, mode, path, capacity)
     subject.run_and_check(subject.inputs(), "the drawn batch")

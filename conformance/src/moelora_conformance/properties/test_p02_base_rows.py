@@ -11,7 +11,7 @@ row past the live tokens too.
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moelora_conformance.properties.history import HistoryRunner, draw_history, history_capacity
+from moelora_conformance.properties.history import HistoryRunner, draw_history, draw_history_capacity
 from moelora_conformance.properties.registry import conformance
 from moelora_conformance.properties.support import Subject, draw_case, draw_moe_path, trace
 
@@ -24,11 +24,7 @@ def test_base_rows_bit_identical_to_lora_disabled(moelora_suite, mode, dtype, da
     path = draw_moe_path(data, suite)
     m = case.materialize(suite.device)
     steps = draw_history(data, suite, case, m, mode, case.batch)
-    capacity = None
-    if mode != "eager":
-        capacity = history_capacity(mode, case.batch, steps, data.draw(st.integers(0, 2), label="request slack"),
-                                    data.draw(st.integers(0, 8), label="token slack"))
-        trace(f"capacity: {capacity}")
+    capacity = draw_history_capacity(data, mode, case.batch, steps)
     subject = Subject(suite, case, mode, path, capacity, materialized=m)
     HistoryRunner(subject, steps).run()
     inp = subject.inputs()

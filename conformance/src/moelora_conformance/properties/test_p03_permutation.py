@@ -10,9 +10,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moelora_conformance.harness import assert_close
 from moelora_conformance.properties.registry import conformance
-from moelora_conformance.properties.support import Subject, draw_capacity, draw_case, draw_moe_path, trace
+from moelora_conformance.properties.support import (
+    Subject,
+    assert_outputs_close,
+    draw_capacity,
+    draw_case,
+    draw_moe_path,
+    trace,
+)
 
 
 def _rows_of(batch, order):
@@ -31,7 +37,7 @@ def test_permuting_requests_permutes_outputs(moelora_suite, mode, dtype, data):
     keep = data.draw(st.lists(st.booleans(), min_size=batch.bs, max_size=batch.bs), label="requests kept")
     subset = [q for q in range(batch.bs) if keep[q]] or [0]
     trace(f"order: {order}; subset: {subset}")
-    capacity = draw_capacity(data, mode, [batch]) if mode != "eager" else None
+    capacity = draw_capacity(data, mode, [batch])
     subject = Subject(suite, case, mode, path, capacity)
     inp = subject.inputs()
     full = subject.run_and_check(inp, "as drawn")
@@ -40,7 +46,4 @@ def test_permuting_requests_permutes_outputs(moelora_suite, mode, dtype, data):
         out = subject.run_and_check(part, name)
         index = torch.tensor(_rows_of(batch, chosen), dtype=torch.long, device=full.y.device)
         what = f"{mode} {name} batch vs the drawn batch, per request"
-        assert_close(out.y, full.y[index].double(), subject.ctx, f"{what}: MoE output")
-        assert_close(out.moe_in, full.moe_in[index].double(), subject.ctx, f"{what}: MoE input")
-        for mod, t in out.dense.items():
-            assert_close(t, full.dense[mod][index].double(), subject.ctx, f"{what}: dense {mod}")
+        assert_outputs_close(out, full, subject.ctx, what, rows=index, moe_in=True)

@@ -10,11 +10,16 @@ tolerance, base rows bit for bit, and the run after the history equals the oracl
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moelora_conformance.harness import assert_bitwise, assert_close
+from moelora_conformance.harness import assert_bitwise
 from moelora_conformance.harness.checks import base_row_mask
-from moelora_conformance.properties.history import HistoryRunner, draw_history, history_capacity, other_family_mode
+from moelora_conformance.properties.history import (
+    HistoryRunner,
+    draw_history,
+    draw_history_capacity,
+    other_family_mode,
+)
 from moelora_conformance.properties.registry import conformance
-from moelora_conformance.properties.support import Subject, draw_case, draw_moe_path, trace
+from moelora_conformance.properties.support import Subject, assert_outputs_close, draw_case, draw_moe_path
 
 
 @conformance("P04")
@@ -27,11 +32,7 @@ def test_batch_after_any_history_equals_a_fresh_backend(moelora_suite, mode, dty
     interleave = mode != "eager" and other_family_mode(suite, mode) is not None and data.draw(
         st.booleans(), label="other family between prepare and replay")
     steps = draw_history(data, suite, case, m, mode, case.batch, interleave=interleave)
-    capacity = None
-    if mode != "eager":
-        capacity = history_capacity(mode, case.batch, steps, data.draw(st.integers(0, 2), label="request slack"),
-                                    data.draw(st.integers(0, 8), label="token slack"))
-        trace(f"capacity: {capacity}")
+    capacity = draw_history_capacity(data, mode, case.batch, steps)
     subject = Subject(suite, case, mode, path, capacity, materialized=m)
     runner = HistoryRunner(subject, steps)
     runner.run()
@@ -43,9 +44,6 @@ def test_batch_after_any_history_equals_a_fresh_backend(moelora_suite, mode, dty
         after = subject.run_and_check(inp, "after its history")
     fresh = Subject(suite, case, mode, path, capacity, materialized=m).run(inp)
     ctx, what = subject.ctx, f"{mode} after its history vs a fresh backend"
-    assert_close(after.y, fresh.y.double(), ctx, f"{what}: MoE output")
-    assert_close(after.moe_in, fresh.moe_in.double(), ctx, f"{what}: MoE input")
-    for mod, t in after.dense.items():
-        assert_close(t, fresh.dense[mod].double(), ctx, f"{what}: dense {mod}")
+    assert_outputs_close(after, fresh, ctx, what, moe_in=True)
     rows = base_row_mask(inp.batch.token_lora_mapping, after.y.device)
     assert_bitwise(after.y[rows], fresh.y[rows], ctx, f"{what}: base rows")

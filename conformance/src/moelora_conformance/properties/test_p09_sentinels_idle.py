@@ -9,8 +9,6 @@ no Triton kernel; in a graph mode it replays with every row a pad row, bit-ident
 disabled. The batch run again after it equals the oracle and its first run.
 """
 
-from dataclasses import replace
-
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -18,8 +16,14 @@ from hypothesis import strategies as st
 from moelora_conformance.harness import assert_bitwise, assert_close
 from moelora_conformance.harness.inputs import BatchInputs
 from moelora_conformance.properties.registry import conformance
-from moelora_conformance.properties.support import Subject, draw_capacity, draw_case, draw_moe_path, trace
-from moelora_conformance.strategies.routing import routing_plans
+from moelora_conformance.properties.support import (
+    Subject,
+    draw_capacity,
+    draw_case,
+    draw_moe_path,
+    draw_routing,
+    trace,
+)
 from moelora_core.batch import BatchSpec
 from moelora_core.forward_mode import ForwardMode
 from moelora_core.graphs.triton_launches import intercept_triton_launches
@@ -38,13 +42,9 @@ def _empty_inputs(subject: Subject, batch: BatchSpec) -> BatchInputs:
 def test_sentinel_experts_and_idle_batches_add_nothing(moelora_suite, mode, dtype, data):
     suite = moelora_suite
     drawn = draw_case(data, suite, mode, dtype, kinds=("extend", "decode", "mixed"))
-    shape = drawn.shape
-    routing = data.draw(routing_plans(shape.num_experts, shape.top_k, shape.num_base_experts,
-                                      sentinel_shares=SENTINEL_SHARES, seed=drawn.seed), label="sentinel routing")
-    case = replace(drawn, routing=routing)
-    trace(f"routing: {routing.describe()}")
+    case = draw_routing(data, drawn, SENTINEL_SHARES, label="sentinel routing")
     path = draw_moe_path(data, suite)
-    capacity = draw_capacity(data, mode, [case.batch]) if mode != "eager" else None
+    capacity = draw_capacity(data, mode, [case.batch])
     subject = Subject(suite, case, mode, path, capacity)
     inp = subject.inputs()
     first = subject.run_and_check(inp, "sentinel-heavy batch")

@@ -71,6 +71,6 @@ def test_mixed_ranks_rslora_and_scalings_in_one_batch(moelora_suite, mode, dtype
     case = replace(drawn, shape=shape, pool=pool, plan=plan)
     trace(f"mixed-rank case: {case.describe()}")
     path = draw_moe_path(data, suite)
-    capacity = draw_capacity(data, mode, [batch]) if mode != "eager" else None
+    capacity = draw_capacity(data, mode, [batch])
     subject = Subject(suite, case, mode, path, capacity)
     subject.run_and_check(subject.inputs(), "mixed ranks and scalings")
