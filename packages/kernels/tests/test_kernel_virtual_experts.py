@@ -113,3 +113,24 @@ def test_enabled_helper_agrees_with_twin():
     from moelora_reference.mapping import adapter_enabled
     mapping = torch.tensor([2, -1, 0, 2], dtype=torch.int32)
     assert_exact(enabled_of(mapping, 4), adapter_enabled(mapping, 4), what="adapter_enabled helper")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_slot_without_the_module_keeps_negative_zero(stage):
+    # H200 gpu profile, 2026-11-29: an fp16 output holding -0.0 in a row of a slot whose adapter lacks
+    # the stage's modules came back +0.0 (the expand added σ·0 = +0.0). Such rows must stay
+    # bit-identical, -0.0 included, like rows of NO_ADAPTER tokens.
+    w = make_pool(32, L=2, ranks={1: {"gate": 16, "up": 16, "down": 16}})  # slot 0 holds no module
+    M, k = 6, 2
+    ids = torch.tensor([[0, 3], [1, 2], [4, 0], [2, 2], [3, 1], [0, 4]], dtype=torch.int32, device=DEVICE)
+    mapping = torch.tensor([0, 0, 0, 1, 1, -1], dtype=torch.int32, device=DEVICE)
+    gen = torch.Generator().manual_seed(32)
+    tw = torch.rand(M, k, generator=gen).to(DEVICE) if stage == "down" else None
+    x, out0, tw = stage_inputs(gen, stage, M, k, w.spec.H, w.spec.I, torch.float32, tw)
+    out0[:3] = -0.0  # every element of slot 0's rows is negative zero
+    with launch_guard():
+        _, valign = virtual_align(ids, mapping, w.spec.E, 2)
+        out = virtual_moe_lora_delta(stage, x, out0.clone(), w, valign, top_k=k, topk_weights=tw)
+    assert_bitwise_equal(out[:3], out0[:3], what=f"{stage}: rows of the slot without the module")
+    assert torch.signbit(out[:3]).all()
+    assert (out[3:5] != out0[3:5]).any(), "slot 1's rows must receive a delta"

@@ -8,7 +8,9 @@ of each pair and by a per-expert scale, optionally adds the existing output, and
     C[p, n] (+)= scale[e // experts_per_scale] · w_p · Σ_k A[p // in_row_div, k] · W[e, n, k]
 
 for every pair p in the block (p < num_pairs; padding rows are skipped). Blocks at or past
-``num_tokens_post_padded`` and blocks of expert -1 exit first, as do blocks of an expert >= E_w
+``num_tokens_post_padded`` and blocks of expert -1 exit first, as do blocks of an expert >= E_w,
+blocks whose scale is exactly 0 when adding into C (a slot without this module: C stays
+bit-identical, -0.0 included)
 and rows outside [0, num_pairs) (a corrupt alignment reads and writes nothing outside the tensors);
 an alignment recorded for more experts than ``w`` has, or for another pair count, is refused on
 the host (``AlignOutput.num_experts`` / ``num_pairs``). The grid is sized from capacities:
@@ -94,6 +96,14 @@ def _fused_moe_gemm_kernel(
     # -1 blocks, and ids past the weight's E_w (an alignment made for more experts): no weight to read
     if (expert < 0) | (expert >= num_experts):
         return
+    scale = 1.0
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + expert // experts_per_scale).to(tl.float32)
+        # σ == 0 (a module the slot's adapter lacks): nothing to add, and adding +0.0 would still turn
+        # a -0.0 output into +0.0; exit so those rows stay bit-identical, like -1 blocks
+        if ADD_INTO:
+            if scale == 0.0:
+                return
 
     # --- tile ------------------------------------------------------------------------------------
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -118,7 +128,7 @@ def _fused_moe_gemm_kernel(
         rw = tl.load(topk_weights_ptr + pairs64, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * rw[:, None]
     if HAS_SCALE:
-        acc = acc * tl.load(scale_ptr + expert // experts_per_scale).to(tl.float32)
+        acc = acc * scale
     c_ptrs = c_ptr + pairs64[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
     c_mask = row_ok[:, None] & n_ok[None, :]
     if ADD_INTO:
