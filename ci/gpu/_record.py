@@ -13,7 +13,9 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -78,13 +80,45 @@ def hypothesis_examples(output: str) -> dict[str, dict[str, int]]:
     return examples
 
 
-def run_timed(cmd: Sequence[str], *, cwd: Path, env: dict[str, str],
-              note: str = "") -> tuple[subprocess.CompletedProcess, float, str]:
-    """Print and run ``cmd``; returns (the finished process, wall seconds, stdout + stderr)."""
+def run_timed(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], note: str = "",
+              log: Path | None = None, budget_s: float | None = None) -> tuple[subprocess.CompletedProcess, float, str]:
+    """Print and run ``cmd``, streaming its output line by line to ``log`` (flushed, so a run cut
+    short by the device's call limit still leaves what it printed) and keeping it for the caller.
+
+    ``budget_s``: after that many seconds the command gets SIGINT (pytest then stops at the current
+    test and still writes its JUnit / JSON reports), and SIGKILL 60 s later.
+
+    Returns:
+        (the finished process, with ``stdout`` = the whole output; wall seconds; the output).
+    """
     print("running:", " ".join(cmd), note, flush=True)
     start = time.time()
-    proc = subprocess.run(list(cmd), cwd=cwd, env=env, capture_output=True, text=True)
-    return proc, time.time() - start, proc.stdout + proc.stderr
+    lines: list[str] = []
+    sink = open(log, "w") if log else None
+    proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def _interrupt() -> None:
+        proc.send_signal(signal.SIGINT)
+        threading.Timer(60, proc.kill).start()
+
+    timer = threading.Timer(budget_s, _interrupt) if budget_s else None
+    if timer:
+        timer.daemon = True
+        timer.start()
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if sink:
+                sink.write(line)
+                sink.flush()
+        proc.wait()
+    finally:
+        if timer:
+            timer.cancel()
+        if sink:
+            sink.close()
+    output = "".join(lines)
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, output, ""), time.time() - start, output
 
 
 def write_record(path: Path | str, record: dict) -> None:

@@ -9,7 +9,7 @@ stage           what                                                        ~min
 graphs          CUDA graphs vs the CPU-graph emulator (ci/gpu/graph_agreement.py)   1
 kernels         kernel suite, gpu profile, sync debug "error" (ci/gpu/kernels_gpu.py)  6–8
 reference       conformance suite on ``reference``, --device cuda, gpu profile           3–5
-backends        conformance suite on ``triton`` and ``csgmv``, gpu profile (backends_gpu.py) 6–9
+backends        conformance suite on ``triton`` and ``csgmv``, gpu profile (backends_gpu.py)  9
 bench           issue-4 benchmark (benchmarks/bench_moe_lora.py)                          1–2
 ==============  ==========================================================  ==========
 
@@ -44,7 +44,8 @@ def _stages(out: Path, examples: int) -> dict[str, list[str]]:
                       "--device", "cuda", "--profile", "gpu", "--max-examples", str(examples),
                       "--report-json", str(out / "reference_gpu.json"), "--junitxml", str(out / "reference_gpu.xml"),
                       "-q"],
-        "backends": [py, "ci/gpu/backends_gpu.py", "--max-examples", str(examples), "--out-dir", str(out / "backends")],
+        "backends": [py, "ci/gpu/backends_gpu.py", "--max-examples", str(examples), "--budget-s", "270",
+                     "--out-dir", str(out / "backends")],
         "bench": [py, "benchmarks/bench_moe_lora.py", "--out", str(out / "bench.json")],
     }
 
