@@ -253,12 +253,13 @@ def _mutations(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--seed", type=int, default=0, help="--hypothesis-seed of every run (default 0)")
 
     def run(args: argparse.Namespace) -> int:
-        from moelora_conformance.faulty import MUTANTS
-        from moelora_conformance.faulty.campaign import DOCS, run_campaign, table_markdown
+        from moelora_conformance.faulty import CAP_MUTANTS, MUTANTS
+        from moelora_conformance.faulty.campaign import DOCS, run_campaign, table_markdown, write_docs
 
-        unknown = set(args.only or []) - set(MUTANTS)
+        known = {*MUTANTS, *CAP_MUTANTS}
+        unknown = set(args.only or []) - known
         if unknown:
-            print(f"moelora-conformance mutations: unknown {sorted(unknown)}; known {sorted(MUTANTS)}", file=sys.stderr)
+            print(f"moelora-conformance mutations: unknown {sorted(unknown)}; known {sorted(known)}", file=sys.stderr)
             return 2
 
         def progress(r):
@@ -274,7 +275,7 @@ def _mutations(parser: argparse.ArgumentParser) -> Handler:
         text = table_markdown(results, profile=args.profile, seed=args.seed, without_metadata=others)
         if args.write_docs is not None:
             path = DOCS if args.write_docs is True else args.write_docs
-            path.write_text(text)
+            write_docs(path, text)
             print(f"wrote {path}")
         return 0 if all(r.caught for r in results) else 1  # the full suite must catch every one
 

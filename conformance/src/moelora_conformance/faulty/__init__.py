@@ -4,6 +4,8 @@
   must be caught by the general properties.
 - :mod:`.backend_mutants`: the ``triton`` and ``csgmv`` backends with one known fault each, added to
   :data:`MUTANTS` when ``moelora_backends`` is installed (each with its example budget).
+- :mod:`.beyond_caps`: reference faults that only sizes past the ``interpret`` caps reach
+  (:data:`CAP_MUTANTS`: top_k > 2, R > 16, H > 64); loadable like the others, not in ``MUTANTS``.
 
 Load one as a backend with ``--backend moelora_conformance.faulty:<factory>`` (factories below, one
 per mutation).
@@ -11,6 +13,7 @@ per mutation).
 
 import importlib.util
 
+from moelora_conformance.faulty.beyond_caps import CAP_MUTANTS
 from moelora_conformance.faulty.mutants import MUTANTS
 
 if importlib.util.find_spec("moelora_backends") is not None:
@@ -21,7 +24,7 @@ if importlib.util.find_spec("moelora_backends") is not None:
 
 
 def _factory(name: str):
-    cls = MUTANTS[name]
+    cls = {**MUTANTS, **CAP_MUTANTS}[name]
 
     def make_backend(spec):
         return cls(spec)
@@ -32,7 +35,7 @@ def _factory(name: str):
 
 
 #: ``--backend moelora_conformance.faulty:<factory name>`` for each mutation.
-FACTORIES = {name: _factory(name) for name in MUTANTS}
+FACTORIES = {name: _factory(name) for name in [*MUTANTS, *CAP_MUTANTS]}
 globals().update({f.__name__: f for f in FACTORIES.values()})
 
 
@@ -41,4 +44,4 @@ def target(name: str) -> str:
     return f"moelora_conformance.faulty:{FACTORIES[name].__name__}"
 
 
-__all__ = ["FACTORIES", "MUTANTS", "target", *(f.__name__ for f in FACTORIES.values())]
+__all__ = ["CAP_MUTANTS", "FACTORIES", "MUTANTS", "target", *(f.__name__ for f in FACTORIES.values())]

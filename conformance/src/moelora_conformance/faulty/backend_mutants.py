@@ -12,9 +12,11 @@ the suite; the suite must still catch every one (``tests/test_mutations.py``, ``
 
 from __future__ import annotations
 
+import contextlib
 from itertools import groupby
 from operator import itemgetter
 
+from moelora_backends import deltas as _deltas
 from moelora_backends.csgmv_backend import CsgmvBackend
 from moelora_backends.segmentation import PREFILL_TILE, Segmentation, cut_runs, segmentation_of, slot_runs
 from moelora_backends.triton_backend import TritonBackend
@@ -83,10 +85,47 @@ class TritonRunsMergedWrongly(TritonBackend):
     prefill_graph_segments = staticmethod(_tiles_merging_runs_wrongly)
 
 
+def _host_rank_bound(weights, modules, info):
+    # FAULT: the eager rule in graph mode too: the largest rank in the pool now, frozen into the launch
+    return max(max(weights.host_ranks[m]) for m in modules)
+
+
+@contextlib.contextmanager
+def _rank_bound_from_host():
+    """``moelora_backends.deltas.rank_bound`` replaced by the faulty rule for one delta call."""
+    real, _deltas.rank_bound = _deltas.rank_bound, _host_rank_bound
+    try:
+        yield
+    finally:
+        _deltas.rank_bound = real
+
+
+class TritonGraphRankBoundAtCapture(TritonBackend):
+    """triton graph families: the kernels' rank bound is the largest rank the pool held at capture (the
+    eager rule), not R, so an adapter of a larger rank loaded into a slot after the capture is cut to
+    the old bound."""
+
+    name = "mutant-triton-graph-rank-bound-at-capture"
+    max_examples = KERNEL_MUTANT_BUDGET
+
+    def moe_gate_up_delta(self, *args, **kwargs):
+        with _rank_bound_from_host():
+            super().moe_gate_up_delta(*args, **kwargs)
+
+    def moe_down_delta(self, *args, **kwargs):
+        with _rank_bound_from_host():
+            super().moe_down_delta(*args, **kwargs)
+
+    def dense_delta(self, *args, **kwargs):
+        with _rank_bound_from_host():
+            super().dense_delta(*args, **kwargs)
+
+
 #: Mutation name → backend class (merged into ``MUTANTS``).
 BACKEND_MUTANTS: dict[str, type] = {
     "csgmv-frozen-segment-count": CsgmvFrozenSegmentCount,
     "csgmv-moe-reads-chunks": CsgmvMoEReadsChunks,
     "triton-tiles-drop-last-partial": TritonTilesDropLastPartial,
     "triton-runs-merged-wrongly": TritonRunsMergedWrongly,
+    "triton-graph-rank-bound-at-capture": TritonGraphRankBoundAtCapture,
 }

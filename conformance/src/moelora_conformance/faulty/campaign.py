@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from moelora_conformance.faulty import MUTANTS, target
+from moelora_conformance.faulty import CAP_MUTANTS, MUTANTS, target
 from moelora_conformance.properties.registry import PROPERTIES
 from moelora_conformance.session import SuiteRun, run_suite
 
@@ -26,6 +26,12 @@ DEFAULT_SEED = 0
 #: ``-k`` of a run without the metadata-only properties (P06, P07): do the output properties catch
 #: the metadata faults too?
 WITHOUT_METADATA = "not test_metadata_is_exact and not test_static_buffers_keep_their_addresses"
+#: A line of ``docs/mutations.md`` after which the text is written by hand: ``--write-docs`` keeps it.
+HAND_WRITTEN = "<!-- written by hand below this line: kept by --write-docs -->"
+
+
+def _mutant(name: str):
+    return MUTANTS[name] if name in MUTANTS else CAP_MUTANTS[name]
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,7 @@ def run_mutation(name: str, *, profile: str = "interpret", seed: int | None = DE
     properties deselected)."""
     extra = ["-k", WITHOUT_METADATA] if without_metadata else []
     run = run_suite(target(name), profile=profile, no_shrink=True, exitfirst=True, hypothesis_seed=seed,
-                    timeout=timeout, max_examples=getattr(MUTANTS[name], "max_examples", None), extra=extra)
+                    timeout=timeout, max_examples=getattr(_mutant(name), "max_examples", None), extra=extra)
     failed = [r for r in (run.report or {}).get("records", []) if r["outcome"] in ("failed", "error")]
     if run.returncode == 0 or not failed:
         return MutationResult(name, False, "", "", "", "", "", run.seconds, 0.0, run)
@@ -96,7 +102,7 @@ def table_markdown(results: list[MutationResult], *, profile: str, seed: int | N
     ]
     other = {r.name: r for r in without_metadata or []}
     for r in results:
-        fault = " ".join((MUTANTS[r.name].__doc__ or "").strip().split("\n\n")[0].split()).replace("``", "`")
+        fault = " ".join((_mutant(r.name).__doc__ or "").strip().split("\n\n")[0].split()).replace("``", "`")
         o = other.get(r.name)
         lines.append(f"| `{r.name}` | {fault} | {_caught(r)} | {r.seconds:.1f} | "
                      f"{r.item_seconds:.2f} | {_caught(o)} | {'–' if o is None else f'{o.seconds:.1f}'} |")
@@ -104,6 +110,14 @@ def table_markdown(results: list[MutationResult], *, profile: str, seed: int | N
     lines += ["", "Properties: " + "; ".join(f"{p} {PROPERTIES[p].title}" for p in titles if p in PROPERTIES) + "."]
     lines += ["", f"Total: {sum(r.seconds for r in results):.1f} s for {len(results)} mutants.", ""]
     return "\n".join(lines)
+
+
+def write_docs(path: Path, text: str) -> None:
+    """Write the generated ``text`` to ``path``, keeping the hand-written part of the file there
+    (from the :data:`HAND_WRITTEN` line on)."""
+    old = path.read_text() if path.exists() else ""
+    kept = old[old.index(HAND_WRITTEN):] if HAND_WRITTEN in old else ""
+    path.write_text(text + ("\n" + kept if kept else ""))
 
 
 def run_campaign(names: list[str] | None = None, *, profile: str = "interpret", seed: int | None = DEFAULT_SEED,

@@ -71,6 +71,27 @@ class UpUsesGateA(ReferenceBackend):
         return A, B
 
 
+class _WeightsViewBackend(ReferenceBackend):
+    """The reference backend reading the pool through ``weights_view``, a ``LoRAWeights`` subclass
+    that shares every tensor and overrides one accessor (the σ mutants' fault lives there)."""
+
+    weights_view: type[LoRAWeights] = LoRAWeights
+
+    def _view(self, weights: LoRAWeights) -> LoRAWeights:
+        view = copy.copy(weights)  # shares every tensor
+        view.__class__ = self.weights_view
+        return view
+
+    def moe_gate_up_delta(self, x, topk_ids, gate_up_out, weights, info):
+        super().moe_gate_up_delta(x, topk_ids, gate_up_out, self._view(weights), info)
+
+    def moe_down_delta(self, h, topk_ids, topk_weights, down_out, weights, info):
+        super().moe_down_delta(h, topk_ids, topk_weights, down_out, self._view(weights), info)
+
+    def dense_delta(self, module, x, out, weights, info):
+        super().dense_delta(module, x, out, self._view(weights), info)
+
+
 class _AlphaOverR(LoRAWeights):
     def scalings(self, module: str) -> torch.Tensor:
         ranks = self.ranks(module).to(torch.float32).clamp(min=1.0)
@@ -78,25 +99,11 @@ class _AlphaOverR(LoRAWeights):
         return super().scalings(module) / ranks.sqrt()
 
 
-def _alpha_over_r(weights: LoRAWeights) -> LoRAWeights:
-    view = copy.copy(weights)  # shares every tensor
-    view.__class__ = _AlphaOverR
-    return view
-
-
-class AlphaOverR(ReferenceBackend):
+class AlphaOverR(_WeightsViewBackend):
     """σ computed as α/r where rsLoRA asks α/√r."""
 
     name = "mutant-alpha-over-r"
-
-    def moe_gate_up_delta(self, x, topk_ids, gate_up_out, weights, info):
-        super().moe_gate_up_delta(x, topk_ids, gate_up_out, _alpha_over_r(weights), info)
-
-    def moe_down_delta(self, h, topk_ids, topk_weights, down_out, weights, info):
-        super().moe_down_delta(h, topk_ids, topk_weights, down_out, _alpha_over_r(weights), info)
-
-    def dense_delta(self, module, x, out, weights, info):
-        super().dense_delta(module, x, out, _alpha_over_r(weights), info)
+    weights_view = _AlphaOverR
 
 
 class SentinelToOtherAdapter(ReferenceBackend):
@@ -157,6 +164,72 @@ class SharedScratch(ReferenceBackend):
             small._ptr = small.tensor.data_ptr()
 
 
+class _SigmaInBf16(LoRAWeights):
+    def scalings(self, module: str) -> torch.Tensor:
+        # FAULT: σ kept in bf16 (a model's dtype) instead of fp32: α/r = 4/3 etc. lose up to 2⁻⁹.
+        return super().scalings(module).to(torch.bfloat16).to(torch.float32)
+
+
+class SigmaInBf16(_WeightsViewBackend):
+    """σ rounded through bf16 (the model's dtype on a GPU) instead of kept in fp32: a σ such as α/r = 4/3
+    or α/√r is off by up to 2⁻⁹."""
+
+    name = "mutant-sigma-in-bf16"
+    weights_view = _SigmaInBf16
+
+
+class _SigmaFromHost(LoRAWeights):
+    def scalings(self, module: str) -> torch.Tensor:
+        device = self.module_scalings.device
+        # FAULT: σ from the pool's host copy, as Python numbers: a captured graph keeps capture-time σ.
+        return torch.stack([torch.full((), s, dtype=torch.float32, device=device) for s in self.host_scalings[module]])
+
+
+class SigmaFrozenAtCapture(_WeightsViewBackend):
+    """σ passed to the deltas as host numbers (the pool's host copy): right eagerly, but a captured graph
+    keeps the σ of capture time, so an adapter loaded into a slot later runs with the old σ."""
+
+    name = "mutant-sigma-frozen-at-capture"
+    weights_view = _SigmaFromHost
+
+
+class WeightsCachedPerSlot(ReferenceBackend):
+    """The MoE factors are cached on first use and never invalidated: an adapter loaded into a slot
+    later (slot reuse, eviction) runs with the old adapter's weights."""
+
+    name = "mutant-weights-cached-per-slot"
+
+    def _moe_factors(self, weights, module):
+        cache = self.__dict__.setdefault("_factor_cache", {})
+        if (id(weights), module) not in cache:  # FAULT: no invalidation when load_slot rewrites the pool
+            cache[id(weights), module] = tuple(t.clone() for t in super()._moe_factors(weights, module))
+        return cache[id(weights), module]
+
+
+class PairIndexCachedPerInfo(ReferenceBackend):
+    """Eager: the (slot, expert) pair index is computed once per batch info and reused by every MoE
+    layer's delta calls, but each layer has its own routing: layer 2 gets its LoRA at layer 1's experts."""
+
+    name = "mutant-pair-index-cached-per-info"
+
+    def _pair_index(self, topk_ids, info):
+        cached = self.__dict__.get("_pairs")
+        if info.use_cuda_graph or cached is None or cached[0] is not info:  # FAULT: keyed on info, not topk_ids
+            self._pairs = (info, super()._pair_index(topk_ids, info))
+        return self._pairs[1]
+
+
+class DenseOutAssumedContiguous(ReferenceBackend):
+    """``dense_delta`` adds into ``out.contiguous()``: right for a contiguous output, but when ``out`` is a
+    column slice of a fused q|k|v output (a strided view, as engines pass it) the delta goes to a copy
+    and is lost."""
+
+    name = "mutant-dense-out-assumed-contiguous"
+
+    def dense_delta(self, module, x, out, weights, info):
+        super().dense_delta(module, x, out.contiguous(), weights, info)  # FAULT: a copy of a strided out
+
+
 #: Mutation name → (backend class, what the fault is).
 MUTANTS: dict[str, type[ReferenceBackend]] = {
     "stale-tail": StaleTail,
@@ -167,4 +240,9 @@ MUTANTS: dict[str, type[ReferenceBackend]] = {
     "host-sync": HostSync,
     "32-request-cap": RequestCap32,
     "shared-scratch": SharedScratch,
+    "weights-cached-per-slot": WeightsCachedPerSlot,
+    "sigma-frozen-at-capture": SigmaFrozenAtCapture,
+    "sigma-in-bf16": SigmaInBf16,
+    "pair-index-cached-per-info": PairIndexCachedPerInfo,
+    "dense-out-assumed-contiguous": DenseOutAssumedContiguous,
 }

@@ -8,6 +8,10 @@ its float64 twin on the run's own dense outputs.
 
 On large (GPU-profile) batches the oracle runs on at most ``oracle_rows`` token rows: every
 request's first and last token, then evenly spread rows (the same rows for every check of a run).
+
+Each MoE layer of a two-layer case is checked the same way on its own input (the previous layer's
+actual output), with its own weights, pool and routing. The oracle reads the layer's pools as they
+are *now*: after a reload (``Layer.reload``) it re-reads them (a CPU copy is made again on CUDA).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from moelora_conformance.harness.checks import (
     base_row_mask,
 )
 from moelora_conformance.harness.inputs import BatchInputs
-from moelora_conformance.harness.layer import Layer, LayerOutput
+from moelora_conformance.harness.layer import GUARD_VALUE, Layer, LayerOutput
 from moelora_core.batch import BatchSpec
 from moelora_reference.oracle import dense_lora_forward, moe_lora_forward
 
@@ -60,6 +64,7 @@ class Expected:
         y: [n, H] MoE output with LoRA on the run's MoE input.
         y_delta: [n, H] ``y`` minus the oracle without LoRA on the same MoE input.
         dense: module → [n, out] dense output with LoRA; dense_delta: module → [n, out] σ·B(A x).
+        extra: per MoE layer after the first, its (y, y_delta) on its own run input.
     """
 
     rows: torch.Tensor | None
@@ -67,34 +72,52 @@ class Expected:
     y_delta: torch.Tensor
     dense: dict[str, torch.Tensor]
     dense_delta: dict[str, torch.Tensor]
+    extra: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class Oracle:
-    """The oracle for one layer (a CPU copy of its weights, made once)."""
+    """The oracle for one layer: its weights as the layer holds them now (on CUDA, a CPU copy made
+    again whenever the layer's pools were reloaded)."""
 
     def __init__(self, layer: Layer, *, oracle_rows: int | None = None) -> None:
-        self.m = layer.m if layer.device.type == "cpu" else layer.m.to("cpu")
+        self.layer = layer
         self.oracle_rows = oracle_rows
+        self._version: int | None = None
+        self._m = None
+
+    @property
+    def m(self):
+        """The layer's ``MaterializedCase`` on the CPU, current with its pools."""
+        layer = self.layer
+        if self._version != layer.pool_version:
+            self._m = layer.m if layer.device.type == "cpu" else layer.m.to("cpu")
+            self._version = layer.pool_version
+        return self._m
 
     def _take(self, t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         t = t.detach().to("cpu")
         return t if rows is None else t[rows]
+
+    def _moe(self, moe_in, ids, w, base, lora, mapping, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y, y - y without LoRA) of one MoE layer on its run input ``moe_in``."""
+        x, ids, w = self._take(moe_in, rows), self._take(ids, rows), self._take(w, rows)
+        y = moe_lora_forward(x, ids, w, base.w_gate_up, base.w_down, lora, mapping)
+        return y, y - moe_lora_forward(x, ids, w, base.w_gate_up, base.w_down, None, None)
 
     def expected(self, inp: BatchInputs, run: LayerOutput) -> Expected:
         """Oracle values for ``run`` (a forward of ``inp`` with LoRA)."""
         m, batch = self.m, inp.batch
         rows = oracle_row_index(batch, self.oracle_rows)
         mapping = self._take(torch.tensor(batch.token_lora_mapping, dtype=torch.int32), rows)
-        ids, w = self._take(inp.topk_ids, rows), self._take(inp.topk_weights, rows)
-        W_gu, W_d = m.base.w_gate_up, m.base.w_down
-        y = moe_lora_forward(self._take(run.moe_in, rows), ids, w, W_gu, W_d, m.lora, mapping)
-        y_base = moe_lora_forward(self._take(run.moe_in, rows), ids, w, W_gu, W_d, None, None)
+        y, y_delta = self._moe(run.moe_in, inp.topk_ids, inp.topk_weights, m.base, m.lora, mapping, rows)
+        extra = [self._moe(e.moe_in, ids, w, layer.base, layer.lora, mapping, rows)
+                 for e, (ids, w), layer in zip(run.extra, inp.extra_routing, m.layers, strict=True)]
         dense, dense_delta = {}, {}
         for mod, x in inp.dense_x.items():
             xr = self._take(x, rows)
             dense_delta[mod] = dense_lora_forward(xr, None, mod, m.lora, mapping)
             dense[mod] = dense_lora_forward(xr, m.dense_weights[mod], mod, m.lora, mapping)
-        return Expected(rows, y, y - y_base, dense, dense_delta)
+        return Expected(rows, y, y_delta, dense, dense_delta, extra)
 
 
 def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -114,38 +137,54 @@ def check_run(oracle: Oracle, inp: BatchInputs, run: LayerOutput, base: LayerOut
         pad_rows: graph runs: every row past the live tokens (``run.rows`` vs ``base.rows``, both
             capacity-wide) is bit-identical to the LoRA-disabled run (a stale tail would add LoRA).
 
+    Every MoE layer of the run gets the MoE checks; the guard columns of a ``fused-qkv`` dense
+    buffer must still hold :data:`~.layer.GUARD_VALUE` on every row (always checked).
+
     Returns:
         The oracle values (for further checks).
     """
     exp = oracle.expected(inp, run)
     r = exp.rows
+    layers = [("MoE", run.y, run.y32, base.y, base.y32, exp.y, exp.y_delta)]
+    layers += [(f"MoE layer {n + 2}", e.y, e.y32, b.y, b.y32, y, d)
+               for n, (e, b, (y, d)) in enumerate(zip(run.extra, base.extra, exp.extra, strict=True))]
     if outputs:
-        assert_close(_rows(run.y, r), exp.y, ctx, f"{what}: MoE output")
+        for name, y, _, _, _, want, _ in layers:
+            assert_close(_rows(y, r), want, ctx, f"{what}: {name} output")
         for mod, t in run.dense.items():
             assert_close(_rows(t, r), exp.dense[mod], ctx, f"{what}: dense {mod} output")
         want_in = break_op_f64(inp.x, run.dense, inp.batch)
         assert_close(run.moe_in, want_in, ctx, f"{what}: harness break op (MoE input)")
     if deltas:
-        if run.y32 is not None and base.y32 is not None:
-            assert_delta_close(_rows(run.y32, r), _rows(base.y32, r), exp.y_delta, ctx, f"{what}: MoE LoRA delta")
-        else:
-            assert_delta_close(_rows(run.y, r), _rows(base.y, r), exp.y_delta, ctx, f"{what}: MoE LoRA delta",
-                               rounded=(_rows(run.y, r), _rows(base.y, r)))
+        for name, y, y32, y_base, y32_base, _, delta in layers:
+            if y32 is not None and y32_base is not None:
+                assert_delta_close(_rows(y32, r), _rows(y32_base, r), delta, ctx, f"{what}: {name} LoRA delta")
+            else:
+                assert_delta_close(_rows(y, r), _rows(y_base, r), delta, ctx, f"{what}: {name} LoRA delta",
+                                   rounded=(_rows(y, r), _rows(y_base, r)))
         for mod, t in run.dense.items():
             assert_delta_close(_rows(t, r), _rows(base.dense[mod], r), exp.dense_delta[mod], ctx,
                                f"{what}: dense {mod} LoRA delta", rounded=(_rows(t, r),))
     if base_rows:
         mask = base_row_mask(inp.batch.token_lora_mapping, run.y.device)
-        assert_bitwise(run.y[mask], base.y[mask], ctx, f"{what}: MoE output of base rows vs LoRA disabled")
+        for name, y, _, y_base, _, _, _ in layers:
+            assert_bitwise(y[mask], y_base[mask], ctx, f"{what}: {name} output of base rows vs LoRA disabled")
         for mod, t in run.dense.items():
             assert_bitwise(t[mask], base.dense[mod][mask], ctx,
                            f"{what}: dense {mod} output of base rows vs LoRA disabled")
     if pad_rows:
         T = inp.num_tokens
-        full = run.rows
-        assert_bitwise(full["y"][T:], base.rows["y"][T:], ctx,
-                       f"{what}: MoE output of pad rows (past {T} live tokens) vs LoRA disabled")
+        full, twin = run.rows, base.rows
+        pairs = [("MoE", full["y"], twin["y"])]
+        pairs += [(f"MoE layer {n + 2}", e.y, b.y) for n, (e, b) in enumerate(zip(full["extra"], twin["extra"]))]
+        for name, y, y_base in pairs:
+            assert_bitwise(y[T:], y_base[T:], ctx, f"{what}: {name} output of pad rows (past {T} live tokens) "
+                                                   f"vs LoRA disabled")
         for mod, t in full["dense"].items():
-            assert_bitwise(t[T:], base.rows["dense"][mod][T:], ctx,
+            assert_bitwise(t[T:], twin["dense"][mod][T:], ctx,
                            f"{what}: dense {mod} output of pad rows vs LoRA disabled")
+    guards = run.rows.get("guards") if run.rows else run.guards
+    if guards is not None:
+        assert_bitwise(guards, torch.full_like(guards, GUARD_VALUE), ctx,
+                       f"{what}: guard columns of the fused q|k|v output buffer (outside every module's slice)")
     return exp

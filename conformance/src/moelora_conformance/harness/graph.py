@@ -13,7 +13,7 @@ is what it reads on every replay, as on CUDA.
 Modes:
 
 - ``decode``: the decode family, one graph of projection → break op → MoE (the break op from static
-  buffers);
+  buffers; every MoE layer of the case — two layers are two MoE layers in one captured program);
 - ``prefill-full``: the prefill family, the same single graph;
 - ``prefill-breakable``: the prefill family, a graph of the projection and a graph of the MoE, with
   the break op run eagerly in between from the live batch (``LayerGraph`` "breakable").
@@ -79,6 +79,7 @@ class GraphLayer:
         self.topk_ids = self.pad.topk_ids.clone()
         self.topk_weights = self.pad.topk_weights.clone()
         self.dense_x = {m: t.clone() for m, t in self.pad.dense_x.items()}
+        self.extra_routing = tuple((i.clone(), w.clone()) for i, w in self.pad.extra_routing)
         if self.layer_mode == "full":
             self.breaker = StaticRequests(device, self.capacity, max_requests)
         else:
@@ -102,7 +103,7 @@ class GraphLayer:
 
     def _moe(self, moe_in: torch.Tensor):
         y, y32 = self.layer.moe(moe_in, self.topk_ids, self.topk_weights, self.info)
-        return y, y32, moe_in
+        return y, y32, moe_in, self.layer.extra_moe(y, self.extra_routing, self.info)
 
     # --- running batches ------------------------------------------------------------------------
 
@@ -115,9 +116,13 @@ class GraphLayer:
         T = inp.num_tokens
         if T > self.capacity:
             raise InvalidFieldError("batch", f"{T} tokens > the {self.mode} static inputs' {self.capacity} rows")
+        extra = [(dst, pad, live) for (di, dw), (pi, pw), (li, lw) in
+                 zip(self.extra_routing, self.pad.extra_routing, inp.extra_routing, strict=True)
+                 for dst, pad, live in ((di, pi, li), (dw, pw, lw))]
         for dst, pad, live in ((self.x, self.pad.x, inp.x), (self.topk_ids, self.pad.topk_ids, inp.topk_ids),
                                (self.topk_weights, self.pad.topk_weights, inp.topk_weights),
-                               *((self.dense_x[m], self.pad.dense_x[m], inp.dense_x[m]) for m in self.dense_x)):
+                               *((self.dense_x[m], self.pad.dense_x[m], inp.dense_x[m]) for m in self.dense_x),
+                               *extra):
             dst.copy_(pad)
             dst[:T].copy_(live)
 
@@ -155,9 +160,11 @@ class GraphLayer:
             self.graph = LayerGraph(self._projection, self._break, self._moe, mode=self.layer_mode, pool=self.pool)
             self.graph.capture()
             self.captures += 1
-        y, y32, moe_in = self.graph.replay()
+        y, y32, moe_in, extra = self.graph.replay()
+        guards = self._dense.guards()
         full = LayerOutput({m: t.clone() for m, t in self._dense.items()}, moe_in.clone(), y.clone(),
-                           None if y32 is None else y32.clone(), info)
+                           None if y32 is None else y32.clone(), info, extra=[e.clone() for e in extra],
+                           guards=None if guards is None else guards.clone())
         return full.live(inp.num_tokens)
 
     def run(self, inp: BatchInputs) -> LayerOutput:
@@ -172,17 +179,16 @@ class GraphLayer:
 
     def disabled(self, run: LayerOutput) -> LayerOutput:
         """The LoRA-disabled twin of the last replay ``run``, eagerly on the current static inputs
-        at capacity (same shapes): base dense outputs and the MoE without LoRA on the replay's own
-        MoE input. The live rows, with the capacity-wide tensors in ``rows`` (bitwise checks of
-        base and pad rows)."""
+        at capacity (same shapes): base dense outputs and every MoE layer without LoRA on the
+        replay's own input to it. The live rows, with the capacity-wide tensors in ``rows``
+        (bitwise checks of base and pad rows)."""
         if self.batch is None or not run.rows:
             raise InvalidFieldError("disabled", "needs the output of this graph layer's last replay")
         layer = self.layer
         dense = layer.dense_base(self.dense_x)
-        moe_in = run.rows["moe_in"]
         info = None
         if layer.moe_path == "fused":
             extra = self.capacity - self.batch.num_tokens
             info = layer.backend.prepare(all_base(self.batch, extra, self.tokens_per_request))
-        y, y32 = layer.moe(moe_in, self.topk_ids, self.topk_weights, info)
-        return LayerOutput(dense, moe_in, y, y32, info).live(self.batch.num_tokens)
+        twin = layer.disabled_moe(run, info, self.topk_ids, self.topk_weights, self.extra_routing, dense)
+        return twin.live(self.batch.num_tokens)

@@ -2,8 +2,8 @@
 
 A :class:`BatchInputs` is what one forward of the layer reads besides the weights: the batch spec
 and, per token row, the MoE activations ``x``, the routing (``topk_ids`` with sentinels,
-``topk_weights``) and the dense projections' inputs. Rows are laid out request after request, as
-``BatchSpec.req_seg_indptr`` says.
+``topk_weights``; and each further MoE layer's own routing) and the dense projections' inputs.
+Rows are laid out request after request, as ``BatchSpec.req_seg_indptr`` says.
 
 - :meth:`BatchInputs.select` keeps requests in a given order (a permutation, or a subset): the
   rows move with their request, so each request sees exactly the same values (properties 3, 4).
@@ -37,6 +37,7 @@ class BatchInputs:
         topk_ids: [T, k] int32 expert ids (negative: not handled here; ``>= E``: fused base experts).
         topk_weights: [T, k] fp32 router weights.
         dense_x: module → [T, in] input of that dense projection (case dtype).
+        extra_routing: per MoE layer after the first, its (topk_ids [T, k], topk_weights [T, k]).
     """
 
     batch: BatchSpec
@@ -44,6 +45,7 @@ class BatchInputs:
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
     dense_x: dict[str, torch.Tensor]
+    extra_routing: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +67,8 @@ class BatchInputs:
         batch = BatchSpec(mode, [b.requests[i] for i in order], b.max_loras, b.lora_ranks, b.scalings)
         index = torch.tensor(rows, dtype=torch.long, device=self.x.device)
         return BatchInputs(batch, self.x[index], self.topk_ids[index], self.topk_weights[index],
-                           {m: t[index] for m, t in self.dense_x.items()})
+                           {m: t[index] for m, t in self.dense_x.items()},
+                           tuple((i[index], w[index]) for i, w in self.extra_routing))
 
     def describe(self) -> str:
         b = self.batch
@@ -75,13 +78,13 @@ class BatchInputs:
 
 def case_inputs(m: MaterializedCase, batch: BatchSpec) -> BatchInputs:
     """The case's own batch with its materialized values."""
-    return BatchInputs(batch, m.x, m.topk_ids, m.topk_weights, dict(m.dense_x))
+    return BatchInputs(batch, m.x, m.topk_ids, m.topk_weights, dict(m.dense_x), tuple(m.extra_routing))
 
 
 def derive_inputs(case: MoELoRACase, m: MaterializedCase, batch: BatchSpec, seed: int) -> BatchInputs:
     """Fresh values for ``batch`` on the case's layer: activations ~ N(0, 1) and routing drawn with
-    the case's routing plan (sentinels included), from a generator seeded with ``seed`` on the
-    case's device.
+    the case's routing plan (sentinels included; each further MoE layer its own, drawn last), from a
+    generator seeded with ``seed`` on the case's device.
 
     Raises:
         InvalidFieldError: the batch is for another pool size than the case's.
@@ -95,7 +98,8 @@ def derive_inputs(case: MoELoRACase, m: MaterializedCase, batch: BatchSpec, seed
     topk_ids, topk_weights, _ = case.routing.materialize(T, device, gen)
     dense_x = {mod: torch.randn(T, t.shape[1], generator=gen, device=device).to(m.spec.dtype)
                for mod, t in m.dense_x.items()}
-    return BatchInputs(batch, x, topk_ids, topk_weights, dense_x)
+    extra = tuple(case.routing.materialize(T, device, gen)[:2] for _ in m.layers)
+    return BatchInputs(batch, x, topk_ids, topk_weights, dense_x, extra)
 
 
 @dataclass
@@ -107,21 +111,27 @@ class PaddedRows:
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
     dense_x: dict[str, torch.Tensor]
+    extra_routing: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+
+
+def _pad_routing(gen: torch.Generator, capacity: int, k: int, E: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, E, (capacity, k), generator=gen, device=device, dtype=torch.int32)
+    return ids, 1.0 - torch.rand(capacity, k, generator=gen, device=device)
 
 
 def pad_rows(m: MaterializedCase, capacity: int, seed: int) -> PaddedRows:
     """Fresh random rows for a graph capacity: activations ~ N(0, 1), expert ids uniform in
     ``[0, E)`` (never a sentinel, so a wrongly mapped pad row really picks up LoRA), router
-    weights in (0, 1]."""
+    weights in (0, 1]; the same for every further MoE layer's routing."""
     device = m.x.device
     gen = torch.Generator(device).manual_seed((seed * 2654435761 + 97) % (2**63))
     k = m.topk_ids.shape[1]
     x = torch.randn(capacity, m.spec.H, generator=gen, device=device).to(m.spec.dtype)
-    ids = torch.randint(0, m.spec.E, (capacity, k), generator=gen, device=device, dtype=torch.int32)
-    w = 1.0 - torch.rand(capacity, k, generator=gen, device=device)
+    ids, w = _pad_routing(gen, capacity, k, m.spec.E, device)
     dense_x = {mod: torch.randn(capacity, t.shape[1], generator=gen, device=device).to(m.spec.dtype)
                for mod, t in m.dense_x.items()}
-    return PaddedRows(x, ids, w, dense_x)
+    extra = tuple(_pad_routing(gen, capacity, k, m.spec.E, device) for _ in m.layers)
+    return PaddedRows(x, ids, w, dense_x, extra)
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -3,13 +3,22 @@
 A forward is the three parts of DESIGN.md §6:
 
 1. **projection**: for every dense module m of the spec, ``out_m = dense_x_m W_mᵀ`` (fp32, rounded
-   once to the case dtype), then ``backend.dense_delta(m, dense_x_m, out_m, ...)`` in place;
+   once to the case dtype), then ``backend.dense_delta(m, dense_x_m, out_m, ...)`` in place. With
+   the case's ``fused-qkv`` layout, ``out_q``, ``out_k``, ``out_v`` are column slices of one buffer
+   (strided views, as an engine's fused qkv projection passes them) between guard columns that
+   hold :data:`GUARD_VALUE`: a delta written outside its slice changes a guard or a neighbour;
 2. **break op** (:mod:`.break_op`): ``moe_in = x · f(request's dense outputs)``, attention-like;
 3. **MoE**: on the ``deltas`` path, the reference's vectorised base MoE
    (:mod:`moelora_reference.base_moe`) with the backend's ``moe_gate_up_delta`` (before the
    activation) and ``moe_down_delta`` (router-weighted) — intermediates in fp32, so only y is
    rounded (``y32`` keeps the fp32 sum for the delta check); on the ``fused`` path (backends that
-   declare ``fused_moe``), ``backend.moe_forward``.
+   declare ``fused_moe``), ``backend.moe_forward``. Cases with two MoE layers run a second one on
+   the first one's output, with its own base weights, pool and routing and the *same* metadata
+   (one ``prepare`` per forward, as an engine runs every decoder layer on one batch info).
+
+Reloading (:meth:`Layer.reload`): an adapter loaded into a slot between forwards (slot reuse,
+eviction) goes through ``LoRAWeights.load_slot`` / ``clear_slot`` into every MoE layer's pool, in
+place, exactly as an engine does it; captured graphs keep reading the same pool tensors.
 
 The LoRA-disabled twin of a run (:meth:`Layer.disabled`) is the same path with no LoRA on the
 run's own inputs — the dense inputs, and the MoE input the run's break op produced: no backend
@@ -28,19 +37,56 @@ import torch
 
 from moelora_conformance.harness.break_op import LiveRequests
 from moelora_conformance.harness.inputs import BatchInputs, case_inputs
-from moelora_conformance.strategies.cases import MaterializedCase, MoELoRACase
+from moelora_conformance.strategies.adapters import SlotAdapter
+from moelora_conformance.strategies.cases import FUSED_MODULES, MaterializedCase, MoELoRACase, adapter_modules
 from moelora_core.backend import Backend, BackendFactory
 from moelora_core.batch import BatchSpec, Request
 from moelora_core.batch_info import LoRABatchInfo
 from moelora_core.capabilities import Fallback
 from moelora_core.forward_mode import ForwardMode
 from moelora_core.sentinels import NO_ADAPTER
+from moelora_core.weights import LoRAWeights
 from moelora_reference import base_moe
 
 F32 = torch.float32
 #: MoE paths of the harness: the backend's delta calls around the reference base MoE, or its own
 #: fused ``moe_forward``.
 MOE_PATHS: tuple[str, ...] = ("deltas", "fused")
+#: What the guard columns of a ``fused-qkv`` dense buffer hold (exact in every dtype); no delta may
+#: change it.
+GUARD_VALUE = -7.25
+
+
+class DenseOutputs(dict):
+    """module → [T, out] dense output (a column slice of ``fused`` for fused modules).
+
+    Attributes:
+        fused: the ``fused-qkv`` buffer [T, W] the fused modules' outputs are views of, else None.
+        guard_columns: its columns outside every module's slice (they hold :data:`GUARD_VALUE`).
+    """
+
+    fused: torch.Tensor | None = None
+    guard_columns: tuple[int, ...] = ()
+
+    def guards(self) -> torch.Tensor | None:
+        """[T, len(guard_columns)] a copy of the guard columns (None without a fused buffer)."""
+        return None if self.fused is None else self.fused[:, list(self.guard_columns)]
+
+
+@dataclass
+class MoEOutput:
+    """One MoE layer's input and output in a forward: moe_in, y [T, H] (case dtype), y32 (fp32,
+    ``deltas`` path) or None."""
+
+    moe_in: torch.Tensor
+    y: torch.Tensor
+    y32: torch.Tensor | None
+
+    def head(self, T: int) -> MoEOutput:
+        return MoEOutput(self.moe_in[:T], self.y[:T], None if self.y32 is None else self.y32[:T])
+
+    def clone(self) -> MoEOutput:
+        return MoEOutput(self.moe_in.clone(), self.y.clone(), None if self.y32 is None else self.y32.clone())
 
 
 @dataclass
@@ -53,9 +99,11 @@ class LayerOutput:
         y: [T, H] MoE output (case dtype).
         y32: [T, H] fp32 MoE output before its one rounding (``deltas`` path), else None.
         info: the metadata the run used (graph runs: the static-buffer info).
-        rows: the capacity-wide tensors of a graph run (``dense``, ``moe_in``, ``y``, ``y32``) for
-            checks on pad rows; equal to the live ones in eager runs.
+        rows: the capacity-wide tensors of a graph run (``dense``, ``moe_in``, ``y``, ``y32``,
+            ``extra``, ``guards``) for checks on pad rows; equal to the live ones in eager runs.
         fallback: the ``Fallback`` a graph family returned (the run was then eager), else None.
+        extra: the MoE layers after the first (input: the previous layer's y).
+        guards: [T, g] the guard columns of the ``fused-qkv`` dense buffer after the deltas, else None.
     """
 
     dense: dict[str, torch.Tensor]
@@ -65,12 +113,16 @@ class LayerOutput:
     info: LoRABatchInfo | None
     rows: dict[str, object] = field(default_factory=dict)
     fallback: Fallback | None = None
+    extra: list[MoEOutput] = field(default_factory=list)
+    guards: torch.Tensor | None = None
 
     def live(self, T: int) -> LayerOutput:
         """The first ``T`` rows as a LayerOutput (keeping the full tensors in ``rows``)."""
-        full = {"dense": self.dense, "moe_in": self.moe_in, "y": self.y, "y32": self.y32}
+        full = {"dense": self.dense, "moe_in": self.moe_in, "y": self.y, "y32": self.y32, "extra": self.extra,
+                "guards": self.guards}
         return LayerOutput({m: t[:T] for m, t in self.dense.items()}, self.moe_in[:T], self.y[:T],
-                           None if self.y32 is None else self.y32[:T], self.info, full, self.fallback)
+                           None if self.y32 is None else self.y32[:T], self.info, full, self.fallback,
+                           [e.head(T) for e in self.extra], None if self.guards is None else self.guards[:T])
 
 
 def all_base(batch: BatchSpec, extra_rows: int = 0, tokens_per_request: int | None = None) -> BatchSpec:
@@ -111,44 +163,99 @@ class Layer:
         self.backend: Backend = factory(self.spec)
         self.moe_path = moe_path
         self.weights = self.m.lora
+        #: (base weights, pool) of every MoE layer, layer 1 first.
+        self.moe_layers: list[tuple[object, LoRAWeights]] = [(self.m.base, self.m.lora),
+                                                               *((x.base, x.lora) for x in self.m.layers)]
+        #: Bumped by every :meth:`reload` (the oracle re-reads the pools when it changes).
+        self.pool_version = 0
+        layout = case.dense_layout if case is not None else "contiguous"
+        self._fused, self._guard_columns, self._fused_width = self._fused_layout(layout)
 
     def inputs(self) -> BatchInputs:
         """The case's own batch and values."""
         return case_inputs(self.m, self.case.batch)
 
+    # --- reloading -------------------------------------------------------------------------------
+
+    def reload(self, slot: int, adapter: SlotAdapter | None, seed: int) -> None:
+        """Load ``adapter`` (fresh values from ``seed``; layer n from its own generator) into ``slot``
+        of every MoE layer's pool with ``LoRAWeights.load_slot``, or empty the slot with
+        ``clear_slot`` (``adapter`` None), in place between forwards."""
+        for n, (_, pool) in enumerate(self.moe_layers):
+            if adapter is None:
+                pool.clear_slot(slot)
+                continue
+            gen = torch.Generator(self.device).manual_seed((seed * 1_000_003 + n) % 2**63)
+            pool.load_slot(slot, adapter_modules(pool.spec, adapter, gen), adapter_scaling=adapter.adapter_scaling)
+        self.pool_version += 1
+
     # --- the three parts ---------------------------------------------------------------------
 
+    def _fused_layout(self, layout: str) -> tuple[dict[str, tuple[int, int]], tuple[int, ...], int]:
+        """({module: (first, end) column}, guard columns, width) of the fused buffer: a guard column
+        before, between and after the slices of the fused modules present; ({}, (), 0) otherwise."""
+        modules = [m for m in FUSED_MODULES if m in self.spec.dense_shapes]
+        if layout != "fused-qkv" or not modules:
+            return {}, (), 0
+        slices, guards, col = {}, [], 0
+        for m in modules:
+            guards.append(col)
+            width = self.spec.dense_shapes[m][1]
+            slices[m] = (col + 1, col + 1 + width)
+            col += 1 + width
+        guards.append(col)
+        return slices, tuple(guards), col + 1
+
     def dense_base(self, dense_x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Base dense outputs (fp32 GEMM, rounded once to the case dtype)."""
+        """Base dense outputs (fp32 GEMM, rounded once to the case dtype), each its own tensor."""
         return {mod: (x.to(F32) @ self.m.dense_weights[mod].to(F32).T).to(self.spec.dtype)
                 for mod, x in dense_x.items()}
 
-    def projection(self, dense_x: dict[str, torch.Tensor], info: LoRABatchInfo | None) -> dict[str, torch.Tensor]:
-        """Dense outputs with the backend's deltas added in place (none when ``info`` is None)."""
-        out = self.dense_base(dense_x)
+    def projection(self, dense_x: dict[str, torch.Tensor], info: LoRABatchInfo | None) -> DenseOutputs:
+        """Dense outputs, in the case's layout, with the backend's deltas added in place (none when
+        ``info`` is None)."""
+        out = DenseOutputs(self.dense_base(dense_x))
+        if self._fused and out:
+            T = next(iter(out.values())).shape[0]
+            fused = torch.full((T, self._fused_width), GUARD_VALUE, dtype=self.spec.dtype, device=self.device)
+            for mod, (a, b) in self._fused.items():
+                fused[:, a:b].copy_(out[mod])
+                out[mod] = fused[:, a:b]  # a strided view: the engine's fused qkv output
+            out.fused, out.guard_columns = fused, self._guard_columns
         if info is not None:
             for mod, t in out.items():
                 self.backend.dense_delta(mod, dense_x[mod], t, self.weights, info)
         return out
 
     def moe(self, moe_in: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-            info: LoRABatchInfo | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(y, y32): the MoE layer on ``moe_in``; no LoRA when ``info`` is None (``deltas`` path).
+            info: LoRABatchInfo | None, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(y, y32): MoE layer ``layer`` (0 = the first) on ``moe_in``; no LoRA when ``info`` is None
+        (``deltas`` path).
 
         On the ``fused`` path ``info`` is required (the LoRA-disabled run passes all-base metadata).
         """
+        base, weights = self.moe_layers[layer]
         if self.moe_path == "fused":
-            return self.backend.moe_forward(moe_in, topk_ids, topk_weights, self.m.base, self.weights, info), None
-        base = self.m.base
+            return self.backend.moe_forward(moe_in, topk_ids, topk_weights, base, weights, info), None
         gate_up_out = base_moe.gate_up(moe_in, topk_ids, base, out_dtype=F32)
         if info is not None:
-            self.backend.moe_gate_up_delta(moe_in, topk_ids, gate_up_out, self.weights, info)
+            self.backend.moe_gate_up_delta(moe_in, topk_ids, gate_up_out, weights, info)
         h = base_moe.activation(gate_up_out)
         down_out = base_moe.down(h, topk_ids, topk_weights, base)
         if info is not None:
-            self.backend.moe_down_delta(h, topk_ids, topk_weights, down_out, self.weights, info)
+            self.backend.moe_down_delta(h, topk_ids, topk_weights, down_out, weights, info)
         y32 = base_moe.topk_sum(down_out, out_dtype=F32)
         return y32.to(self.spec.dtype), y32
+
+    def extra_moe(self, y: torch.Tensor, routing, info: LoRABatchInfo | None) -> list[MoEOutput]:
+        """The MoE layers after the first: layer n+1 on layer n's output ``y`` with its own routing
+        (``routing``: per extra layer (topk_ids, topk_weights))."""
+        out = []
+        for n, (ids, w) in enumerate(routing, 1):
+            y_n, y32_n = self.moe(y, ids, w, info, layer=n)
+            out.append(MoEOutput(y, y_n, y32_n))
+            y = y_n
+        return out
 
     # --- eager forwards ----------------------------------------------------------------------
 
@@ -173,12 +280,24 @@ class Layer:
         moe_in = breaker(inp.x, dense)
         with guard():
             y, y32 = self.moe(moe_in, inp.topk_ids, inp.topk_weights, info)
-        return LayerOutput(dense, moe_in, y, y32, info)
+            extra = self.extra_moe(y, inp.extra_routing, info)
+        return LayerOutput(dict(dense), moe_in, y, y32, info, extra=extra, guards=dense.guards())
 
     def disabled(self, inp: BatchInputs, run: LayerOutput) -> LayerOutput:
-        """The LoRA-disabled twin of ``run``: base dense outputs of ``inp`` and the MoE without LoRA
-        on ``run``'s own MoE input (so the difference is the MoE's LoRA delta alone)."""
+        """The LoRA-disabled twin of ``run``: base dense outputs of ``inp`` and each MoE layer without
+        LoRA on ``run``'s own input to that layer (so each difference is that part's LoRA delta alone)."""
         dense = self.dense_base(inp.dense_x)
         info = self.backend.prepare(all_base(inp.batch)) if self.moe_path == "fused" else None
-        y, y32 = self.moe(run.moe_in, inp.topk_ids, inp.topk_weights, info)
-        return LayerOutput(dense, run.moe_in, y, y32, info)
+        return self.disabled_moe(run, info, inp.topk_ids, inp.topk_weights, inp.extra_routing, dense)
+
+    def disabled_moe(self, run: LayerOutput, info: LoRABatchInfo | None, topk_ids: torch.Tensor,
+                     topk_weights: torch.Tensor, routing, dense: dict[str, torch.Tensor]) -> LayerOutput:
+        """Every MoE layer of ``run`` without LoRA on its own input (``run.rows`` when it has them:
+        the capacity-wide tensors of a graph run), with ``dense`` as the dense outputs."""
+        full = run.rows or {"moe_in": run.moe_in, "extra": run.extra}
+        y, y32 = self.moe(full["moe_in"], topk_ids, topk_weights, info)
+        extra = []
+        for n, ((ids, w), e) in enumerate(zip(routing, full["extra"]), 1):
+            y_n, y32_n = self.moe(e.moe_in, ids, w, info, layer=n)
+            extra.append(MoEOutput(e.moe_in, y_n, y32_n))
+        return LayerOutput(dense, full["moe_in"], y, y32, info, extra=extra)

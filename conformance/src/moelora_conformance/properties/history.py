@@ -1,7 +1,7 @@
 """Histories: the batches a backend ran before the batch a property checks (properties 2 and 4).
 
-A history is 1-3 steps drawn from :data:`STEP_KINDS`, each a batch on the case's adapter pool with
-fresh values:
+A history is 1-3 steps drawn from :data:`STEP_KINDS`, each a batch on the adapter pool as the
+history has left it, with fresh values — or a reload of the pool:
 
 - ``adapters``: a random batch of adapter and base requests;
 - ``all_base``: every request on ``NO_ADAPTER``;
@@ -9,7 +9,15 @@ fresh values:
 - ``larger``: more requests than the checked batch (in graph modes: its tails are what a stale
   reset would replay);
 - ``other_family``: a batch prepared and replayed in the *other* graph family of the same backend
-  (eager mode: any declared family), which must not disturb this one.
+  (eager mode: any declared family), which must not disturb this one;
+- ``reload``: another adapter loaded into a slot the checked batch uses (slot reuse, eviction) —
+  fresh values, mostly rank R (larger than any rank the pool held), another σ — or, one time in four,
+  the slot emptied with ``clear_slot``; through ``LoRAWeights.load_slot`` / ``clear_slot`` between
+  batches, exactly as an engine does it (:meth:`~moelora_conformance.harness.Layer.reload`). A
+  reload always follows a batch with LoRA in the subject's mode: in graph modes the graph is then
+  captured *before* the reload and replayed after it, and a backend that caches factors, σ or a
+  rank bound on first use is caught holding the old ones. Every later batch — the checked one
+  included — describes the pool as it is now (ranks and σ of ``BatchSpec``), as a scheduler's.
 
 Graph modes may also *interleave* an other-family batch between the checked batch's ``prepare`` and
 its replay (as a scheduler that prepares a decode and a prefill step before running either): the
@@ -18,29 +26,67 @@ replay must still read exactly what its own ``prepare`` wrote.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hypothesis import strategies as st
 
 from moelora_conformance.harness import BatchInputs, GraphLayer, LayerOutput, derive_inputs
 from moelora_conformance.properties.support import Capacity, Subject, Suite, capacity_for, trace
+from moelora_conformance.strategies.adapters import SlotAdapter, pool_ranks, pool_scalings, slot_adapters
 from moelora_conformance.strategies.cases import MaterializedCase, MoELoRACase
+from moelora_conformance.strategies.choice import uniform, weighted
 from moelora_conformance.strategies.suite import family_of, mode_forward, pool_batches, tokens_per_request
 from moelora_core.batch import BatchSpec
 from moelora_core.capabilities import Fallback
 from moelora_core.forward_mode import ForwardMode
 
-STEP_KINDS: tuple[str, ...] = ("adapters", "all_base", "idle", "larger", "other_family")
+STEP_KINDS: tuple[str, ...] = ("adapters", "all_base", "idle", "larger", "other_family", "reload")
+#: Draw weights of the step kinds (others 1): a reload in about two histories of three.
+_KIND_WEIGHTS = {"reload": 4.0}
+
+
+@dataclass(frozen=True)
+class Reload:
+    """A reload step: ``adapter`` (None: ``clear_slot``) into ``slot``, values from ``seed``."""
+
+    slot: int
+    adapter: SlotAdapter | None
+    seed: int
+
+    def applied(self, pool: tuple[SlotAdapter | None, ...]) -> tuple[SlotAdapter | None, ...]:
+        """The pool's structure after this reload."""
+        return tuple(self.adapter if s == self.slot else a for s, a in enumerate(pool))
+
+    def describe(self) -> str:
+        a = self.adapter
+        what = "clear_slot" if a is None else f"load_slot {a.describe()} σ={a.adapter_scaling:.6g}"
+        return f"slot {self.slot}: {what} (seed {self.seed})"
 
 
 @dataclass
 class Step:
-    """One history step: its kind, the mode it runs in, and its inputs."""
+    """One history step: its kind, the mode it runs in, and its inputs (None for a reload)."""
 
     kind: str
     mode: str
-    inputs: BatchInputs
+    inputs: BatchInputs | None
     interleaved: bool = False
+    reload: Reload | None = None
+
+
+@dataclass
+class History:
+    """A drawn history and what it leaves: ``case`` is the drawn case with the pool as the reloads
+    left it and its batch re-described on that pool (same requests)."""
+
+    steps: list[Step]
+    case: MoELoRACase
+
+
+def on_pool(batch: BatchSpec, pool: tuple[SlotAdapter | None, ...]) -> BatchSpec:
+    """``batch``'s requests on ``pool`` (its per-slot ranks and σ), as a scheduler describes a batch
+    after a reload."""
+    return BatchSpec(batch.forward_mode, batch.requests, batch.max_loras, pool_ranks(pool), pool_scalings(pool))
 
 
 def other_family_mode(suite: Suite, mode: str) -> str | None:
@@ -73,39 +119,89 @@ def draw_batch(data: st.DataObject, suite: Suite, like: BatchSpec, mode: str, *,
                                   adapters=adapters), label=label)
 
 
+def draw_rank_headroom(data: st.DataObject, suite: Suite, case: MoELoRACase) -> MoELoRACase:
+    """``case``, or (drawn, where the caps allow) ``case`` with the pool's R raised to the caps' — past
+    every rank its adapters hold, as a server's max LoRA rank usually is — so a reload can bring an
+    adapter of a larger rank than any the pool held when a graph was captured."""
+    most = max((a.slot_rank for a in case.pool if a is not None), default=0)
+    if most >= suite.caps.max_rank or not data.draw(st.booleans(), label="R past the pool's ranks"):
+        return case
+    trace(f"R raised to {suite.caps.max_rank} (the pool's largest rank is {most})")
+    return replace(case, shape=replace(case.shape, max_rank=suite.caps.max_rank))
+
+
+def draw_reload(data: st.DataObject, case: MoELoRACase, pool: tuple[SlotAdapter | None, ...], slots: list[int],
+                *, seed: int, label: str) -> Reload:
+    """A reload of one of ``slots`` (any slot if empty): a new adapter of rank R (three times in four:
+    larger than any the pool held, where R allows) or a drawn rank, with another σ than the slot's
+    adapter — or (one time in four, if the slot holds one) ``clear_slot``."""
+    shape = case.shape
+    slot = data.draw(uniform(sorted(slots) or list(range(shape.max_loras))), label=f"{label}: slot")
+    old = pool[slot]
+    if old is not None and data.draw(weighted([(False, 3), (True, 1)]), label=f"{label}: clear the slot"):
+        return Reload(slot, None, seed)
+    rank_r = data.draw(weighted([(False, 1), (True, 3)]), label=f"{label}: rank R")
+    adapter = data.draw(slot_adapters(shape, ranks=st.just(shape.max_rank) if rank_r else None,
+                                      exclude_sigma=None if old is None else old.adapter_scaling),
+                        label=f"{label}: adapter")
+    return Reload(slot, adapter, seed)
+
+
 def draw_history(data: st.DataObject, suite: Suite, case: MoELoRACase, m: MaterializedCase, mode: str,
-                 target: BatchSpec, *, interleave: bool = False) -> list[Step]:
+                 target: BatchSpec, *, interleave: bool = False) -> History:
     """1-3 history steps before ``target`` (see the module docstring), and with ``interleave`` a last
     other-family step run between ``target``'s prepare and replay (:meth:`HistoryRunner.interleaved`)."""
     other = other_family_mode(suite, mode)
     kinds = [k for k in STEP_KINDS if k != "other_family" or other is not None]
     n = data.draw(st.integers(1, 3), label="history length")
-    steps = []
-    for i in range(n):
-        kind = data.draw(st.sampled_from(kinds), label=f"history step {i}")
-        step_mode = other if kind == "other_family" else mode
-        if kind == "idle":
-            batch = BatchSpec(ForwardMode.IDLE, (), target.max_loras, target.lora_ranks, target.scalings)
-        elif kind == "larger":
-            batch = draw_batch(data, suite, target, mode, min_requests=target.bs + 1, label=f"history batch {i}")
-        elif kind == "other_family":
-            like = target if (step_mode == "decode") == (target.forward_mode is ForwardMode.DECODE) else BatchSpec(
-                ForwardMode.IDLE, (), target.max_loras, target.lora_ranks, target.scalings)
-            batch = draw_batch(data, suite, like, step_mode, label=f"history batch {i}")
-        else:
-            batch = draw_batch(data, suite, target, mode, adapters=kind if kind == "all_base" else "mixed",
-                               label=f"history batch {i}")
+    pool = case.pool
+    steps: list[Step] = []
+    lora_ran = False  # a batch with LoRA ran in the subject's mode (graph modes: the graph is captured)
+
+    def add_batch(kind: str, step_mode: str, batch: BatchSpec, i: int) -> None:
+        nonlocal lora_ran
         inputs = derive_inputs(case, m, batch, seed=case.seed * 7 + 1 + i)
         steps.append(Step(kind, step_mode, inputs))
+        lora_ran = lora_ran or (step_mode == mode and batch.has_active_lora)
         trace(f"history step {i} ({kind}, {step_mode}): {inputs.describe()}")
+
+    for i in range(n):
+        kind = data.draw(weighted([(k, _KIND_WEIGHTS.get(k, 1.0)) for k in kinds]), label=f"history step {i}")
+        now = on_pool(target, pool)
+        step_mode = other if kind == "other_family" else mode
+        if kind == "reload":
+            if not lora_ran:
+                batch = draw_batch(data, suite, now, mode, adapters="adapters",
+                                   label=f"history batch {i} before reload")
+                add_batch("adapters", mode, batch, 10 + i)
+            wanted = [r.adapter_id for r in target.requests if r.adapter_id >= 0]  # slots the checked batch uses
+            reload = draw_reload(data, case, pool, list(set(wanted)), seed=case.seed * 7 + 50 + i,
+                                 label=f"history reload {i}")
+            steps.append(Step("reload", mode, None, reload=reload))
+            pool = reload.applied(pool)
+            trace(f"history step {i} (reload): {reload.describe()}")
+            continue
+        if kind == "idle":
+            batch = BatchSpec(ForwardMode.IDLE, (), now.max_loras, now.lora_ranks, now.scalings)
+        elif kind == "larger":
+            batch = draw_batch(data, suite, now, mode, min_requests=target.bs + 1, label=f"history batch {i}")
+        elif kind == "other_family":
+            like = now if (step_mode == "decode") == (target.forward_mode is ForwardMode.DECODE) else BatchSpec(
+                ForwardMode.IDLE, (), now.max_loras, now.lora_ranks, now.scalings)
+            batch = draw_batch(data, suite, like, step_mode, label=f"history batch {i}")
+        else:
+            batch = draw_batch(data, suite, now, mode, adapters=kind if kind == "all_base" else "mixed",
+                               label=f"history batch {i}")
+        add_batch(kind, step_mode, batch, i)
+    now = on_pool(target, pool)
     if interleave:
         other_mode = other_family_mode(suite, mode)
-        idle = BatchSpec(ForwardMode.IDLE, (), target.max_loras, target.lora_ranks, target.scalings)
+        idle = BatchSpec(ForwardMode.IDLE, (), now.max_loras, now.lora_ranks, now.scalings)
         batch = draw_batch(data, suite, idle, other_mode, adapters="adapters", label="interleaved batch")
         inputs = derive_inputs(case, m, batch, seed=case.seed * 7 + 97)
         steps.append(Step("other_family", other_mode, inputs, interleaved=True))
         trace(f"interleaved between prepare and replay ({other_mode}): {inputs.describe()}")
-    return steps
+    return History(steps, replace(case, pool=pool, plan=replace(case.plan, batch=now)))
 
 
 class HistoryRunner:
@@ -115,7 +211,7 @@ class HistoryRunner:
     def __init__(self, subject: Subject, steps: list[Step]) -> None:
         self.subject = subject
         self.steps = steps
-        others = [s for s in steps if s.mode != subject.mode]
+        others = [s for s in steps if s.mode != subject.mode and s.inputs is not None]
         self.other: GraphLayer | None = None
         if others:
             mode = others[0].mode
@@ -128,7 +224,10 @@ class HistoryRunner:
         for step in self.steps:
             if step.interleaved:
                 continue
-            if step.mode == self.subject.mode:
+            if step.reload is not None:
+                r = step.reload
+                self.subject.layer.reload(r.slot, r.adapter, r.seed)
+            elif step.mode == self.subject.mode:
                 self.subject.run(step.inputs)
             else:
                 self._run_other(step)
@@ -152,7 +251,7 @@ class HistoryRunner:
 def history_capacity(mode: str, target: BatchSpec, steps: list[Step], extra_requests: int = 0,
                      extra_tokens: int = 0) -> Capacity:
     """The subject's capacity: every own-mode batch of the history and the target fit."""
-    own = [s.inputs.batch for s in steps if s.mode == mode] + [target]
+    own = [s.inputs.batch for s in steps if s.mode == mode and s.inputs is not None] + [target]
     return capacity_for(mode, own, extra_requests=extra_requests, extra_tokens=extra_tokens)
 
 

@@ -223,8 +223,9 @@ class Subject:
 
 def assert_outputs_close(out: LayerOutput, ref: LayerOutput, ctx: CheckContext, what: str, *,
                          rows: torch.Tensor | None = None, moe_in: bool = False) -> None:
-    """``out``'s MoE output (and MoE input, with ``moe_in``) and every dense output equal ``ref``'s
-    within the dtype's tolerance; ``rows`` (a long index) picks the rows of ``ref`` that ``out`` ran.
+    """``out``'s MoE output (and MoE input, with ``moe_in``), every further MoE layer's output and
+    every dense output equal ``ref``'s within the dtype's tolerance; ``rows`` (a long index) picks
+    the rows of ``ref`` that ``out`` ran.
 
     Raises:
         AssertionError: naming ``what`` and the output that differs.
@@ -233,6 +234,8 @@ def assert_outputs_close(out: LayerOutput, ref: LayerOutput, ctx: CheckContext, 
     assert_close(out.y, pick(ref.y).double(), ctx, f"{what}: MoE output")
     if moe_in:
         assert_close(out.moe_in, pick(ref.moe_in).double(), ctx, f"{what}: MoE input")
+    for n, (e, e_ref) in enumerate(zip(out.extra, ref.extra, strict=True)):
+        assert_close(e.y, pick(e_ref.y).double(), ctx, f"{what}: MoE layer {n + 2} output")
     for mod, t in out.dense.items():
         assert_close(t, pick(ref.dense[mod]).double(), ctx, f"{what}: dense {mod}")
 

@@ -2,10 +2,14 @@
 
 One drawn case per example — ragged EXTEND (fresh and chunked), DECODE (1–4 tokens per request) and
 IDLE batches of up to the profile's request cap (> 32 requests in a large share of draws), mixed
-adapters, ranks and σ, sentinel expert ids — run once in the mode (graph modes: captured on this
-batch, with drawn slack capacity). Checked: the MoE output and every dense output against the
-oracle, the MoE and dense LoRA deltas against the oracle's, base rows bit-identical to the
-LoRA-disabled run, and (graph modes) every pad row past the live tokens bit-identical to it.
+adapters, ranks and σ, sentinel expert ids, dense outputs contiguous or column slices of one fused
+q|k|v buffer — run once in the mode (graph modes: captured on this batch, with drawn slack
+capacity). Half the cases have two MoE layers after the one ``prepare``: layer 2 with its own base
+weights, its own pool (same adapters in the same slots, other values) and its own routing, on layer
+1's output (graph modes: both in the captured program). Checked: every MoE layer's output and
+every dense output against the oracle, the MoE and dense LoRA deltas against the oracle's, base
+rows bit-identical to the LoRA-disabled run, the fused buffer's guard columns untouched, and (graph
+modes) every pad row past the live tokens bit-identical to the LoRA-disabled run.
 """
 
 from hypothesis import given
@@ -18,7 +22,7 @@ from moelora_conformance.properties.support import Subject, draw_capacity, draw_
 @conformance("P01")
 @given(data=st.data())
 def test_every_output_row_equals_the_oracle(moelora_suite, mode, dtype, data):
-    case = draw_case(data, moelora_suite, mode, dtype)
+    case = draw_case(data, moelora_suite, mode, dtype, moe_layers=(1, 2))
     path = draw_moe_path(data, moelora_suite)
     capacity = draw_capacity(data, mode, [case.batch])
     subject = Subject(moelora_suite, case, mode, path, capacity)

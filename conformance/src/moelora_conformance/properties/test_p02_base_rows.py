@@ -2,7 +2,8 @@
 
 The checked batch mixes base requests with adapter requests (uniform, alternating) or is all base;
 before it the same backend ran a drawn history (adapter batches, all-base, IDLE, larger batches,
-the other graph family). Every row of a token without an adapter — MoE and dense outputs — must
+the other graph family, adapters reloaded into or cleared from used slots — after the graph's
+capture in graph modes). Every row of a token without an adapter — MoE and dense outputs — must
 equal, bit for bit, the same path with LoRA disabled (no backend call on the ``deltas`` path;
 all-base metadata for ``moe_forward``), on the same kernels and shapes; in graph modes every pad
 row past the live tokens too.
@@ -23,10 +24,11 @@ def test_base_rows_bit_identical_to_lora_disabled(moelora_suite, mode, dtype, da
     case = draw_case(data, suite, mode, dtype, adapter_modes=("uniform", "alternating", "all_base"))
     path = draw_moe_path(data, suite)
     m = case.materialize(suite.device)
-    steps = draw_history(data, suite, case, m, mode, case.batch)
-    capacity = draw_history_capacity(data, mode, case.batch, steps)
+    history = draw_history(data, suite, case, m, mode, case.batch)
+    case = history.case  # the pool as the history's reloads left it
+    capacity = draw_history_capacity(data, mode, case.batch, history.steps)
     subject = Subject(suite, case, mode, path, capacity, materialized=m)
-    HistoryRunner(subject, steps).run()
+    HistoryRunner(subject, history.steps).run()
     inp = subject.inputs()
     trace(f"checked batch: {inp.describe()}")
     run = subject.run(inp)

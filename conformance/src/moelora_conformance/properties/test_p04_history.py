@@ -1,10 +1,15 @@
 """P04: history independence — a batch after a random prefix of batches (adapter batches, all-base,
-IDLE, larger, the other graph family) equals the same batch on a fresh backend; in graph modes the
+IDLE, larger, the other graph family) and adapter reloads (another adapter — fresh values, often a
+larger rank, another σ — loaded into a slot the batch uses, or the slot cleared, between batches and,
+in graph modes, after the capture) equals the same batch on a fresh backend; in graph modes the
 other family may also run between the batch's ``prepare`` and its replay.
 
-The fresh backend is built from the same factory on the same weights and runs the batch in the
-same mode with the same capacities. Outputs (MoE, MoE input, dense) match within the dtype's
-tolerance, base rows bit for bit, and the run after the history equals the oracle.
+Half the cases raise the pool's R past every rank its adapters hold (as a server's max LoRA rank),
+so a reload can load a larger rank than any the pool held at capture. The fresh backend is built
+from the same factory on the same weights — the pool as the reloads left it — and runs the batch in
+the same mode with the same capacities. Outputs (MoE, MoE input, dense) match within the dtype's
+tolerance, base rows bit for bit, and the run after the history equals the oracle of the reloaded
+pool: a backend that caches factors, σ or a rank bound from before a reload fails here.
 """
 
 from hypothesis import given
@@ -16,6 +21,7 @@ from moelora_conformance.properties.history import (
     HistoryRunner,
     draw_history,
     draw_history_capacity,
+    draw_rank_headroom,
     other_family_mode,
 )
 from moelora_conformance.properties.registry import conformance
@@ -26,15 +32,16 @@ from moelora_conformance.properties.support import Subject, assert_outputs_close
 @given(data=st.data())
 def test_batch_after_any_history_equals_a_fresh_backend(moelora_suite, mode, dtype, data):
     suite = moelora_suite
-    case = draw_case(data, suite, mode, dtype)
+    case = draw_rank_headroom(data, suite, draw_case(data, suite, mode, dtype))
     path = draw_moe_path(data, suite)
     m = case.materialize(suite.device)
     interleave = mode != "eager" and other_family_mode(suite, mode) is not None and data.draw(
         st.booleans(), label="other family between prepare and replay")
-    steps = draw_history(data, suite, case, m, mode, case.batch, interleave=interleave)
-    capacity = draw_history_capacity(data, mode, case.batch, steps)
+    history = draw_history(data, suite, case, m, mode, case.batch, interleave=interleave)
+    case = history.case  # the pool as the history's reloads left it
+    capacity = draw_history_capacity(data, mode, case.batch, history.steps)
     subject = Subject(suite, case, mode, path, capacity, materialized=m)
-    runner = HistoryRunner(subject, steps)
+    runner = HistoryRunner(subject, history.steps)
     runner.run()
     inp = subject.inputs()
     if interleave:

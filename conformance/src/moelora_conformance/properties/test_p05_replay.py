@@ -1,17 +1,23 @@
 """P05: replay equals eager, including a small batch replayed right after a larger one, from 1 to
-``max_num_requests`` (> 32 where the caps allow) requests.
+``max_num_requests`` (> 32 where the caps allow) requests, and after an adapter was loaded since
+the capture.
 
 The graph family gets a request capacity drawn in [33, the caps] (decode: one token per request),
 the layer is captured on a batch that fills it, then replays a drawn smaller batch and a
-one-request batch. Every replay equals an eager run of the same batch on the same backend (within
-the dtype's tolerance) and the oracle, and leaves every pad row bit-identical to the LoRA-disabled
-run — a tail left from the larger batch would add LoRA there.
+one-request batch. In half the examples another adapter is loaded into a used slot (or the slot
+cleared) after the capture, as a server loads adapters into graphs captured at start-up — with the
+pool's R raised past its adapters' ranks in half the cases, so the new adapter can be larger than
+any captured with (``history.draw_reload``, ``draw_rank_headroom``); later batches describe the
+reloaded pool. Every replay equals an eager run of the same batch on the same backend (within the
+dtype's tolerance) and the oracle of the pool as it is, and leaves every pad row bit-identical to
+the LoRA-disabled run — a tail left from the larger batch would add LoRA there.
 """
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from moelora_conformance.harness import derive_inputs
+from moelora_conformance.properties.history import draw_rank_headroom, draw_reload, on_pool
 from moelora_conformance.properties.registry import conformance
 from moelora_conformance.properties.support import (
     Capacity,
@@ -33,7 +39,7 @@ PAST_CAP = 33
 def test_replay_equals_eager_after_a_larger_batch(moelora_suite, mode, dtype, data):
     suite = moelora_suite
     caps = suite.caps
-    case = draw_case(data, suite, mode, dtype, kinds=("extend", "decode", "mixed"))
+    case = draw_rank_headroom(data, suite, draw_case(data, suite, mode, dtype, kinds=("extend", "decode", "mixed")))
     path = draw_moe_path(data, suite)
     m = case.materialize(suite.device)
     like = case.batch
@@ -49,9 +55,16 @@ def test_replay_equals_eager_after_a_larger_batch(moelora_suite, mode, dtype, da
     small = data.draw(st.integers(1, max_requests), label="requests of the smaller batch")
     sizes = [max_requests, small, 1]
     subject = Subject(suite, case, mode, path, capacity, materialized=m)
+    pool = case.pool
     for i, n in enumerate(sizes):
-        batch = data.draw(pool_batches(like, fmode, n, max_tokens=capacity.max_tokens, tokens_per_request=1),
-                          label=f"batch {i}")
+        if i == 1 and data.draw(st.booleans(), label="reload a slot after the capture"):
+            live = [s for s, a in enumerate(pool) if a is not None]
+            reload = draw_reload(data, case, pool, live, seed=case.seed * 7 + 51, label="reload")
+            trace(f"reload after the capture: {reload.describe()}")
+            subject.layer.reload(reload.slot, reload.adapter, reload.seed)
+            pool = reload.applied(pool)
+        batch = data.draw(pool_batches(on_pool(like, pool), fmode, n, max_tokens=capacity.max_tokens,
+                                       tokens_per_request=1), label=f"batch {i}")
         inp = derive_inputs(case, m, batch, seed=case.seed + 11 * (i + 1))
         replayed = subject.run_and_check(inp, f"replay {i} ({n} requests)")
         eager = subject.layer.eager(inp)

@@ -3,8 +3,10 @@
 The pool is built so one batch holds all of it: slot 0 an rsLoRA adapter (σ = α/√r) of rank r < R,
 slot 1 a plain adapter (σ = α/r) of another rank and σ whose gate module has its own rank
 (``rank_pattern``), further slots drawn or empty; the batch has requests on slot 0, slot 1 and
-base (in a drawn order) among drawn others. The run equals the oracle — σ applied per module at
-run time, ranks zero-padded to R — with its deltas and base rows.
+base (in a drawn order) among drawn others. σ is drawn as scale · ratio
+(``strategies.adapters.sigmas``): usually a value bf16 / fp16 cannot hold, so a σ rounded through
+the activation dtype shows in fp32 runs. The run equals the oracle — σ applied per module at run
+time, ranks zero-padded to R — with its deltas and base rows.
 """
 
 import math
@@ -15,15 +17,13 @@ from hypothesis import strategies as st
 
 from moelora_conformance.properties.registry import conformance
 from moelora_conformance.properties.support import Subject, draw_capacity, draw_case, draw_moe_path, trace
-from moelora_conformance.strategies.adapters import SlotAdapter, pool_ranks, pool_scalings, slot_adapters
+from moelora_conformance.strategies.adapters import SlotAdapter, pool_ranks, pool_scalings, sigmas, slot_adapters
 from moelora_conformance.strategies.batches import BatchPlan
 from moelora_conformance.strategies.suite import mode_forward, pool_batches, tokens_per_request
 from moelora_core.batch import BatchSpec, Request
 from moelora_core.forward_mode import ForwardMode
 from moelora_core.layer_spec import MOE_MODULES
 from moelora_core.sentinels import NO_ADAPTER
-
-SIGMAS = (0.5, 1.0, 2.0)
 
 
 def _adapter(rank, sigma, rslora, modules, gate_rank=None):
@@ -47,8 +47,8 @@ def test_mixed_ranks_rslora_and_scalings_in_one_batch(moelora_suite, mode, dtype
     modules = [*MOE_MODULES, *(m for m, _ in shape.dense_shapes)]
     r0 = data.draw(st.integers(1, max(1, R - 1)), label="rsLoRA rank (< R)")
     r1 = data.draw(st.integers(1, R), label="plain rank")
-    s0 = data.draw(st.sampled_from(SIGMAS), label="rsLoRA sigma")
-    s1 = data.draw(st.sampled_from([s for s in SIGMAS if s != s0]), label="plain sigma")
+    s0 = data.draw(sigmas(), label="rsLoRA sigma")
+    s1 = data.draw(sigmas(exclude=s0), label="plain sigma")
     gate_rank = data.draw(st.integers(1, R), label="plain adapter's gate rank (rank_pattern)")
     pool = [_adapter(r0, s0, True, modules), _adapter(r1, s1, False, modules, gate_rank)]
     for slot in range(2, shape.max_loras):

@@ -5,8 +5,11 @@ and optional per-module rank / α overrides (``rank_pattern`` / ``alpha_pattern`
 α_m / r_m (or α_m / √r_m with rsLoRA); the adapter-level σ (what ``BatchSpec.scalings`` holds) uses
 the config's r and α. Values (A, B) are drawn later from the case's seed.
 
-α is drawn through a target σ in {0.5, 1, 2} so every combination keeps fp16 activations far from
-overflow while σ still differs between slots and modules.
+α is drawn through a target σ: a scale in {1, 0.5, 2} times a ratio in :data:`SIGMA_RATIOS` (1 in
+one draw of six), so every combination keeps fp16 activations far from overflow, σ differs between
+slots and modules, and σ is usually *not* a short binary fraction: α/r = 4/3, 6/5, 5/7... and α/√r
+are not exactly representable in bf16 or fp16, so a backend that rounds σ through the activation
+dtype is visible in an fp32 run (σ stays an fp32 number, as ``LoRAWeights`` stores it).
 """
 
 from __future__ import annotations
@@ -16,12 +19,17 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
+from moelora_conformance.strategies.choice import uniform
 from moelora_conformance.strategies.shapes import LayerShape
 from moelora_core.adapter_config import lora_scaling
 from moelora_core.layer_spec import ALL_MODULES, MOE_MODULES
 
 #: Which modules an adapter targets.
 MODULE_LAYOUTS = ("all", "moe_only", "dense_only", "subset")
+#: σ scales and ratios: target σ = scale · ratio. Ratios other than 1 give a σ that no binary float
+#: holds exactly (rounding it through bf16 / fp16 changes it by up to 2⁻⁹ / 2⁻¹²).
+SIGMA_SCALES = (1.0, 0.5, 2.0)
+SIGMA_RATIOS = (1.0, 4 / 3, 2 / 3, 6 / 5, 5 / 7, 9 / 7)
 
 
 @dataclass(frozen=True)
@@ -65,12 +73,28 @@ def _alpha_for(sigma: float, rank: int, use_rslora: bool) -> float:
 
 
 @st.composite
-def slot_adapters(draw, shape: LayerShape) -> SlotAdapter:
-    """One adapter for a pool of ``shape`` (ranks in [1, R], some modules possibly absent)."""
+def sigmas(draw, *, exclude: float | None = None) -> float:
+    """A target σ (module docstring): a scale times a ratio, never (within 1e-6) ``exclude``."""
+    scale = draw(uniform(SIGMA_SCALES))
+    i = draw(uniform(range(len(SIGMA_RATIOS))))
+    if exclude is not None and math.isclose(scale * SIGMA_RATIOS[i], exclude, rel_tol=1e-6):
+        i = (i + 1) % len(SIGMA_RATIOS)  # the next ratio: another σ at the same scale
+    return scale * SIGMA_RATIOS[i]
+
+
+@st.composite
+def slot_adapters(draw, shape: LayerShape, *, ranks: st.SearchStrategy[int] | None = None,
+                  exclude_sigma: float | None = None) -> SlotAdapter:
+    """One adapter for a pool of ``shape`` (ranks in [1, R], some modules possibly absent).
+
+    Args:
+        ranks: the config rank r (default: drawn in [1, R]).
+        exclude_sigma: an adapter-level σ the new adapter must not have (a reload's "another σ").
+    """
     R = shape.max_rank
-    rank = draw(st.integers(1, R))
+    rank = draw(ranks if ranks is not None else st.integers(1, R))
     use_rslora = draw(st.booleans())
-    sigma = draw(st.sampled_from((1.0, 0.5, 2.0)))
+    sigma = draw(sigmas(exclude=exclude_sigma))
     alpha = _alpha_for(sigma, rank, use_rslora)
     dense = [m for m, _ in shape.dense_shapes]
     layout = draw(st.sampled_from(MODULE_LAYOUTS))
@@ -91,7 +115,7 @@ def slot_adapters(draw, shape: LayerShape) -> SlotAdapter:
         r_m, a_m = rank, alpha
         if patterned and draw(st.booleans()):
             r_m = draw(st.integers(1, R))
-            a_m = _alpha_for(draw(st.sampled_from((1.0, 0.5, 2.0))), r_m, use_rslora)
+            a_m = _alpha_for(draw(sigmas()), r_m, use_rslora)
         modules.append((m, r_m, a_m))
     return SlotAdapter(rank, alpha, use_rslora, tuple(modules))
 

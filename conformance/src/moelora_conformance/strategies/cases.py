@@ -1,17 +1,26 @@
 """The whole MoE-LoRA layer case: one composite that every backend property draws from.
 
 :func:`moe_lora_cases` draws the structure — a layer shape, a dtype, the adapter pool, a batch, a
-routing plan, virtual experts on/off — and a seed. :meth:`MoELoRACase.materialize` builds every
-tensor from that seed with one ``torch.Generator`` on the target device, in a fixed order, so a
-case replays exactly from its ``describe()`` line. Scales keep activations O(1): base and LoRA
-A weights ~ N(0, 1/fan_in), LoRA B ~ N(0, 1/r) (as PEFT's ``init_lora_weights=False``: B is not
-zero, so every delta is visible).
+routing plan, virtual experts on/off, the dense outputs' layout, the number of MoE layers — and a
+seed. :meth:`MoELoRACase.materialize` builds every tensor from that seed with one
+``torch.Generator`` on the target device, in a fixed order, so a case replays exactly from its
+``describe()`` line. Scales keep activations O(1): base and LoRA A weights ~ N(0, 1/fan_in), LoRA
+B ~ N(0, 1/r) (as PEFT's ``init_lora_weights=False``: B is not zero, so every delta is visible).
+
+- **Dense layout** (:data:`DENSE_LAYOUTS`): ``contiguous`` — each dense module writes its own
+  ``[T, out]`` tensor; ``fused-qkv`` — the q, k and v outputs present are column slices of one fused
+  buffer (``out = qkv[:, a:b]``, a strided view, as engines with a fused qkv projection pass it),
+  with guard columns around each slice that no delta may touch.
+- **MoE layers**: 1, or 2 where a property asks (one ``prepare``, then two MoE layers, as an engine
+  runs every decoder layer on one batch info). Layer 2 has its own base weights, its own pool (the
+  same adapters in the same slots — ranks, σ — with other values) and its own routing; its input is
+  layer 1's output. Its values come from a second generator, so layer 1's are the same either way.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from hypothesis import strategies as st
@@ -19,12 +28,72 @@ from hypothesis import strategies as st
 from moelora_conformance.profiles import SizeCaps, current_profile
 from moelora_conformance.strategies.adapters import SlotAdapter, adapter_pools, pool_ranks, pool_scalings
 from moelora_conformance.strategies.batches import BatchPlan, batch_plans
+from moelora_conformance.strategies.choice import uniform
 from moelora_conformance.strategies.routing import RoutingPlan, routing_plans
 from moelora_conformance.strategies.shapes import DTYPE_NAMES, LayerShape, dtypes, layer_shapes
 from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.batch import BatchSpec
 from moelora_core.layer_spec import MOE_MODULES, LoRALayerSpec
 from moelora_core.weights import LoRAWeights, ModuleLoRA
+
+#: Layouts of the dense projections' outputs (module docstring).
+DENSE_LAYOUTS = ("contiguous", "fused-qkv")
+#: The dense modules a ``fused-qkv`` layout fuses (those of the spec).
+FUSED_MODULES = ("q", "k", "v")
+
+
+def adapter_modules(spec: LoRALayerSpec, adapter: SlotAdapter, gen: torch.Generator) -> dict[str, ModuleLoRA]:
+    """Fresh factors for ``adapter``'s modules (``load_slot``'s argument), drawn from ``gen`` on the
+    spec's device in the spec's dtype: A ~ N(0, 1/fan_in), B ~ N(0, 1/r); σ per module."""
+    modules = {}
+    for m, r, _ in adapter.modules:
+        fin, fout = spec.module_shape(m)
+        lead = (spec.E,) if m in MOE_MODULES else ()
+        A = (torch.randn(*lead, r, fin, generator=gen, device=spec.device) * (1 / math.sqrt(fin))).to(spec.dtype)
+        B = (torch.randn(*lead, fout, r, generator=gen, device=spec.device) * (1 / math.sqrt(r))).to(spec.dtype)
+        modules[m] = ModuleLoRA(A, B, adapter.scaling(m))
+    return modules
+
+
+def load_pool(lora: LoRAWeights, pool: tuple[SlotAdapter | None, ...], gen: torch.Generator) -> None:
+    """Load every adapter of ``pool`` into its slot of ``lora`` with fresh values from ``gen``."""
+    for slot, adapter in enumerate(pool):
+        if adapter is not None:
+            lora.load_slot(slot, adapter_modules(lora.spec, adapter, gen), adapter_scaling=adapter.adapter_scaling)
+
+
+@dataclass
+class MoELayer:
+    """One more MoE layer of a case (layer 2, ...): its own weights and pool.
+
+    Attributes:
+        base: its base weights (the spec's shapes). lora: its pool (the case's adapters, other values).
+    """
+
+    base: MoEBaseWeights
+    lora: LoRAWeights
+
+    def to(self, device: torch.device | str) -> MoELayer:
+        return MoELayer(_base_to(self.base, device), _pool_to(self.lora, device))
+
+
+def _base_to(base: MoEBaseWeights, device: torch.device | str) -> MoEBaseWeights:
+    return replace(base, w_gate_up=base.w_gate_up.to(device), w_down=base.w_down.to(device),
+                   router=None if base.router is None else base.router.to(device))
+
+
+def _pool_to(src: LoRAWeights, device: torch.device | str) -> LoRAWeights:
+    """A copy of pool ``src`` on ``device`` (tensors and host copies)."""
+    lora = LoRAWeights(replace(src.spec, device=torch.device(device)))
+    for name in ("gate_up_A", "gate_up_B", "down_A", "down_B", "module_ranks", "module_scalings"):
+        getattr(lora, name).copy_(getattr(src, name))
+    for name in ("dense_A", "dense_B"):
+        for m, t in getattr(src, name).items():
+            getattr(lora, name)[m].copy_(t)
+    lora.host_ranks = {m: list(v) for m, v in src.host_ranks.items()}
+    lora.host_scalings = {m: list(v) for m, v in src.host_scalings.items()}
+    lora.host_adapter_scalings = list(src.host_adapter_scalings)
+    return lora
 
 
 @dataclass
@@ -41,6 +110,8 @@ class MaterializedCase:
         dense_weights: module → [out, in] base weight. dense_x: module → [T, in] its input.
         lora: the pool, slots loaded with ``load_slot``.
         token_lora_mapping: [T] int32 from the batch's host lists.
+        layers: the MoE layers after the first (``MoELoRACase.moe_layers - 1`` of them).
+        extra_routing: per extra layer, the case batch's (topk_ids [T, k] int32, topk_weights [T, k] fp32).
     """
 
     spec: LoRALayerSpec
@@ -53,26 +124,25 @@ class MaterializedCase:
     dense_x: dict[str, torch.Tensor]
     lora: LoRAWeights
     token_lora_mapping: torch.Tensor
+    layers: list[MoELayer] = field(default_factory=list)
+    extra_routing: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def pools(self) -> list[LoRAWeights]:
+        """Every MoE layer's pool, layer 1 first (the dense modules live in layer 1's)."""
+        return [self.lora, *(layer.lora for layer in self.layers)]
 
     def to(self, device: torch.device | str) -> MaterializedCase:
         """The same values on ``device`` (e.g. a CPU copy for the float64 oracle of a CUDA run)."""
         device = torch.device(device)
         spec = replace(self.spec, device=device)
-        lora = LoRAWeights(spec)
-        for name in ("gate_up_A", "gate_up_B", "down_A", "down_B", "module_ranks", "module_scalings"):
-            getattr(lora, name).copy_(getattr(self.lora, name))
-        for name in ("dense_A", "dense_B"):
-            for m, t in getattr(self.lora, name).items():
-                getattr(lora, name)[m].copy_(t)
-        lora.host_ranks = {m: list(v) for m, v in self.lora.host_ranks.items()}
-        lora.host_scalings = {m: list(v) for m, v in self.lora.host_scalings.items()}
-        lora.host_adapter_scalings = list(self.lora.host_adapter_scalings)
-        base = replace(self.base, w_gate_up=self.base.w_gate_up.to(device), w_down=self.base.w_down.to(device),
-                       router=None if self.base.router is None else self.base.router.to(device))
         return MaterializedCase(
             spec, self.x.to(device), self.router_logits.to(device), self.topk_ids.to(device),
-            self.topk_weights.to(device), base, {m: t.to(device) for m, t in self.dense_weights.items()},
-            {m: t.to(device) for m, t in self.dense_x.items()}, lora, self.token_lora_mapping.to(device),
+            self.topk_weights.to(device), _base_to(self.base, device),
+            {m: t.to(device) for m, t in self.dense_weights.items()},
+            {m: t.to(device) for m, t in self.dense_x.items()}, _pool_to(self.lora, device),
+            self.token_lora_mapping.to(device), [layer.to(device) for layer in self.layers],
+            [(i.to(device), w.to(device)) for i, w in self.extra_routing],
         )
 
 
@@ -87,6 +157,8 @@ class MoELoRACase:
     plan: BatchPlan
     routing: RoutingPlan
     seed: int
+    dense_layout: str = "contiguous"
+    moe_layers: int = 1
 
     @property
     def batch(self) -> BatchSpec:
@@ -110,7 +182,9 @@ class MoELoRACase:
     def describe(self) -> str:
         """One line that names everything needed to rebuild the case."""
         pool = " ".join(f"{s}:{'empty' if a is None else a.describe()}" for s, a in enumerate(self.pool))
-        return (f"seed={self.seed} {DTYPE_NAMES[self.dtype]} virtual={self.virtual_experts} "
+        extra = f" dense-out={self.dense_layout}" if self.dense_layout != "contiguous" else ""
+        extra += f" moe-layers={self.moe_layers}" if self.moe_layers != 1 else ""
+        return (f"seed={self.seed} {DTYPE_NAMES[self.dtype]} virtual={self.virtual_experts}{extra} "
                 f"{self.shape.describe()} | {self.plan.describe()} | {self.routing.describe()} | pool {pool}")
 
     def materialize(self, device: torch.device | str = "cpu") -> MaterializedCase:
@@ -138,20 +212,24 @@ class MoELoRACase:
             dense_weights[m] = randn(fout, fin, scale=1 / math.sqrt(fin))
             dense_x[m] = randn(T, fin)
         lora = LoRAWeights(spec)
-        for slot, adapter in enumerate(self.pool):
-            if adapter is None:
-                continue
-            modules = {}
-            for m, r, _ in adapter.modules:
-                fin, fout = spec.module_shape(m)
-                lead = (E,) if m in MOE_MODULES else ()
-                A = randn(*lead, r, fin, scale=1 / math.sqrt(fin))
-                B = randn(*lead, fout, r, scale=1 / math.sqrt(r))
-                modules[m] = ModuleLoRA(A, B, adapter.scaling(m))
-            lora.load_slot(slot, modules, adapter_scaling=adapter.adapter_scaling)
+        load_pool(lora, self.pool, gen)
         mapping = torch.tensor(self.batch.token_lora_mapping, dtype=torch.int32, device=device)
+        layers, extra_routing = [], []
+        for n in range(1, self.moe_layers):
+            # A generator of its own: layer 1's values do not depend on the layer count.
+            g = torch.Generator(device).manual_seed((self.seed * 1_000_003 + n) % 2**63)
+            layer_base = MoEBaseWeights(
+                w_gate_up=(torch.randn(E_base, 2 * I, H, generator=g, device=device) * (1 / math.sqrt(H))).to(dt),
+                w_down=(torch.randn(E_base, H, I, generator=g, device=device) * (1 / math.sqrt(I))).to(dt),
+                router=None, num_experts=E, norm_topk_prob=self.routing.renormalize,
+            )
+            layer_lora = LoRAWeights(spec)
+            load_pool(layer_lora, self.pool, g)
+            ids, w, _ = self.routing.materialize(T, device, g)
+            layers.append(MoELayer(layer_base, layer_lora))
+            extra_routing.append((ids, w))
         return MaterializedCase(spec, x, logits, topk_ids, topk_weights, base, dense_weights, dense_x, lora,
-                                mapping)
+                                mapping, layers, extra_routing)
 
 
 @st.composite
@@ -164,6 +242,7 @@ def moe_lora_cases(
     routing_modes: tuple[str, ...] | None = None,
     virtual_experts: bool | None = None,
     dtype: torch.dtype | None = None,
+    moe_layers: tuple[int, ...] = (1,),
 ) -> MoELoRACase:
     """A ``MoELoRACase`` within ``caps`` (default: the loaded profile's).
 
@@ -171,6 +250,7 @@ def moe_lora_cases(
         kinds, adapter_modes, routing_modes: restrict the modes drawn (default: all).
         virtual_experts: force virtual experts on/off (default: drawn).
         dtype: force a dtype (default: drawn from the caps; bf16 only with CUDA).
+        moe_layers: MoE layer counts to draw from (default: one layer).
     """
     caps = caps if caps is not None else current_profile().caps
     shape = draw(layer_shapes(caps))
@@ -182,4 +262,6 @@ def moe_lora_cases(
     seed = draw(st.integers(0, 2**31 - 1))
     route_kw = {"modes": routing_modes} if routing_modes is not None else {}
     routing = draw(routing_plans(shape.num_experts, shape.top_k, shape.num_base_experts, seed=seed, **route_kw))
-    return MoELoRACase(shape, dt, ve, pool, plan, routing, seed)
+    layout = draw(uniform(DENSE_LAYOUTS))
+    layers = draw(uniform(moe_layers)) if len(moe_layers) > 1 else moe_layers[0]
+    return MoELoRACase(shape, dt, ve, pool, plan, routing, seed, layout, layers)

@@ -1,0 +1,61 @@
+"""One-line faults in the reference backend that only sizes past the ``interpret`` caps reach.
+
+The ``interpret`` and ``dev`` profiles draw top_k <= 2, R <= 16 and H, I <= 64 (DESIGN.md §7): a
+backend that gives LoRA to the first two routed experts only, reads one 16-row rank tile or one
+64-wide K tile is right on every case those caps allow. The properties still catch these faults —
+P01 compares every row with the oracle — once the profile draws the sizes (``gpu``, ``soak``:
+top_k <= 8, R <= 64, H <= 2048). They are kept apart from :data:`~.mutants.MUTANTS` (which the
+``interpret`` run must catch) and loadable by name like the others
+(``--backend moelora_conformance.faulty:make_lora_top2_only``); ``docs/mutations.md`` records which
+profile catches each.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moelora_reference.backend import ReferenceBackend
+
+
+class LoRATop2Only(ReferenceBackend):
+    """Mixtral-era top-2 assumption: only a token's first two routed experts get LoRA (needs top_k > 2)."""
+
+    name = "mutant-lora-top2-only"
+    needs = "top_k > 2"
+
+    def _pair_index(self, topk_ids, info):
+        valid, index, slot = super()._pair_index(topk_ids, info)
+        first_two = torch.arange(topk_ids.shape[1], device=topk_ids.device) < 2  # FAULT: k < 2 only
+        return valid & first_two, index, slot
+
+
+class RankTile16(ReferenceBackend):
+    """The MoE shrink reads one 16-row rank tile (no loop over rank tiles): rank rows >= 16 add nothing
+    (needs R > 16)."""
+
+    name = "mutant-rank-tile-16"
+    needs = "R > 16"
+
+    def _moe_factors(self, weights, module):
+        A, B = super()._moe_factors(weights, module)
+        return A * (torch.arange(A.shape[-2], device=A.device) < 16)[:, None].to(A.dtype), B  # FAULT: one tile
+
+
+class ShrinkKTile64(ReferenceBackend):
+    """The MoE shrink has no loop over K: only the first 64 input features enter A x (one BLOCK_K = 64
+    tile; needs H or I > 64)."""
+
+    name = "mutant-shrink-k-tile-64"
+    needs = "H > 64 or I > 64"
+
+    def _moe_factors(self, weights, module):
+        A, B = super()._moe_factors(weights, module)
+        return A * (torch.arange(A.shape[-1], device=A.device) < 64).to(A.dtype), B  # FAULT: one K tile
+
+
+#: Mutation name → backend class (not in ``MUTANTS``: the ``interpret`` caps cannot reach them).
+CAP_MUTANTS: dict[str, type[ReferenceBackend]] = {
+    "lora-top2-only": LoRATop2Only,
+    "rank-tile-16": RankTile16,
+    "shrink-k-tile-64": ShrinkKTile64,
+}
