@@ -5,7 +5,8 @@ Covers, without running the suite (fast): each mutant is registered with a facto
 budget; on a named batch each shows its fault where the clean backend does not — a csgmv decode
 graph keeps the capture batch's chunk count, csgmv's MoE token mapping follows the adapter-sorted
 chunks, triton's prefill tiles lose a run's last partial tile, and adjacent same-adapter requests
-merge into a run of the wrong length. Whether the suite catches each one is
+merge into a run of the wrong length, and a triton graph captured on a pool of small ranks cuts an
+adapter of a larger rank loaded after the capture. Whether the suite catches each one is
 ``test_mutant_is_caught_by_a_general_property[<name>]``.
 """
 
@@ -74,3 +75,36 @@ def test_tile_mutants_cut_other_tiles_than_the_twin(name, batch):
     bad = BACKEND_MUTANTS[name].prefill_graph_segments(batch)
     assert tuple(clean.seg_indptr) == want.seg_indptr and tuple(clean.weight_indices) == want.weight_indices
     assert bad.seg_indptr[-1] < batch.num_tokens  # some adapter tokens lie in no tile
+
+
+@pytest.mark.interpreter
+def test_graph_rank_bound_at_capture_cuts_a_larger_adapter_loaded_later():
+    from moelora_backends.triton_backend import make_backend as make_triton
+    from moelora_conformance.harness import CheckContext, GraphLayer, Layer, Oracle, check_run, derive_inputs
+    from moelora_conformance.properties.history import on_pool
+    from moelora_conformance.strategies import BatchPlan, LayerShape, MoELoRACase, RoutingPlan, SlotAdapter
+
+    def adapter(rank, sigma):
+        return SlotAdapter(rank, sigma * rank, False, tuple((m, rank, sigma * rank) for m in ("gate", "up", "down", "q")))
+
+    shape = LayerShape(16, 16, 2, 2, 1, (("q", (16, 8)),), 2, 8)
+    pool, bigger = (adapter(2, 1.0), adapter(3, 0.5)), adapter(8, 2 / 3)
+    batch = BatchSpec(ForwardMode.EXTEND, [Request(0, 3), Request(1, 2)], 2, (2, 3), (1.0, 0.5))
+    case = MoELoRACase(shape, torch.float32, False, pool, BatchPlan(batch, "extend", "uniform", "small"),
+                       RoutingPlan("uniform", 2, 2, 1, False, None, (), 0.0, 0), 7)
+    after = on_pool(batch, (pool[0], bigger))
+    outcomes = {}
+    for name, factory in (("clean", make_triton), ("mutant", FACTORIES["triton-graph-rank-bound-at-capture"])):
+        layer = Layer(factory, case, "cpu")
+        graph = GraphLayer(layer, "prefill-full", max_requests=3, max_tokens=8)
+        graph.run(layer.inputs())  # captured while the pool's largest rank is 3
+        layer.reload(1, bigger, seed=123)
+        inp = derive_inputs(case, layer.m, after, seed=5)
+        run = graph.run(inp)
+        try:
+            check_run(Oracle(layer), inp, run, graph.disabled(run), CheckContext(name, 7, torch.float32,
+                      torch.device("cpu")), "after the reload", pad_rows=True)
+            outcomes[name] = "passed"
+        except AssertionError:
+            outcomes[name] = "failed"
+    assert outcomes == {"clean": "passed", "mutant": "failed"}
