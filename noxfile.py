@@ -85,6 +85,7 @@ def tests(session: nox.Session) -> None:
         "python", "-m", "pytest", *_test_paths(), f"--junitxml={junit}", *args,
         env=CPU_ENV,
     )
+    session.log(f"JUnit report: {junit}")
 
 
 @nox.session
@@ -118,3 +119,4 @@ def conformance(session: nox.Session) -> None:
         "moelora-conformance", "checkpoint-pass", "--fixtures", str(fixtures),
         "--backends", "reference,triton,csgmv", "--json", str(REPORTS / "checkpoint-pass.json"), env=CPU_ENV,
     )
+    session.log(f"reports in {REPORTS}: conformance-<backend>.json/.xml, support-matrix.md, checkpoint-pass.json")
