@@ -103,6 +103,7 @@ def table_markdown(results: list[MutationResult], *, profile: str, seed: int | N
     other = {r.name: r for r in without_metadata or []}
     for r in results:
         fault = " ".join((_mutant(r.name).__doc__ or "").strip().split("\n\n")[0].split()).replace("``", "`")
+        fault = fault.replace("|", "\\|")  # a pipe in a fault would split the table's cell
         o = other.get(r.name)
         lines.append(f"| `{r.name}` | {fault} | {_caught(r)} | {r.seconds:.1f} | "
                      f"{r.item_seconds:.2f} | {_caught(o)} | {'–' if o is None else f'{o.seconds:.1f}'} |")

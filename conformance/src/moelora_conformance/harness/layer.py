@@ -40,6 +40,7 @@ from moelora_conformance.harness.inputs import BatchInputs, case_inputs
 from moelora_conformance.strategies.adapters import SlotAdapter
 from moelora_conformance.strategies.cases import FUSED_MODULES, MaterializedCase, MoELoRACase, adapter_modules
 from moelora_core.backend import Backend, BackendFactory
+from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.batch import BatchSpec, Request
 from moelora_core.batch_info import LoRABatchInfo
 from moelora_core.capabilities import Fallback
@@ -70,7 +71,10 @@ class DenseOutputs(dict):
 
     def guards(self) -> torch.Tensor | None:
         """[T, len(guard_columns)] a copy of the guard columns (None without a fused buffer)."""
-        return None if self.fused is None else self.fused[:, list(self.guard_columns)]
+        if self.fused is None:
+            return None
+        # Column by column: no index tensor to copy to the device (no host-to-device copy on CUDA).
+        return torch.stack([self.fused[:, c] for c in self.guard_columns], dim=1)
 
 
 @dataclass
@@ -164,8 +168,8 @@ class Layer:
         self.moe_path = moe_path
         self.weights = self.m.lora
         #: (base weights, pool) of every MoE layer, layer 1 first.
-        self.moe_layers: list[tuple[object, LoRAWeights]] = [(self.m.base, self.m.lora),
-                                                               *((x.base, x.lora) for x in self.m.layers)]
+        self.moe_layers: list[tuple[MoEBaseWeights, LoRAWeights]] = [
+            (self.m.base, self.m.lora), *((x.base, x.lora) for x in self.m.layers)]
         #: Bumped by every :meth:`reload` (the oracle re-reads the pools when it changes).
         self.pool_version = 0
         layout = case.dense_layout if case is not None else "contiguous"

@@ -5,7 +5,7 @@ Sizes respect the loaded profile's caps (``current_profile().caps``) unless caps
 
 - :func:`moe_lora_cases` → :class:`MoELoRACase` (shape, dtype, pool, batch, routing, seed) with
   ``materialize(device)`` and ``describe()``: what backend properties draw.
-- Smaller pieces for kernel tests: :func:`layer_shapes`, :func:`dtypes`, :func:`adapter_pools`,
+- Smaller pieces for kernel tests: :func:`layer_shapes`, :func:`dtypes`, :func:`adapter_pools`, :func:`sigmas`,
   :func:`batch_plans` / :func:`batch_specs`, :func:`routing_plans`, :func:`align_problems`.
 - :func:`capped` bounds a profile's caps (tests whose check cannot follow the ``gpu`` sizes).
 """
@@ -16,6 +16,7 @@ from moelora_conformance.strategies.adapters import (
     adapter_pools,
     pool_ranks,
     pool_scalings,
+    sigmas,
     slot_adapters,
 )
 from moelora_conformance.strategies.align import ENABLED_MODES, AlignProblem, align_problems
@@ -27,12 +28,13 @@ from moelora_conformance.strategies.batches import (
     batch_plans,
     batch_specs,
 )
-from moelora_conformance.strategies.cases import MaterializedCase, MoELoRACase, moe_lora_cases
+from moelora_conformance.strategies.cases import DENSE_LAYOUTS, MaterializedCase, MoELayer, MoELoRACase, moe_lora_cases
 from moelora_conformance.strategies.routing import ROUTING_MODES, SENTINEL_SHARES, RoutingPlan, routing_plans
 from moelora_conformance.strategies.shapes import MODEL_SHAPES, LayerShape, capped, dtypes, layer_shapes
 
 __all__ = [
     "ADAPTER_MODES",
+    "DENSE_LAYOUTS",
     "ENABLED_MODES",
     "FORWARD_KINDS",
     "MODEL_SHAPES",
@@ -44,6 +46,7 @@ __all__ = [
     "BatchPlan",
     "LayerShape",
     "MaterializedCase",
+    "MoELayer",
     "MoELoRACase",
     "RoutingPlan",
     "SlotAdapter",
@@ -58,5 +61,6 @@ __all__ = [
     "pool_ranks",
     "pool_scalings",
     "routing_plans",
+    "sigmas",
     "slot_adapters",
 ]
