@@ -9,7 +9,8 @@ profile for test sessions (the root ``conftest.py`` and the conformance plugin r
 
 - ``interpret``: CPU CI under the Triton interpreter: <= 96 tokens, H and I <= 64, E <= 8,
   top_k <= 2, R <= 16, fp32/fp16, 15 examples.
-- ``dev``: a developer's CPU run: the same caps, 50 examples.
+- ``dev``: a developer's CPU run: past every interpret cap (<= 160 tokens, H <= 128, I <= 96,
+  E <= 16, top_k <= 4, R <= 32), fp32/fp16, 50 examples.
 - ``gpu``: the H200: Qwen3-30B-A3B layer shapes among the draws, bf16/fp16/fp32, 100 examples.
 - ``soak``: long CPU/GPU runs: the gpu caps with 2000 examples.
 ``MOELORA_MAX_EXAMPLES=N`` overrides the profile's example count (caps unchanged).
@@ -80,6 +81,13 @@ _CPU_CAPS = SizeCaps(
     max_tokens=96, max_requests=128, max_hidden=64, max_intermediate=64, max_experts=8,
     max_top_k=2, max_rank=16, max_loras=4, dtypes=(torch.float32, torch.float16),
 )
+# dev goes past every interpret cap (top_k 4 > 2, R 32 > 16, H 128 > 64, I 96 > 64, E 16 > 8), so
+# faults that hide within the CI caps (a fixed 16-row rank tile, a single 64-wide K tile, LoRA on the
+# first two experts only: faulty/beyond_caps.py) are caught on a CPU too
+_DEV_CAPS = SizeCaps(
+    max_tokens=160, max_requests=128, max_hidden=128, max_intermediate=96, max_experts=16,
+    max_top_k=4, max_rank=32, max_loras=4, dtypes=(torch.float32, torch.float16),
+)
 _GPU_CAPS = SizeCaps(
     max_tokens=8192, max_requests=256, max_hidden=2048, max_intermediate=768, max_experts=128,
     max_top_k=8, max_rank=64, max_loras=8, dtypes=(torch.bfloat16, torch.float16, torch.float32),
@@ -88,7 +96,7 @@ _GPU_CAPS = SizeCaps(
 
 PROFILES: dict[str, Profile] = {
     "interpret": Profile("interpret", _CPU_CAPS, max_examples=15),
-    "dev": Profile("dev", _CPU_CAPS, max_examples=50),
+    "dev": Profile("dev", _DEV_CAPS, max_examples=50),
     "gpu": Profile("gpu", _GPU_CAPS, max_examples=100),
     "soak": Profile("soak", _GPU_CAPS, max_examples=2000),
     "repro": Profile("repro", _CPU_CAPS, max_examples=1, phases=(Phase.explicit, Phase.generate)),

@@ -41,7 +41,7 @@ from moelora_core.capabilities import Fallback
 from moelora_core.forward_mode import ForwardMode
 
 STEP_KINDS: tuple[str, ...] = ("adapters", "all_base", "idle", "larger", "other_family", "reload")
-#: Draw weights of the step kinds (others 1): a reload in about two histories of three.
+#: Draw weights of the step kinds (others 1): a reload in about half of the histories.
 _KIND_WEIGHTS = {"reload": 4.0}
 
 
