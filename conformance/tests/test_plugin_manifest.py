@@ -83,6 +83,8 @@ reason = "P06 has no eager mode: matches nothing"
     assert all("host" in r["reason"] for r in run.report["records"])
     assert run.report["manifest_unmatched"] == ["expected_failure[1] (property=P06 mode=eager dtype=*)"]
     assert "matched no test" in run.output
+    # strict expected failures need a reproducible search: a manifest derandomizes it
+    assert run.report["derandomize"] is True
 
 
 @pytest.mark.slow
@@ -94,3 +96,11 @@ def test_a_manifest_entry_for_a_passing_item_fails_the_run(tmp_path):
     assert run.returncode == 1, run.output[-4000:]
     (rec,) = run.report["records"]
     assert rec["outcome"] == "failed" and "XPASS(strict)" in run.output
+    assert run.report["derandomize"] is True
+
+
+def test_an_explicit_seed_keeps_the_search_random_with_a_manifest(tmp_path):
+    manifest = write(tmp_path, '[[expected_failure]]\nproperty = "P07"\nreason = "x"\n')
+    run = run_suite("reference", profile="interpret", manifest=manifest, max_examples=1,
+                    extra=["-k", "test_metadata_is_exact and eager-fp32", "--hypothesis-seed=3"])
+    assert run.report["derandomize"] is False, run.output[-2000:]

@@ -3,7 +3,8 @@
 Covers: a cell is "pass" only when every dtype passed and otherwise names each dtype's outcome,
 "n/i" (not implemented) and "xfail" are told apart from failures, absent modes are "–"; the
 Markdown matrix has a row per property × backend and a column per mode and lists unexpected
-failures with their repro commands and unmatched manifest entries; ``load_report`` refuses other
+failures with their repro commands and unmatched manifest entries; a property other than P01 that
+fails the standard checks of its own batches is marked "FAIL (oracle)"; ``load_report`` refuses other
 JSON; ``moelora-conformance report`` renders files; ``moelora-conformance run`` runs the suite in a
 subprocess and prints the matrix with rich; repro blobs are found in Hypothesis' notes and the
 commands quote their arguments.
@@ -35,6 +36,25 @@ def test_cells():
     assert cell([rec("P10", "eager", "fp32", "not implemented")]) == "n/i"
     assert cell([rec("P05", "decode", "fp32", "xfailed")]) == "xfail"
     assert cell([]) == "–"
+    # a property other than P01 failing the standard checks of its own batches is told apart from
+    # a failure of its own claim (a new user read P08 FAIL as a host sync that was not there)
+    assert cell([rec("P08", "eager", "fp32", "failed", check="oracle")]) == "FAIL (oracle)"
+    assert cell([rec("P08", "eager", "fp32", "failed", check="oracle"),
+                 rec("P08", "eager", "fp16", "passed")]) == "fp32 FAIL (oracle) · fp16 pass"
+    assert cell([rec("P08", "eager", "fp32", "failed")]) == "FAIL"
+    assert cell([rec("P01", "eager", "fp32", "failed", check="oracle")]) == "FAIL"
+
+
+@pytest.mark.slow
+def test_a_wrong_delta_found_by_p08_is_marked_as_an_oracle_failure():
+    from moelora_conformance.faulty import target
+    from moelora_conformance.session import run_suite
+
+    run = run_suite(target("up-uses-gate-A"), profile="interpret", max_examples=3, no_shrink=True,
+                    hypothesis_seed=0, extra=["-k", "test_no_host_sync_in_prepare_and_forward and eager-fp32"])
+    (record,) = run.report["records"]
+    assert record["outcome"] == "failed" and record.get("check") == "oracle", run.output[-3000:]
+    assert cell([record]) == "FAIL (oracle)"
 
 
 def test_markdown_matrix_of_two_backends():

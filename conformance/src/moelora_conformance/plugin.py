@@ -39,6 +39,7 @@ import torch
 from hypothesis import Phase, settings
 
 from moelora_conformance import __version__
+from moelora_conformance.harness.checks import OracleMismatch
 from moelora_conformance.manifest import EMPTY, Manifest, load_manifest
 from moelora_conformance.profiles import PROFILES, Profile, load_profile
 from moelora_conformance.properties import registry, support
@@ -116,6 +117,10 @@ def _load_settings(config: pytest.Config) -> Profile:
         overrides["max_examples"] = int(max_examples)
     if config.getoption("moelora_no_shrink"):
         overrides["phases"] = (Phase.explicit, Phase.generate)
+    if config.getoption("moelora_manifest") and config.getoption("hypothesis_seed", None) is None:
+        # strict expected failures need the same search every run: a random search may miss a
+        # known fault on one run, and the entry's XPASS(strict) would then fail CI at random
+        overrides["derandomize"] = True
     name = f"moelora-{profile.name}"
     if overrides:
         settings.register_profile("moelora-run", parent=settings.get_profile(name), **overrides)
@@ -172,7 +177,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"moelora conformance {__version__}: backend {suite.name} {suite.version} ({suite.target}) on {suite.device}",
         f"  capabilities: {json.dumps(suite.capabilities.as_dict())}",
         f"  profile: {suite.profile.name} (max_examples={registry.SUITE_SETTINGS.max_examples}, "
-        f"phases={[p.name for p in registry.SUITE_SETTINGS.phases]}), caps: {suite.caps}",
+        f"phases={[p.name for p in registry.SUITE_SETTINGS.phases]}, "
+        f"derandomize={registry.SUITE_SETTINGS.derandomize}), caps: {suite.caps}",
         f"  manifest: {config.getoption('moelora_manifest') or '(empty)'}",
     ]
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOELORA_")}
@@ -302,6 +308,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         report.sections.append(("moelora repro", repro.text()))
         info["repro"] = repro.as_dict()
         info["message"] = _first_line(exc)
+        if isinstance(exc, OracleMismatch):
+            info["check"] = "oracle"
     if call.when == "setup":
         # JUnit (--junitxml) writes the item's user properties as <property> elements of its test case.
         item.user_properties += [("moelora_property", prop.id), ("moelora_mode", params[0]),
@@ -363,6 +371,7 @@ def build_report(config: pytest.Config, duration: float) -> dict:
         "profile": suite.profile.name,
         "max_examples": registry.SUITE_SETTINGS.max_examples,
         "phases": [p.name for p in registry.SUITE_SETTINGS.phases],
+        "derandomize": registry.SUITE_SETTINGS.derandomize,
         "device": str(suite.device),
         "device_name": torch.cuda.get_device_name(suite.device) if suite.device.type == "cuda" else platform.machine(),
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOELORA_")},

@@ -100,11 +100,20 @@ def cell(records: Sequence[dict]) -> str:
     dtype passed, otherwise each dtype's outcome ("fp32 pass · fp16 FAIL"); "–" when empty."""
     if not records:
         return "–"
-    outcomes = {r["outcome"] for r in records}
-    if len(outcomes) == 1:
-        return _SHORT.get(next(iter(outcomes)), next(iter(outcomes)))
-    parts = sorted(records, key=lambda r: _RANK.get(r["outcome"], 9))
-    return " · ".join(f"{r['dtype']} {_SHORT.get(r['outcome'], r['outcome'])}" for r in parts)
+    shown = [_shown(r) for r in records]
+    if len(set(shown)) == 1:
+        return shown[0]
+    parts = sorted(zip(records, shown), key=lambda rs: _RANK.get(rs[0]["outcome"], 9))
+    return " · ".join(f"{r['dtype']} {text}" for r, text in parts)
+
+
+def _shown(record: dict) -> str:
+    """A record's outcome as a cell shows it; "FAIL (oracle)" where a property other than P01 failed
+    because its batch did not match the oracle (the fault is P01's kind, not the property's own)."""
+    text = _SHORT.get(record["outcome"], record["outcome"])
+    if record["outcome"] == "failed" and record.get("check") == "oracle" and record.get("property") != "P01":
+        text += " (oracle)"
+    return text
 
 
 def _grid(reports: Sequence[dict]) -> tuple[list[str], list[tuple[str, str, list[str]]]]:
@@ -144,8 +153,10 @@ def matrix_markdown(reports: Sequence[dict]) -> str:
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for pid, backend, cells in rows:
         lines.append("| " + " | ".join([_title(pid), *([backend] if multi else []), *cells]) + " |")
-    lines += ["", "pass: every dtype passed · FAIL: an unexpected failure · xfail: an expected failure "
-              "(manifest) · n/i: not implemented (capability not declared) · –: not applicable", ""]
+    lines += ["", "pass: every dtype passed · FAIL: an unexpected failure · FAIL (oracle): one of the property's "
+              "batches failed the standard checks every run gets (oracle, base rows, pad rows: P01's kind of "
+              "fault) before the property's own claim was checked · xfail: an expected "
+              "failure (manifest) · n/i: not implemented (capability not declared) · –: not applicable", ""]
     for rep in reports:
         bad = unexpected_failures(rep)
         for r in bad:
@@ -164,7 +175,8 @@ def matrix_rich(reports: Sequence[dict], console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    # redirected output has no terminal width: rich would fold every title into an 80-column table
+    console = console or Console(width=max(Console().width, 160))
     columns, rows = _grid(reports)
     multi = len(reports) > 1
     table = Table(title="moelora conformance: support matrix", show_lines=False)

@@ -25,6 +25,13 @@ from moelora_core.tolerance import DEFAULT_POLICY, TolerancePolicy
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float64: 2.0**-53}
 
 
+class OracleMismatch(AssertionError):
+    """A property's run of a batch failed the standard checks every run gets (:func:`check_run`:
+    oracle, LoRA delta, base rows, pad rows), a P01-class fault found while another property ran
+    its batches: the report marks such a failure
+    "FAIL (oracle)" so it is not read as a failure of that property's own claim."""
+
+
 @dataclass(frozen=True)
 class CheckContext:
     """What a comparison's failure message needs: the case, the dtype and device, the policy."""

@@ -28,6 +28,7 @@ from moelora_conformance.harness import (
     assert_close,
     check_run,
 )
+from moelora_conformance.harness.checks import OracleMismatch
 from moelora_conformance.profiles import Profile, SizeCaps
 from moelora_conformance.strategies.cases import MaterializedCase, MoELoRACase
 from moelora_conformance.strategies.routing import routing_plans
@@ -212,7 +213,12 @@ class Subject:
         rows in graph runs)."""
         base = self.disabled(inp, run)
         pad = self.graph is not None and run.fallback is None
-        check_run(self.oracle, inp, run, base, self.ctx, f"{self.mode} {what}", pad_rows=pad, **kwargs)
+        try:
+            check_run(self.oracle, inp, run, base, self.ctx, f"{self.mode} {what}", pad_rows=pad, **kwargs)
+        except OracleMismatch:
+            raise
+        except AssertionError as exc:
+            raise OracleMismatch(str(exc)) from exc
 
     def run_and_check(self, inp: BatchInputs, what: str, **kwargs) -> LayerOutput:
         trace(f"{what}: {inp.describe()}")
