@@ -68,20 +68,30 @@ def _checkpoint_pass(parser: argparse.ArgumentParser) -> Handler:
         if problem:
             print(f"moelora-conformance checkpoint-pass: {problem}", file=sys.stderr)
             return 2
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
         from moelora_conformance.checkpoint_pass.batches import PASS_REQUESTS
         from moelora_conformance.checkpoint_pass.run import run_checkpoint_pass
         from moelora_conformance.checkpoint_pass.table import render
         from moelora_conformance.fixtures import build_fixtures, load_fixtures
 
         layers = None if args.layers is None else [int(v) for v in _csv(args.layers)]
-        with tempfile.TemporaryDirectory(prefix="moelora-pass-") as tmp:
+        # one live line on a terminal; redirected output gets only its final state, not one line per run
+        progress = Progress(SpinnerColumn(), TextColumn("checkpoint-pass: {task.completed} runs · {task.description}"),
+                            TimeElapsedColumn())
+        task = progress.add_task("starting", total=None)
+
+        def advance(line: str) -> None:
+            progress.update(task, advance=1, description=line)
+
+        with tempfile.TemporaryDirectory(prefix="moelora-pass-") as tmp, progress:
             fixtures = load_fixtures(args.fixtures) if args.fixtures else build_fixtures(Path(tmp) / "fixtures")
             work = args.work_dir or Path(tmp) / "work"
             try:
                 rows = run_checkpoint_pass(fixtures, work, models=_csv(args.models), backends=backends,
                                            modes=tuple(_csv(args.modes) or ()), layers=layers,
                                            num_requests=args.requests or PASS_REQUESTS,
-                                           progress=lambda line: print(f"checkpoint-pass: {line}", flush=True))
+                                           progress=advance)
             except ValueError as exc:
                 print(f"moelora-conformance checkpoint-pass: {exc}", file=sys.stderr)
                 return 2
