@@ -5,7 +5,7 @@
 - :mod:`.backend_mutants`: the ``triton`` and ``csgmv`` backends with one known fault each, added to
   :data:`MUTANTS` when ``moelora_backends`` is installed (each with its example budget).
 - :mod:`.beyond_caps`: reference faults that only sizes past the ``interpret`` caps reach
-  (:data:`CAP_MUTANTS`: top_k > 2, R > 16, H > 64); loadable like the others, not in ``MUTANTS``.
+  (:data:`CAP_MUTANTS`: top_k > 2, R > 16, H or I > 64); loadable like the others, not in ``MUTANTS``.
 
 Load one as a backend with ``--backend moelora_conformance.faulty:<factory>`` (factories below, one
 per mutation).
