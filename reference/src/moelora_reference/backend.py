@@ -35,6 +35,7 @@ from moelora_core.backend_checks import (
     FamilyCapacity,
     check_batch,
     check_dense_module,
+    check_floating,
     check_init_sizes,
     check_shape,
     check_topk_ids,
@@ -93,18 +94,6 @@ def _host_lists(batch: BatchSpec) -> dict[str, list]:
         "moe.adapter_enabled": list(batch.adapter_enabled),
         "moe.token_lora_mapping": list(batch.token_lora_mapping),
     }
-
-
-def _check_floating(**tensors: torch.Tensor) -> None:
-    """Refuse activations, router weights and outputs that are not floating point (an integer
-    output would truncate the delta; an integer input is no activation).
-
-    Raises:
-        InvalidFieldError: naming the first such argument.
-    """
-    for what, t in tensors.items():
-        if not t.is_floating_point():
-            raise InvalidFieldError(what, f"must be a floating-point tensor, got {t.dtype}")
 
 
 @dataclass
@@ -321,7 +310,7 @@ class ReferenceBackend:
         H, I, k = self.spec.H, self.spec.I, self.spec.top_k  # noqa: E741
         check_shape(info, "x", x, (T, H))
         check_shape(info, "gate_up_out", gate_up_out, (T, k, 2 * I))
-        _check_floating(x=x, gate_up_out=gate_up_out)
+        check_floating(x=x, gate_up_out=gate_up_out)
         if not info.has_active_lora:
             return
         valid, index, slot = self._pair_index(topk_ids, info)
@@ -350,7 +339,7 @@ class ReferenceBackend:
         check_shape(info, "h", h, (T * k, I))
         check_shape(info, "topk_weights", topk_weights, (T, k))
         check_shape(info, "down_out", down_out, (T, k, H))
-        _check_floating(h=h, topk_weights=topk_weights, down_out=down_out)
+        check_floating(h=h, topk_weights=topk_weights, down_out=down_out)
         if not info.has_active_lora:
             return
         valid, index, slot = self._pair_index(topk_ids, info)
@@ -375,7 +364,7 @@ class ReferenceBackend:
         T = info.moe.token_lora_mapping.numel()
         check_shape(info, "x", x, (T, fin))
         check_shape(info, "out", out, (T, fout))
-        _check_floating(x=x, out=out)
+        check_floating(x=x, out=out)
         if not info.has_active_lora:
             return
         L = self.spec.max_loras

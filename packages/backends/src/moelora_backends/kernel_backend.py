@@ -34,6 +34,7 @@ from moelora_core.backend_checks import (
     FamilyCapacity,
     check_batch,
     check_dense_module,
+    check_floating,
     check_shape,
     check_topk_ids,
     check_weights,
@@ -47,18 +48,6 @@ from moelora_core.errors import InvalidFieldError
 from moelora_core.layer_spec import LoRALayerSpec
 from moelora_core.weights import LoRAWeights
 from moelora_kernels._common import interpreting
-
-
-def _check_floating(**tensors: torch.Tensor) -> None:
-    """Refuse activations, router weights and outputs that are not floating point (an integer
-    output would truncate the delta; an integer input is no activation).
-
-    Raises:
-        InvalidFieldError: naming the first such argument.
-    """
-    for what, t in tensors.items():
-        if not t.is_floating_point():
-            raise InvalidFieldError(what, f"must be a floating-point tensor, got {t.dtype}")
 
 
 class KernelBackend:
@@ -199,7 +188,7 @@ class KernelBackend:
         s = self.spec
         check_shape(info, "x", x, (T, s.H))
         check_shape(info, "gate_up_out", gate_up_out, (T, s.top_k, 2 * s.I))
-        _check_floating(x=x, gate_up_out=gate_up_out)
+        check_floating(x=x, gate_up_out=gate_up_out)
         if info.has_active_lora and T:
             self._moe.apply("gate_up", x, topk_ids, gate_up_out, weights, info)
 
@@ -216,7 +205,7 @@ class KernelBackend:
         check_shape(info, "h", h, (T * s.top_k, s.I))
         check_shape(info, "topk_weights", topk_weights, (T, s.top_k))
         check_shape(info, "down_out", down_out, (T, s.top_k, s.H))
-        _check_floating(h=h, topk_weights=topk_weights, down_out=down_out)
+        check_floating(h=h, topk_weights=topk_weights, down_out=down_out)
         if info.has_active_lora and T:
             self._moe.apply("down", h, topk_ids, down_out, weights, info, topk_weights=topk_weights)
 
@@ -233,7 +222,7 @@ class KernelBackend:
         T = info.moe.token_lora_mapping.numel()
         check_shape(info, "x", x, (T, fin))
         check_shape(info, "out", out, (T, fout))
-        _check_floating(x=x, out=out)
+        check_floating(x=x, out=out)
         if info.has_active_lora and T:
             dense_delta(module, x, out, weights, info, chunked=self.chunked)
 

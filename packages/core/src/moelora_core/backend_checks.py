@@ -216,3 +216,16 @@ def check_topk_ids(info: LoRABatchInfo, topk_ids: torch.Tensor, top_k: int,
         want = " or ".join(str(d).removeprefix("torch.") for d in dtypes) if dtypes else "an integer tensor"
         raise InvalidFieldError("topk_ids", f"must be {want}, got {topk_ids.dtype}")
     return T
+
+
+def check_floating(**tensors: torch.Tensor) -> None:
+    """Refuse activations, router weights and outputs of a delta call that are not floating point
+    (an integer output would truncate the delta; an integer input is no activation). Each keyword
+    names the argument; shared by every backend so the refusal reads the same.
+
+    Raises:
+        InvalidFieldError: naming the first such argument.
+    """
+    for what, t in tensors.items():
+        if not t.is_floating_point():
+            raise InvalidFieldError(what, f"must be a floating-point tensor, got {t.dtype}")
