@@ -4,7 +4,7 @@ Covers: over 500 draws, at least 20 % of batches have more than 32 requests and 
 kind, adapter mode and routing mode occurs in at least 5 %; IDLE batches, sentinel ids and mixed
 ranks occur; sizes stay within the profile's caps; materialize is deterministic and consistent
 with the drawn structure (ranks, σ, routing modes, sentinels); every ``data.draw`` in the
-repository carries a ``label=``.
+repository carries a ``label=``; ``$CI`` derandomizes every profile.
 """
 
 import ast
@@ -12,10 +12,11 @@ import math
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import Phase, given, settings
 
-from moelora_conformance.profiles import PROFILES, current_profile
+from moelora_conformance.profiles import PROFILES, current_profile, load_profile, on_ci
 from moelora_conformance.strategies import (
     ADAPTER_MODES,
     FORWARD_KINDS,
@@ -151,3 +152,20 @@ def test_every_data_draw_has_a_label():
             continue
         missing += [f"{path.relative_to(ROOT)}:{line}" for line in _draw_calls_without_label(path)]
     assert not missing, f"data.draw without label= at {missing}"
+
+
+@pytest.mark.parametrize(("value", "expected"), [("true", True), ("1", True), ("yes", True), ("", False),
+                                                 ("0", False), ("false", False), ("No", False), (None, False)])
+def test_ci_derandomizes_every_profile(monkeypatch, value, expected):
+    before = current_profile().name
+    if value is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", value)
+    try:
+        assert on_ci() is expected
+        load_profile("interpret")
+        assert settings.default.derandomize is expected
+    finally:
+        monkeypatch.undo()
+        load_profile(before)

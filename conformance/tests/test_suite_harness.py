@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from moelora_conformance.harness import CheckContext, GraphLayer, Layer, Oracle, check_run
 from moelora_conformance.harness.break_op import LiveRequests, StaticRequests, break_op_f64
-from moelora_conformance.harness.checks import assert_bitwise, assert_delta_close
+from moelora_conformance.harness.checks import accumulation_bound, assert_bitwise, assert_delta_close
 from moelora_conformance.harness.metadata import check_batch_metadata, check_segments
 from moelora_conformance.profiles import PROFILES
 from moelora_conformance.strategies import (
@@ -65,6 +65,58 @@ def test_delta_check_allows_output_rounding_but_not_more():
         assert_delta_close((lora.double() + 0.2 * delta).half(), base, delta, c, "wrong delta", rounded=(lora,))
 
 
+def _rank_one_delta_fp32(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sigma: float) -> torch.Tensor:
+    """σ·b(a·x) the way a kernel may compute it: a left-to-right fp32 sum, then the expand."""
+    acc = torch.zeros((), dtype=torch.float32)
+    for xi, ai in zip(x.tolist(), a.tolist(), strict=True):
+        acc = acc + torch.tensor(xi, dtype=torch.float32) * torch.tensor(ai, dtype=torch.float32)
+    return (acc * b * torch.tensor(sigma, dtype=torch.float32)).float()
+
+
+def test_delta_check_allows_the_fp32_accumulation_error_of_an_ill_conditioned_rank_one_delta():
+    # CI (2026-11-29) on the inspecting backend: a rank-1 dense q delta of one decode token, H=41,
+    # failed at max_rel 2.7e-5 (> 1e-5): a·x had cancelled, and the fp32 sum's rounding, which a
+    # correct kernel makes, was larger than 1e-5 of the tiny delta.
+    g = torch.Generator().manual_seed(7)
+    H, out, sigma = 41, 64, 4 / 3
+    x = torch.randn(H, generator=g)
+    a = torch.randn(H, generator=g)
+    # make a·x cancel to about 1e-4 of Σ|a_i x_i|
+    a[-1] = float(-(x[:-1].double() @ a[:-1].double()) / x[-1].double()) + 1e-4 * float((x * a).abs().sum()) / float(
+        x[-1]
+    )
+    b = torch.randn(out, generator=g)
+    expected = sigma * float(a.double() @ x.double()) * b.double()
+    actual = _rank_one_delta_fp32(x, a, b, sigma)
+    base = torch.zeros(out)
+    magnitude = sigma * float(a.double().abs() @ x.double().abs()) * b.double().abs()
+    allowed = accumulation_bound(magnitude, H + 1 + 2)
+    c = ctx()
+    with pytest.raises(AssertionError, match="LoRA delta"):  # the case is real: 1e-5 alone rejects it
+        assert_delta_close(actual[None], base[None], expected[None], c, "no accumulation allowance")
+    assert_delta_close(actual[None], base[None], expected[None], c, "fp32 accumulation", accumulation=allowed[None])
+    wrong_sigma = _rank_one_delta_fp32(x, a, b, 1.0)  # σ = α/r read as 1: still caught
+    with pytest.raises(AssertionError, match="fp32 accumulation allowance on"):
+        assert_delta_close(wrong_sigma[None], base[None], expected[None], c, "σ = 1", accumulation=allowed[None])
+
+
+def test_accumulation_allowance_still_rejects_small_errors_of_a_well_conditioned_delta():
+    g = torch.Generator().manual_seed(8)
+    T, H, R, out = 4, 64, 16, 48
+    x = torch.randn(T, H, generator=g, dtype=torch.float64)
+    A = torch.randn(R, H, generator=g, dtype=torch.float64)
+    B = torch.randn(out, R, generator=g, dtype=torch.float64)
+    expected = (x @ A.T) @ B.T
+    allowed = accumulation_bound((x.abs() @ A.abs().T) @ B.abs().T, H + R + 2)
+    assert_delta_close(expected.float(), torch.zeros(T, out), expected, ctx(), "fp32 result", accumulation=allowed)
+    with pytest.raises(AssertionError, match="LoRA delta"):
+        assert_delta_close(
+            (expected * (1 + 1e-4)).float(), torch.zeros(T, out), expected, ctx(), "1e-4 off", accumulation=allowed
+        )
+    with pytest.raises(ValueError, match="accumulation depth"):
+        accumulation_bound(expected, 0)
+
+
 def test_bitwise_check_fails_on_one_ulp():
     t = torch.randn(4, 4)
     nudged = t.clone()
@@ -75,8 +127,9 @@ def test_bitwise_check_fails_on_one_ulp():
 
 
 def _mixed_batch_case(data, kinds=("extend",)):
-    case = data.draw(moe_lora_cases(CAPS, kinds=kinds, adapter_modes=("alternating",), dtype=torch.float32),
-                     label="case")
+    case = data.draw(
+        moe_lora_cases(CAPS, kinds=kinds, adapter_modes=("alternating",), dtype=torch.float32), label="case"
+    )
     return case
 
 
@@ -128,8 +181,9 @@ def _pool_batch(slots, lens, L=3, ranks=(2, 0, 4)):
 
 
 def _spec():
-    return LoRALayerSpec(hidden_size=8, moe_intermediate_size=8, num_experts=4, top_k=2, dense_shapes={},
-                         max_loras=3, max_rank=4)
+    return LoRALayerSpec(
+        hidden_size=8, moe_intermediate_size=8, num_experts=4, top_k=2, dense_shapes={}, max_loras=3, max_rank=4
+    )
 
 
 def test_metadata_checks_pass_on_the_reference_and_fail_on_faults():
@@ -141,7 +195,9 @@ def test_metadata_checks_pass_on_the_reference_and_fail_on_faults():
     backend.prepare(big, "prefill")
     info = backend.prepare(small, "prefill")
     check_batch_metadata(info, small, ctx(), graph=True, num_experts=4, max_loras=3)
-    stale = dataclasses.replace(info, moe=dataclasses.replace(info.moe, token_lora_mapping=info.moe.token_lora_mapping.clone()))
+    stale = dataclasses.replace(
+        info, moe=dataclasses.replace(info.moe, token_lora_mapping=info.moe.token_lora_mapping.clone())
+    )
     stale.moe.token_lora_mapping[5] = 1  # a tail entry left from the larger batch
     with pytest.raises(AssertionError, match="token_lora_mapping"):
         check_batch_metadata(stale, small, ctx(), graph=True, num_experts=4, max_loras=3)
@@ -192,7 +248,7 @@ def test_select_keeps_rows_with_their_request(data):
     row = 0
     for q in order:
         n = starts[q + 1] - starts[q]
-        assert torch.equal(part.x[row:row + n], inp.x[starts[q]:starts[q + 1]])
+        assert torch.equal(part.x[row : row + n], inp.x[starts[q] : starts[q + 1]])
         assert part.batch.requests[order.index(q)] == case.batch.requests[q]
         row += n
     assert part.batch.num_tokens == case.batch.num_tokens
@@ -205,9 +261,15 @@ def test_a_dense_only_adapter_has_no_moe_delta_regression():
     # twin now runs the MoE on the run's own MoE input: the MoE delta of this adapter is exactly zero.
     shape = LayerShape(4, 4, 1, 1, 1, (("q", (4, 4)), ("k", (4, 4)), ("v", (4, 4)), ("o", (4, 4))), 1, 1)
     batch = BatchSpec(ForwardMode.EXTEND, [Request(0, 1)], 1, (1,), (1.0,))
-    case = MoELoRACase(shape, torch.float32, False, (SlotAdapter(1, 1.0, False, (("v", 1, 1.0),)),),
-                       BatchPlan(batch, "extend", "uniform", "small"),
-                       RoutingPlan("uniform", 1, 1, 1, False, None, (), 0.0, 0), 0)
+    case = MoELoRACase(
+        shape,
+        torch.float32,
+        False,
+        (SlotAdapter(1, 1.0, False, (("v", 1, 1.0),)),),
+        BatchPlan(batch, "extend", "uniform", "small"),
+        RoutingPlan("uniform", 1, 1, 1, False, None, (), 0.0, 0),
+        0,
+    )
     for path in ("deltas", "fused"):
         layer = Layer(make_backend, case, CPU, moe_path=path)
         graph = GraphLayer(layer, "prefill-full", max_requests=1, max_tokens=1)

@@ -23,6 +23,7 @@ import torch
 from moelora_conformance.harness.break_op import break_op_f64
 from moelora_conformance.harness.checks import (
     CheckContext,
+    accumulation_bound,
     assert_bitwise,
     assert_close,
     assert_delta_close,
@@ -31,6 +32,7 @@ from moelora_conformance.harness.checks import (
 from moelora_conformance.harness.inputs import BatchInputs
 from moelora_conformance.harness.layer import GUARD_VALUE, Layer, LayerOutput
 from moelora_core.batch import BatchSpec
+from moelora_core.weights import LoRAWeights
 from moelora_reference.oracle import dense_lora_forward, moe_lora_forward
 
 F64 = torch.float64
@@ -64,6 +66,8 @@ class Expected:
         y: [n, H] MoE output with LoRA on the run's MoE input.
         y_delta: [n, H] ``y`` minus the oracle without LoRA on the same MoE input.
         dense: module → [n, out] dense output with LoRA; dense_delta: module → [n, out] σ·B(A x).
+        dense_accumulation: module → [n, out] the fp32 accumulation error a correct ``dense_delta``
+            may carry (:func:`~.checks.accumulation_bound` of :func:`dense_delta_magnitude`).
         extra: per MoE layer after the first, its (y, y_delta) on its own run input.
     """
 
@@ -72,6 +76,7 @@ class Expected:
     y_delta: torch.Tensor
     dense: dict[str, torch.Tensor]
     dense_delta: dict[str, torch.Tensor]
+    dense_accumulation: dict[str, torch.Tensor]
     extra: list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -110,23 +115,66 @@ class Oracle:
         rows = oracle_row_index(batch, self.oracle_rows)
         mapping = self._take(torch.tensor(batch.token_lora_mapping, dtype=torch.int32), rows)
         y, y_delta = self._moe(run.moe_in, inp.topk_ids, inp.topk_weights, m.base, m.lora, mapping, rows)
-        extra = [self._moe(e.moe_in, ids, w, layer.base, layer.lora, mapping, rows)
-                 for e, (ids, w), layer in zip(run.extra, inp.extra_routing, m.layers, strict=True)]
-        dense, dense_delta = {}, {}
+        extra = [
+            self._moe(e.moe_in, ids, w, layer.base, layer.lora, mapping, rows)
+            for e, (ids, w), layer in zip(run.extra, inp.extra_routing, m.layers, strict=True)
+        ]
+        dense, dense_delta, accumulation = {}, {}, {}
         for mod, x in inp.dense_x.items():
             xr = self._take(x, rows)
             dense_delta[mod] = dense_lora_forward(xr, None, mod, m.lora, mapping)
             dense[mod] = dense_lora_forward(xr, m.dense_weights[mod], mod, m.lora, mapping)
-        return Expected(rows, y, y_delta, dense, dense_delta, extra)
+            A, _ = m.lora.factors(mod)
+            # σ·B(A x): dots of length in + R, the σ multiply, and σ folded into a factor first
+            depth = A.shape[-1] + A.shape[-2] + 2
+            accumulation[mod] = accumulation_bound(dense_delta_magnitude(xr, mod, m.lora, mapping), depth)
+        return Expected(rows, y, y_delta, dense, dense_delta, accumulation, extra)
+
+
+def dense_delta_magnitude(
+    x: torch.Tensor, module: str, lora: LoRAWeights, token_lora_mapping: torch.Tensor
+) -> torch.Tensor:
+    """The dense LoRA delta evaluated on absolute values: ``|σ_s|·|B_s|(|A_s||x_t|)`` per token.
+
+    The scale of the rounding error of ``σ·B(A x)`` (Higham, *Accuracy and Stability of Numerical
+    Algorithms*, 2nd ed., §3.5), large where ``A x`` cancels.
+
+    Args:
+        x: [T, in] the module's input; module: "q", "k", "v" or "o"; lora: the pool;
+        token_lora_mapping: [T] slot per token (``NO_ADAPTER`` rows get 0).
+
+    Returns:
+        [T, out] float64 on the CPU.
+    """
+    A, B = lora.factors(module)
+    A, B = A.detach().to("cpu", F64).abs(), B.detach().to("cpu", F64).abs()
+    sigma = lora.scalings(module).detach().to("cpu", F64).abs()
+    mapping = token_lora_mapping.to("cpu", torch.long)
+    out = torch.zeros(x.shape[0], B.shape[-2], dtype=F64)
+    xa = x.detach().to("cpu", F64).abs()
+    for slot in sorted({int(s) for s in mapping.tolist() if s >= 0}):
+        rows = mapping == slot
+        out[rows] = sigma[slot] * ((xa[rows] @ A[slot].T) @ B[slot].T)
+    return out
 
 
 def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return t if rows is None else t[rows.to(t.device)]
 
 
-def check_run(oracle: Oracle, inp: BatchInputs, run: LayerOutput, base: LayerOutput, ctx: CheckContext,
-              what: str, *, outputs: bool = True, deltas: bool = True, base_rows: bool = True,
-              pad_rows: bool = False) -> Expected:
+def check_run(
+    oracle: Oracle,
+    inp: BatchInputs,
+    run: LayerOutput,
+    base: LayerOutput,
+    ctx: CheckContext,
+    what: str,
+    *,
+    outputs: bool = True,
+    deltas: bool = True,
+    base_rows: bool = True,
+    pad_rows: bool = False,
+) -> Expected:
     """The standard checks of one forward with LoRA (``run``) and its LoRA-disabled twin (``base``,
     from ``Layer.disabled`` / ``GraphLayer.disabled``).
 
@@ -146,8 +194,10 @@ def check_run(oracle: Oracle, inp: BatchInputs, run: LayerOutput, base: LayerOut
     exp = oracle.expected(inp, run)
     r = exp.rows
     layers = [("MoE", run.y, run.y32, base.y, base.y32, exp.y, exp.y_delta)]
-    layers += [(f"MoE layer {n + 2}", e.y, e.y32, b.y, b.y32, y, d)
-               for n, (e, b, (y, d)) in enumerate(zip(run.extra, base.extra, exp.extra, strict=True))]
+    layers += [
+        (f"MoE layer {n + 2}", e.y, e.y32, b.y, b.y32, y, d)
+        for n, (e, b, (y, d)) in enumerate(zip(run.extra, base.extra, exp.extra, strict=True))
+    ]
     if outputs:
         for name, y, _, _, _, want, _ in layers:
             assert_close(_rows(y, r), want, ctx, f"{what}: {name} output")
@@ -160,31 +210,51 @@ def check_run(oracle: Oracle, inp: BatchInputs, run: LayerOutput, base: LayerOut
             if y32 is not None and y32_base is not None:
                 assert_delta_close(_rows(y32, r), _rows(y32_base, r), delta, ctx, f"{what}: {name} LoRA delta")
             else:
-                assert_delta_close(_rows(y, r), _rows(y_base, r), delta, ctx, f"{what}: {name} LoRA delta",
-                                   rounded=(_rows(y, r), _rows(y_base, r)))
+                assert_delta_close(
+                    _rows(y, r),
+                    _rows(y_base, r),
+                    delta,
+                    ctx,
+                    f"{what}: {name} LoRA delta",
+                    rounded=(_rows(y, r), _rows(y_base, r)),
+                )
         for mod, t in run.dense.items():
-            assert_delta_close(_rows(t, r), _rows(base.dense[mod], r), exp.dense_delta[mod], ctx,
-                               f"{what}: dense {mod} LoRA delta", rounded=(_rows(t, r),))
+            assert_delta_close(
+                _rows(t, r),
+                _rows(base.dense[mod], r),
+                exp.dense_delta[mod],
+                ctx,
+                f"{what}: dense {mod} LoRA delta",
+                rounded=(_rows(t, r),),
+                accumulation=exp.dense_accumulation[mod],
+            )
     if base_rows:
         mask = base_row_mask(inp.batch.token_lora_mapping, run.y.device)
         for name, y, _, y_base, _, _, _ in layers:
             assert_bitwise(y[mask], y_base[mask], ctx, f"{what}: {name} output of base rows vs LoRA disabled")
         for mod, t in run.dense.items():
-            assert_bitwise(t[mask], base.dense[mod][mask], ctx,
-                           f"{what}: dense {mod} output of base rows vs LoRA disabled")
+            assert_bitwise(
+                t[mask], base.dense[mod][mask], ctx, f"{what}: dense {mod} output of base rows vs LoRA disabled"
+            )
     if pad_rows:
         T = inp.num_tokens
         full, twin = run.rows, base.rows
         pairs = [("MoE", full["y"], twin["y"])]
         pairs += [(f"MoE layer {n + 2}", e.y, b.y) for n, (e, b) in enumerate(zip(full["extra"], twin["extra"]))]
         for name, y, y_base in pairs:
-            assert_bitwise(y[T:], y_base[T:], ctx, f"{what}: {name} output of pad rows (past {T} live tokens) "
-                                                   f"vs LoRA disabled")
+            assert_bitwise(
+                y[T:], y_base[T:], ctx, f"{what}: {name} output of pad rows (past {T} live tokens) vs LoRA disabled"
+            )
         for mod, t in full["dense"].items():
-            assert_bitwise(t[T:], twin["dense"][mod][T:], ctx,
-                           f"{what}: dense {mod} output of pad rows vs LoRA disabled")
+            assert_bitwise(
+                t[T:], twin["dense"][mod][T:], ctx, f"{what}: dense {mod} output of pad rows vs LoRA disabled"
+            )
     guards = run.rows.get("guards") if run.rows else run.guards
     if guards is not None:
-        assert_bitwise(guards, torch.full_like(guards, GUARD_VALUE), ctx,
-                       f"{what}: guard columns of the fused q|k|v output buffer (outside every module's slice)")
+        assert_bitwise(
+            guards,
+            torch.full_like(guards, GUARD_VALUE),
+            ctx,
+            f"{what}: guard columns of the fused q|k|v output buffer (outside every module's slice)",
+        )
     return exp
