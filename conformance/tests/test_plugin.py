@@ -97,10 +97,15 @@ def test_max_examples_reaches_every_item_despite_a_conftest_profile():
     assert {r["max_examples"] for r in run.report["records"]} == {3}
 
 
-def _pytest_argv(command: str) -> list[str]:
+def _pytest_argv(command: str) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of a repro line: leading ``NAME=value`` words set the environment."""
     argv = shlex.split(command)
-    assert argv[0] == "pytest"
-    return [sys.executable, "-m", *argv]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    while argv and "=" in argv[0] and not argv[0].startswith("-"):
+        name, value = argv.pop(0).split("=", 1)
+        env[name] = value
+    assert argv and argv[0] == "pytest", command
+    return [sys.executable, "-m", *argv], env
 
 
 @pytest.mark.slow
@@ -113,8 +118,8 @@ def test_a_failure_carries_a_repro_that_replays_it(tmp_path):
     repro = rec["repro"]
     assert repro["trace"][0].startswith("case: seed=") and "moelora repro for" in run.output
     for key in ("replay", "rerun"):
-        proc = subprocess.run(_pytest_argv(repro[key]), cwd=tmp_path, env={**os.environ, "TRITON_INTERPRET": "1"},
-                              capture_output=True, text=True)
+        argv, env = _pytest_argv(repro[key])
+        proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 1, f"{key}: {out[-3000:]}"
         assert "1 failed" in out and "HostSyncError" in out, f"{key}: {out[-3000:]}"

@@ -307,7 +307,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         profile, caps_profile = item.config.stash[_STATE]["profile_args"]
         repro = build_repro(test=item.name, backend=suite.target, device=str(suite.device), profile=profile,
                             caps_profile=caps_profile, hypothesis_seed=_hypothesis_seed(item),
-                            blob=extract_blob(exc), trace=list(support.TRACE))
+                            blob=extract_blob(exc), trace=list(support.TRACE),
+                            derandomized=bool(registry.SUITE_SETTINGS.derandomize))
         report.sections.append(("moelora repro", repro.text()))
         info["repro"] = repro.as_dict()
         info["message"] = _first_line(exc)

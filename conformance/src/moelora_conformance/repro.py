@@ -9,7 +9,8 @@ one-line commands:
   (shrunk) example once; ``--repro-caps`` names the failing run's profile, whose size caps the
   strategies must use to read the blob the same way;
 - **rerun**: the failing run's profile with ``--hypothesis-seed=SEED`` repeats the whole search
-  (the same examples in the same order), then shrinks again.
+  (the same examples in the same order), then shrinks again. A derandomized run (on CI, or with
+  a manifest) has no seed: its rerun is the same command under ``CI=true``, which derandomizes.
 """
 
 from __future__ import annotations
@@ -75,12 +76,14 @@ class Repro:
 
 def build_repro(*, test: str, backend: str, device: str, profile: str, caps_profile: str,
                 hypothesis_seed: int | None, blob: tuple[str, str] | None,
-                trace: list[str] | tuple[str, ...]) -> Repro:
+                trace: list[str] | tuple[str, ...], derandomized: bool = False) -> Repro:
     """The :class:`Repro` of a failing item (commands quoted for a POSIX shell).
 
     Args:
         profile: the ``--profile`` of the failing run. caps_profile: the profile whose size caps it
             used (itself, or its ``--repro-caps``).
+        derandomized: the run's search was derandomized (then a missing seed is expected, and the
+            rerun line sets ``CI=true``).
     """
     base = ["pytest", "-p", "moelora_conformance.plugin", "--backend", backend, "--device", device,
             "-k", test, "-p", "no:cacheprovider"]
@@ -89,7 +92,9 @@ def build_repro(*, test: str, backend: str, device: str, profile: str, caps_prof
     if blob_s:
         replay = shlex.join([*base, "--profile", "repro", "--repro-caps", caps_profile, "--moelora-replay", blob_s])
     rerun = ""
+    caps = [] if caps_profile == profile else ["--repro-caps", caps_profile]
     if hypothesis_seed is not None:
-        caps = [] if caps_profile == profile else ["--repro-caps", caps_profile]
         rerun = shlex.join([*base, "--profile", profile, *caps, f"--hypothesis-seed={hypothesis_seed}"])
+    elif derandomized:
+        rerun = "CI=true " + shlex.join([*base, "--profile", profile, *caps])
     return Repro(test, hypothesis_seed, blob_s, tuple(trace), replay, rerun)

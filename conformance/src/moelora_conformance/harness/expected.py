@@ -10,8 +10,9 @@ On large (GPU-profile) batches the oracle runs on at most ``oracle_rows`` token 
 request's first and last token, then evenly spread rows (the same rows for every check of a run).
 
 Each MoE layer of a two-layer case is checked the same way on its own input (the previous layer's
-actual output), with its own weights, pool and routing. The oracle reads the layer's pools as they
-are *now*: after a reload (``Layer.reload``) it re-reads them (a CPU copy is made again on CUDA).
+actual output after the harness's RMS norm), with its own weights, pool and routing. The oracle
+reads the layer's pools as they are *now*: after a reload (``Layer.reload``) it re-reads them (a CPU
+copy is made again on CUDA).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class Expected:
         y_delta: [n, H] ``y`` minus the oracle without LoRA on the same MoE input.
         dense: module → [n, out] dense output with LoRA; dense_delta: module → [n, out] σ·B(A x).
         dense_accumulation: module → [n, out] the fp32 accumulation error a correct ``dense_delta``
-            may carry (:func:`~.checks.accumulation_bound` of :func:`dense_delta_magnitude`).
+            may carry (:func:`~.checks.accumulation_bound` of :func:`dense_delta_rounding_scale`).
         extra: per MoE layer after the first, its (y, y_delta) on its own run input.
     """
 
@@ -124,37 +125,39 @@ class Oracle:
             xr = self._take(x, rows)
             dense_delta[mod] = dense_lora_forward(xr, None, mod, m.lora, mapping)
             dense[mod] = dense_lora_forward(xr, m.dense_weights[mod], mod, m.lora, mapping)
-            A, _ = m.lora.factors(mod)
-            # σ·B(A x): dots of length in + R, the σ multiply, and σ folded into a factor first
-            depth = A.shape[-1] + A.shape[-2] + 2
-            accumulation[mod] = accumulation_bound(dense_delta_magnitude(xr, mod, m.lora, mapping), depth)
+            accumulation[mod] = accumulation_bound(dense_delta_rounding_scale(xr, mod, m.lora, mapping))
         return Expected(rows, y, y_delta, dense, dense_delta, accumulation, extra)
 
 
-def dense_delta_magnitude(
+def dense_delta_rounding_scale(
     x: torch.Tensor, module: str, lora: LoRAWeights, token_lora_mapping: torch.Tensor
 ) -> torch.Tensor:
-    """The dense LoRA delta evaluated on absolute values: ``|σ_s|·|B_s|(|A_s||x_t|)`` per token.
+    """The scale of the fp32 rounding error of a dense LoRA delta ``σ·B(A x)``, per token and column.
 
-    The scale of the rounding error of ``σ·B(A x)`` (Higham, *Accuracy and Stability of Numerical
-    Algorithms*, 2nd ed., §3.5), large where ``A x`` cancels.
+    ``s_tj = |σ_s|·(‖|B_s[j]| ⊙ m_t‖₂ + |B_s[j]|·|A_s x_t|)`` with ``m_t,r = Σ_i |A_s[r,i] x_t,i|``:
+    each shrink sum is off by a small multiple of ``u·m`` (its partial sums walk randomly on
+    mean-zero data), the R shrink errors are independent so they reach column j in ℓ2 through
+    ``B``, and the expand sum and σ add rounding on ``|B||A x|``. Large where ``A x`` cancels; see
+    the module docstring of :mod:`~.checks` for the model and its measurement.
 
     Args:
         x: [T, in] the module's input; module: "q", "k", "v" or "o"; lora: the pool;
         token_lora_mapping: [T] slot per token (``NO_ADAPTER`` rows get 0).
 
     Returns:
-        [T, out] float64 on the CPU.
+        [T, out] float64 on the CPU, non-negative.
     """
     A, B = lora.factors(module)
-    A, B = A.detach().to("cpu", F64).abs(), B.detach().to("cpu", F64).abs()
+    A, B = A.detach().to("cpu", F64), B.detach().to("cpu", F64).abs()
     sigma = lora.scalings(module).detach().to("cpu", F64).abs()
     mapping = token_lora_mapping.to("cpu", torch.long)
     out = torch.zeros(x.shape[0], B.shape[-2], dtype=F64)
-    xa = x.detach().to("cpu", F64).abs()
+    x64 = x.detach().to("cpu", F64)
     for slot in sorted({int(s) for s in mapping.tolist() if s >= 0}):
         rows = mapping == slot
-        out[rows] = sigma[slot] * ((xa[rows] @ A[slot].T) @ B[slot].T)
+        m = x64[rows].abs() @ A[slot].abs().T  # [t, R] Σ|A x| per rank row
+        t = (x64[rows] @ A[slot].T).abs()  # [t, R] |A x|
+        out[rows] = sigma[slot] * ((m.square() @ B[slot].square().T).sqrt() + t @ B[slot].T)
     return out
 
 

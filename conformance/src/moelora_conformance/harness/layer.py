@@ -77,6 +77,24 @@ class DenseOutputs(dict):
         return torch.stack([self.fused[:, c] for c in self.guard_columns], dim=1)
 
 
+def inter_layer_norm(y: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The RMS norm (no weight) between two MoE layers, as a decoder applies before every MoE block.
+
+    Without it the second layer of a two-layer case ran on the first one's raw output, and in fp16
+    its exact output could pass 65504 (CI 2026-11-29, reference backend, P01 prefill fp16, H=4:
+    oracle -77407, every correct backend -inf): a case no backend can pass. Computed in fp32 and
+    rounded to ``y``'s dtype; row-wise, so pad rows stay a function of themselves, and graph-safe.
+
+    Args:
+        y: [T, H] a layer's output.
+
+    Returns:
+        [T, H] in ``y``'s dtype with each row's RMS about 1 (zero rows stay zero).
+    """
+    y32 = y.float()
+    return (y32 * torch.rsqrt(y32.square().mean(-1, keepdim=True) + eps)).to(y.dtype)
+
+
 @dataclass
 class MoEOutput:
     """One MoE layer's input and output in a forward: moe_in, y [T, H] (case dtype), y32 (fp32,
@@ -106,7 +124,7 @@ class LayerOutput:
         rows: the capacity-wide tensors of a graph run (``dense``, ``moe_in``, ``y``, ``y32``,
             ``extra``, ``guards``) for checks on pad rows; equal to the live ones in eager runs.
         fallback: the ``Fallback`` a graph family returned (the run was then eager), else None.
-        extra: the MoE layers after the first (input: the previous layer's y).
+        extra: the MoE layers after the first (input: the previous layer's y, RMS-normalized).
         guards: [T, g] the guard columns of the ``fused-qkv`` dense buffer after the deltas, else None.
     """
 
@@ -252,12 +270,14 @@ class Layer:
         return y32.to(self.spec.dtype), y32
 
     def extra_moe(self, y: torch.Tensor, routing, info: LoRABatchInfo | None) -> list[MoEOutput]:
-        """The MoE layers after the first: layer n+1 on layer n's output ``y`` with its own routing
-        (``routing``: per extra layer (topk_ids, topk_weights))."""
+        """The MoE layers after the first: layer n+1 on the RMS-normalized output of layer n
+        (:func:`inter_layer_norm`) with its own routing (``routing``: per extra layer (topk_ids,
+        topk_weights))."""
         out = []
         for n, (ids, w) in enumerate(routing, 1):
-            y_n, y32_n = self.moe(y, ids, w, info, layer=n)
-            out.append(MoEOutput(y, y_n, y32_n))
+            x_n = inter_layer_norm(y)
+            y_n, y32_n = self.moe(x_n, ids, w, info, layer=n)
+            out.append(MoEOutput(x_n, y_n, y32_n))
             y = y_n
         return out
 
