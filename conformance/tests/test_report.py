@@ -135,6 +135,19 @@ def test_repro_commands_quote_their_arguments():
     assert "case: seed=3" in r.text() and r.as_dict()["trace"] == ["case: seed=3"]
 
 
+def test_repro_rerun_lines_for_derandomized_budgeted_and_replay_runs():
+    common = dict(test="test_x[eager-fp32]", backend="reference", device="cpu", caps_profile="interpret",
+                  blob=("6.1", "AB=="), trace=["case: seed=1"])
+    derand = build_repro(profile="interpret", hypothesis_seed=None, derandomized=True, max_examples=2, **common)
+    assert derand.rerun.startswith("CI=true pytest ")  # no seed: CI=true derandomizes the same search
+    rerun = shlex.split(derand.rerun)[1:]
+    assert rerun[rerun.index("--max-examples") + 1] == "2" and "--hypothesis-seed" not in derand.rerun
+    seeded = build_repro(profile="interpret", hypothesis_seed=5, max_examples=3, **common)
+    assert "--max-examples" in seeded.rerun and "--hypothesis-seed=5" in seeded.rerun
+    assert build_repro(profile="interpret", hypothesis_seed=None, **common).rerun == ""
+    assert build_repro(profile="repro", hypothesis_seed=5, derandomized=True, **common).rerun == ""
+
+
 def test_per_backend_options():
     from moelora_conformance.cli import _per_backend
 

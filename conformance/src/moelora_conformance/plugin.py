@@ -280,6 +280,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     support.TRACE.clear()
 
 
+def _max_examples(config: pytest.Config) -> int | None:
+    value = _option(config, "moelora_max_examples", "MOELORA_MAX_EXAMPLES")
+    return None if value is None else int(value)
+
+
 def _hypothesis_seed(item: pytest.Item) -> int | None:
     forced = item.config.getoption("hypothesis_seed", None)
     if forced is not None:
@@ -308,7 +313,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         repro = build_repro(test=item.name, backend=suite.target, device=str(suite.device), profile=profile,
                             caps_profile=caps_profile, hypothesis_seed=_hypothesis_seed(item),
                             blob=extract_blob(exc), trace=list(support.TRACE),
-                            derandomized=bool(registry.SUITE_SETTINGS.derandomize))
+                            derandomized=bool(registry.SUITE_SETTINGS.derandomize),
+                            max_examples=_max_examples(item.config))
         report.sections.append(("moelora repro", repro.text()))
         info["repro"] = repro.as_dict()
         info["message"] = _first_line(exc)

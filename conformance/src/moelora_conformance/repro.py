@@ -11,6 +11,8 @@ one-line commands:
 - **rerun**: the failing run's profile with ``--hypothesis-seed=SEED`` repeats the whole search
   (the same examples in the same order), then shrinks again. A derandomized run (on CI, or with
   a manifest) has no seed: its rerun is the same command under ``CI=true``, which derandomizes.
+  Both carry the run's ``--max-examples`` (it changes the search); a failure under ``--profile
+  repro`` (a replay) gets no rerun line.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class Repro:
         blob: "version:blob" of the failing example, if Hypothesis reported it.
         trace: the example's trace lines (case description first).
         replay: command running the failing example once (needs ``blob``), or "".
-        rerun: command repeating the run's search with its seed, or "".
+        rerun: command repeating the run's search (with its seed, or under ``CI=true``), or "".
     """
 
     test: str
@@ -76,7 +78,8 @@ class Repro:
 
 def build_repro(*, test: str, backend: str, device: str, profile: str, caps_profile: str,
                 hypothesis_seed: int | None, blob: tuple[str, str] | None,
-                trace: list[str] | tuple[str, ...], derandomized: bool = False) -> Repro:
+                trace: list[str] | tuple[str, ...], derandomized: bool = False,
+                max_examples: int | None = None) -> Repro:
     """The :class:`Repro` of a failing item (commands quoted for a POSIX shell).
 
     Args:
@@ -84,6 +87,7 @@ def build_repro(*, test: str, backend: str, device: str, profile: str, caps_prof
             used (itself, or its ``--repro-caps``).
         derandomized: the run's search was derandomized (then a missing seed is expected, and the
             rerun line sets ``CI=true``).
+        max_examples: the run's ``--max-examples`` override, if any.
     """
     base = ["pytest", "-p", "moelora_conformance.plugin", "--backend", backend, "--device", device,
             "-k", test, "-p", "no:cacheprovider"]
@@ -93,8 +97,11 @@ def build_repro(*, test: str, backend: str, device: str, profile: str, caps_prof
         replay = shlex.join([*base, "--profile", "repro", "--repro-caps", caps_profile, "--moelora-replay", blob_s])
     rerun = ""
     caps = [] if caps_profile == profile else ["--repro-caps", caps_profile]
-    if hypothesis_seed is not None:
-        rerun = shlex.join([*base, "--profile", profile, *caps, f"--hypothesis-seed={hypothesis_seed}"])
+    budget = [] if max_examples is None else ["--max-examples", str(max_examples)]
+    if profile == "repro":
+        pass  # a replay of one example: there is no search to repeat
+    elif hypothesis_seed is not None:
+        rerun = shlex.join([*base, "--profile", profile, *caps, *budget, f"--hypothesis-seed={hypothesis_seed}"])
     elif derandomized:
-        rerun = "CI=true " + shlex.join([*base, "--profile", profile, *caps])
+        rerun = "CI=true " + shlex.join([*base, "--profile", profile, *caps, *budget])
     return Repro(test, hypothesis_seed, blob_s, tuple(trace), replay, rerun)

@@ -31,7 +31,7 @@ from moelora_conformance.harness.checks import (
     base_row_mask,
 )
 from moelora_conformance.harness.inputs import BatchInputs
-from moelora_conformance.harness.layer import GUARD_VALUE, Layer, LayerOutput
+from moelora_conformance.harness.layer import GUARD_VALUE, Layer, LayerOutput, inter_layer_norm
 from moelora_core.batch import BatchSpec
 from moelora_core.weights import LoRAWeights
 from moelora_reference.oracle import dense_lora_forward, moe_lora_forward
@@ -252,6 +252,15 @@ def check_run(
             assert_bitwise(
                 t[T:], twin["dense"][mod][T:], ctx, f"{what}: dense {mod} output of pad rows vs LoRA disabled"
             )
+    # each later MoE layer ran on the harness's norm of the previous layer's output, on every row
+    # (capacity-wide in graph runs, same shapes as in the run): a backend that writes into its
+    # input x shows here (before the norm, layer 2's input was layer 1's checked y)
+    full = run.rows or {"y": run.y, "extra": run.extra}
+    prev = full["y"]
+    for n, e in enumerate(full["extra"]):
+        assert_bitwise(e.moe_in, inter_layer_norm(prev), ctx,
+                       f"{what}: MoE layer {n + 2} input vs the norm of layer {n + 1}'s output")
+        prev = e.y
     guards = run.rows.get("guards") if run.rows else run.guards
     if guards is not None:
         assert_bitwise(

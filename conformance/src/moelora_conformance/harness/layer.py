@@ -13,8 +13,9 @@ A forward is the three parts of DESIGN.md §6:
    activation) and ``moe_down_delta`` (router-weighted) — intermediates in fp32, so only y is
    rounded (``y32`` keeps the fp32 sum for the delta check); on the ``fused`` path (backends that
    declare ``fused_moe``), ``backend.moe_forward``. Cases with two MoE layers run a second one on
-   the first one's output, with its own base weights, pool and routing and the *same* metadata
-   (one ``prepare`` per forward, as an engine runs every decoder layer on one batch info).
+   the first one's output after an RMS norm (:func:`inter_layer_norm`), with its own base weights,
+   pool and routing and the *same* metadata (one ``prepare`` per forward, as an engine runs every
+   decoder layer on one batch info).
 
 Reloading (:meth:`Layer.reload`): an adapter loaded into a slot between forwards (slot reuse,
 eviction) goes through ``LoRAWeights.load_slot`` / ``clear_slot`` into every MoE layer's pool, in
@@ -83,13 +84,14 @@ def inter_layer_norm(y: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     Without it the second layer of a two-layer case ran on the first one's raw output, and in fp16
     its exact output could pass 65504 (CI 2026-11-29, reference backend, P01 prefill fp16, H=4:
     oracle -77407, every correct backend -inf): a case no backend can pass. Computed in fp32 and
-    rounded to ``y``'s dtype; row-wise, so pad rows stay a function of themselves, and graph-safe.
+    rounded to ``y``'s dtype; row-wise (a pad row's result depends on that row only) and graph-safe
+(tensor ops, no host read). ``check_run`` checks layer 2's input against it on the same rows.
 
     Args:
         y: [T, H] a layer's output.
 
     Returns:
-        [T, H] in ``y``'s dtype with each row's RMS about 1 (zero rows stay zero).
+        [T, H] in ``y``'s dtype; rows with RMS well above ``sqrt(eps)`` get RMS 1 (zero rows stay 0).
     """
     y32 = y.float()
     return (y32 * torch.rsqrt(y32.square().mean(-1, keepdim=True) + eps)).to(y.dtype)

@@ -6,9 +6,10 @@ adapters, ranks and σ, sentinel expert ids, dense outputs contiguous or column 
 q|k|v buffer — run once in the mode (graph modes: captured on this batch, with drawn slack
 capacity). Half the cases have two MoE layers after the one ``prepare``: layer 2 with its own base
 weights, its own pool (same adapters in the same slots, other values) and its own routing, on layer
-1's output (graph modes: both in the captured program). Checked: every MoE layer's output and
-every dense output against the oracle, the MoE and dense LoRA deltas against the oracle's, base
-rows bit-identical to the LoRA-disabled run, the fused buffer's guard columns untouched, and (graph
+1's output after the harness's RMS norm (graph modes: both in the captured program). Checked:
+every MoE layer's output (and layer 2's input: the norm of layer 1's output) and every dense
+output against the oracle, the MoE and dense LoRA deltas against the oracle's, base rows
+bit-identical to the LoRA-disabled run, the fused buffer's guard columns untouched, and (graph
 modes) every pad row past the live tokens bit-identical to the LoRA-disabled run.
 """
 

@@ -14,7 +14,8 @@ B ~ N(0, 1/r) (as PEFT's ``init_lora_weights=False``: B is not zero, so every de
 - **MoE layers**: 1, or 2 where a property asks (one ``prepare``, then two MoE layers, as an engine
   runs every decoder layer on one batch info). Layer 2 has its own base weights, its own pool (the
   same adapters in the same slots — ranks, σ — with other values) and its own routing; its input is
-  layer 1's output. Its values come from a second generator, so layer 1's are the same either way.
+  layer 1's output (RMS-normalized by the harness). Its values come from a second generator, so
+  layer 1's are the same either way.
 """
 
 from __future__ import annotations
