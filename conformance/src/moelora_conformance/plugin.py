@@ -112,9 +112,9 @@ def _load_settings(config: pytest.Config) -> Profile:
     except KeyError as exc:
         raise pytest.UsageError(str(exc.args[0])) from None
     overrides = {}
-    max_examples = _option(config, "moelora_max_examples", "MOELORA_MAX_EXAMPLES")
+    max_examples = _max_examples(config)
     if max_examples is not None:
-        overrides["max_examples"] = int(max_examples)
+        overrides["max_examples"] = max_examples
     if config.getoption("moelora_no_shrink"):
         overrides["phases"] = (Phase.explicit, Phase.generate)
     if config.getoption("hypothesis_seed", None) is not None:

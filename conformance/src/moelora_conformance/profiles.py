@@ -129,11 +129,11 @@ def load_profile(name: str | None = None) -> Profile:
 
 def on_ci() -> bool:
     """True where ``$CI`` is set to anything but "", "0", "false" or "no" (GitHub Actions, GitLab CI,
-    Travis and CircleCI set it; ``.ci/run`` sets it). Then every profile derandomizes, as Hypothesis' own ``ci`` profile
-    does: a CI run is a gate and must give the same verdict on the same commit, while the random
-    search that finds new faults belongs to local, ``dev`` and ``soak`` runs. (CI once went red on a
-    random draw that exposed a wrong bound of the check itself, 2026-11-29; a test now builds the
-    same kind of case on purpose.)"""
+    Travis and CircleCI set it; ``.ci/run`` sets it). Then every profile derandomizes, as
+    Hypothesis' own ``ci`` profile does: a CI run is a gate and must give the same verdict on the
+    same commit, while the random search that finds new faults belongs to local, ``dev`` and
+    ``soak`` runs. (CI once went red on a random draw that exposed a wrong bound of the check
+    itself, 2026-11-29; a test now builds the same kind of case on purpose.)"""
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 

@@ -95,13 +95,13 @@ def build_repro(*, test: str, backend: str, device: str, profile: str, caps_prof
     replay = ""
     if blob_s:
         replay = shlex.join([*base, "--profile", "repro", "--repro-caps", caps_profile, "--moelora-replay", blob_s])
-    rerun = ""
     caps = [] if caps_profile == profile else ["--repro-caps", caps_profile]
     budget = [] if max_examples is None else ["--max-examples", str(max_examples)]
-    if profile == "repro":
-        pass  # a replay of one example: there is no search to repeat
-    elif hypothesis_seed is not None:
-        rerun = shlex.join([*base, "--profile", profile, *caps, *budget, f"--hypothesis-seed={hypothesis_seed}"])
-    elif derandomized:
-        rerun = "CI=true " + shlex.join([*base, "--profile", profile, *caps, *budget])
+    search = [*base, "--profile", profile, *caps, *budget]
+    if profile != "repro" and hypothesis_seed is not None:  # a replay (repro) has no search to repeat
+        rerun = shlex.join([*search, f"--hypothesis-seed={hypothesis_seed}"])
+    elif profile != "repro" and derandomized:
+        rerun = "CI=true " + shlex.join(search)
+    else:
+        rerun = ""
     return Repro(test, hypothesis_seed, blob_s, tuple(trace), replay, rerun)

@@ -255,13 +255,13 @@ def check_run(
     # each later MoE layer ran on the harness's norm of the previous layer's output, on every row
     # (capacity-wide in graph runs, same shapes as in the run): a backend that writes into its
     # input x shows here (before the norm, layer 2's input was layer 1's checked y)
-    full = run.rows or {"y": run.y, "extra": run.extra}
-    prev = full["y"]
-    for n, e in enumerate(full["extra"]):
+    every_row = run.all_rows()
+    prev = every_row["y"]
+    for n, e in enumerate(every_row["extra"]):
         assert_bitwise(e.moe_in, inter_layer_norm(prev), ctx,
                        f"{what}: MoE layer {n + 2} input vs the norm of layer {n + 1}'s output")
         prev = e.y
-    guards = run.rows.get("guards") if run.rows else run.guards
+    guards = every_row["guards"]
     if guards is not None:
         assert_bitwise(
             guards,

@@ -85,7 +85,7 @@ def inter_layer_norm(y: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     its exact output could pass 65504 (CI 2026-11-29, reference backend, P01 prefill fp16, H=4:
     oracle -77407, every correct backend -inf): a case no backend can pass. Computed in fp32 and
     rounded to ``y``'s dtype; row-wise (a pad row's result depends on that row only) and graph-safe
-(tensor ops, no host read). ``check_run`` checks layer 2's input against it on the same rows.
+    (tensor ops, no host read). ``check_run`` checks layer 2's input against it on the same rows.
 
     Args:
         y: [T, H] a layer's output.
@@ -140,10 +140,15 @@ class LayerOutput:
     extra: list[MoEOutput] = field(default_factory=list)
     guards: torch.Tensor | None = None
 
+    def all_rows(self) -> dict[str, object]:
+        """Every row of the run: ``rows`` (capacity-wide) for a graph run, else this output's own
+        tensors under the same keys."""
+        return self.rows or {"dense": self.dense, "moe_in": self.moe_in, "y": self.y, "y32": self.y32,
+                             "extra": self.extra, "guards": self.guards}
+
     def live(self, T: int) -> LayerOutput:
         """The first ``T`` rows as a LayerOutput (keeping the full tensors in ``rows``)."""
-        full = {"dense": self.dense, "moe_in": self.moe_in, "y": self.y, "y32": self.y32, "extra": self.extra,
-                "guards": self.guards}
+        full = self.all_rows()
         return LayerOutput({m: t[:T] for m, t in self.dense.items()}, self.moe_in[:T], self.y[:T],
                            None if self.y32 is None else self.y32[:T], self.info, full, self.fallback,
                            [e.head(T) for e in self.extra], None if self.guards is None else self.guards[:T])
@@ -318,9 +323,9 @@ class Layer:
 
     def disabled_moe(self, run: LayerOutput, info: LoRABatchInfo | None, topk_ids: torch.Tensor,
                      topk_weights: torch.Tensor, routing, dense: dict[str, torch.Tensor]) -> LayerOutput:
-        """Every MoE layer of ``run`` without LoRA on its own input (``run.rows`` when it has them:
-        the capacity-wide tensors of a graph run), with ``dense`` as the dense outputs."""
-        full = run.rows or {"moe_in": run.moe_in, "extra": run.extra}
+        """Every MoE layer of ``run`` without LoRA on its own input (:meth:`LayerOutput.all_rows`:
+        capacity-wide in a graph run), with ``dense`` as the dense outputs."""
+        full = run.all_rows()
         y, y32 = self.moe(full["moe_in"], topk_ids, topk_weights, info)
         extra = []
         for n, ((ids, w), e) in enumerate(zip(routing, full["extra"]), 1):
