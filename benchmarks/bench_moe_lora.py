@@ -58,8 +58,6 @@ from moelora_kernels import (  # noqa: E402
     virtual_align,
     virtual_moe_lora_delta,
 )
-from moelora_kernels.fused_moe import fused_moe_gemm  # noqa: E402
-from moelora_kernels.moe_epilogue import moe_activation  # noqa: E402
 
 #: Named model registry (layer shapes) and regimes.
 MODELS = {"qwen3-30b-a3b-layer": {"H": 2048, "I": 768, "E": 128, "top_k": 8}}
@@ -155,16 +153,21 @@ class Problem:
                                (1,) * MAX_LORAS, (1.0,) * MAX_LORAS)
 
     def base_buffers(self):
-        """Base gate_up_out, h and down_out (what the deltas add into)."""
-        M, k = self.M, self.k
-        gate_up = torch.empty(M, k, 2 * self.I, dtype=DT, device="cuda")
-        fused_moe_gemm(self.x, self.w_gu, gate_up.view(M * k, -1), self.base_align, top_k=k, num_pairs=M * k,
-                       in_row_div=k)
-        h = moe_activation(gate_up.view(M * k, -1), topk_ids=self.topk_ids)
-        down = torch.empty(M, k, self.H, dtype=DT, device="cuda")
-        fused_moe_gemm(h, self.w_d, down.view(M * k, -1), self.base_align, top_k=k, num_pairs=M * k, in_row_div=1,
-                       topk_weights=self.topk_weights)
-        return gate_up, h, down
+        """Base gate_up_out, h and down_out (what the deltas add into), as the one Triton MoE path
+        (``fused_moe``) makes them: a :class:`KeepBaseBuffers` in place of the deltas keeps them."""
+        keep = KeepBaseBuffers()
+        fused_moe(self.x, self.topk_ids, self.topk_weights, self.w_gu, self.w_d, align=self.base_align, deltas=keep)
+        return keep.gate_up_out, keep.h, keep.down_out
+
+
+class KeepBaseBuffers:
+    """A ``MoEDeltas`` that adds nothing and keeps copies of the buffers the deltas would add into."""
+
+    def gate_up(self, x, topk_ids, gate_up_out):
+        self.gate_up_out = gate_up_out.clone()
+
+    def down(self, h, topk_ids, topk_weights, down_out):
+        self.h, self.down_out = h.clone(), down_out.clone()
 
 
 def make_pool(shape: dict, R: int, gen: torch.Generator) -> LoRAWeights:

@@ -16,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moelora_core import HostSyncError
+from moelora_core.moe_deltas import BackendMoEDeltas
 from moelora_reference import base_moe
 
 aten = torch.ops.aten
@@ -62,16 +63,10 @@ def guard():
 
 
 def run_layer(backend, m, info, x, topk_ids, topk_weights, *, lora=True):
-    """The suite's layer harness: base gate_up → gate_up delta → activation → base down → down
-    delta → top-k sum, intermediates in fp32 (only y is rounded to x's dtype)."""
-    gate_up_out = base_moe.gate_up(x, topk_ids, m.base, out_dtype=torch.float32)
-    if lora:
-        backend.moe_gate_up_delta(x, topk_ids, gate_up_out, m.lora, info)
-    h = base_moe.activation(gate_up_out)
-    down_out = base_moe.down(h, topk_ids, topk_weights, m.base)
-    if lora:
-        backend.moe_down_delta(h, topk_ids, topk_weights, down_out, m.lora, info)
-    return base_moe.topk_sum(down_out, out_dtype=x.dtype)
+    """The suite's layer harness: the torch base path with the backend's deltas, intermediates in
+    fp32 (only y is rounded to x's dtype)."""
+    deltas = BackendMoEDeltas(backend, m.lora, info) if lora else None
+    return base_moe.moe_forward(x, topk_ids, topk_weights, m.base, deltas=deltas)
 
 
 @pytest.fixture

@@ -35,6 +35,7 @@ from moelora_core import (
 )
 from moelora_core.graphs import host_sync_guard
 from moelora_core.graphs.triton_launches import intercept_triton_launches
+from moelora_core.moe_deltas import BackendMoEDeltas
 from moelora_kernels import moe_lora_align_block_size
 from moelora_reference import base_moe
 from moelora_reference.backend import ReferenceBackend
@@ -74,12 +75,7 @@ def _routing(T, gen):
 
 
 def _moe(backend, x, ids, w, weights, base, info):
-    gate_up_out = base_moe.gate_up(x, ids, base, out_dtype=F32)
-    backend.moe_gate_up_delta(x, ids, gate_up_out, weights, info)
-    h = base_moe.activation(gate_up_out)
-    down_out = base_moe.down(h, ids, w, base)
-    backend.moe_down_delta(h, ids, w, down_out, weights, info)
-    return base_moe.topk_sum(down_out, out_dtype=F32)
+    return base_moe.moe_forward(x, ids, w, base, deltas=BackendMoEDeltas(backend, weights, info), out_dtype=F32)
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
@@ -159,8 +155,9 @@ def test_layers_with_other_pools_and_one_rewritten_routing_buffer_each_use_their
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_each_stage_aligns_its_own_call(name):
-    # No alignment is kept between delta calls: one alignment launch per stage, and a down stage
-    # with another routing than its gate_up stage uses its own.
+    # The backend keeps no alignment between delta calls: without align= a down stage with another
+    # routing than its gate_up stage uses its own. A layer forward through BackendMoEDeltas aligns
+    # once (shared_moe_alignment) and hands that alignment to both of its stages.
     spec, weights, base, gen = _layer(F32, False)
     backend = BACKENDS[name](spec)
     batch = _batch(weights)
@@ -182,11 +179,26 @@ def test_each_stage_aligns_its_own_call(name):
         h = base_moe.activation(base_moe.gate_up(x, other, base, out_dtype=F32))
         down_out = base_moe.down(h, other, w, base)
         backend.moe_down_delta(h, other, w, down_out, weights, info)
-    assert per_layer == 2
+    assert per_layer == 1
+    assert sum("align" in n for n in names) == 3
     reference = ReferenceBackend(spec)
     want = base_moe.down(h, other, w, base)
     reference.moe_down_delta(h, other, w, want, weights, reference.prepare(batch))
     DEFAULT_POLICY.assert_close(down_out, want, dtype=F32, what=f"{name} down stage on its own routing")
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_a_shared_alignment_gives_the_same_layer_output_as_aligning_per_stage(name):
+    spec, weights, base, gen = _layer(F32, False)
+    backend = BACKENDS[name](spec)
+    batch = _batch(weights)
+    x = torch.randn(batch.num_tokens, H, generator=gen)
+    ids, w = _routing(batch.num_tokens, gen)
+    info = backend.prepare(batch)
+    shared = _moe(backend, x, ids, w, weights, base, info)
+    per_stage = BackendMoEDeltas(backend, weights, info)
+    per_stage._shared = False  # each delta call aligns on its own
+    assert torch.equal(shared, base_moe.moe_forward(x, ids, w, base, deltas=per_stage, out_dtype=F32))
 
 
 def test_a_triton_launch_inside_the_host_sync_guard_leaves_its_arguments_device_data():

@@ -49,6 +49,7 @@ from moelora_core.batch_info import LoRABatchInfo, MoELoRABatchInfo
 from moelora_core.capabilities import Capabilities, Fallback
 from moelora_core.errors import InvalidFieldError
 from moelora_core.layer_spec import LoRALayerSpec
+from moelora_core.moe_deltas import BackendMoEDeltas
 from moelora_core.staging import PinnedStaging
 from moelora_core.static_buffer import StaticBuffer
 from moelora_core.weights import LoRAWeights
@@ -397,12 +398,8 @@ class ReferenceBackend:
             raise InvalidFieldError("base_weights", f"(E, H, I) = ({base_weights.num_experts}, "
                                                     f"{base_weights.hidden_size}, {base_weights.intermediate_size}) "
                                                     f"!= the spec's ({self.spec.E}, {self.spec.H}, {self.spec.I})")
-        gate_up_out = base_moe.gate_up(x, topk_ids, base_weights, out_dtype=F32)
-        self.moe_gate_up_delta(x, topk_ids, gate_up_out, weights, info)
-        h = base_moe.activation(gate_up_out)
-        down_out = base_moe.down(h, topk_ids, topk_weights, base_weights)
-        self.moe_down_delta(h, topk_ids, topk_weights, down_out, weights, info)
-        return base_moe.topk_sum(down_out, out_dtype=x.dtype)
+        return base_moe.moe_forward(x, topk_ids, topk_weights, base_weights,
+                                    deltas=BackendMoEDeltas(self, weights, info))
 
     # --- for tests and reports ---------------------------------------------------------------------
 

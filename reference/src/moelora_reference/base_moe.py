@@ -3,11 +3,15 @@
 What the suite's layer harness runs around a backend's delta calls (DESIGN.md §5):
 
     topk_weights, topk_ids = route_topk(router_logits, top_k, renormalize)
+    y = moe_forward(x, topk_ids, topk_weights, base, deltas=BackendMoEDeltas(backend, pool, info))
+
+    where moe_forward is, with ``deltas`` adding the LoRA terms in place:
+
     gate_up_out = gate_up(x, topk_ids, base)                 # [T, k, 2I]
-    backend.moe_gate_up_delta(x, topk_ids, gate_up_out, ...)
+    deltas.gate_up(x, topk_ids, gate_up_out)                 # backend.moe_gate_up_delta
     h = activation(gate_up_out)                              # [T·k, I]
     down_out = down(h, topk_ids, topk_weights, base)         # [T, k, H], router-weighted
-    backend.moe_down_delta(h, topk_ids, topk_weights, down_out, ...)
+    deltas.down(h, topk_ids, topk_weights, down_out)         # backend.moe_down_delta
     y = topk_sum(down_out)                                   # [T, H]
 
 Per pair (t, j) with expert e = topk_ids[t, j]:
@@ -45,6 +49,7 @@ import torch
 
 from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.errors import InvalidFieldError
+from moelora_core.moe_deltas import MoEDeltas
 
 F32 = torch.float32
 #: Elements of gathered fp32 weights per chunk: small on the CPU (cache-friendly), larger on GPUs.
@@ -159,10 +164,38 @@ def topk_sum(down_out: torch.Tensor, *, out_dtype: torch.dtype | None = None) ->
 
 
 def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, base: MoEBaseWeights, *,
-                intermediate_dtype: torch.dtype = F32) -> torch.Tensor:
-    """The base MoE layer without LoRA: [T, H] in x's dtype, intermediates in ``intermediate_dtype``."""
-    h = activation(gate_up(x, topk_ids, base, out_dtype=intermediate_dtype))
-    return topk_sum(down(h, topk_ids, topk_weights, base), out_dtype=x.dtype)
+                deltas: MoEDeltas | None = None, intermediate_dtype: torch.dtype = F32,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The MoE layer on this torch base path, with the LoRA deltas of ``deltas`` (None = base only).
+
+    One of the two places the MoE sequence is written (DESIGN.md §6; the other is
+    ``moelora_kernels.fused_moe``): base gate_up → ``deltas.gate_up`` → activation → base down →
+    ``deltas.down`` → top-k sum.
+
+    Args:
+        x: [T, H] activations. topk_ids: [T, k] int expert ids. topk_weights: [T, k] router weights.
+        base: the layer's base expert weights.
+        deltas: a :class:`moelora_core.moe_deltas.MoEDeltas` (e.g. ``BackendMoEDeltas(backend,
+            pool, info)``), or None.
+        intermediate_dtype: dtype of ``gate_up_out``, ``h`` and ``down_out`` (fp32: only y is
+            rounded, as the suite's harness compares against the oracle; the model dtype: as an
+            engine stores them).
+        out_dtype: dtype of y (default x's).
+
+    Returns:
+        y [T, H] in ``out_dtype``.
+
+    Raises:
+        InvalidFieldError: x not [T, H] or topk_ids not integer [T, k].
+    """
+    gate_up_out = gate_up(x, topk_ids, base, out_dtype=intermediate_dtype)
+    if deltas is not None:
+        deltas.gate_up(x, topk_ids, gate_up_out)
+    h = activation(gate_up_out)
+    down_out = down(h, topk_ids, topk_weights, base)
+    if deltas is not None:
+        deltas.down(h, topk_ids, topk_weights, down_out)
+    return topk_sum(down_out, out_dtype=out_dtype or x.dtype)
 
 
 def check_topk_ids(topk_ids: torch.Tensor, num_base_experts: int) -> None:

@@ -9,8 +9,9 @@ A forward is the three parts of DESIGN.md §6:
    hold :data:`GUARD_VALUE`: a delta written outside its slice changes a guard or a neighbour;
 2. **break op** (:mod:`.break_op`): ``moe_in = x · f(request's dense outputs)``, attention-like;
 3. **MoE**: on the ``deltas`` path, the reference's vectorised base MoE
-   (:mod:`moelora_reference.base_moe`) with the backend's ``moe_gate_up_delta`` (before the
-   activation) and ``moe_down_delta`` (router-weighted) — intermediates in fp32, so only y is
+   (:func:`moelora_reference.base_moe.moe_forward`) with the backend's deltas
+   (``BackendMoEDeltas``: ``moe_gate_up_delta`` before the activation, ``moe_down_delta``
+   router-weighted) — intermediates in fp32, so only y is
    rounded (``y32`` keeps the fp32 sum for the delta check); on the ``fused`` path (backends that
    declare ``fused_moe``), ``backend.moe_forward``. Cases with two MoE layers run a second one on
    the first one's output after an RMS norm (:func:`inter_layer_norm`), with its own base weights,
@@ -46,6 +47,7 @@ from moelora_core.batch import BatchSpec, Request
 from moelora_core.batch_info import LoRABatchInfo
 from moelora_core.capabilities import Fallback
 from moelora_core.forward_mode import ForwardMode
+from moelora_core.moe_deltas import BackendMoEDeltas
 from moelora_core.sentinels import NO_ADAPTER
 from moelora_core.weights import LoRAWeights
 from moelora_reference import base_moe
@@ -266,14 +268,8 @@ class Layer:
         base, weights = self.moe_layers[layer]
         if self.moe_path == "fused":
             return self.backend.moe_forward(moe_in, topk_ids, topk_weights, base, weights, info), None
-        gate_up_out = base_moe.gate_up(moe_in, topk_ids, base, out_dtype=F32)
-        if info is not None:
-            self.backend.moe_gate_up_delta(moe_in, topk_ids, gate_up_out, weights, info)
-        h = base_moe.activation(gate_up_out)
-        down_out = base_moe.down(h, topk_ids, topk_weights, base)
-        if info is not None:
-            self.backend.moe_down_delta(h, topk_ids, topk_weights, down_out, weights, info)
-        y32 = base_moe.topk_sum(down_out, out_dtype=F32)
+        deltas = None if info is None else BackendMoEDeltas(self.backend, weights, info)
+        y32 = base_moe.moe_forward(moe_in, topk_ids, topk_weights, base, deltas=deltas, out_dtype=F32)
         return y32.to(self.spec.dtype), y32
 
     def extra_moe(self, y: torch.Tensor, routing, info: LoRABatchInfo | None) -> list[MoEOutput]:

@@ -5,12 +5,16 @@ MoE (:class:`MoEDeltas`): the token mapping of the batch info (written from the 
 → ``moe_lora_align_block_size`` (per slot, pairs grouped by expert) → ``moe_lora_delta`` of the stage
 ("gate_up" before the activation, "down" router-weighted), σ and ranks read on the device at run
 time. With ``spec.virtual_experts``: ``virtual_align`` over ``max_loras · E`` experts and
-``virtual_moe_lora_delta`` (the base grouped GEMM on the ``[L·E, ...]`` views). Each stage call aligns
-its own ``topk_ids`` (one small launch, grid ``(max_loras,)``): nothing is kept between delta calls.
-A hand-off from gate_up to down keyed by the ``topk_ids`` object cannot be made safe without reading
-the device: an engine rewrites one routing buffer per layer in place (a Triton store bumps no
-version counter; inference tensors have none), and a layer whose pool lacks a stage skips that
-stage, so a cached alignment outlived its layer (adversarial finding 1).
+``virtual_moe_lora_delta`` (the base grouped GEMM on the ``[L·E, ...]`` views).
+
+Alignment: the caller may align once per layer forward (``KernelBackend.moe_align``) and pass it to
+both stages (``align=``; ``moelora_core.moe_deltas.BackendMoEDeltas`` does). Without it, each stage
+call aligns its own ``topk_ids`` (one small launch, grid ``(max_loras,)``). The backend itself keeps
+nothing between delta calls: a hand-off keyed by the ``topk_ids`` object cannot be made safe
+without reading the device (an engine rewrites one routing buffer per layer in place; a Triton
+store bumps no version counter; a layer whose pool lacks a stage skips that stage, so a cached
+alignment outlived its layer: ``test_each_stage_aligns_its_own_call``). The per-layer object
+of the caller has no such problem: it dies with the layer forward.
 
 Dense (:func:`dense_delta`): segmented LoRA-A/B (``triton``: intermediate by token row) or chunked
 SGMV (``csgmv``: by sorted position) over ``seg_indptr[:S + 1]`` / ``weight_indices[:S]`` with
@@ -158,27 +162,29 @@ class MoEDeltas:
         _, align = virtual_align(topk_ids, info.moe.token_lora_mapping, self.spec.E, self.spec.max_loras)
         return align
 
-    def _aligned(self, topk_ids: torch.Tensor, info: LoRABatchInfo) -> AlignOutput:
-        """The alignment of this call's ``topk_ids`` and info, made now (module docstring: nothing
-        is kept between delta calls)."""
+    def aligned(self, topk_ids: torch.Tensor, info: LoRABatchInfo) -> AlignOutput:
+        """The alignment of ``topk_ids`` (contiguous) and info, made now: per slot, or over virtual
+        experts with ``spec.virtual_experts`` (module docstring)."""
         return self._virtual(topk_ids, info) if self.spec.virtual_experts else self.alignment(topk_ids, info)[0]
 
     # --- stages --------------------------------------------------------------------------------
 
     def apply(self, stage: str, inp: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, weights: LoRAWeights,
-              info: LoRABatchInfo, topk_weights: torch.Tensor | None = None) -> None:
+              info: LoRABatchInfo, topk_weights: torch.Tensor | None = None,
+              align: AlignOutput | None = None) -> None:
         """Add the delta of ``stage`` into ``out`` in place.
 
         Args:
             stage: "gate_up" (inp = x [T, H], out [T, k, 2I]) or "down" (inp = h [T·k, I], out
                 [T, k, H], topk_weights [T, k]).
+            align: :meth:`aligned` of the same ``topk_ids`` and info (None: aligned now).
         """
         bound = rank_bound(weights, STAGE_MODULES[stage], info)
         if bound == 0:
             return
         dtype = self.spec.dtype
         topk_ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-        align = self._aligned(topk_ids, info)
+        align = align if align is not None else self.aligned(topk_ids, info)
         inp_k = _in_dtype(inp, dtype)
         if topk_weights is not None and not topk_weights.is_contiguous():
             topk_weights = topk_weights.contiguous()

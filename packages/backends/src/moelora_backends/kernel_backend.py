@@ -99,6 +99,8 @@ class KernelBackend:
             fused_moe=False,
             max_rank=None,
             max_requests=None,
+            fused_shared_experts=True,
+            shared_moe_alignment=True,
         )
 
     # --- graph families --------------------------------------------------------------------------
@@ -175,10 +177,23 @@ class KernelBackend:
 
     # --- deltas --------------------------------------------------------------------------------
 
+    def moe_align(self, topk_ids: torch.Tensor, info: LoRABatchInfo) -> AlignOutput:
+        """The MoE alignment of ``topk_ids`` [T, k] for ``info`` (per slot, or over virtual experts),
+        made once per layer forward and passed as ``align=`` to both delta calls of that layer
+        (capability ``shared_moe_alignment``). One launch; fresh buffers.
+
+        Raises:
+            InvalidFieldError: ``topk_ids`` of another shape than the info's tokens × top_k.
+        """
+        check_topk_ids(info, topk_ids, self.spec.top_k, (torch.int32, torch.int64))
+        ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+        return self._moe.aligned(ids, info)
+
     def moe_gate_up_delta(self, x: torch.Tensor, topk_ids: torch.Tensor, gate_up_out: torch.Tensor,
-                          weights: LoRAWeights, info: LoRABatchInfo) -> None:
+                          weights: LoRAWeights, info: LoRABatchInfo, *, align: AlignOutput | None = None) -> None:
         """Add σ_gate·B_gate(A_gate x) into columns [:I] and σ_up·B_up(A_up x) into [I:] of
-        ``gate_up_out`` [T, k, 2I] in place, before the activation.
+        ``gate_up_out`` [T, k, 2I] in place, before the activation. ``align``: this layer's
+        :meth:`moe_align` of the same ``topk_ids`` and ``info`` (None: aligned here).
 
         Raises:
             InvalidFieldError: shapes that do not match the spec and the info's token count; a
@@ -190,11 +205,13 @@ class KernelBackend:
         check_shape(info, "gate_up_out", gate_up_out, (T, s.top_k, 2 * s.I))
         check_floating(x=x, gate_up_out=gate_up_out)
         if info.has_active_lora and T:
-            self._moe.apply("gate_up", x, topk_ids, gate_up_out, weights, info)
+            self._moe.apply("gate_up", x, topk_ids, gate_up_out, weights, info, align=align)
 
     def moe_down_delta(self, h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                       down_out: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> None:
-        """Add w_k·σ_down·B_down(A_down h) into ``down_out`` [T, k, H] in place.
+                       down_out: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, *,
+                       align: AlignOutput | None = None) -> None:
+        """Add w_k·σ_down·B_down(A_down h) into ``down_out`` [T, k, H] in place. ``align``: as in
+        :meth:`moe_gate_up_delta`.
 
         Raises:
             InvalidFieldError: shapes that do not match the spec and the info's token count; a
@@ -207,7 +224,7 @@ class KernelBackend:
         check_shape(info, "down_out", down_out, (T, s.top_k, s.H))
         check_floating(h=h, topk_weights=topk_weights, down_out=down_out)
         if info.has_active_lora and T:
-            self._moe.apply("down", h, topk_ids, down_out, weights, info, topk_weights=topk_weights)
+            self._moe.apply("down", h, topk_ids, down_out, weights, info, topk_weights=topk_weights, align=align)
 
     def dense_delta(self, module: str, x: torch.Tensor, out: torch.Tensor, weights: LoRAWeights,
                     info: LoRABatchInfo) -> None:

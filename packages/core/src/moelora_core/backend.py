@@ -112,6 +112,20 @@ class Backend(Protocol):
 BackendFactory = Callable[[LoRALayerSpec], Backend]
 
 
+def notify_slot_loaded(backend: object, slot: int, weights: LoRAWeights) -> None:
+    """Tell ``backend`` that ``slot`` of ``weights`` was loaded, reloaded or cleared.
+
+    The one place the optional ``on_slot_loaded(slot, weights)`` hook is called (DESIGN.md §5): the
+    pool's owner (the suite's harness, the engine's adapter pool) calls this after every
+    ``LoRAWeights.load_slot`` / ``clear_slot``. A backend whose capabilities declare
+    ``slot_load_hook`` gets the call (it may fold σ or re-pack the slot into its own copy, once);
+    for any other backend this does nothing.
+    """
+    hook = getattr(backend, "on_slot_loaded", None)
+    if hook is not None and getattr(backend.capabilities(), "slot_load_hook", False):
+        hook(slot, weights)
+
+
 def load_backend(target: str) -> BackendFactory:
     """Resolve ``"module:factory"`` (or a built-in name: reference, triton, csgmv) to a factory.
 

@@ -13,7 +13,8 @@ never changes between batches of one graph family.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -78,6 +79,9 @@ class LoRABatchInfo:
             during graph capture so the LoRA kernels are recorded; they exit early on device.
         use_cuda_graph: host bool; whether device fields are static graph buffers.
         moe: the MoE fields (per request and per token).
+        private: the backend's own metadata for this batch (any keys; the suite and the engine
+            never read or write it). A backend that needs more than the fields above puts it here
+            in ``prepare``; in graph mode its tensors must be static buffers too.
     """
 
     forward_mode: ForwardMode
@@ -96,6 +100,7 @@ class LoRABatchInfo:
     has_active_lora: bool
     use_cuda_graph: bool
     moe: MoELoRABatchInfo
+    private: dict[str, Any] = field(default_factory=dict)
 
     def device_tensors(self) -> dict[str, torch.Tensor]:
         """Every device tensor of the info by dotted name (for address and tail checks)."""

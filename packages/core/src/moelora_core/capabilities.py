@@ -28,6 +28,16 @@ class Capabilities:
         fused_moe: implements ``moe_forward`` (base MoE and deltas fused).
         max_rank: largest pool rank R it accepts, or None for any.
         max_requests: largest number of requests per batch, or None for no cap.
+        fused_shared_experts: accepts expert ids in ``[E, E_base)`` (extra fused experts, e.g. a
+            shared expert fused into the base MoE) and adds no LoRA for them (DESIGN.md §1). A
+            backend that refuses such ids declares False and the suite does not draw them.
+        shared_moe_alignment: implements ``moe_align(topk_ids, info) -> alignment`` and accepts
+            ``align=`` in ``moe_gate_up_delta`` / ``moe_down_delta``: the caller aligns once per
+            layer forward and hands the same alignment to both stages of that layer
+            (``moelora_core.moe_deltas.BackendMoEDeltas``).
+        slot_load_hook: implements ``on_slot_loaded(slot, weights)``, called by the pool's owner
+            after every load, reload or clear of a slot (``moelora_core.backend.notify_slot_loaded``),
+            so a backend may keep its own re-packed copy of the pool (the pool itself is read-only).
     """
 
     dtypes: frozenset[torch.dtype]
@@ -38,6 +48,9 @@ class Capabilities:
     fused_moe: bool = False
     max_rank: int | None = None
     max_requests: int | None = None
+    fused_shared_experts: bool = True
+    shared_moe_alignment: bool = False
+    slot_load_hook: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dtypes", "devices", "graph_families", "prefill_graph_modes"):
@@ -66,6 +79,9 @@ class Capabilities:
             "fused_moe": self.fused_moe,
             "max_rank": self.max_rank,
             "max_requests": self.max_requests,
+            "fused_shared_experts": self.fused_shared_experts,
+            "shared_moe_alignment": self.shared_moe_alignment,
+            "slot_load_hook": self.slot_load_hook,
         }
 
 

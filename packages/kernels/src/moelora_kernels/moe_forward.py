@@ -1,13 +1,18 @@
 """The base fused MoE layer on the Triton kernels, with the MoE-LoRA deltas where the engine adds them.
 
+One of the two places the MoE sequence is written (DESIGN.md §6; the other is
+``moelora_reference.base_moe.moe_forward``): LoRA enters through ``deltas=``, any
+:class:`moelora_core.moe_deltas.MoEDeltas` (``BackendMoEDeltas`` for a ``Backend``;
+:class:`MoELoRAInputs` for the raw kernels).
+
 Steps (each a kernel of this package; no host sync; every intermediate allocated from host shapes):
 
 1. base alignment of ``topk_ids`` over E_base experts (:func:`.align.moe_align_block_size`);
 2. gate_up GEMM over aligned pairs → ``gate_up_out`` [M, top_k, 2I] (:func:`.fused_moe.fused_moe_gemm`);
-3. optional MoE-LoRA gate_up delta added before the activation (:func:`.moe_lora.moe_lora_delta`);
+3. optional ``deltas.gate_up``: the MoE-LoRA gate_up delta added before the activation;
 4. SiLU-gated (or non-gated) activation → h [M·top_k, I] (:func:`.moe_epilogue.moe_activation`);
 5. down GEMM with the router weight → ``down_out`` [M, top_k, H];
-6. optional MoE-LoRA down delta (router-weighted);
+6. optional ``deltas.down``: the MoE-LoRA down delta (router-weighted);
 7. top-k sum over pairs with an expert id >= 0 → y [M, H] (:func:`.moe_epilogue.moe_sum`).
 
 Expert ids < 0 contribute nothing; ids in [E, E_base) are base experts without LoRA. A token
@@ -18,12 +23,13 @@ Rounding points: gate_up_out, h, down_out (each rounded once to x's dtype), y.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from moelora_core.align import AlignOutput
 from moelora_core.errors import KernelPreconditionError
+from moelora_core.moe_deltas import MoEDeltas
 from moelora_core.weights import LoRAWeights
 from moelora_kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from moelora_kernels.align import moe_align_block_size
@@ -35,7 +41,8 @@ from moelora_kernels.moe_lora import moe_lora_delta
 
 @dataclass
 class MoELoRAInputs:
-    """What the MoE-LoRA deltas need inside :func:`fused_moe`.
+    """The raw kernels' MoE deltas (a :class:`~moelora_core.moe_deltas.MoEDeltas`): the MoE-LoRA
+    kernel :func:`.moe_lora.moe_lora_delta` on a precomputed alignment, for :func:`fused_moe`.
 
     Attributes:
         weights: the adapter pool of the layer.
@@ -44,6 +51,7 @@ class MoELoRAInputs:
         max_rank: host bound on active ranks (None = R).
         fused: shrink+expand in one kernel per stage (True), two (False), or by size (None:
             the config table's choice).
+        tf32: TF32 dots for fp32.
     """
 
     weights: LoRAWeights
@@ -51,6 +59,20 @@ class MoELoRAInputs:
     adapter_enabled: torch.Tensor | None = None
     max_rank: int | None = None
     fused: bool | None = None
+    tf32: bool = False
+
+    def gate_up(self, x: torch.Tensor, topk_ids: torch.Tensor, gate_up_out: torch.Tensor) -> None:
+        """gate_up_out [M, top_k, 2I] += the gate and up deltas of x [M, H]."""
+        moe_lora_delta("gate_up", x, gate_up_out, self.weights, self.align, top_k=topk_ids.shape[1],
+                       adapter_enabled=self.adapter_enabled, max_rank=self.max_rank, fused=self.fused,
+                       tf32=self.tf32)
+
+    def down(self, h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+             down_out: torch.Tensor) -> None:
+        """down_out [M, top_k, H] += the router-weighted down delta of h [M·top_k, I]."""
+        moe_lora_delta("down", h, down_out, self.weights, self.align, top_k=topk_ids.shape[1],
+                       topk_weights=topk_weights, adapter_enabled=self.adapter_enabled, max_rank=self.max_rank,
+                       fused=self.fused, tf32=self.tf32)
 
 
 def fused_moe(
@@ -66,8 +88,9 @@ def fused_moe(
     align: AlignOutput | None = None,
     lora: MoELoRAInputs | None = None,
     tf32: bool = False,
+    deltas: MoEDeltas | None = None,
 ) -> torch.Tensor:
-    """y = Σ_k w_k · W_down[e_k] act(W_gate_up[e_k] x) (+ the MoE-LoRA deltas when ``lora`` is given).
+    """y = Σ_k w_k · W_down[e_k] act(W_gate_up[e_k] x) (+ the MoE-LoRA deltas of ``deltas``).
 
     Args:
         x: [M, H] activations (fp32/fp16/bf16), last stride 1.
@@ -78,15 +101,22 @@ def fused_moe(
         activation: "silu" or "gelu_tanh". gated: SwiGLU gating.
         block_m: alignment block rows (default :func:`.configs.moe_block_m`).
         align: a precomputed base alignment (graph mode: static buffers), else computed here.
-        lora: the deltas' inputs, or None for the base MoE alone.
+        lora: the raw kernels' deltas (kept for existing callers: the same as ``deltas=lora``,
+            with ``tf32`` applied to them too).
         tf32: TF32 dots for fp32.
+        deltas: who adds the LoRA deltas (any ``MoEDeltas``), or None for the base MoE alone.
 
     Returns:
         y [M, H] in x's dtype.
 
     Raises:
-        KernelPreconditionError: shape / dtype / device mismatches (from the launchers too).
+        KernelPreconditionError: shape / dtype / device mismatches (from the launchers too); both
+            ``lora`` and ``deltas`` given.
     """
+    if lora is not None:
+        if deltas is not None:
+            raise KernelPreconditionError("fused_moe: pass the LoRA deltas as deltas= or lora=, not both")
+        deltas = replace(lora, tf32=lora.tf32 or tf32)
     check_tensor("x", x, dtypes=FLOAT_DTYPES, dim=2, unit_last_stride=True)
     M, H = x.shape
     check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, dim=2, contiguous=True, device=x.device)
@@ -103,14 +133,12 @@ def fused_moe(
     gate_up = torch.empty(M, top_k, width, dtype=x.dtype, device=x.device)
     fused_moe_gemm(x, w_gate_up, gate_up.view(num_pairs, width), align, top_k=top_k, num_pairs=num_pairs,
                    in_row_div=top_k, tf32=tf32)
-    if lora is not None:
-        moe_lora_delta("gate_up", x, gate_up, lora.weights, lora.align, top_k=top_k,
-                       adapter_enabled=lora.adapter_enabled, max_rank=lora.max_rank, fused=lora.fused, tf32=tf32)
+    if deltas is not None:
+        deltas.gate_up(x, topk_ids, gate_up)
     h = moe_activation(gate_up.view(num_pairs, width), activation=activation, gated=gated, topk_ids=topk_ids)
     down = torch.empty(M, top_k, H, dtype=x.dtype, device=x.device)
     fused_moe_gemm(h, w_down, down.view(num_pairs, H), align, top_k=top_k, num_pairs=num_pairs, in_row_div=1,
                    topk_weights=topk_weights, tf32=tf32)
-    if lora is not None:
-        moe_lora_delta("down", h, down, lora.weights, lora.align, top_k=top_k, topk_weights=topk_weights,
-                       adapter_enabled=lora.adapter_enabled, max_rank=lora.max_rank, fused=lora.fused, tf32=tf32)
+    if deltas is not None:
+        deltas.down(h, topk_ids, topk_weights, down)
     return moe_sum(down, topk_ids)
