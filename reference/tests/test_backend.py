@@ -333,7 +333,7 @@ def test_guard_catches_a_host_sync(guard):  # the guard used above can fail
                                       torch.zeros(2, 2, 4), i[1], i[0]), "gate_up_out"),
     (lambda b, i: b.moe_down_delta(torch.zeros(4, 4), torch.zeros(2, 2), torch.zeros(2, 2),
                                    torch.zeros(2, 2, 8), i[1], i[0]), "topk_ids"),
-    # non-floating activations, router weights and outputs (adversarial finding 10: int32 was
+    # non-floating activations, router weights and outputs (a regression: int32 was
     # accepted and the delta truncated)
     (lambda b, i: b.moe_gate_up_delta(torch.ones(2, 8, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32),
                                       torch.zeros(2, 2, 8), i[1], i[0]), "x: .*floating"),

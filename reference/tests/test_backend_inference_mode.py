@@ -1,6 +1,6 @@
 """The reference backend under ``torch.inference_mode()``, the way serving engines run the forward.
 
-Regression of adversarial finding 5: static and staging buffers allocated by ``init_*_graph`` or
+Regression: static and staging buffers allocated by ``init_*_graph`` or
 the first eager ``prepare`` inside ``inference_mode`` were inference tensors, and every later
 ``prepare`` outside it failed ("Inplace update to inference tensor outside InferenceMode").
 

@@ -1,6 +1,6 @@
 """Every built-in backend under ``torch.inference_mode()``, the way serving engines run the forward.
 
-Regression of adversarial finding 5: the kernel backends' delta calls read ``topk_ids._version``
+Regression: the kernel backends' delta calls read ``topk_ids._version``
 (inference tensors have no version counter), and the static and staging buffers of all three
 backends became inference tensors when ``init_*_graph`` or the first ``prepare`` ran inside
 ``inference_mode``, so any later ``prepare`` outside it failed ("Inplace update to inference
