@@ -172,7 +172,8 @@ class KeepBaseBuffers:
 
 def make_pool(shape: dict, R: int, gen: torch.Generator) -> LoRAWeights:
     H, I, E = shape["H"], shape["I"], shape["E"]  # noqa: E741
-    spec = LoRALayerSpec(H, I, E, shape["top_k"], {}, MAX_LORAS, R, dtype=DT, device="cuda")
+    spec = LoRALayerSpec(hidden_size=H, moe_intermediate_size=I, num_experts=E, top_k=shape["top_k"], dense_shapes={},
+                         max_loras=MAX_LORAS, max_rank=R, dtype=DT, device="cuda")
     w = LoRAWeights(spec)
     for slot in range(MAX_LORAS):
         adapter = {}

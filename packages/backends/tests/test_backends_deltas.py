@@ -48,7 +48,9 @@ F32 = torch.float32
 
 
 def _layer(dtype, virtual, seed=0):
-    spec = LoRALayerSpec(H, I, E, K, {"q": (H, 20), "o": (20, H)}, L, R, dtype=dtype, virtual_experts=virtual)
+    spec = LoRALayerSpec(hidden_size=H, moe_intermediate_size=I, num_experts=E, top_k=K,
+                         dense_shapes={"q": (H, 20), "o": (20, H)}, max_loras=L, max_rank=R, dtype=dtype,
+                         virtual_experts=virtual)
     gen = torch.Generator().manual_seed(seed)
     weights = LoRAWeights(spec)
     rnd = lambda *shape: torch.randn(*shape, generator=gen) / shape[-1] ** 0.5

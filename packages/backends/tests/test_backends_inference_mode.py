@@ -23,7 +23,8 @@ NAMES = ("reference", "triton", "csgmv")
 
 
 def _weights():
-    spec = LoRALayerSpec(H, I, E, K, {"q": (H, 12)}, L, R)
+    spec = LoRALayerSpec(hidden_size=H, moe_intermediate_size=I, num_experts=E, top_k=K, dense_shapes={"q": (H, 12)},
+                         max_loras=L, max_rank=R)
     gen = torch.Generator().manual_seed(3)
     weights = LoRAWeights(spec)
     rnd = lambda *shape: torch.randn(*shape, generator=gen) / shape[-1] ** 0.5

@@ -25,7 +25,8 @@ H, I, E, R, L = 12, 8, 3, 6, 3  # noqa: E741 - H != 2I so a transposed read is c
 
 
 def make_spec(dtype=torch.float32):
-    return LoRALayerSpec(H, I, E, 2, {"q": (H, 16), "o": (16, H)}, max_loras=L, max_rank=R, dtype=dtype)
+    return LoRALayerSpec(hidden_size=H, moe_intermediate_size=I, num_experts=E, top_k=2,
+                         dense_shapes={"q": (H, 16), "o": (16, H)}, max_loras=L, max_rank=R, dtype=dtype)
 
 
 def rand(gen, *shape):

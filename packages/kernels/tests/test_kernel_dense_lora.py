@@ -146,7 +146,9 @@ def test_dense_lora_matches_twin(problem):
 
 def _pool(seed, ranks, R=16, dtype=torch.float32, fin=40, fout=24):
     gen = torch.Generator().manual_seed(seed)
-    spec = LoRALayerSpec(8, 8, 2, 1, {"q": (fin, fout)}, len(ranks), R, dtype=dtype, device=DEVICE)
+    spec = LoRALayerSpec(hidden_size=8, moe_intermediate_size=8, num_experts=2, top_k=1,
+                         dense_shapes={"q": (fin, fout)}, max_loras=len(ranks), max_rank=R, dtype=dtype,
+                         device=DEVICE)
     w = LoRAWeights(spec)
     for slot, r in enumerate(ranks):
         if r:
