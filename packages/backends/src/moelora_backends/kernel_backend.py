@@ -34,7 +34,7 @@ from moelora_core.backend_checks import check_topk_ids
 from moelora_core.batch_info import LoRABatchInfo
 from moelora_core.capabilities import Capabilities
 from moelora_core.layer_spec import LoRALayerSpec
-from moelora_core.metadata import PER_REQUEST, LaunchSizes
+from moelora_core.metadata import LaunchSizes
 from moelora_core.weights import LoRAWeights
 from moelora_kernels import token_lora_mapping
 from moelora_kernels._common import interpreting
@@ -61,8 +61,6 @@ class KernelBackend(BackendBase):
     name = "kernel"
     #: Dense kernels read the rank-wide intermediate by sorted position (chunked SGMV).
     chunked = False
-    #: The (offsets, slots) fields the MoE token mapping is made from: always the per-request ones.
-    moe_fields: tuple[str, str] = PER_REQUEST
     token_mapper = staticmethod(map_tokens_on_device)
     #: The kernels read weights of the spec's dtype and int32 / int64 expert ids.
     weights_same_dtype = True

@@ -41,7 +41,15 @@ from moelora_core.batch_info import LoRABatchInfo
 from moelora_core.capabilities import Capabilities, Fallback
 from moelora_core.errors import InvalidFieldError
 from moelora_core.layer_spec import LoRALayerSpec
-from moelora_core.metadata import EagerMetadata, GraphFamily, LaunchSizes, Segmentation, TokenMapper, build_info
+from moelora_core.metadata import (
+    PER_REQUEST,
+    EagerMetadata,
+    GraphFamily,
+    LaunchSizes,
+    Segmentation,
+    TokenMapper,
+    build_info,
+)
 from moelora_core.weights import LoRAWeights
 
 
@@ -59,6 +67,9 @@ class BackendBase:
     name = "base"
     #: Writes the MoE token mapping on the device; None stages it from the batch's host lists.
     token_mapper: TokenMapper | None = None
+    #: The (offsets, slots) fields the MoE reads as its requests: always the per-request ones (csgmv
+    #: chunks are not requests); a class attribute so the suite's mutants can name others.
+    moe_fields: tuple[str, str] = PER_REQUEST
     #: The delta calls require weights in the spec's dtype (kernels) or read any dtype (torch).
     weights_same_dtype: bool = True
     #: Accepted ``topk_ids`` dtypes, or None for any integer dtype.
@@ -70,7 +81,7 @@ class BackendBase:
         self.version = version
         self.spec = spec
         self._families: dict[str, GraphFamily] = {}
-        self._eager = EagerMetadata(spec.device, spec.max_loras, self.token_mapper)
+        self._eager = EagerMetadata(spec.device, spec.max_loras, self.token_mapper, self.moe_fields)
 
     # --- what a subclass decides ---------------------------------------------------------------
 
@@ -132,7 +143,7 @@ class BackendBase:
         launch, segmentation = self.family_layout(name, max_requests, max_tokens, tpr)
         self.check_family_sizes(name, launch)
         self._families[name] = GraphFamily.allocate(capacity, launch, segmentation, self.spec.device,
-                                                    self.token_mapper)
+                                                    self.token_mapper, self.moe_fields)
 
     # --- prepare -------------------------------------------------------------------------------
 
@@ -157,7 +168,8 @@ class BackendBase:
         if family is None:
             t, launch = self._eager.write(batch, self.eager_segmentation(batch))
             return build_info(batch, t, launch, num_experts=s.E, max_loras=s.max_loras,
-                              has_active_lora=batch.has_active_lora, use_cuda_graph=False)
+                              has_active_lora=batch.has_active_lora, use_cuda_graph=False,
+                              moe_fields=self.moe_fields)
         fam = initialised_family(self._families, family)
         reason = fam.capacity.fallback_reason(batch)
         if reason is not None:
@@ -166,7 +178,7 @@ class BackendBase:
         # During capture the LoRA kernels must be recorded: has_active_lora is True; they exit early
         # on the device for slots the batch does not use.
         return build_info(batch, t, fam.sizes, num_experts=s.E, max_loras=s.max_loras, has_active_lora=True,
-                          use_cuda_graph=True)
+                          use_cuda_graph=True, moe_fields=self.moe_fields)
 
     # --- the delta calls: argument checks (host shapes only), then the subclass's deltas ----------
 

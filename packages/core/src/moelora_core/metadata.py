@@ -146,21 +146,25 @@ def host_lists(batch: BatchSpec, seg: Segmentation) -> dict[str, list]:
     }
 
 
-def _map_on_device(mapper: TokenMapper, t: dict[str, torch.Tensor], max_loras: int) -> None:
-    indptr, slots = PER_REQUEST
+def _map_on_device(mapper: TokenMapper, t: dict[str, torch.Tensor], max_loras: int,
+                   moe_fields: tuple[str, str]) -> None:
+    indptr, slots = moe_fields
     mapper(t[indptr], t[slots], max_loras, t["moe.token_lora_mapping"], t["moe.adapter_enabled"])
 
 
 def build_info(batch: BatchSpec, t: dict[str, torch.Tensor], sizes: LaunchSizes, *, num_experts: int,
-               max_loras: int, has_active_lora: bool, use_cuda_graph: bool) -> LoRABatchInfo:
+               max_loras: int, has_active_lora: bool, use_cuda_graph: bool,
+               moe_fields: tuple[str, str] = PER_REQUEST) -> LoRABatchInfo:
     """The ``LoRABatchInfo`` over tensors ``t`` with the host numbers of ``sizes``.
 
-    The MoE per-request fields are the per-request tensors themselves (same values by contract).
+    The MoE per-request fields (``moe.seg_indptr``, ``moe.req_to_lora``) are the tensors named by
+    ``moe_fields``: the per-request ones (same values by contract; the suite's mutants name others).
     """
-    indptr, slots = PER_REQUEST
+    indptr, slots = moe_fields
     moe = MoELoRABatchInfo(seg_indptr=t[indptr], req_to_lora=t[slots], adapter_enabled=t["moe.adapter_enabled"],
                            token_lora_mapping=t["moe.token_lora_mapping"], num_experts=num_experts,
                            max_loras=max_loras)
+    indptr, slots = PER_REQUEST
     return LoRABatchInfo(
         forward_mode=batch.forward_mode, bs=sizes.requests, num_tokens=sizes.tokens, num_segments=sizes.segments,
         max_len=sizes.max_len, seg_indptr=t["seg_indptr"], seg_lens=t["seg_lens"],
@@ -181,12 +185,15 @@ class EagerMetadata:
     Args:
         device: where the tensors live. max_loras: slots of the pool.
         mapper: writes the token mapping on the device, or None to stage it from host lists.
+        moe_fields: the (offsets, slots) fields the device mapper reads (:data:`PER_REQUEST`).
     """
 
-    def __init__(self, device: torch.device, max_loras: int, mapper: TokenMapper | None = None) -> None:
+    def __init__(self, device: torch.device, max_loras: int, mapper: TokenMapper | None = None,
+                 moe_fields: tuple[str, str] = PER_REQUEST) -> None:
         self.device = device
         self.max_loras = max_loras
         self.mapper = mapper
+        self.moe_fields = moe_fields
         self._int = PinnedStaging(0, I32, device)
         self._long = PinnedStaging(0, I64, device)
         self._float = PinnedStaging(max_loras, F32, device)
@@ -227,7 +234,7 @@ class EagerMetadata:
         with self._float.batch() as stage:
             stage.copy(list(batch.scalings), t["scalings"])
         if self.mapper is not None and not idle:
-            _map_on_device(self.mapper, t, L)
+            _map_on_device(self.mapper, t, L, self.moe_fields)
         return t, sizes
 
 
@@ -241,6 +248,7 @@ class GraphFamily:
         sizes: the launch sizes (host numbers of every info it returns).
         segmentation: the backend's segmentation of a batch in this family.
         mapper: the device token mapper, or None (token mapping staged from host lists).
+        moe_fields: the (offsets, slots) fields the device mapper reads (:data:`PER_REQUEST`).
         buffers: field name → its static buffer.
     """
 
@@ -248,6 +256,7 @@ class GraphFamily:
     sizes: LaunchSizes
     segmentation: Callable[[BatchSpec], Segmentation]
     mapper: TokenMapper | None = None
+    moe_fields: tuple[str, str] = PER_REQUEST
     buffers: dict[str, StaticBuffer] = field(default_factory=dict)
     int_staging: PinnedStaging | None = None
     long_staging: PinnedStaging | None = None
@@ -255,9 +264,10 @@ class GraphFamily:
 
     @classmethod
     def allocate(cls, capacity: FamilyCapacity, sizes: LaunchSizes, segmentation: Callable[[BatchSpec], Segmentation],
-                 device: torch.device, mapper: TokenMapper | None = None) -> GraphFamily:
+                 device: torch.device, mapper: TokenMapper | None = None,
+                 moe_fields: tuple[str, str] = PER_REQUEST) -> GraphFamily:
         """The family's static buffers and staging, filled with their tail values."""
-        fam = cls(capacity, sizes, segmentation, mapper)
+        fam = cls(capacity, sizes, segmentation, mapper, moe_fields)
         name = fam.name
         for field_name, kind, fill in INT_FIELDS + MAPPING_FIELDS:
             fam.buffers[field_name] = StaticBuffer(f"{name}.{field_name}", sizes.length(kind), dtype=I32,
@@ -305,5 +315,5 @@ class GraphFamily:
             buf["scalings"].write(list(batch.scalings), stage=stage)
         t = {name: b.tensor for name, b in buf.items()}
         if self.mapper is not None:
-            _map_on_device(self.mapper, t, max_loras)
+            _map_on_device(self.mapper, t, max_loras, self.moe_fields)
         return t
