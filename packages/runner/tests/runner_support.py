@@ -223,3 +223,29 @@ def assert_snapshot_equal(before: dict, after: dict) -> None:
 
 def slots_used(spec) -> set[int]:
     return {r.adapter_id for r in spec.requests if r.adapter_id != NO_ADAPTER}
+
+
+# --- a third-party backend, loaded by "module:factory" ------------------------------------------------
+
+#: Calls of the slot-load hook of every :func:`make_hooked_backend` backend: (backend id, slot, pool id).
+HOOK_CALLS: list[tuple[int, int, int]] = []
+
+
+def make_hooked_backend(spec):
+    """The reference backend with the optional slot-load hook declared: records every
+    ``on_slot_loaded(slot, weights)`` call (the engine must announce each load, reload and clear to it,
+    once per layer pool)."""
+    from dataclasses import replace
+
+    from moelora_reference.backend import ReferenceBackend
+
+    class HookedBackend(ReferenceBackend):
+        name = "hooked-reference"
+
+        def capabilities(self):
+            return replace(super().capabilities(), slot_load_hook=True)
+
+        def on_slot_loaded(self, slot, weights):
+            HOOK_CALLS.append((id(self), slot, id(weights)))
+
+    return HookedBackend(spec)

@@ -17,12 +17,12 @@ n > 1, sampling parameters out of range, unknown request fields, a duplicate req
 from __future__ import annotations
 
 import pytest
+import runner_support as rs
 import torch
 from safetensors.torch import load_file
 
-import runner_support as rs
-from moelora_core.checkpoint import ADAPTER_REFUSALS
 from moelora_conformance.fixtures.specs import BAD_ADAPTERS
+from moelora_core.checkpoint import ADAPTER_REFUSALS
 from moelora_runner import (
     AdapterInUseError,
     AdapterPinnedError,
