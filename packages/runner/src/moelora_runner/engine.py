@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -301,13 +301,20 @@ class Engine:
         self._update_gauges()
         return finished
 
-    def generate(self, requests: Iterable[EngineRequest | Mapping[str, Any]]) -> list[RequestOutput]:
+    def generate(self, requests: Iterable[EngineRequest | Mapping[str, Any]], *,
+                 on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
         """Run ``requests`` to completion; their outputs in input order.
 
         A request refused by :meth:`add_request` gets an output with finish reason "error" and
         ``error = {"type", "message"}``; the others run. Outputs of requests added earlier that
         finish meanwhile are kept for the next :meth:`step`.
+
+        Args:
+            requests: :class:`EngineRequest` objects or request-file dicts.
+            on_output: called with each of these requests' outputs as it finishes (refused ones
+                first), e.g. to drive a progress bar.
         """
+        notify = on_output or (lambda out: None)
         order: list[str | RequestOutput] = []
         for request in requests:
             try:
@@ -323,12 +330,14 @@ class Engine:
                 ids = list(ids) if isinstance(ids, (list, tuple)) and all(isinstance(t, int) for t in ids) else []
                 order.append(RequestOutput.failed(rid, adapter, exc, ids))
                 self.metrics_.requests_finished.labels(finish_reason="error").inc()
+                notify(order[-1])
         wanted = {r for r in order if isinstance(r, str)}
         done: dict[str, RequestOutput] = {}
         while wanted - done.keys():
             for out in self.step():
                 if out.request_id in wanted:
                     done[out.request_id] = out
+                    notify(out)
                 else:
                     self._unclaimed.append(out)
         return [done[r] if isinstance(r, str) else r for r in order]
