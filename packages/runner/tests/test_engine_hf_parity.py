@@ -71,3 +71,32 @@ def zlib_seed(name: str) -> int:
     import zlib
 
     return zlib.crc32(name.encode()) % 10_000
+
+
+def test_sliding_window_attention_matches_hf(fixture_set, tmp_path, make_engine):
+    # Mixtral masks keys older than sliding_window; the fixtures have none, so a copy gets a window of 5.
+    import json
+    import shutil
+
+    from moelora_runner import Engine
+
+    model_dir = tmp_path / "mixtral-window"
+    shutil.copytree(fixture_set.model_dir("mixtral"), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(dict(config, sliding_window=5)))
+    engine = Engine(model_dir, check_host_sync=True, max_num_batched_tokens=8)
+    assert engine.info.sliding_window == 5
+    requests = rs.mixed_requests([None], 6, seed=5, prompt_len=(8, 16), max_new_tokens=3, ignore_eos=True)
+    outputs = engine.generate(requests)
+    rs.check_against_hf(outputs, requests, rs.HFReference(model_dir, {}))
+    full = Engine(fixture_set.model_dir("mixtral")).generate(requests)
+    assert any(a.prompt_logprobs[-1] != b.prompt_logprobs[-1] for a, b in zip(outputs, full))  # the window bites
+
+
+def test_fp16_engine_is_close_to_hf_peft_in_fp32(fixture_set, engine_adapters, make_engine):
+    model = "qwen3_moe"
+    engine = make_engine(model, dtype="float16", max_num_batched_tokens=32)
+    names = [n for n, _ in engine_adapters[model]]
+    requests = rs.mixed_requests([None, *names], 12, seed=6, max_new_tokens=4, ignore_eos=True)
+    outputs = engine.generate(requests)
+    rs.check_against_hf(outputs, requests, _hf(fixture_set, engine_adapters, model), dtype="float16")
