@@ -2,12 +2,19 @@
 conformance tests), the engine adapters of :mod:`runner_support` (built once per session with the
 fixtures builder: peft for fused adapters, hand-written legacy keys), and an engine factory that runs
 every forward under the host-sync guard.
+
+``MOELORA_RUNNER_DEVICE=cuda`` runs the engines of every test on the GPU (the host-sync guard is then
+``torch.cuda.set_sync_debug_mode("error")``); the default is the CPU.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import runner_support as rs
+
+DEVICE = os.environ.get("MOELORA_RUNNER_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +45,7 @@ def make_engine(fixture_set, engine_adapters):
         from moelora_runner import Engine
 
         kwargs.setdefault("check_host_sync", True)
+        kwargs.setdefault("device", DEVICE)
         kwargs.setdefault("max_lora_rank", rs.POOL_RANK)
         engine = Engine(fixture_set.model_dir(model), **kwargs)
         if adapters:

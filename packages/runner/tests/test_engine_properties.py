@@ -12,6 +12,8 @@
   tokens and logprobs (DESIGN.md §1: a token with no adapter gets exactly the base output). Both runs
   use the same schedule (checked), so the base rows go through the same kernels on the same shapes.
 
+The ``interpret`` profile (CI) draws on one family (Qwen3-MoE) and runs 10 examples per property;
+``dev`` / ``soak`` draw every fixture family with the profile's example count.
 Values (token ids) come from a ``torch.Generator`` seeded by a drawn seed; Hypothesis draws structure.
 """
 
@@ -25,7 +27,8 @@ from hypothesis import strategies as st
 from moelora_conformance.profiles import current_profile
 from moelora_core import logprob_tolerance
 
-MODEL = "qwen3_moe"
+#: Fixture models drawn: one family in the CI-sized ``interpret`` profile, every family beyond it.
+INTERPRET_MODELS = ("qwen3_moe",)
 TOL = logprob_tolerance("batched_vs_alone", "float32").max_abs
 
 
@@ -34,8 +37,15 @@ def _examples() -> int:
     return min(profile.max_examples, 10) if profile.name == "interpret" else profile.max_examples
 
 
+def _models() -> tuple[str, ...]:
+    from moelora_conformance.fixtures.specs import MODELS
+
+    return INTERPRET_MODELS if current_profile().name == "interpret" else tuple(m.name for m in MODELS)
+
+
 @st.composite
 def workloads(draw, max_requests: int = 6):
+    model = draw(st.sampled_from(_models()), label="model")
     n = draw(st.integers(1, max_requests), label="requests")
     seed = draw(st.integers(0, 2**31 - 1), label="seed")
     gen = torch.Generator().manual_seed(seed)
@@ -58,7 +68,7 @@ def workloads(draw, max_requests: int = 6):
     config = dict(max_num_batched_tokens=draw(st.integers(1, 48), label="budget"), max_loras=max_loras,
                   max_loras_per_batch=draw(st.integers(1, max_loras), label="per_batch"),
                   kv_cache_tokens=draw(st.integers(26, 120), label="kv_tokens"))
-    return requests, arrivals, config
+    return model, requests, arrivals, config
 
 
 def _named(requests, names):
@@ -80,10 +90,10 @@ def _run_with_arrivals(engine, requests, arrivals):
 _ALONE: dict = {}
 
 
-def _alone(make_engine, request):
-    key = repr(sorted(request.items()))
+def _alone(make_engine, model, request):
+    key = (model, repr(sorted(request.items())))
     if key not in _ALONE:
-        engine = make_engine(MODEL, max_loras=1, max_num_batched_tokens=64, check_host_sync=False)
+        engine = make_engine(model, max_loras=1, max_num_batched_tokens=64, check_host_sync=False)
         _ALONE[key] = engine.generate([request])[0]
     return _ALONE[key]
 
@@ -95,14 +105,14 @@ def _margins(out):
 @settings(max_examples=_examples())
 @given(workload=workloads())
 def test_every_request_equals_itself_run_alone(workload, make_engine, engine_adapters):
-    requests, arrivals, config = workload
-    names = [n for n, _ in engine_adapters[MODEL]]
+    model, requests, arrivals, config = workload
+    names = [n for n, _ in engine_adapters[model]]
     requests = _named(requests, names)
-    engine = make_engine(MODEL, **config)
+    engine = make_engine(model, **config)
     outputs = _run_with_arrivals(engine, requests, arrivals)
     assert engine.kv.free_tokens == engine.kv.num_tokens and not engine.scheduler.running
     for req, got in zip(requests, outputs):
-        want = _alone(make_engine, req)
+        want = _alone(make_engine, model, req)
         what = f"{req['request_id']} ({req['adapter'] or 'base'}, {config})"
         assert got.finish_reason in ("stop", "length"), (what, got.error)
         rs.assert_logprobs_close(got.prompt_logprobs[1:], want.prompt_logprobs[1:], comparison="batched_vs_alone",
@@ -122,13 +132,13 @@ def test_every_request_equals_itself_run_alone(workload, make_engine, engine_ada
 @settings(max_examples=_examples())
 @given(workload=workloads(max_requests=8))
 def test_base_requests_are_bitwise_identical_with_and_without_lora(workload, make_engine, engine_adapters):
-    requests, arrivals, config = workload
-    names = [n for n, _ in engine_adapters[MODEL]]
+    model, requests, arrivals, config = workload
+    names = [n for n, _ in engine_adapters[model]]
     # Same lengths in both runs (no eos), enough slots and cap for every adapter: the schedule cannot
     # depend on the adapters, so both runs feed the base rows through the same shapes.
     requests = [dict(r, ignore_eos=True) for r in _named(requests, names)]
     config = dict(config, max_loras=5, max_loras_per_batch=5)
-    with_lora, without = make_engine(MODEL, **config), make_engine(MODEL, **config)
+    with_lora, without = make_engine(model, **config), make_engine(model, **config)
     rec_with, rec_without = rs.StepRecorder(with_lora), rs.StepRecorder(without)
     got = _run_with_arrivals(with_lora, requests, arrivals)
     base = _run_with_arrivals(without, [dict(r, adapter=None) for r in requests], arrivals)

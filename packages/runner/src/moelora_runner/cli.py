@@ -134,7 +134,9 @@ def generate(args: argparse.Namespace) -> int:
     with args.output.open("w") as fh:
         for out in outputs:
             fh.write(json.dumps(out.to_json()) + "\n")
-    console.print(cli_report.summary_table(outputs, seconds))
+    table, line = cli_report.summary_table(outputs, seconds)
+    console.print(table)
+    console.print(line, highlight=False, soft_wrap=True)
     for out in outputs:
         if out.finish_reason == "error":
             console.print(f"moelora: request {out.request_id!r} failed: {out.error['type']}: {out.error['message']}",

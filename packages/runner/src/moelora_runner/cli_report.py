@@ -37,8 +37,9 @@ def progress(console: Console, total: int, enabled: bool) -> Progress:
                     console=console, disable=not enabled, transient=False)
 
 
-def summary_table(outputs: Sequence[RequestOutput], seconds: float) -> Table:
-    """Requests by finish reason, prompt / output tokens, tokens per second, and per adapter counts."""
+def summary_table(outputs: Sequence[RequestOutput], seconds: float) -> tuple[Table, str]:
+    """Per adapter: requests, failures, prompt and output tokens (a table); and a line with the wall
+    time, tokens per second and the finish reasons."""
     reasons = Counter(o.finish_reason for o in outputs)
     prompt = sum(len(o.prompt_token_ids) for o in outputs if o.finish_reason != "error")
     generated = sum(len(o.output_token_ids) for o in outputs)
@@ -59,6 +60,6 @@ def summary_table(outputs: Sequence[RequestOutput], seconds: float) -> Table:
     rate = (prompt + generated) / seconds if seconds > 0 else 0.0
     table.add_section()
     table.add_row("all", str(len(outputs)), str(reasons.get("error", 0)), str(prompt), str(generated))
-    table.caption = (f"{seconds:.2f} s; {rate:.1f} tokens/s ({generated / seconds if seconds > 0 else 0:.1f} output "
-                     f"tokens/s); finish reasons: " + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())))
-    return table
+    line = (f"moelora: {seconds:.2f} s, {rate:.1f} tokens/s ({generated / seconds if seconds > 0 else 0:.1f} output "
+            f"tokens/s); finish reasons: " + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())))
+    return table, line
