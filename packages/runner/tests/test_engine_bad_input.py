@@ -239,3 +239,19 @@ def test_text_prompt_uses_the_checkpoint_tokenizer(engine, fixture_set):
     by_ids = engine.generate([dict(prompt_token_ids=ids, max_new_tokens=2)])[0]
     assert by_ids.output_token_ids == out.output_token_ids
     assert torch.equal(torch.tensor(by_ids.output_logprobs), torch.tensor(out.output_logprobs))
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(max_loras=2, max_loras_per_batch=3), "max_loras_per_batch: 3 > max_loras 2"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens: must be an int >= 1"),
+    (dict(dtype="float64"), "dtype: must be 'auto' or one of"),
+    (dict(moe_impl="cuda"), "moe_impl: must be one of"),
+    (dict(backend="csgmv", dtype="bfloat16"), "bfloat16 Triton kernels compute wrongly"),
+    (dict(backend="no_such_module:factory"), "cannot import 'no_such_module'"),
+])
+def test_bad_engine_arguments(make_engine, kwargs, fragment):
+    from moelora_core import InvalidFieldError
+
+    with pytest.raises(InvalidFieldError) as info:
+        make_engine(MODEL, adapters=False, **kwargs)
+    assert fragment in str(info.value)

@@ -16,7 +16,8 @@ A reader of DESIGN.md finds its names here:
 - ``StaticBuffer``                                                          (:mod:`.static_buffer`)
 - ``PinnedStaging``                                                         (:mod:`.staging`)
 - ``TolerancePolicy``, ``DEFAULT_POLICY``, ``assert_exact``                 (:mod:`.tolerance`)
-- ``LogprobTolerance``, ``logprob_tolerance``, ``assert_logprobs_close``    (:mod:`.tolerance`; engine-level rows)
+- ``LogprobTolerance``, ``logprob_tolerance``, ``LogprobCheck``, ``assert_logprobs_close``
+  (:mod:`.tolerance`; engine-level absolute-logprob rows)
 """
 
 from moelora_core.adapter_config import AdapterConfig, lora_scaling
@@ -43,6 +44,7 @@ from moelora_core.tolerance import (
     DEFAULT_POLICY,
     LOGPROB_COMPARISONS,
     CloseReport,
+    LogprobCheck,
     LogprobTolerance,
     Tolerance,
     TolerancePolicy,
@@ -82,6 +84,7 @@ __all__ = [
     "LoRABatchInfo",
     "LoRALayerSpec",
     "LoRAWeights",
+    "LogprobCheck",
     "LogprobTolerance",
     "MoEBaseWeights",
     "MoELoRABatchInfo",

@@ -52,6 +52,8 @@ from moelora_runner.scheduler import Scheduler
 from moelora_runner.sequence import RequestState
 from moelora_runner.tokenizer import CheckpointTokenizer
 
+#: Built-in backends made of Triton kernels (on a CPU they run under the interpreter).
+TRITON_BACKENDS = frozenset({"triton", "csgmv"})
 #: ``dtype=`` names.
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -81,7 +83,8 @@ class Engine:
 
     Raises:
         EngineConfigError: an argument out of range, a dtype / device / rank the backend does not
-            declare, the Triton path on a CPU without ``TRITON_INTERPRET=1``.
+            declare, the Triton path on a CPU without ``TRITON_INTERPRET=1``, bf16 Triton kernels on
+            a CPU (the interpreter computes bf16 wrongly).
         CheckpointError (and subclasses): the checkpoint cannot be read.
         InvalidFieldError: an unknown backend name.
     """
@@ -117,6 +120,11 @@ class Engine:
             raise EngineConfigError("device", f"backend {backend!r} does not run on {self.device.type!r} (it declares "
                                     f"{sorted(caps.devices)}; Triton backends run on a CPU only under "
                                     "TRITON_INTERPRET=1)")
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and \
+                (self.moe_impl == "triton" or backend in TRITON_BACKENDS):
+            raise EngineConfigError("dtype", "bfloat16 Triton kernels compute wrongly under the Triton interpreter "
+                                    "on a CPU; use float32 / float16 there, or the reference backend with "
+                                    "moe_impl='torch'")
         if caps.max_rank is not None and max_lora_rank > caps.max_rank:
             raise EngineConfigError("max_lora_rank",
                                     f"{max_lora_rank} > backend {backend!r}'s max rank {caps.max_rank}")
