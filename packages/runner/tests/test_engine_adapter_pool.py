@@ -20,6 +20,7 @@ import runner_support as rs
 import torch
 from safetensors.torch import load_file
 
+from moelora_core import assert_logprobs_close
 from moelora_runner import NoFreeSlotError
 
 MODEL = "qwen3_moe"
@@ -58,7 +59,7 @@ def test_adapter_of_a_running_request_is_never_evicted(make_engine, engine_adapt
     assert engine.metrics_.value("moelora_adapter_evictions_total") >= 2  # the others cycled through one slot
     alone = make_engine(MODEL, max_loras=2).generate([requests[0]])[0]
     assert outputs[0].output_token_ids == alone.output_token_ids
-    rs.assert_logprobs_close(outputs[0].output_logprobs, alone.output_logprobs, comparison="batched_vs_alone",
+    assert_logprobs_close(outputs[0].output_logprobs, alone.output_logprobs, comparison="batched_vs_alone",
                              dtype="float32", what="long")
 
 
@@ -133,7 +134,7 @@ def test_in_memory_tensors_serve_what_the_files_serve(make_engine, engine_adapte
     assert engine.adapters.get("memory").source == "<tensors>"
     disk, memory = engine.generate([_req("disk", "d", prompt_logprobs=True), _req("memory", "m", prompt_logprobs=True)])
     assert disk.output_token_ids == memory.output_token_ids
-    rs.assert_logprobs_close(memory.prompt_logprobs[1:] + memory.output_logprobs,
+    assert_logprobs_close(memory.prompt_logprobs[1:] + memory.output_logprobs,
                              disk.prompt_logprobs[1:] + disk.output_logprobs, comparison="batched_vs_alone",
                              dtype="float32", what="memory vs disk")
     for pool in engine.adapters.pools:  # the same factors in both slots

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from moelora_conformance.fixtures.specs import BAD_ADAPTERS
+from moelora_core import assert_logprobs_close
 from moelora_core.checkpoint import ADAPTER_REFUSALS
 from moelora_runner import (
     AdapterInUseError,
@@ -192,7 +193,7 @@ def test_more_adapters_than_slots_wait_and_all_finish(make_engine, engine_adapte
     roomy = make_engine(MODEL, max_loras=8, max_num_batched_tokens=64).generate(requests)
     for got, want in zip(outputs, roomy):
         assert got.output_token_ids == want.output_token_ids
-        rs.assert_logprobs_close(got.output_logprobs, want.output_logprobs, comparison="batched_vs_alone",
+        assert_logprobs_close(got.output_logprobs, want.output_logprobs, comparison="batched_vs_alone",
                                  dtype="float32", what=got.request_id)
     assert engine.kv.free_tokens == engine.kv.num_tokens
 

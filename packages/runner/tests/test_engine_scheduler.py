@@ -13,7 +13,7 @@ import dataclasses
 import runner_support as rs
 import torch
 
-from moelora_core import ForwardMode
+from moelora_core import ForwardMode, assert_logprobs_close
 
 MODEL = "mixtral"
 
@@ -113,7 +113,7 @@ def test_max_new_tokens_zero_returns_prompt_logprobs_only(make_engine):
     assert out.finish_reason == "length" and out.output_token_ids == []
     assert out.prompt_logprobs[0] is None and all(isinstance(v, float) and v <= 0 for v in out.prompt_logprobs[1:])
     full = engine.generate([_req("q", 10, 3, prompt_logprobs=True)])[0]
-    rs.assert_logprobs_close(out.prompt_logprobs[1:], full.prompt_logprobs[1:], comparison="batched_vs_alone",
+    assert_logprobs_close(out.prompt_logprobs[1:], full.prompt_logprobs[1:], comparison="batched_vs_alone",
                              dtype="float32", what="prompt logprobs")
 
 
