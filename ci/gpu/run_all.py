@@ -10,7 +10,7 @@ graphs          CUDA graphs vs the CPU-graph emulator (ci/gpu/graph_agreement.py
 kernels         kernel suite, gpu profile, sync debug "error" (ci/gpu/kernels_gpu.py)  6–8
 reference       conformance suite on ``reference``, --device cuda, gpu profile           3–5
 backends        conformance suite on ``triton`` and ``csgmv``, gpu profile (backends_gpu.py)  9
-bench           issue-4 benchmark (benchmarks/bench_moe_lora.py)                          1–2
+bench           MoE-LoRA benchmark (benchmarks/bench_moe_lora.py)                          1–2
 ==============  ==========================================================  ==========
 
     python ci/gpu/run_all.py --stage graphs --stage kernels --out-dir "$OUT"
