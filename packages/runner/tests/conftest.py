@@ -9,12 +9,8 @@ every forward under the host-sync guard.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import runner_support as rs
-
-DEVICE = os.environ.get("MOELORA_RUNNER_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +41,7 @@ def make_engine(fixture_set, engine_adapters):
         from moelora_runner import Engine
 
         kwargs.setdefault("check_host_sync", True)
-        kwargs.setdefault("device", DEVICE)
+        kwargs.setdefault("device", rs.DEVICE)
         kwargs.setdefault("max_lora_rank", rs.POOL_RANK)
         engine = Engine(fixture_set.model_dir(model), **kwargs)
         if adapters:

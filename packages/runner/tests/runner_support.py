@@ -9,6 +9,7 @@ alpha_pattern (r 4; gate_up 2, q 7). Five ranks, five formats.
 
 from __future__ import annotations
 
+import os
 import warnings
 import zlib
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from moelora_core import NO_ADAPTER, LogprobCheck, logprob_tolerance
 
 #: The pool rank R of the test engines.
 POOL_RANK = 16
+#: Where the test engines run (``MOELORA_RUNNER_DEVICE``; the CPU by default).
+DEVICE = os.environ.get("MOELORA_RUNNER_DEVICE", "cpu")
 
 #: (suffix, AdapterSpec fields) of the engine adapters.
 ENGINE_ADAPTERS: tuple[tuple[str, dict], ...] = (

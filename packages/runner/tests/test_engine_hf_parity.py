@@ -8,7 +8,8 @@ with that adapter alone (``engine_vs_hf`` row of the tolerance policy), greedy t
 top-2 margin allows. The same engine run also proves the scheduler paths it goes through: chunked
 prefills, prefill chunks and decodes in one batch, KV admission waits, more adapters than slots
 (evictions) under a per-batch adapter cap. The triton and csgmv backends run the same check on one
-family in CI (the Triton interpreter is slow: short prompts, two new tokens); every family on the GPU.
+family in CI (the Triton interpreter is slow: short prompts, two new tokens), on every family with
+``MOELORA_PROFILE=dev`` and on the GPU (``test_engine_gpu.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 import runner_support as rs
 
 from moelora_conformance.fixtures.specs import MODELS
+from moelora_conformance.profiles import current_profile
 
 ALL_MODELS = [m.name for m in MODELS]
 
@@ -43,11 +45,15 @@ def test_mixed_batch_matches_hf_peft(model, fixture_set, engine_adapters, make_e
     assert engine.kv.free_tokens == engine.kv.num_tokens and not engine.has_unfinished()
 
 
+#: Families the kernel backends run on: one in the CI-sized ``interpret`` profile, all beyond it.
+KERNEL_MODELS = ["qwen3_moe"] if current_profile().name == "interpret" else ALL_MODELS
+
+
+@pytest.mark.parametrize("model", KERNEL_MODELS)
 @pytest.mark.parametrize("backend", ["triton", "csgmv"])
 @pytest.mark.interpreter
-def test_kernel_backends_match_hf_peft(backend, fixture_set, engine_adapters, make_engine):
-    # One family in CI: 40 requests, 1-4 prompt tokens, one prefill step and one decode step.
-    model = "qwen3_moe"
+def test_kernel_backends_match_hf_peft(backend, model, fixture_set, engine_adapters, make_engine):
+    # 40 requests, 1-4 prompt tokens, one prefill step and one decode step (the interpreter is slow).
     engine = make_engine(model, backend=backend, max_loras=4, max_num_batched_tokens=256)
     names = [n for n, _ in engine_adapters[model]][:4]
     requests = rs.mixed_requests([None, *names], 40, seed=7, prompt_len=(1, 4), max_new_tokens=2, ignore_eos=True)
