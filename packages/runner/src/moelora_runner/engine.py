@@ -328,15 +328,7 @@ class Engine:
             try:
                 order.append(self.add_request(request))
             except MoeLoraError as exc:
-                rid = getattr(request, "request_id", None) if isinstance(request, EngineRequest) else \
-                    (request.get("request_id") if isinstance(request, Mapping) else None)
-                rid = rid if isinstance(rid, str) and rid else f"req-{next(self._ids)}"
-                adapter = request.adapter if isinstance(request, EngineRequest) else \
-                    (request.get("adapter") if isinstance(request, Mapping) else None)
-                ids = request.prompt_token_ids if isinstance(request, EngineRequest) else \
-                    (request.get("prompt_token_ids") if isinstance(request, Mapping) else None)
-                ids = list(ids) if isinstance(ids, (list, tuple)) and all(isinstance(t, int) for t in ids) else []
-                order.append(RequestOutput.failed(rid, adapter, exc, ids))
+                order.append(RequestOutput.refused(request, exc, default_id=f"req-{next(self._ids)}"))
                 self.metrics_.requests_finished.labels(finish_reason="error").inc()
                 notify(order[-1])
         wanted = {r for r in order if isinstance(r, str)}

@@ -205,6 +205,16 @@ class RequestOutput:
         return out
 
     @classmethod
+    def refused(cls, request: object, exc: BaseException, *, default_id: str) -> RequestOutput:
+        """The output of a request refused before it was queued: its id, adapter and prompt ids as far
+        as the (possibly malformed) request gives them (``default_id`` when it has no usable id)."""
+        get = request.get if isinstance(request, Mapping) else (lambda name: getattr(request, name, None))
+        rid = get("request_id")
+        ids = get("prompt_token_ids")
+        ids = list(ids) if isinstance(ids, (list, tuple)) and all(_is_int(t) for t in ids) else []
+        return cls.failed(rid if isinstance(rid, str) and rid else default_id, get("adapter"), exc, ids)
+
+    @classmethod
     def failed(cls, request_id: str, adapter: object, exc: BaseException,
                prompt_token_ids: Sequence[int] = ()) -> RequestOutput:
         """The output of a request refused or failed with ``exc``."""
