@@ -182,3 +182,16 @@ def make_two_request_backend(spec):
             return super().prepare(batch, family)
 
     return TwoRequests(spec)
+
+
+def make_no_graph_backend(spec):
+    """The reference backend declaring no graph family."""
+
+    class NoGraphs(_reference()):
+        name = "no-graphs"
+
+        def capabilities(self):
+            return dataclasses.replace(super().capabilities(), graph_families=frozenset(),
+                                       prefill_graph_modes=frozenset())
+
+    return NoGraphs(spec)

@@ -154,6 +154,7 @@ class ModelRunner:
     def _guard(self):
         return host_sync_guard(self.device) if self.check_host_sync else contextlib.nullcontext()
 
+    @torch.no_grad()
     def capture_all(self) -> None:
         """Capture every bucket of every graph runner now (start-up capture)."""
         for runner in (self.decode_graph, self.prefill_graph):
@@ -165,18 +166,23 @@ class ModelRunner:
             return self.decode_graph, DECODE_GRAPH_MODE
         return self.prefill_graph, self.graphs.prefill
 
-    @torch.no_grad()
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """The step's logits rows as fp32 on the host: [len(plan.host.logits_indices), V].
 
         An IDLE plan launches nothing and returns an empty [0, V] tensor.
         """
+        return self.forward_logits(plan).to(device="cpu", dtype=torch.float32)
+
+    @torch.no_grad()
+    def forward_logits(self, plan: StepPlan) -> torch.Tensor:
+        """The step's logits rows on the device, in the model dtype (what :meth:`forward` reads back;
+        the benchmarks time this): prepare, staging, the forward or replay and the LM head, all
+        under the host-sync guard when it is on."""
         host = plan.host
         phase = PHASES[host.forward_mode.value]
-        vocab = self.model.config.vocab_size
         if not host.num_tokens:
             self._on_pass(phase, "eager", "disabled")
-            return torch.empty(0, vocab, dtype=torch.float32)
+            return torch.empty(0, self.model.config.vocab_size, dtype=self.model.dtype, device=self.device)
         runner, mode = self._graph_for(host)
         if runner is None:
             return self._eager(host, phase, "disabled")
@@ -193,7 +199,7 @@ class ModelRunner:
         if isinstance(info, Fallback):
             return self._fallback(host, phase, "backend_fallback", info.reason)
         self._on_pass(phase, mode, "")
-        return logits.to(device="cpu", dtype=torch.float32)
+        return logits
 
     def _fallback(self, host: ForwardBatchHost, phase: str, reason: str, detail: str) -> torch.Tensor:
         self.last_fallback = (phase, reason, detail)
@@ -205,4 +211,4 @@ class ModelRunner:
             fb = self._stager.stage(host, info)
             logits = self.model.forward(fb, self.kv, self.lora)
         self._on_pass(phase, "eager", reason)
-        return logits.to(device="cpu", dtype=torch.float32)
+        return logits
