@@ -29,8 +29,10 @@ MODEL = "qwen3_moe"
 BACKENDS = [pytest.param("reference", marks=pytest.mark.xdist_group("graphs-reference")),
             pytest.param("triton", marks=[pytest.mark.interpreter, pytest.mark.xdist_group("graphs-triton")]),
             pytest.param("csgmv", marks=[pytest.mark.interpreter, pytest.mark.xdist_group("graphs-csgmv")])]
-#: Every step in one prefill bucket (32 tokens) and one decode bucket (8 requests).
-CONFIG = dict(max_loras=3, max_num_batched_tokens=32, kv_cache_tokens=256, prefill_token_buckets=(32,),
+#: Every step in one prefill bucket (32 tokens) and one decode bucket (8 requests); a KV cache so small
+#: that the later requests get KV locations the larger batch used (its K/V is still there: nothing may
+#: read it as theirs).
+CONFIG = dict(max_loras=3, max_num_batched_tokens=32, kv_cache_tokens=40, prefill_token_buckets=(32,),
               decode_batch_buckets=(8,))
 #: CI-sized: one mode per kernel backend on the CPU in the interpret profile.
 CI_CROSS = {("triton", "breakable"), ("csgmv", "full")}
@@ -53,9 +55,15 @@ def test_small_batches_after_a_larger_adapter_batch_equal_a_fresh_engine(backend
         return make_engine(MODEL, backend=backend, dtype=gs.DTYPE, **CONFIG, **gs.MODES[mode])
 
     used = engine()
+    written: list[set[int]] = []
+    inner = used.runner.forward
+    used.runner.forward = lambda plan: (written.append(set(plan.host.out_cache_loc)), inner(plan))[1]
     used.generate(large)
+    large_locs = set().union(*written)
     assert used.step() == [] and gs.passes(used)[("idle", "eager", "disabled")] == 1  # an idle step between
+    written.clear()
     got_base = used.generate(base_only)
+    assert large_locs & set().union(*written), "the base-only batch reuses KV locations of the larger one"
     got_one = used.generate(one_adapter)
     gs.assert_ran_on_graphs(used, mode)
     runner = used.runner
