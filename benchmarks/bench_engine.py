@@ -262,6 +262,7 @@ class Bench:
         self.gen = torch.Generator().manual_seed(seed)
         self.cases: list[dict] = []
         self.capture_s: dict[str, float] = {}
+        self.errors: list[str] = []
 
     def _kv(self, tokens: int, requests: int, context: int):
         from moelora_runner.kv_cache import KVCache
@@ -279,15 +280,51 @@ class Bench:
                            graphs=graphs, make_backend=self.make_backend)
 
     def _time(self, runner, log: PassLog, plan, mode: str, **labels) -> dict:
+        """Measure one case; a failure is recorded in its row (and ``errors``), not raised, so one run
+        reports every case. A host sync under the guard is a finding: the row says so and the case is
+        measured again without the guard."""
+        from moelora_core import HostSyncError
+
+        row = {**labels, "mode": mode}
         since = len(log.passes)
-        result = measure(lambda: runner.forward_logits(plan), runs=self.runs, warmup=self.warmup, device=self.device)
-        log.check(mode, since)
-        row = {**labels, "mode": mode, **result, "host_syncs": 0}
+        try:
+            try:
+                result = measure(lambda: runner.forward_logits(plan), runs=self.runs, warmup=self.warmup,
+                                 device=self.device)
+                row["host_syncs"] = 0
+            except HostSyncError as exc:
+                row["host_syncs"] = f"HostSyncError: {exc}"
+                self.errors.append(f"{labels['regime']} {mode}: {row['host_syncs']}")
+                runner.check_host_sync = False
+                result = measure(lambda: runner.forward_logits(plan), runs=self.runs, warmup=self.warmup,
+                                 device=self.device)
+                runner.check_host_sync = True
+            log.check(mode, since)
+        except Exception as exc:  # recorded: the other cases still run
+            row["error"] = f"{type(exc).__name__}: {exc}"
+            self.errors.append(f"{labels['regime']} {mode}: {row['error']}")
+            self.cases.append(row)
+            print(f"  {labels['regime']:<18} {labels.get('adapters', ''):<5} {mode:<13} FAILED {row['error']}",
+                  flush=True)
+            return row
+        row.update(result)
         self.cases.append(row)
         print(f"  {labels['regime']:<18} {labels.get('adapters', ''):<5} {mode:<13} median "
               f"{result['median_us']:10.1f} us  p10 {result['p10_us']:10.1f}  p90 {result['p90_us']:10.1f}  host "
               f"{result['host_us']:10.1f}", flush=True)
         return row
+
+    def _capture(self, name: str, runner) -> bool:
+        """Capture every bucket of ``runner`` (timed); a failure is recorded and the mode skipped."""
+        t0 = time.perf_counter()
+        try:
+            runner.capture_all()
+        except Exception as exc:  # recorded: the other modes still run
+            self.errors.append(f"capture {name}: {type(exc).__name__}: {exc}")
+            print(f"  capture {name} FAILED: {type(exc).__name__}: {exc}", flush=True)
+            return False
+        self.capture_s[name] = time.perf_counter() - t0
+        return True
 
     def decode(self, batch_sizes, context: int) -> None:
         from moelora_runner.graph_config import GraphConfig
@@ -298,9 +335,7 @@ class Bench:
         eager = self._runner(kv, None, eager_log)
         graph = self._runner(kv, GraphConfig(decode_graph=True, decode_buckets=tuple(batch_sizes), capture="startup"),
                              graph_log)
-        t0 = time.perf_counter()
-        graph.capture_all()
-        self.capture_s["decode"] = time.perf_counter() - t0
+        captured = self._capture("decode", graph)
         vocab = self.engine.model.config.vocab_size
         for bs in batch_sizes:
             for label, cycle in (("lora", MIXED_SLOTS), ("base", (NO_ADAPTER,))):
@@ -310,7 +345,8 @@ class Bench:
                 labels = dict(regime=f"decode-bs{bs}", phase="decode", bs=bs, tokens=bs, context=context,
                               adapters=label)
                 self._time(eager, eager_log, plan, "eager", **labels)
-                self._time(graph, graph_log, plan, "decode_graph", **labels)
+                if captured:
+                    self._time(graph, graph_log, plan, "decode_graph", **labels)
                 for alloc in allocs:
                     kv.free(alloc)
         del graph, eager
@@ -328,10 +364,9 @@ class Bench:
             for mode in ("full", "breakable"):
                 config = GraphConfig(prefill=mode, max_num_requests=max(n, 1), prefill_buckets=(tokens,),
                                      capture="startup")
-                runners[mode] = self._runner(kv, config, logs[mode])
-                t0 = time.perf_counter()
-                runners[mode].capture_all()
-                self.capture_s[f"prefill-{n}x{length}-{mode}"] = time.perf_counter() - t0
+                runner = self._runner(kv, config, logs[mode])
+                if self._capture(f"prefill-{n}x{length}-{mode}", runner):
+                    runners[mode] = runner
             slots = [0] if n == 1 else [MIXED_SLOTS[i % len(MIXED_SLOTS)] for i in range(n)]
             plan, _ = step_plan(self.engine.adapters, kv, mode=ForwardMode.EXTEND, lengths=[length] * n, prefix=0,
                                 slots=slots, vocab=vocab, gen=self.gen)
@@ -351,7 +386,7 @@ def verdicts(cases: list[dict]) -> list[dict]:
     """The issue's targets against the measured medians (those whose regimes ran)."""
 
     def median(**match):
-        rows = [c for c in cases if all(c.get(k) == v for k, v in match.items())]
+        rows = [c for c in cases if "median_us" in c and all(c.get(k) == v for k, v in match.items())]
         return rows[0]["median_us"] if rows else None
 
     def verdict(target: str, key: str, value: float, lower_is_better: bool = False) -> dict:
@@ -414,9 +449,11 @@ def run(*, shape: str, device: torch.device, backend: str, workdir: Path, runs: 
               "warmup": warmup,
               "model_bytes": bench.engine.model.bytes(), "build_s": build_s, "load_s": load_s,
               "capture_s": bench.capture_s, "cases": bench.cases, "verdicts": verdicts(bench.cases),
-              "total_s": time.perf_counter() - t0}
+              "errors": bench.errors, "total_s": time.perf_counter() - t0}
     for v in record["verdicts"]:
         print(f"{'met ' if v['met'] else 'MISS'}  {v['target']}: {v['value']:.2f} (bound {v['bound']})", flush=True)
+    for e in bench.errors:
+        print(f"ERROR {e}", flush=True)
     return record
 
 
@@ -438,8 +475,8 @@ def main(argv: list[str] | None = None) -> int:
                  warmup=args.warmup, **extra)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
-    print(f"wrote {args.out} ({record['total_s']:.0f} s)")
-    return 0
+    print(f"wrote {args.out} ({record['total_s']:.0f} s, {len(record['errors'])} errors)")
+    return 1 if record["errors"] else 0
 
 
 if __name__ == "__main__":

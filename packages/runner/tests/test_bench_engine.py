@@ -5,6 +5,9 @@
   measurement loop over every regime and mode on the CPU graph emulator under the host-sync guard:
   one row per regime × adapters × mode, each measured forward checked to have run in its mode, the
   JSON record complete.
+- ``test_a_host_sync_in_a_measured_forward_is_recorded``: a host read slipped into the LM head fails
+  the guard in every measured forward; each row records it, the case is measured without the guard,
+  and the other cases still run (one GPU call reports every case).
 - ``test_a_silent_fallback_fails_the_measurement``: a measured forward that ran another mode (an eager
   fallback) raises instead of being timed as a graph.
 - ``test_verdicts``: the issue's targets computed from medians (speedups and the LoRA ratio).
@@ -57,7 +60,26 @@ def test_tiny_benchmark_runs_every_regime_on_the_emulator(bench, tmp_path):
                and c["runs"] == 2 for c in record["cases"])
     assert set(record["capture_s"]) == {"decode"} | {f"prefill-{n}x{length}-{m}" for n, length in regimes["prefill"]
                                                      for m in ("full", "breakable")}
+    assert record["errors"] == []
     json.dumps(record)  # the record is JSON
+
+
+def test_a_host_sync_in_a_measured_forward_is_recorded(bench, tmp_path, monkeypatch):
+    """A forward that syncs under the guard is a finding in its row (and ``errors``); the case is then
+    measured without the guard, and the other cases still run."""
+    dirs = bench.build_checkpoint(bench.MODELS["tiny"], tmp_path, device=torch.device("cpu"))
+    b = bench.Bench(dirs["model"], dirs, backend="reference", device=torch.device("cpu"), runs=2, warmup=0, seed=0)
+    logits = b.engine.model.logits
+
+    def leaky(h, fb):
+        fb.logits_indices.sum().item()
+        return logits(h, fb)
+
+    monkeypatch.setattr(b.engine.model, "logits", leaky)
+    b.decode((1,), 4)
+    assert [c["mode"] for c in b.cases] == ["eager", "decode_graph"] * 2
+    assert all(c["host_syncs"].startswith("HostSyncError") and c["median_us"] > 0 for c in b.cases)
+    assert len(b.errors) == 4
 
 
 def test_a_silent_fallback_fails_the_measurement(bench):

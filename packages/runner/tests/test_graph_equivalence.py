@@ -11,7 +11,8 @@ with ``MOELORA_RUNNER_DEVICE=cuda``).
   counted ``phase="prefill"``).
 - ``test_more_than_32_requests_in_one_prefill_replay``: 45 requests, interleaved over five adapters
   and base (45 adapter runs along the batch, more segments than a cap of 32 would allow), in one
-  prefill replay of the 64-request-slot graph: one graph pass, outputs equal eager.
+  prefill replay of a 64-token bucket with the default 64 request slots: one graph pass, outputs
+  equal eager.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def test_more_than_32_requests_in_one_prefill_replay(backend, mode, make_engine,
     names = _names(engine_adapters)
     requests = rs.mixed_requests([None, *names], 45, seed=32, prompt_len=(1, 2), max_new_tokens=1,
                                  ignore_eos=True, logprobs=2)
-    config = dict(max_loras=5, max_num_batched_tokens=128, kv_cache_tokens=256)
+    # One 64-token bucket with 64 request slots (the default): the 62 prompt tokens in one replay.
+    config = dict(max_loras=5, max_num_batched_tokens=64, kv_cache_tokens=256, prefill_token_buckets=(64,))
     want = _eager(make_engine, ("many", backend), backend, requests, **config)
     engine = make_engine(MODEL, backend=backend, dtype=gs.DTYPE, **config, **gs.MODES[mode])
     recorder = rs.StepRecorder(engine)
@@ -89,6 +91,6 @@ def test_more_than_32_requests_in_one_prefill_replay(backend, mode, make_engine,
     runs = 1 + sum(a.adapter_id != b.adapter_id for a, b in zip(spec.requests, spec.requests[1:]))
     assert spec.bs == 45 and runs > 32, (spec.bs, runs)
     assert gs.passes(engine) == {("prefill", mode, ""): 1}
-    assert engine.graphs.max_num_requests == 64
+    assert engine.graphs.max_num_requests == 64 and engine.runner.prefill_graph.buckets[64].requests == 64
     gs.compare_outputs(got, want, what=f"{backend} {mode} 45 requests vs eager",
                        record=dict(backend=backend, mode=mode, requests=45))
