@@ -124,50 +124,42 @@ def _reference():
     return ReferenceBackend
 
 
-def make_spying_backend(spec):
-    """The reference backend, recording every graph-mode prepare (capture batches have bs 0)."""
+def _graph_prepare_hook(name: str, hook):
+    """A reference-backend factory whose graph-mode ``prepare`` answers ``hook(backend, batch, info)``
+    instead of ``info`` (``Fallback`` answers pass through untouched)."""
 
-    class Spying(_reference()):
-        name = "spying-reference"
+    def factory(spec):
+        class Hooked(_reference()):
+            def prepare(self, batch, family=None):
+                info = super().prepare(batch, family)
+                if family is None or isinstance(info, Fallback):
+                    return info
+                return hook(self, batch, info)
 
-        def prepare(self, batch, family=None):
-            info = super().prepare(batch, family)
-            if family is not None and not isinstance(info, Fallback):
-                GRAPH_PREPARES.append((id(self), batch.bs, info.has_active_lora))
-            return info
+        Hooked.name = name
+        return Hooked(spec)
 
-    return Spying(spec)
-
-
-def make_inactive_capture_backend(spec):
-    """Fault: graph-mode ``has_active_lora`` from the batch (False on a base-only or empty batch), so a
-    graph captured then would never run the LoRA kernels."""
-
-    class Inactive(_reference()):
-        name = "inactive-capture"
-
-        def prepare(self, batch, family=None):
-            info = super().prepare(batch, family)
-            if family is not None and not isinstance(info, Fallback):
-                info.has_active_lora = batch.has_active_lora
-            return info
-
-    return Inactive(spec)
+    return factory
 
 
-def make_reallocating_backend(spec):
-    """Fault: graph-mode metadata in a fresh tensor per prepare (a replay would read the captured one)."""
+def _spy(backend, batch, info):
+    GRAPH_PREPARES.append((id(backend), batch.bs, info.has_active_lora))
+    return info
 
-    class Reallocating(_reference()):
-        name = "reallocating"
 
-        def prepare(self, batch, family=None):
-            info = super().prepare(batch, family)
-            if family is not None and not isinstance(info, Fallback):
-                info = dataclasses.replace(info, weight_indices=info.weight_indices.clone())
-            return info
+def _inactive(backend, batch, info):
+    info.has_active_lora = batch.has_active_lora
+    return info
 
-    return Reallocating(spec)
+
+#: The reference backend, recording every graph-mode prepare (capture batches have bs 0).
+make_spying_backend = _graph_prepare_hook("spying-reference", _spy)
+#: Fault: graph-mode ``has_active_lora`` from the batch (False on a base-only or empty batch), so a
+#: graph captured then would never run the LoRA kernels.
+make_inactive_capture_backend = _graph_prepare_hook("inactive-capture", _inactive)
+#: Fault: graph-mode metadata in a fresh tensor per prepare (a replay would read the captured one).
+make_reallocating_backend = _graph_prepare_hook(
+    "reallocating", lambda backend, batch, info: dataclasses.replace(info, weight_indices=info.weight_indices.clone()))
 
 
 def make_two_request_backend(spec):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import graph_support as gs
 import pytest
+import runner_support as rs
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -59,18 +60,6 @@ def graph_workloads(draw):
     return requests, arrivals, config, graphs
 
 
-def _run(engine, requests, arrivals):
-    outputs, step = {}, 0
-    pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
-    while pending or engine.has_unfinished():
-        while pending and arrivals[pending[0]] <= step:
-            engine.add_request(requests[pending.pop(0)])
-        for out in engine.step():
-            outputs[out.request_id] = out
-        step += 1
-    return [outputs[r["request_id"]] for r in requests]
-
-
 @settings(max_examples=_examples(), deadline=None)
 @given(workload=graph_workloads())
 def test_graph_engine_equals_eager_engine(workload, make_engine, engine_adapters):
@@ -78,8 +67,8 @@ def test_graph_engine_equals_eager_engine(workload, make_engine, engine_adapters
     names = [n for n, _ in engine_adapters[MODEL]]
     requests = [dict(r, adapter=None if r["adapter"] is None else names[r["adapter"]]) for r in requests]
     engine = make_engine(MODEL, dtype=gs.DTYPE, graph_capture="lazy", **config, **graphs)
-    got = _run(engine, requests, arrivals)
-    want = _run(make_engine(MODEL, dtype=gs.DTYPE, **config, **gs.MODES["eager"]), requests, arrivals)
+    got = rs.run_with_arrivals(engine, requests, arrivals)
+    want = rs.run_with_arrivals(make_engine(MODEL, dtype=gs.DTYPE, **config, **gs.MODES["eager"]), requests, arrivals)
     gs.compare_outputs(got, want, what=f"graphs {graphs} {config}")
     prefill_modes = {"eager": {"eager"}}.get(graphs["graph"], {graphs["graph"], "eager"})
     decode_modes = {"decode_graph", "eager"} if graphs["decode_graph"] else {"eager"}
