@@ -9,6 +9,9 @@ with ``MOELORA_RUNNER_DEVICE=cuda``).
   same workload served eagerly (``graph_vs_eager`` row; greedy tokens up to the first near-tie), and
   the metrics prove every prefill and decode pass ran on a graph (mixed batches on the prefill graph,
   counted ``phase="prefill"``).
+- ``test_triton_base_moe_path_under_graphs``: the same comparison with the Triton base MoE
+  (``moe_impl="triton"``, CUDA's default; the other cases use the torch base path on the CPU) on the
+  triton backend: its alignment and GEMM launches captured and replayed.
 - ``test_more_than_32_requests_in_one_prefill_replay``: 45 requests, interleaved over five adapters
   and base (45 adapter runs along the batch, more segments than a cap of 32 would allow), in one
   prefill replay of a 64-token bucket with the default 64 request slots: one graph pass, outputs
@@ -32,14 +35,14 @@ BACKENDS = [pytest.param("reference", marks=pytest.mark.xdist_group("graphs-refe
 #: decode bucket of 4 (every decode step padded).
 MIXED = dict(max_loras=2, max_num_batched_tokens=12, kv_cache_tokens=256)
 GRAPHS = dict(decode_batch_buckets=(4,))
-#: CI-sized: the >32-request case on one mode per kernel backend (every mode beyond the interpret
-#: profile and on the GPU).
-CI_CROSS = {("triton", "breakable"), ("csgmv", "full")}
+#: CI-sized: the >32-request and Triton-base-MoE cases on one mode per kernel backend (every mode beyond
+#: the interpret profile and on the GPU).
+CI_CROSS = {("triton", "breakable"), ("csgmv", "full"), ("triton-moe", "breakable")}
 
 
 def _ci_sized(backend: str, mode: str) -> None:
     if (backend, mode) in CI_CROSS and rs.DEVICE == "cpu" and current_profile().name == "interpret":
-        pytest.skip("CI-sized: this backend's prefill family at 45 requests runs in its other mode here")
+        pytest.skip("CI-sized: this case runs in its other mode here")
 
 pytestmark = pytest.mark.cudagraph
 
@@ -71,6 +74,24 @@ def test_graph_replay_equals_eager(backend, mode, make_engine, engine_adapters):
     assert recorder.mixed_steps() > 0, "no batch mixed a prefill chunk with decodes"
     assert engine.metrics_.value("moelora_adapter_evictions_total") > 0
     gs.compare_outputs(got, want, what=f"{backend} {mode} vs eager", record=dict(backend=backend, mode=mode))
+
+
+@pytest.mark.interpreter
+@pytest.mark.xdist_group("graphs-triton-moe")
+@pytest.mark.parametrize("mode", ["full", "breakable"])
+def test_triton_base_moe_path_under_graphs(mode, make_engine, engine_adapters):
+    _ci_sized("triton-moe", mode)
+    names = _names(engine_adapters)
+    requests = rs.mixed_requests([None, *names[:3]], 4, seed=3, prompt_len=(1, 6), max_new_tokens=2,
+                                 ignore_eos=True, logprobs=2)
+    config = dict(MIXED, moe_impl="triton", max_num_batched_tokens=16)
+    want = _eager(make_engine, ("triton-moe",), "triton", requests, **config)
+    engine = make_engine(MODEL, backend="triton", dtype=gs.DTYPE, **config, **GRAPHS, **gs.MODES[mode])
+    got = engine.generate(requests)
+    assert engine.moe_impl == "triton"
+    gs.assert_ran_on_graphs(engine, mode)
+    gs.compare_outputs(got, want, what=f"triton moe_impl=triton {mode} vs eager",
+                       record=dict(backend="triton", moe_impl="triton", mode=mode))
 
 
 @pytest.mark.parametrize("mode", ["full", "breakable"])
