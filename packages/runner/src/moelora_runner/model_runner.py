@@ -32,6 +32,7 @@ import torch
 
 from moelora_core.batch import BatchSpec, Request
 from moelora_core.capabilities import Fallback
+from moelora_core.forward_mode import ForwardMode
 from moelora_core.graphs import graph_pools, host_sync_guard
 from moelora_runner.adapter_pool import AdapterPool
 from moelora_runner.forward_batch import ForwardBatchHost, ForwardBatchStager
@@ -162,7 +163,7 @@ class ModelRunner:
                 runner.capture_all()
 
     def _graph_for(self, host: ForwardBatchHost) -> tuple[GraphRunner | None, str]:
-        if host.forward_mode.value == "decode":
+        if host.forward_mode is ForwardMode.DECODE:
             return self.decode_graph, DECODE_GRAPH_MODE
         return self.prefill_graph, self.graphs.prefill
 
