@@ -1,6 +1,7 @@
 """Graph runners under random workloads (Hypothesis; examples per the moelora profile: ``interpret``
 in CI), on the reference backend — the kernel backends run the fixed cases of
-``test_graph_equivalence.py`` / ``test_graph_state.py``.
+``test_graph_equivalence.py`` / ``test_graph_state.py``. The ``interpret`` profile (CI) draws on one
+family (Qwen3-MoE); ``dev`` / ``soak`` draw every fixture family.
 
 - ``test_graph_engine_equals_eager_engine``: a random mix (base and five adapter formats, prompt
   lengths, ``max_new_tokens`` including 0, arrival steps with idle steps between), random token
@@ -23,9 +24,16 @@ from hypothesis import strategies as st
 
 from moelora_conformance.profiles import current_profile
 
-MODEL = "qwen3_moe"
+#: Fixture models drawn: one family in the CI-sized ``interpret`` profile, every family beyond it.
+INTERPRET_MODELS = ("qwen3_moe",)
 
 pytestmark = [pytest.mark.cudagraph, pytest.mark.xdist_group("graphs-reference")]
+
+
+def _models() -> tuple[str, ...]:
+    from moelora_conformance.fixtures.specs import MODELS
+
+    return INTERPRET_MODELS if current_profile().name == "interpret" else tuple(m.name for m in MODELS)
 
 
 def _examples() -> int:
@@ -35,6 +43,7 @@ def _examples() -> int:
 
 @st.composite
 def graph_workloads(draw):
+    model = draw(st.sampled_from(_models()), label="model")
     n = draw(st.integers(1, 7), label="requests")
     seed = draw(st.integers(0, 2**31 - 1), label="seed")
     gen = torch.Generator().manual_seed(seed)
@@ -57,19 +66,20 @@ def graph_workloads(draw):
                   max_num_requests=draw(st.integers(1, 8), label="max_num_requests"))
     config = dict(max_num_batched_tokens=budget, max_loras=max_loras,
                   max_loras_per_batch=draw(st.integers(1, max_loras), label="per_batch"), kv_cache_tokens=128)
-    return requests, arrivals, config, graphs
+    return model, requests, arrivals, config, graphs
 
 
 @settings(max_examples=_examples(), deadline=None)
 @given(workload=graph_workloads())
 def test_graph_engine_equals_eager_engine(workload, make_engine, engine_adapters):
-    requests, arrivals, config, graphs = workload
-    names = [n for n, _ in engine_adapters[MODEL]]
+    model, requests, arrivals, config, graphs = workload
+    names = [n for n, _ in engine_adapters[model]]
     requests = [dict(r, adapter=None if r["adapter"] is None else names[r["adapter"]]) for r in requests]
-    engine = make_engine(MODEL, dtype=gs.DTYPE, graph_capture="lazy", **config, **graphs)
+    engine = make_engine(model, dtype=gs.DTYPE, graph_capture="lazy", **config, **graphs)
     got = rs.run_with_arrivals(engine, requests, arrivals)
-    want = rs.run_with_arrivals(make_engine(MODEL, dtype=gs.DTYPE, **config, **gs.MODES["eager"]), requests, arrivals)
-    gs.compare_outputs(got, want, what=f"graphs {graphs} {config}")
+    want = rs.run_with_arrivals(make_engine(model, dtype=gs.DTYPE, **config, **gs.MODES["eager"]), requests,
+                                  arrivals)
+    gs.compare_outputs(got, want, what=f"{model} graphs {graphs} {config}", record=dict(model=model))
     prefill_modes = {"eager": {"eager"}}.get(graphs["graph"], {graphs["graph"], "eager"})
     decode_modes = {"decode_graph", "eager"} if graphs["decode_graph"] else {"eager"}
     for (phase, mode, reason), _ in gs.passes(engine).items():
