@@ -35,7 +35,8 @@ def engine_adapters(tmp_path_factory, fixture_set):
 @pytest.fixture
 def make_engine(fixture_set, engine_adapters):
     """``make_engine(model, adapters=True, **engine_kwargs)``: an Engine on fixture model ``model``
-    with the host-sync guard on and (by default) its engine adapters loaded."""
+    with the host-sync guard on and (by default) its engine adapters loaded. Eager unless a test asks
+    for graphs (``graph=`` / ``decode_graph=``), on CUDA too, so a test means the same everywhere."""
 
     def make(model: str, *, adapters: bool = True, **kwargs):
         from moelora_runner import Engine
@@ -43,6 +44,8 @@ def make_engine(fixture_set, engine_adapters):
         kwargs.setdefault("check_host_sync", True)
         kwargs.setdefault("device", rs.DEVICE)
         kwargs.setdefault("max_lora_rank", rs.POOL_RANK)
+        kwargs.setdefault("graph", "eager")
+        kwargs.setdefault("decode_graph", False)
         engine = Engine(fixture_set.model_dir(model), **kwargs)
         if adapters:
             for name, path in engine_adapters[model]:

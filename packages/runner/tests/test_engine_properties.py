@@ -95,18 +95,6 @@ def _named(requests, names):
     return [dict(r, adapter=None if r["adapter"] is None else names[r["adapter"]]) for r in requests]
 
 
-def _run_with_arrivals(engine, requests, arrivals):
-    outputs, step = {}, 0
-    pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
-    while pending or engine.has_unfinished():
-        while pending and arrivals[pending[0]] <= step:
-            engine.add_request(requests[pending.pop(0)])
-        for out in engine.step():
-            outputs[out.request_id] = out
-        step += 1
-    return [outputs[r["request_id"]] for r in requests]
-
-
 _ALONE: dict = {}
 
 
@@ -130,7 +118,7 @@ def test_every_request_equals_itself_run_alone(workload, make_engine, engine_ada
     names = [n for n, _ in engine_adapters[model]]
     requests = _named(requests, names)
     engine = make_engine(model, **config)
-    outputs = _run_with_arrivals(engine, requests, arrivals)
+    outputs = rs.run_with_arrivals(engine, requests, arrivals)
     assert engine.kv.free_tokens == engine.kv.num_tokens and not engine.scheduler.running
     check = LogprobCheck("batched_vs_alone", "float32")
     for req, got in zip(requests, outputs):
@@ -161,8 +149,8 @@ def test_base_requests_are_bitwise_identical_with_and_without_lora(workload, mak
     config = dict(config, max_loras=5, max_loras_per_batch=5)
     with_lora, without = make_engine(model, **config), make_engine(model, **config)
     rec_with, rec_without = rs.StepRecorder(with_lora), rs.StepRecorder(without)
-    got = _run_with_arrivals(with_lora, requests, arrivals)
-    base = _run_with_arrivals(without, [dict(r, adapter=None) for r in requests], arrivals)
+    got = rs.run_with_arrivals(with_lora, requests, arrivals)
+    base = rs.run_with_arrivals(without, [dict(r, adapter=None) for r in requests], arrivals)
     shapes = [[(r.prefix_len, r.extend_len) for r in s.batch_spec.requests] for s in rec_with.steps]
     assert shapes == [[(r.prefix_len, r.extend_len) for r in s.batch_spec.requests] for s in rec_without.steps]
     for req, a, b in zip(requests, got, base):

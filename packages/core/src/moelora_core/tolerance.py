@@ -237,8 +237,20 @@ _LOGPROB_ROWS: tuple[LogprobTolerance, ...] = (
                      "a request in a mixed batch (chunked prefill, budget 7 tokens) vs the same request alone, "
                      "fp32 CPU: max 1.5e-5 (qwen3_moe_h2i), 2.1e-6 elsewhere (matmuls of other row counts round "
                      "differently); bf16 measured exactly equal"),
-    LogprobTolerance("graph_vs_eager", "float32", 1e-5, 1e-6, "target",
-                     "the graph-runner issue's bound (fp32 CPU emulator); to be confirmed by its measurement"),
+    LogprobTolerance("graph_vs_eager", "float32", 1e-4, 1e-5, "measured",
+                     "graph replay (decode graph, prefill full and breakable; reference, triton, csgmv on the CPU "
+                     "emulator) vs the same workload eager, fp32 CPU, every fixture family: max 1.14e-5 "
+                     "(qwen3_moe_h2i, whose logits reach ~50: 2-3 fp32 ULPs; <= 9.5e-7 on the other five), mean "
+                     "7.4e-8 over 2199 logprobs in 72 comparisons (largest per-comparison mean 1.5e-6, h2i) "
+                     "(packages/runner/tests/test_graph_*.py, dev profile). The cause is batched_vs_alone's: padded "
+                     "buckets and the graph's fixed attention width change matmul shapes, so sums round "
+                     "differently; the issue's 1e-5 holds on five of six families, so the bound is "
+                     "batched_vs_alone's 1e-4"),
+    LogprobTolerance("graph_vs_eager", "bfloat16", 2.5, 3e-2, "target",
+                     "real CUDA graphs vs eager, bf16: padded bucket shapes pick other GEMM blockings, so bf16 "
+                     "rounding differs and a near-tied top-k routing may flip (as engine_vs_hf bf16); to be set from "
+                     "the H200 run of packages/runner/tests/test_graph_*.py (MOELORA_RUNNER_DTYPE=bfloat16 writes "
+                     "graph_vs_eager.jsonl to $MOELORA_GPU_OUT)"),
     LogprobTolerance("tp_vs_tp1", "float32", 1e-4, 1e-5, "target",
                      "tensor parallel vs one rank, fp32 (all-reduce reorders sums as another GEMM blocking would); "
                      "to be confirmed by the TP work's measurement"),

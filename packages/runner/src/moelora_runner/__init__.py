@@ -1,11 +1,13 @@
 """moelora_runner: the reference engine (DESIGN.md §6) — real HF MoE checkpoints and PEFT adapters
-served in mixed batches, eagerly, matching HF + PEFT.
+served in mixed batches, eagerly or on captured graphs (decode graph; prefill ``full`` / ``breakable``),
+matching HF + PEFT.
 
 - :class:`Engine` (:mod:`.engine`): the Python API; :class:`EngineRequest` / :class:`RequestOutput`
   (:mod:`.requests`).
 - :mod:`.model` (decoder), :mod:`.attention` (KV-cache attention), :mod:`.kv_cache`,
   :mod:`.adapter_pool`, :mod:`.scheduler`, :mod:`.sampler`, :mod:`.model_runner`,
-  :mod:`.forward_batch`, :mod:`.metrics`, :mod:`.cli` (the ``moelora`` command).
+  :mod:`.forward_batch`, :mod:`.graph_config`, :mod:`.graph_runner`, :mod:`.metrics`, :mod:`.cli` (the
+  ``moelora`` command).
 - errors: :mod:`.errors`.
 """
 
@@ -15,6 +17,7 @@ from moelora_runner.errors import (
     AdapterPinnedError,
     EngineConfigError,
     EngineError,
+    GraphCaptureError,
     InvalidRequestError,
     NoFreeSlotError,
     PromptTooLongError,
@@ -31,6 +34,7 @@ __all__ = [
     "EngineConfigError",
     "EngineError",
     "EngineRequest",
+    "GraphCaptureError",
     "InvalidRequestError",
     "NoFreeSlotError",
     "PromptTooLongError",

@@ -4,6 +4,8 @@
                      [--backend reference|triton|csgmv|module:factory] [--dtype auto|float32|float16|bfloat16]
                      [--device cpu|cuda] [--max-loras N] [--max-lora-rank R] [--max-loras-per-batch N]
                      [--max-num-batched-tokens N] [--kv-cache-tokens N] [--moe-impl torch|triton]
+                     [--graph eager|full|breakable] [--decode-graph | --no-decode-graph]
+                     [--max-num-requests N] [--prefill-token-buckets 16,32,...] [--decode-batch-buckets 1,2,...]
                      [--metrics-file PATH] [--metrics-port PORT] [--no-progress]
     moelora make-fixtures DIR      # tiny local HF MoE models + PEFT adapters to try it on
 
@@ -23,6 +25,7 @@ import time
 from pathlib import Path
 
 from moelora_core.errors import MoeLoraError
+from moelora_runner.graph_config import PREFILL_MODES
 from moelora_runner.moe_paths import MOE_IMPLS
 
 EXIT_OK, EXIT_FAILED_REQUESTS, EXIT_USAGE = 0, 1, 2
@@ -55,6 +58,18 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-tokens", type=int, default=8192, help="KV cache size in tokens (default 8192)")
     g.add_argument("--moe-impl", choices=list(MOE_IMPLS), default=None,
                    help="base MoE path (default: torch on the CPU, triton on CUDA)")
+    g.add_argument("--graph", choices=list(PREFILL_MODES), default=None,
+                   help="prefill mode: eager, full (whole extend forward captured per token bucket) or breakable "
+                   "(segments between attention calls captured); default: full on CUDA, eager on the CPU")
+    g.add_argument("--decode-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture the decode forward per batch-size bucket (default: on on CUDA, off on the CPU)")
+    g.add_argument("--max-num-requests", type=int, default=None, help="request slots of the prefill graph "
+                   "(default 64)")
+    g.add_argument("--prefill-token-buckets", default=None, metavar="16,32,...",
+                   help="prefill graph token buckets (default: 16, 32, ... doubling up to --max-num-batched-tokens)")
+    g.add_argument("--decode-batch-buckets", default=None, metavar="1,2,...",
+                   help="decode graph batch-size buckets (default: 1, 2, 4, 8, 16, 24, 32, then steps of 16 up to "
+                   "256)")
     g.add_argument("--metrics-file", type=Path, default=None, help="write the Prometheus text exposition here")
     g.add_argument("--metrics-port", type=int, default=None, help="serve the metrics over HTTP on this port")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -102,7 +117,9 @@ def generate(args: argparse.Namespace) -> int:
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         max_loras_per_batch=args.max_loras_per_batch,
                         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens,
-                        moe_impl=args.moe_impl)
+                        moe_impl=args.moe_impl, graph=args.graph, decode_graph=args.decode_graph,
+                        max_num_requests=args.max_num_requests, prefill_token_buckets=args.prefill_token_buckets,
+                        decode_batch_buckets=args.decode_batch_buckets)
     except MoeLoraError as exc:
         return _fail(f"moelora: cannot start: {type(exc).__name__}: {exc}")
     for name, path in args.adapter:
@@ -136,6 +153,7 @@ def generate(args: argparse.Namespace) -> int:
             fh.write(json.dumps(out.to_json()) + "\n")
     table, line = cli_report.summary_table(outputs, seconds)
     console.print(table)
+    console.print(cli_report.passes_table(engine))
     console.print(line, highlight=False, soft_wrap=True)
     for out in outputs:
         if out.finish_reason == "error":

@@ -1,5 +1,6 @@
-"""What ``moelora generate`` shows on stderr: the start-up sizing line, a rich progress bar, and the
-summary table (requests, tokens, tokens/s, per adapter)."""
+"""What ``moelora generate`` shows on stderr: the start-up sizing line (with the graph settings), a rich
+progress bar, the summary table (requests, tokens, tokens/s, per adapter) and the forward passes per
+phase, mode and fallback reason."""
 
 from __future__ import annotations
 
@@ -28,7 +29,36 @@ def sizing_line(engine) -> str:
             f"({human_bytes(s['kv_cache_bytes'])}, {s['kv_bytes_per_token']} B/token); adapter slot "
             f"{human_bytes(s['adapter_slot_bytes'])} x {s['max_loras']} slots (R {s['max_lora_rank']}); "
             f"backend {engine.backend_name}, dtype {str(engine.dtype).removeprefix('torch.')}, "
-            f"device {engine.device}, moe-impl {engine.moe_impl}")
+            f"device {engine.device}, moe-impl {engine.moe_impl}; {graphs_text(engine.graphs)}")
+
+
+def _buckets(sizes) -> str:
+    return ",".join(map(str, sizes)) if len(sizes) <= 6 else f"{sizes[0]}..{sizes[-1]} in {len(sizes)} buckets"
+
+
+def graphs_text(g) -> str:
+    """The graph settings in a few words (``moelora_runner.graph_config.GraphConfig``)."""
+    prefill = "prefill eager" if g.prefill == "eager" else (
+        f"prefill {g.prefill} (tokens {_buckets(g.prefill_buckets)}; {g.max_num_requests} request slots)")
+    decode = f"decode graph (bs {_buckets(g.decode_buckets)})" if g.decode_graph else "decode eager"
+    capture = f", capture {g.capture}" if g.any_graph else ""
+    return f"graphs: {prefill}, {decode}{capture}"
+
+
+def passes_table(engine) -> Table:
+    """Forward passes by phase, mode and reason (``moelora_forward_passes_total``)."""
+    table = Table(title="forward passes", show_header=True, header_style="bold")
+    for name, justify in (("phase", "left"), ("mode", "left"), ("reason", "left"), ("passes", "right")):
+        table.add_column(name, justify=justify)
+    rows = []
+    for metric in engine.metrics_.forward_passes.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                lab = sample.labels
+                rows.append((lab["phase"], lab["mode"], lab["reason"] or "-", int(sample.value)))
+    for row in sorted(rows):
+        table.add_row(*row[:3], str(row[3]))
+    return table
 
 
 def progress(console: Console, total: int, enabled: bool) -> Progress:

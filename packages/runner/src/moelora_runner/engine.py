@@ -21,6 +21,9 @@ Decisions (DESIGN.md §6 leaves them open):
 - Generation stops at the model's context (``max_position_embeddings``): finish reason "length".
 - A backend that declares ``fused_moe`` (the reference backend) runs its own MoE forward; the
   ``moe_impl`` choice applies to the others.
+- Graphs (``graph``, ``decode_graph`` and the bucket arguments, :mod:`.graph_config`): on CUDA the
+  prefill ``full`` graph and the decode graph by default, every bucket captured at start-up; on the
+  CPU everything eager unless asked, buckets captured on first use on the emulator.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from moelora_core.errors import MoeLoraError
 from moelora_core.weights import LoRAWeights
 from moelora_runner.adapter_pool import AdapterPool
 from moelora_runner.errors import EngineConfigError, InvalidRequestError, PromptTooLongError
+from moelora_runner.graph_config import resolve_graph_config
 from moelora_runner.kv_cache import KVCache
 from moelora_runner.metrics import EngineMetrics
 from moelora_runner.model import MoEDecoder
@@ -80,11 +84,22 @@ class Engine:
         moe_impl: "torch" or "triton" base MoE path (default: torch on the CPU, triton on CUDA).
         max_num_seqs: requests running at once (rows of the KV table).
         check_host_sync: run every forward under ``moelora_core.graphs.host_sync_guard``.
+        graph: the prefill mode, "eager", "full" or "breakable" (None: "full" on CUDA when the
+            backend declares it, else "eager").
+        decode_graph: the decode graph on or off (None: on on CUDA when the backend declares it).
+        max_num_requests: request slots of the prefill graph (default 64).
+        prefill_token_buckets, decode_batch_buckets: bucket sizes (ints or a comma list; defaults in
+            :mod:`.graph_config`).
+        graph_capture: "startup" (every bucket when the engine starts; CUDA's default) or "lazy" (a
+            bucket on its first use; the CPU's default).
 
     Raises:
         EngineConfigError: an argument out of range, a dtype / device / rank the backend does not
             declare, the Triton path on a CPU without ``TRITON_INTERPRET=1``, bf16 Triton kernels on
-            a CPU (the interpreter computes bf16 wrongly).
+            a CPU (the interpreter computes bf16 wrongly), a graph mode or family the backend does
+            not declare, bad buckets.
+        GraphCaptureError: a start-up capture the backend answers with ``Fallback`` or
+            ``has_active_lora`` False.
         CheckpointError (and subclasses): the checkpoint cannot be read.
         InvalidFieldError: an unknown backend name.
     """
@@ -93,7 +108,9 @@ class Engine:
                  device: str | torch.device = "cpu", max_loras: int = 4, max_lora_rank: int = 64,
                  max_loras_per_batch: int | None = None, max_num_batched_tokens: int = 2048,
                  kv_cache_tokens: int = 8192, moe_impl: str | None = None, max_num_seqs: int = 256,
-                 check_host_sync: bool = False) -> None:
+                 check_host_sync: bool = False, graph: str | None = None, decode_graph: bool | None = None,
+                 max_num_requests: int | None = None, prefill_token_buckets=None, decode_batch_buckets=None,
+                 graph_capture: str | None = None) -> None:
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank),
@@ -111,7 +128,8 @@ class Engine:
         self.moe_impl = self._resolve_moe_impl(moe_impl)
         self.backend_name = backend
         spec = config.layer_spec(max_loras=max_loras, max_rank=max_lora_rank, dtype=self.dtype, device=self.device)
-        self.backend = load_backend(backend)(spec)
+        factory = load_backend(backend)
+        self.backend = factory(spec)
         caps = self.backend.capabilities()
         if self.dtype not in caps.dtypes:
             raise EngineConfigError("dtype", f"backend {backend!r} does not compute in {self.dtype} "
@@ -128,6 +146,11 @@ class Engine:
         if caps.max_rank is not None and max_lora_rank > caps.max_rank:
             raise EngineConfigError("max_lora_rank",
                                     f"{max_lora_rank} > backend {backend!r}'s max rank {caps.max_rank}")
+        self.graphs = resolve_graph_config(
+            device=self.device, caps=caps, backend=backend, graph=graph, decode_graph=decode_graph,
+            max_num_requests=max_num_requests, prefill_token_buckets=prefill_token_buckets,
+            decode_batch_buckets=decode_batch_buckets, max_num_batched_tokens=max_num_batched_tokens,
+            max_bs=max_num_seqs, capture=graph_capture)
 
         self.metrics_ = EngineMetrics()
         weights = read_checkpoint(self.model_dir, dtype=self.dtype)
@@ -144,7 +167,10 @@ class Engine:
                                    max_loras_per_batch=per_batch, max_running=max_num_seqs,
                                    max_batch_requests=caps.max_requests)
         self.runner = ModelRunner(self.model, self.backend, self.adapters, self.kv, self.device,
-                                  check_host_sync=check_host_sync, on_pass=self.metrics_.forward_pass)
+                                  check_host_sync=check_host_sync, on_pass=self.metrics_.forward_pass,
+                                  graphs=self.graphs, make_backend=lambda: factory(spec))
+        if self.graphs.capture == "startup":
+            self.runner.capture_all()
         self.tokenizer = CheckpointTokenizer(self.model_dir)
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank

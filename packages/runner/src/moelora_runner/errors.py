@@ -49,3 +49,10 @@ class NoFreeSlotError(EngineError):
     """No adapter slot can be had now: every slot holds an adapter that is pinned or used by a
     running request (``pin`` of a new adapter then), or every slot is pinned by other adapters (a
     request for an unpinned adapter could then never run)."""
+
+
+class GraphCaptureError(EngineError):
+    """A graph bucket cannot be captured or replayed safely: the backend's ``prepare(batch, family)``
+    answered the capture batch with ``Fallback`` or with ``has_active_lora`` False (the LoRA kernels
+    would never be recorded, DESIGN.md §3), or its static buffers moved after capture (a replay would
+    read the old ones)."""

@@ -18,7 +18,12 @@ logits_indices     [n]     rows whose logits the step returns (sampling rows, pr
 ``max_context`` (host) is the key width attention gathers per row: the longest ``seq_lens`` entry
 in eager mode (a graph runner fixes it at capture). The ``BatchSpec`` and the backend's
 ``LoRABatchInfo`` of the step travel with it: one ``prepare`` per forward, every layer reads the
-same info. A graph runner writes the same fields into static buffers in place; the model reads only
+same info.
+
+Two ways to the device: :class:`ForwardBatchStager` stages a step into fresh tensors of the step's
+own sizes (eager); :class:`StaticForwardBatch` holds the fields of one graph bucket as static
+buffers of the bucket's capacity, written in place every step with the tails reset (pad rows: token
+0, position 0, the null KV location, the KV table's padding row; DESIGN.md §3). The model reads only
 the fields, so it cannot tell the two apart.
 """
 
@@ -33,6 +38,7 @@ from moelora_core.batch import BatchSpec
 from moelora_core.batch_info import LoRABatchInfo
 from moelora_core.forward_mode import ForwardMode
 from moelora_core.staging import PinnedStaging
+from moelora_core.static_buffer import StaticBuffer
 
 #: Token-level fields, then request-level, then the logits rows (staging order).
 _TOKEN_FIELDS = ("input_ids", "positions", "out_cache_loc", "token_rows")
@@ -74,9 +80,10 @@ class ForwardBatchHost:
 
 @dataclass
 class ForwardBatch:
-    """The device side of one step (see the module table). ``host`` keeps the lists it came from."""
+    """The device side of one step (see the module table). ``host`` keeps the lists it came from
+    (None for a graph bucket's static batch, whose rows are the bucket's capacity)."""
 
-    host: ForwardBatchHost
+    host: ForwardBatchHost | None
     lora_info: LoRABatchInfo
     max_context: int
     input_ids: torch.Tensor
@@ -88,12 +95,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor
 
     @property
-    def forward_mode(self) -> ForwardMode:
-        return self.host.forward_mode
-
-    @property
     def num_tokens(self) -> int:
-        return self.host.num_tokens
+        """Rows of the step (a static batch: its token capacity); a host shape."""
+        return self.input_ids.shape[0]
 
 
 class ForwardBatchStager:
@@ -122,3 +126,59 @@ class ForwardBatchStager:
                 tensors[name] = torch.empty(len(values), dtype=torch.int64, device=self.device)
                 stage.copy(values, tensors[name])
         return ForwardBatch(host=host, lora_info=lora_info, max_context=host.max_context, **tensors)
+
+
+class StaticForwardBatch:
+    """The :class:`ForwardBatch` fields of one graph bucket as static buffers (DESIGN.md §3): allocated
+    once at the bucket's capacity, written in place by :meth:`write` through pinned staging (one
+    non-blocking copy), tails reset every time.
+
+    Pad values (rows past the step's tokens, requests past its requests): ``input_ids`` 0,
+    ``positions`` 0, ``out_cache_loc`` the null location, ``token_rows`` / ``req_pool_indices`` the
+    KV table's padding row, ``seq_lens`` 0. A pad row so writes its K/V to the null location and
+    attends to it alone: finite, and no request's cache is touched. Its outputs are discarded.
+
+    Args:
+        max_tokens, max_requests: the bucket's token and request capacity.
+        max_context: the attention key width fixed at capture (the KV table's width).
+        null_location, padding_row: from the KV cache.
+        device: where the buffers live.
+    """
+
+    def __init__(self, *, max_tokens: int, max_requests: int, max_context: int, null_location: int,
+                 padding_row: int, device: torch.device) -> None:
+        self.max_tokens = max_tokens
+        self.max_requests = max_requests
+        self.max_context = max_context
+        fills = {"input_ids": 0, "positions": 0, "out_cache_loc": null_location, "token_rows": padding_row,
+                 "req_pool_indices": padding_row, "seq_lens": 0}
+        self.buffers = {name: StaticBuffer(f"static.{name}", max_tokens if name in _TOKEN_FIELDS else max_requests,
+                                           dtype=torch.int64, device=device, fill=fill)
+                        for name, fill in fills.items()}
+        self._staging = PinnedStaging(len(_TOKEN_FIELDS) * max_tokens + len(_REQUEST_FIELDS) * max_requests,
+                                      torch.int64, device)
+        self._no_rows = torch.empty(0, dtype=torch.int64, device=device)
+
+    def fits(self, host: ForwardBatchHost) -> bool:
+        """Whether ``host``'s tokens and requests fit the capacity (host numbers only)."""
+        return host.num_tokens <= self.max_tokens and len(host.seq_lens) <= self.max_requests
+
+    def write(self, host: ForwardBatchHost) -> None:
+        """Write ``host``'s lists into the buffers' heads and the pad values into their tails.
+
+        Raises:
+            InvalidFieldError: more tokens or requests than the capacity (nothing written).
+        """
+        for name in (*_TOKEN_FIELDS, *_REQUEST_FIELDS):  # every check before the first write
+            self.buffers[name].padded(getattr(host, name))
+        with self._staging.batch() as stage:
+            for name in (*_TOKEN_FIELDS, *_REQUEST_FIELDS):
+                self.buffers[name].write(getattr(host, name), stage=stage)
+
+    def forward_batch(self, lora_info: LoRABatchInfo) -> ForwardBatch:
+        """The bucket's :class:`ForwardBatch`: the static buffers, ``max_context`` fixed, with
+        ``lora_info`` (a graph family's info: its device fields are that family's static buffers).
+        ``logits_indices`` is empty: the LM head runs after the replay on the live step's rows."""
+        return ForwardBatch(host=None, lora_info=lora_info, max_context=self.max_context,
+                            logits_indices=self._no_rows,
+                            **{name: b.tensor for name, b in self.buffers.items()})

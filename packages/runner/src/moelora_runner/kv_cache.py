@@ -7,12 +7,15 @@ Layout (L layers, N = ``kv_cache_tokens``, nkv KV heads, d head_dim, W = table w
 tensor         shape, dtype              meaning
 =============  ========================  ==================================================
 k, v           [L, N + 1, nkv, d] model  K/V of every cached token, by location
-req_to_token   [max_requests, W] int32   per request row: position p → location; 0 past the
-                                         request's reservation
+req_to_token   [max_requests + 1, W]     per request row: position p → location; 0 past the
+               int32                     request's reservation; the last row is the padding row
 =============  ========================  ==================================================
 
 Location 0 is the **null location**: never handed out, so table entries past a request's reservation
-(and the pad rows of a graph batch) point at a valid row that attention masks out by position.
+(and the pad rows of a graph batch) point at a valid row that attention masks out by position. The
+**padding row** (``padding_row``, the table's last row) is never handed out either and always reads
+the null location: a graph bucket's pad rows read it and write their K/V to the null location, so
+they touch no request's cache.
 Attention reads K/V through ``req_to_token`` rows gathered over a host-known width, so no shape
 depends on a device value (DESIGN.md §6).
 
@@ -53,7 +56,8 @@ class KVCache:
     Args:
         num_layers, num_kv_heads, head_dim: the model's attention geometry.
         num_tokens: N, the token budget (locations 1..N).
-        max_requests: rows of ``req_to_token`` (requests that can hold a reservation at once).
+        max_requests: requests that can hold a reservation at once (``req_to_token`` has one more
+            row: the padding row).
         max_context: W, the table width: the longest reservation (prompt + output) a request may have.
         dtype, device: of the K/V pool.
     """
@@ -67,7 +71,9 @@ class KVCache:
         shape = (num_layers, num_tokens + 1, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.req_to_token = torch.zeros(max_requests, max_context, dtype=torch.int32, device=device)
+        self.req_to_token = torch.zeros(max_requests + 1, max_context, dtype=torch.int32, device=device)
+        #: The row of graph pad rows: all null locations, never allocated (see the module doc).
+        self.padding_row = max_requests
         self._free_locs: list[int] = list(range(1, num_tokens + 1))
         self._free_rows: list[int] = list(range(max_requests))
         self._staging = PinnedStaging(max_context, torch.int32, device)

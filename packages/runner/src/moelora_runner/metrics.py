@@ -4,8 +4,11 @@
 metric                                            labels               counts
 ================================================  ===================  ===============================================
 ``moelora_forward_passes_total``                  phase, mode, reason  forward passes; phase prefill | decode | idle,
-                                                                       mode eager (graph runners add theirs), reason
-                                                                       why that mode ran ("disabled": no graph runner)
+                                                                       mode eager | full | breakable | decode_graph;
+                                                                       reason "" for a graph pass, else why it ran
+                                                                       eagerly: disabled (no graph for the phase),
+                                                                       over_tokens, over_requests, backend_fallback
+                                                                       (``moelora_runner.graph_runner.REASONS``)
 ``moelora_tokens_total``                          kind                 prompt tokens computed, output tokens generated
 ``moelora_requests_finished_total``               finish_reason        requests that ended (stop | length | error)
 ``moelora_adapter_loads_total``                                        slot loads (first loads and reloads)

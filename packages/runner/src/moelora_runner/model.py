@@ -20,7 +20,9 @@ The forward is split where a graph runner needs seams: :meth:`MoEDecoder.embed`,
 :meth:`MoEDecoder.pre_attention`, :meth:`MoEDecoder.attention` (the KV write and read, the one step
 that reads per-request metadata), :meth:`MoEDecoder.post_attention`, :meth:`MoEDecoder.logits`; a
 ``breakable`` prefill graph captures everything between two attention calls. No step branches on a
-device value or reads one; every shape comes from host numbers.
+device value or reads one; every shape comes from host numbers. :meth:`MoEDecoder.hidden_states` is
+the forward up to the final norm (what ``full`` and decode graphs capture; the LM head runs on the
+step's logits rows after the replay).
 
 Dtypes: weights and activations in the model dtype; RMSNorm and the router softmax in fp32 (as
 transformers); the MoE base path and the backend decide their own intermediates.
@@ -210,11 +212,16 @@ class MoEDecoder:
         rows = h.index_select(0, fb.logits_indices)
         return F.linear(rms_norm(rows, self.norm, self.config.rms_norm_eps), self.lm_head)
 
-    def forward(self, fb: ForwardBatch, kv: KVCache, lora: LoRAContext) -> torch.Tensor:
-        """The eager forward: embed → every layer (pre-attention, attention, post-attention) → logits."""
+    def hidden_states(self, fb: ForwardBatch, kv: KVCache, lora: LoRAContext) -> torch.Tensor:
+        """[T, H] the last layer's output (before the final norm): embed → every layer
+        (pre-attention, attention, post-attention). What a ``full`` or decode graph captures."""
         h = self.embed(fb)
         for i in range(self.num_layers):
             q, k, v = self.pre_attention(i, h, fb, lora)
             attn = self.attention(i, q, k, v, fb, kv)
             h = self.post_attention(i, attn, h, fb, lora)
-        return self.logits(h, fb)
+        return h
+
+    def forward(self, fb: ForwardBatch, kv: KVCache, lora: LoRAContext) -> torch.Tensor:
+        """The eager forward: :meth:`hidden_states` → :meth:`logits`."""
+        return self.logits(self.hidden_states(fb, kv, lora), fb)
