@@ -9,7 +9,7 @@ capture, replay returns the same output object every time, graphs of a pool are 
 import pytest
 import torch
 
-from moelora_core import GRAPH_FAMILIES, InvalidFieldError
+from moelora_core import GRAPH_FAMILIES, HostSyncError, InvalidFieldError
 from moelora_core.graphs import GRAPH_KINDS, GraphPool, graph_pools
 
 pytestmark = pytest.mark.cudagraph
@@ -71,3 +71,29 @@ def test_cuda_graph_and_emulator_agree_on_cuda(name):
     assert gp.check_run(prog, cuda) == [] and gp.check_run(prog, emulated) == []
     assert (cuda.error is None) == (emulated.error is None)
     assert all(gp.same(a, b) for a, b in zip(cuda.replay, emulated.replay))
+
+
+def _kinds():
+    return ["emulated"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("kind", _kinds())
+def test_a_failed_cuda_capture_leaves_its_pool_usable(kind):
+    # Regression (H200, the engine's graph tests): a capture invalidated by a host sync left the CUDA
+    # caching allocator recording into the pool, so the family's next capture failed ("already
+    # recording to mempool_id") and later work with "invalid argument".
+    device = "cuda" if kind == "cuda" else "cpu"
+    pool = GraphPool("prefill", device, kind=kind)
+    x = torch.randn(8, device=device)
+
+    def leaky():
+        return x * float(x.sum().item())  # a host read: refused during capture
+
+    with pytest.raises(HostSyncError):
+        pool.capture(leaky, warmup=0)
+    graph = pool.capture(lambda: x * 2.0, warmup=0)
+    x.copy_(torch.randn(8, device=device))
+    assert torch.equal(graph.replay(), x * 2.0)
+    staged = torch.empty(8, device=device)
+    staged.copy_(torch.arange(8.0).pin_memory() if kind == "cuda" else torch.arange(8.0), non_blocking=True)
+    assert torch.equal(staged.cpu(), torch.arange(8.0))

@@ -141,11 +141,30 @@ class GraphPool:
         try:
             with torch.cuda.graph(graph, pool=self._handle):
                 output = fn()
-        except RuntimeError as exc:
-            if _is_capture_error(exc):
+        except BaseException as exc:
+            self._after_failed_capture()
+            if isinstance(exc, RuntimeError) and _is_capture_error(exc):
                 raise HostSyncError(f"host sync during CUDA graph capture ({self.family}): {exc}") from exc
             raise
         return CudaGraph(self.family, graph, output)
+
+    def _after_failed_capture(self) -> None:
+        """Leave the pool usable after a capture that raised.
+
+        When a host sync invalidates a CUDA stream capture, ``CUDAGraph.capture_end`` fails at
+        ``cudaStreamEndCapture`` before it tells the caching allocator to stop recording into the
+        pool, so the next capture into the same pool failed with "beginAllocateToPool: already
+        recording to mempool_id" and later work with "invalid argument" (found on the H200 by the
+        engine's graph tests: a bucket captured after a refused capture; named test
+        ``test_a_failed_cuda_capture_leaves_its_pool_usable``). The recording is ended here if it is
+        still open, and the pool takes a fresh handle, so nothing of the failed capture is reused.
+        """
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        try:
+            torch._C._cuda_endAllocateToPool(index, self._handle)
+        except RuntimeError:
+            pass  # capture_end got as far as ending the recording itself
+        self._handle = torch.cuda.graph_pool_handle()
 
 
 def graph_pools(device: torch.device | str, *, kind: str | None = None) -> dict[str, GraphPool]:
