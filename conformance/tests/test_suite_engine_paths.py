@@ -267,8 +267,8 @@ def test_two_layer_cases_share_slots_and_ranks_but_not_values(case):
 
 def _suite():
     backend = make_backend(LayerShape(8, 8, 2, 2, 1, (), 1, 1).spec())
-    return Suite("reference", make_backend, "reference", backend.version, backend.capabilities(), CPU,
-                 PROFILES["interpret"], CAPS)
+    return Suite(target="reference", factory=make_backend, name="reference", version=backend.version,
+                 capabilities=backend.capabilities(), device=CPU, profile=PROFILES["interpret"], caps=CAPS)
 
 
 @pytest.mark.parametrize("mode", ["eager", "decode", "prefill-full"])

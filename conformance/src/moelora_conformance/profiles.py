@@ -57,21 +57,33 @@ class SizeCaps:
 
 @dataclass(frozen=True)
 class Profile:
-    """A named profile: Hypothesis settings plus size caps."""
+    """A named profile: Hypothesis settings plus size caps.
+
+    Attributes:
+        shrink_seconds: how long Hypothesis may shrink one failure (None: its own five minutes;
+            the conformance plugin applies it through :mod:`moelora_conformance.hypothesis_compat`).
+    """
 
     name: str
     caps: SizeCaps
     max_examples: int
     phases: tuple[Phase, ...] = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink)
+    shrink_seconds: float | None = None
 
     def settings(self, *, derandomize: bool = False) -> settings:
-        """Hypothesis settings of the profile; ``derandomize`` fixes the search (CI)."""
+        """Hypothesis settings of the profile; ``derandomize`` fixes the search (CI).
+
+        ``report_multiple_bugs``: each distinct failure (exception type and place) is shrunk on its
+        own and reported with its own example, so a shrunk example never slips from the failure
+        found to another one.
+        """
         return settings(
             max_examples=self.max_examples,
             phases=self.phases,
             deadline=None,
             derandomize=derandomize,
             print_blob=True,
+            report_multiple_bugs=True,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                    HealthCheck.function_scoped_fixture],
             database=None,
@@ -96,9 +108,11 @@ _GPU_CAPS = SizeCaps(
 )
 
 PROFILES: dict[str, Profile] = {
-    "interpret": Profile("interpret", _CPU_CAPS, max_examples=15),
-    "dev": Profile("dev", _DEV_CAPS, max_examples=50),
-    "gpu": Profile("gpu", _GPU_CAPS, max_examples=100),
+    # shrink bounds: a counterexample within a minute on two cores (interpret), longer where a run
+    # is allowed to take longer
+    "interpret": Profile("interpret", _CPU_CAPS, max_examples=15, shrink_seconds=20),
+    "dev": Profile("dev", _DEV_CAPS, max_examples=50, shrink_seconds=60),
+    "gpu": Profile("gpu", _GPU_CAPS, max_examples=100, shrink_seconds=120),
     "soak": Profile("soak", _GPU_CAPS, max_examples=2000),
     "repro": Profile("repro", _CPU_CAPS, max_examples=1, phases=(Phase.explicit, Phase.generate)),
 }

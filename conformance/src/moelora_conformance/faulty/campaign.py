@@ -65,7 +65,7 @@ def run_mutation(name: str, *, profile: str = "interpret", seed: int | None = DE
     extra = ["-k", WITHOUT_METADATA] if without_metadata else []
     run = run_suite(target(name), profile=profile, no_shrink=True, exitfirst=True, hypothesis_seed=seed,
                     timeout=timeout, max_examples=getattr(_mutant(name), "max_examples", None), extra=extra)
-    failed = [r for r in (run.report or {}).get("records", []) if r["outcome"] in ("failed", "error")]
+    failed = [r for r in (run.report or {}).get("records", []) if r["outcome"] in ("failed", "xpassed")]
     if run.returncode == 0 or not failed:
         return MutationResult(name, False, "", "", "", "", "", run.seconds, 0.0, run)
     first = failed[0]

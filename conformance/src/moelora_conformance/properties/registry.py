@@ -6,11 +6,11 @@ test function's name (``test_<promise>``); the title is what the report prints.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import settings
 
 from moelora_conformance.strategies.suite import FAMILY_MODES, LAYER_MODES
 
@@ -62,29 +62,33 @@ PROPERTIES: dict[str, Property] = {p.id: p for p in (
 )}
 
 
-#: The Hypothesis settings of the running suite (set by the plugin before the property modules are
-#: imported). Applied to every property explicitly: a ``conftest.py`` that loads another profile
-#: while pytest collects (this repository's root one does) must not change the suite's profile.
-SUITE_SETTINGS: settings | None = None
-
-
 def conformance(property_id: str) -> Callable:
     """Decorate a ``@given`` test as property ``property_id``: the plugin parametrizes ``mode`` and
-    ``dtype`` from the mark, and the suite's Hypothesis settings are applied to it.
+    ``dtype`` from the mark and applies the run's Hypothesis settings to it at collection (a
+    ``conftest.py`` that loads another profile while pytest collects cannot change them).
 
     Raises:
         KeyError: an unknown id.
     """
     if property_id not in PROPERTIES:
         raise KeyError(f"unknown property id {property_id!r}; known: {sorted(PROPERTIES)}")
-    mark = getattr(pytest.mark, MARKER)(property_id)
+    return getattr(pytest.mark, MARKER)(property_id)
 
-    def decorate(test: Callable) -> Callable:
-        if SUITE_SETTINGS is not None:
-            test = settings(SUITE_SETTINGS)(test)
-        return mark(test)
 
-    return decorate
+#: A property module is ``test_p<NN>_<promise>.py`` (the id's digits): how a node id names its property
+#: where no item object is at hand (the xdist controller, a crashed worker's report).
+_NODEID = re.compile(r"(?:^|/)test_p(\d\d)_\w+\.py::(\w+)(?:\[(.+)\])?$")
+
+
+def item_fields(nodeid: str) -> dict[str, str] | None:
+    """{property, title, mode, dtype, test} of a property item's node id, or None for other tests."""
+    m = _NODEID.search(nodeid)
+    if m is None or f"P{m[1]}" not in PROPERTIES or not m[3]:
+        return None
+    mode, _, dtype = m[3].rpartition("-")
+    pid = f"P{m[1]}"
+    return {"property": pid, "title": PROPERTIES[pid].title, "mode": mode, "dtype": dtype,
+            "test": f"{m[2]}[{m[3]}]"}
 
 
 def property_of(item: pytest.Item) -> Property | None:

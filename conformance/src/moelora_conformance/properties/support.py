@@ -39,7 +39,7 @@ from moelora_core.capabilities import Capabilities, Fallback
 from moelora_core.forward_mode import ForwardMode
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Suite:
     """The session's settings, built by the plugin.
 
@@ -49,6 +49,7 @@ class Suite:
         device: where cases are materialized and run.
         profile: the loaded profile. caps: its size caps bounded by the backend's limits.
         oracle_rows: rows the per-token oracle checks per run (None = all).
+        origin: where the factory came from (module, file, distribution; the report header).
     """
 
     target: str
@@ -60,6 +61,7 @@ class Suite:
     profile: Profile
     caps: SizeCaps
     oracle_rows: int | None = None
+    origin: dict | None = None
 
     @property
     def moe_paths(self) -> tuple[str, ...]:
@@ -71,15 +73,29 @@ class Suite:
         return None if self.capabilities.virtual_experts else False
 
 
-# --- the trace of the running example (read by the plugin when a test fails) ---------------------
+# --- the trace of the running example -----------------------------------------------------------
 
-TRACE: list[str] = []
+#: Prefix of the example's trace lines among Hypothesis' notes of a failure (the plugin reads them
+#: back from the failing exception: each distinct failure carries its own example's lines).
+TRACE_PREFIX = "moelora | "
 
 
 def trace(line: str) -> None:
-    """Add a line to the running example's trace (and to Hypothesis' failure report)."""
-    TRACE.append(line)
-    note(line)
+    """Add a line to the running example's trace: a Hypothesis ``note``, which Hypothesis attaches
+    to the failure of that example (the plugin prints it in the repro)."""
+    note(TRACE_PREFIX + line)
+
+
+def trace_lines(exc: BaseException | None) -> list[str]:
+    """The trace lines of the example that raised ``exc`` (from its notes, or its cause's)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        lines = [n[len(TRACE_PREFIX):] for n in getattr(exc, "__notes__", ()) if n.startswith(TRACE_PREFIX)]
+        if lines:
+            return lines
+        exc = exc.__cause__ or exc.__context__
+    return []
 
 
 def draw_case(data: st.DataObject, suite: Suite, mode: str, dtype: torch.dtype, **kwargs) -> MoELoRACase:
@@ -91,8 +107,7 @@ def draw_case(data: st.DataObject, suite: Suite, mode: str, dtype: torch.dtype, 
     """
     kwargs.setdefault("virtual_experts", suite.virtual_experts)
     case = data.draw(suite_cases(suite.caps, mode, dtype, **kwargs), label="case")
-    TRACE.clear()
-    TRACE.append(f"case: {case.describe()}")
+    trace(f"case: {case.describe()}")
     return case
 
 
