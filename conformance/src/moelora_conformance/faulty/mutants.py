@@ -230,6 +230,24 @@ class DenseOutAssumedContiguous(ReferenceBackend):
         super().dense_delta(module, x, out.contiguous(), weights, info)  # FAULT: a copy of a strided out
 
 
+class ExpertIdEOffByOne(ReferenceBackend):
+    """The upper bound of a LoRA expert id is off by one (``id <= E``): a fused shared expert's id of
+    exactly E reads the LoRA of the next slot's first expert through the flat ``[L·E]`` expert index
+    (sgl-project/sglang's shared-expert-fusion out-of-bounds read); ids past E are still refused."""
+
+    name = "mutant-expert-id-E-off-by-one"
+
+    def _pair_index(self, topk_ids: torch.Tensor, info: LoRABatchInfo):
+        if self.spec.virtual_experts:
+            return super()._pair_index(topk_ids, info)
+        L, E = self.spec.max_loras, self.spec.E
+        slot = info.moe.token_lora_mapping.long()[:, None].expand_as(topk_ids)
+        ids = topk_ids.long()
+        valid = (slot >= 0) & (slot < L) & (ids >= 0) & (ids <= E)  # FAULT: <= E where ids < E
+        flat = torch.where(valid, slot * E + ids, torch.zeros_like(ids)) % (L * E)  # a flat read past slot s
+        return valid, (flat // E, flat % E), flat // E
+
+
 #: Mutation name → (backend class, what the fault is).
 MUTANTS: dict[str, type[ReferenceBackend]] = {
     "stale-tail": StaleTail,
@@ -245,4 +263,5 @@ MUTANTS: dict[str, type[ReferenceBackend]] = {
     "sigma-in-bf16": SigmaInBf16,
     "pair-index-cached-per-info": PairIndexCachedPerInfo,
     "dense-out-assumed-contiguous": DenseOutAssumedContiguous,
+    "expert-id-E-off-by-one": ExpertIdEOffByOne,
 }

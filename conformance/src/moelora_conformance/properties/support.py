@@ -103,9 +103,11 @@ def draw_case(data: st.DataObject, suite: Suite, mode: str, dtype: torch.dtype, 
 
     Args:
         kwargs: passed to :func:`~moelora_conformance.strategies.suite.suite_cases` (kinds,
-            adapter_modes, routing_modes, virtual_experts).
+            adapter_modes, routing_modes, virtual_experts, extra_experts: by default drawn only where
+            the backend declares ``fused_shared_experts``).
     """
     kwargs.setdefault("virtual_experts", suite.virtual_experts)
+    kwargs.setdefault("extra_experts", suite.capabilities.fused_shared_experts)
     case = data.draw(suite_cases(suite.caps, mode, dtype, **kwargs), label="case")
     trace(f"case: {case.describe()}")
     return case

@@ -244,6 +244,7 @@ def moe_lora_cases(
     virtual_experts: bool | None = None,
     dtype: torch.dtype | None = None,
     moe_layers: tuple[int, ...] = (1,),
+    extra_experts: bool = True,
 ) -> MoELoRACase:
     """A ``MoELoRACase`` within ``caps`` (default: the loaded profile's).
 
@@ -252,9 +253,11 @@ def moe_lora_cases(
         virtual_experts: force virtual experts on/off (default: drawn).
         dtype: force a dtype (default: drawn from the caps; bf16 only with CUDA).
         moe_layers: MoE layer counts to draw from (default: one layer).
+        extra_experts: also draw extra fused base experts (ids in ``[E, E_base)``; False for a backend
+            that does not declare ``fused_shared_experts``).
     """
     caps = caps if caps is not None else current_profile().caps
-    shape = draw(layer_shapes(caps))
+    shape = draw(layer_shapes(caps, extra_experts=extra_experts))
     dt = dtype if dtype is not None else draw(dtypes(caps))
     ve = virtual_experts if virtual_experts is not None else draw(st.booleans())
     pool = draw(adapter_pools(shape))

@@ -14,6 +14,7 @@ import torch
 from hypothesis import strategies as st
 
 from moelora_conformance.profiles import SizeCaps, current_profile
+from moelora_conformance.strategies.choice import uniform
 from moelora_core.layer_spec import DENSE_MODULES, LoRALayerSpec
 
 #: Real layer shapes by name: H, I, E, top_k and the attention projections (in, out).
@@ -105,7 +106,9 @@ def layer_shapes(draw, caps: SizeCaps | None = None, *, min_size: int = 4,
     I = draw(st.integers(min_size, caps.max_intermediate))  # noqa: E741
     E = draw(st.integers(1, caps.max_experts))
     top_k = draw(st.integers(1, min(caps.max_top_k, E)))
-    extra = draw(st.integers(0, 2)) if extra_experts else 0
+    # 0, 1 or 2 extra fused experts, each a third of the draws: ids E and E_base - 1 are boundaries
+    # the routing always draws (strategies.routing) where sentinels are drawn
+    extra = draw(uniform((0, 1, 2))) if extra_experts else 0
     modules = draw(st.sampled_from(("qkvo", "none", "qo", "kv")))
     d_q = draw(st.integers(min_size, caps.max_hidden))
     d_kv = draw(st.integers(min_size, caps.max_hidden))
