@@ -16,7 +16,7 @@ from moelora_core.batch import BatchSpec, Request
 from moelora_core.batch_info import LoRABatchInfo
 from moelora_core.sentinels import NO_ADAPTER
 from moelora_core.static_buffer import StaticBuffer
-from moelora_core.weights import LoRAWeights
+from moelora_core.weights import LoRAWeights, module_index
 from moelora_reference.backend import ReferenceBackend
 
 
@@ -248,6 +248,63 @@ class ExpertIdEOffByOne(ReferenceBackend):
         return valid, (flat // E, flat % E), flat // E
 
 
+class FoldsSigmaIntoPool(ReferenceBackend):
+    """σ is folded into the pool's own B at every MoE delta call (B ← σ·B, σ ← 1, in place): the
+    outputs stay right, but the backend writes the pool it was handed, which every other reader of
+    the pool (another backend, the engine's other layers, an oracle) then sees rescaled."""
+
+    name = "mutant-folds-sigma-into-pool"
+
+    def _fold(self, weights: LoRAWeights, modules: tuple[str, ...]) -> None:
+        for module in modules:
+            _, B = weights.factors(module)
+            sigma = weights.scalings(module)  # a view of module_scalings
+            live = sigma != 0
+            factor = torch.where(live, sigma, torch.ones_like(sigma)).to(B.dtype)
+            B.mul_(factor.reshape(-1, *([1] * (B.dim() - 1))))  # FAULT: the pool's B, in place
+            sigma.copy_(torch.where(live, torch.ones_like(sigma), sigma))
+
+    def moe_gate_up_delta(self, x, topk_ids, gate_up_out, weights, info):
+        self._fold(weights, ("gate", "up"))
+        super().moe_gate_up_delta(x, topk_ids, gate_up_out, weights, info)
+
+    def moe_down_delta(self, h, topk_ids, topk_weights, down_out, weights, info):
+        self._fold(weights, ("down",))
+        super().moe_down_delta(h, topk_ids, topk_weights, down_out, weights, info)
+
+
+_POOL_LOAD_SLOT = LoRAWeights.load_slot
+
+
+def _load_slot_keeping_absent_modules(self: LoRAWeights, slot: int, adapter, *, adapter_scaling=None) -> None:
+    kept = {}
+    for module in (*("gate", "up", "down"), *self.spec.dense_shapes):
+        if module not in adapter and self.host_ranks[module][slot]:
+            A, B = self.factors(module)
+            kept[module] = (A[slot].clone(), B[slot].clone(), self.host_ranks[module][slot],
+                            self.host_scalings[module][slot])
+    _POOL_LOAD_SLOT(self, slot, adapter, adapter_scaling=adapter_scaling)
+    for module, (a, b, r, sigma) in kept.items():  # FAULT: the previous adapter's module is put back
+        A, B = self.factors(module)
+        A[slot].copy_(a)
+        B[slot].copy_(b)
+        self.module_ranks[module_index(module), slot] = r
+        self.module_scalings[module_index(module), slot] = sigma
+        self.host_ranks[module][slot], self.host_scalings[module][slot] = r, sigma
+
+
+class PoolKeepsStaleModules(ReferenceBackend):
+    """The pool keeps a previous adapter's modules in a reused slot: ``load_slot`` of an adapter that
+    lacks a module the slot's previous adapter had leaves that module's factors, rank and σ in place
+    (the fault is in the pool, put in by this backend's factory; the backend itself is right)."""
+
+    name = "mutant-pool-keeps-stale-modules"
+
+    def __init__(self, spec):
+        LoRAWeights.load_slot = _load_slot_keeping_absent_modules  # FAULT: the process's pool class
+        super().__init__(spec)
+
+
 #: Mutation name → (backend class, what the fault is).
 MUTANTS: dict[str, type[ReferenceBackend]] = {
     "stale-tail": StaleTail,
@@ -264,4 +321,6 @@ MUTANTS: dict[str, type[ReferenceBackend]] = {
     "pair-index-cached-per-info": PairIndexCachedPerInfo,
     "dense-out-assumed-contiguous": DenseOutAssumedContiguous,
     "expert-id-E-off-by-one": ExpertIdEOffByOne,
+    "folds-sigma-into-pool": FoldsSigmaIntoPool,
+    "pool-keeps-stale-modules": PoolKeepsStaleModules,
 }

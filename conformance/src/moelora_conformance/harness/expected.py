@@ -10,9 +10,10 @@ On large (GPU-profile) batches the oracle runs on at most ``oracle_rows`` token 
 request's first and last token, then evenly spread rows (the same rows for every check of a run).
 
 Each MoE layer of a two-layer case is checked the same way on its own input (the previous layer's
-actual output after the harness's RMS norm), with its own weights, pool and routing. The oracle
-reads the layer's pools as they are *now*: after a reload (``Layer.reload``) it re-reads them (a CPU
-copy is made again on CUDA).
+actual output after the harness's RMS norm), with its own weights, adapters and routing. The oracle
+never reads the pools the backend is handed: its adapters are the suite's own record of what it
+loaded (:class:`~moelora_conformance.snapshot.AdapterSnapshot`, current after every reload), so a
+backend that writes the pool, or a pool that keeps stale modules, cannot move the expected values.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from moelora_conformance.harness.checks import (
 )
 from moelora_conformance.harness.inputs import BatchInputs
 from moelora_conformance.harness.layer import GUARD_VALUE, Layer, LayerOutput, inter_layer_norm
+from moelora_conformance.snapshot import PoolView
 from moelora_core.batch import BatchSpec
 from moelora_core.weights import LoRAWeights
 from moelora_reference.oracle import dense_lora_forward, moe_lora_forward
@@ -82,23 +84,25 @@ class Expected:
 
 
 class Oracle:
-    """The oracle for one layer: its weights as the layer holds them now (on CUDA, a CPU copy made
-    again whenever the layer's pools were reloaded)."""
+    """The oracle for one layer: its base weights (a CPU copy on CUDA) and the adapters of the
+    layer's snapshot, never its pools."""
 
     def __init__(self, layer: Layer, *, oracle_rows: int | None = None) -> None:
         self.layer = layer
         self.oracle_rows = oracle_rows
-        self._version: int | None = None
         self._m = None
 
     @property
     def m(self):
-        """The layer's ``MaterializedCase`` on the CPU, current with its pools."""
-        layer = self.layer
-        if self._version != layer.pool_version:
+        """The layer's ``MaterializedCase`` on the CPU (its base and dense weights are read)."""
+        if self._m is None:
+            layer = self.layer
             self._m = layer.m if layer.device.type == "cpu" else layer.m.to("cpu")
-            self._version = layer.pool_version
         return self._m
+
+    def adapters(self, layer: int):
+        """MoE layer ``layer``'s adapters as the suite loaded them (a ``PoolView`` of the snapshot)."""
+        return self.layer.snapshot.pool_view(layer)
 
     def _take(self, t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         t = t.detach().to("cpu")
@@ -115,22 +119,23 @@ class Oracle:
         m, batch = self.m, inp.batch
         rows = oracle_row_index(batch, self.oracle_rows)
         mapping = self._take(torch.tensor(batch.token_lora_mapping, dtype=torch.int32), rows)
-        y, y_delta = self._moe(run.moe_in, inp.topk_ids, inp.topk_weights, m.base, m.lora, mapping, rows)
+        lora = self.adapters(0)
+        y, y_delta = self._moe(run.moe_in, inp.topk_ids, inp.topk_weights, m.base, lora, mapping, rows)
         extra = [
-            self._moe(e.moe_in, ids, w, layer.base, layer.lora, mapping, rows)
-            for e, (ids, w), layer in zip(run.extra, inp.extra_routing, m.layers, strict=True)
+            self._moe(e.moe_in, ids, w, layer.base, self.adapters(n), mapping, rows)
+            for n, (e, (ids, w), layer) in enumerate(zip(run.extra, inp.extra_routing, m.layers, strict=True), 1)
         ]
         dense, dense_delta, accumulation = {}, {}, {}
         for mod, x in inp.dense_x.items():
             xr = self._take(x, rows)
-            dense_delta[mod] = dense_lora_forward(xr, None, mod, m.lora, mapping)
-            dense[mod] = dense_lora_forward(xr, m.dense_weights[mod], mod, m.lora, mapping)
-            accumulation[mod] = accumulation_bound(dense_delta_rounding_scale(xr, mod, m.lora, mapping))
+            dense_delta[mod] = dense_lora_forward(xr, None, mod, lora, mapping)
+            dense[mod] = dense_lora_forward(xr, m.dense_weights[mod], mod, lora, mapping)
+            accumulation[mod] = accumulation_bound(dense_delta_rounding_scale(xr, mod, lora, mapping))
         return Expected(rows, y, y_delta, dense, dense_delta, accumulation, extra)
 
 
 def dense_delta_rounding_scale(
-    x: torch.Tensor, module: str, lora: LoRAWeights, token_lora_mapping: torch.Tensor
+    x: torch.Tensor, module: str, lora: LoRAWeights | PoolView, token_lora_mapping: torch.Tensor
 ) -> torch.Tensor:
     """The scale of the fp32 rounding error of a dense LoRA delta ``σ·B(A x)``, per token and column.
 

@@ -134,7 +134,9 @@ def draw_reload(data: st.DataObject, case: MoELoRACase, pool: tuple[SlotAdapter 
                 *, seed: int, label: str) -> Reload:
     """A reload of one of ``slots`` (any slot if empty): a new adapter of rank R (three times in four:
     larger than any the pool held, where R allows) or a drawn rank, with another σ than the slot's
-    adapter — or (one time in four, if the slot holds one) ``clear_slot``."""
+    adapter — half the time targeting only some of the modules the slot's adapter had (slot reuse
+    by an adapter that lacks modules: none of the old one's may remain) — or (one time in four, if
+    the slot holds one) ``clear_slot``."""
     shape = case.shape
     slot = data.draw(uniform(sorted(slots) or list(range(shape.max_loras))), label=f"{label}: slot")
     old = pool[slot]
@@ -144,6 +146,11 @@ def draw_reload(data: st.DataObject, case: MoELoRACase, pool: tuple[SlotAdapter 
     adapter = data.draw(slot_adapters(shape, ranks=st.just(shape.max_rank) if rank_r else None,
                                       exclude_sigma=None if old is None else old.adapter_scaling),
                         label=f"{label}: adapter")
+    if old is not None and len(old.modules) > 1 and data.draw(st.booleans(), label=f"{label}: fewer modules"):
+        had = [m for m, _, _ in old.modules]
+        keep = data.draw(st.lists(uniform(had), min_size=1, max_size=len(had) - 1, unique=True),
+                         label=f"{label}: modules kept")
+        adapter = replace(adapter, modules=tuple((m, adapter.rank, adapter.alpha) for m in had if m in keep))
     return Reload(slot, adapter, seed)
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from hypothesis import strategies as st
 
+from moelora_conformance.snapshot import AdapterSnapshot
 from moelora_conformance.profiles import SizeCaps, current_profile
 from moelora_conformance.strategies.adapters import SlotAdapter, adapter_pools, pool_ranks, pool_scalings
 from moelora_conformance.strategies.batches import BatchPlan, batch_plans
@@ -56,11 +57,16 @@ def adapter_modules(spec: LoRALayerSpec, adapter: SlotAdapter, gen: torch.Genera
     return modules
 
 
-def load_pool(lora: LoRAWeights, pool: tuple[SlotAdapter | None, ...], gen: torch.Generator) -> None:
-    """Load every adapter of ``pool`` into its slot of ``lora`` with fresh values from ``gen``."""
+def load_pool(lora: LoRAWeights, pool: tuple[SlotAdapter | None, ...], gen: torch.Generator,
+              snapshot: AdapterSnapshot | None = None, layer: int = 0) -> None:
+    """Load every adapter of ``pool`` into its slot of ``lora`` with fresh values from ``gen``, and
+    record what was drawn in ``snapshot`` (layer ``layer``) before the pool sees it."""
     for slot, adapter in enumerate(pool):
         if adapter is not None:
-            lora.load_slot(slot, adapter_modules(lora.spec, adapter, gen), adapter_scaling=adapter.adapter_scaling)
+            modules = adapter_modules(lora.spec, adapter, gen)
+            if snapshot is not None:
+                snapshot.record(layer, slot, modules, adapter.adapter_scaling)
+            lora.load_slot(slot, modules, adapter_scaling=adapter.adapter_scaling)
 
 
 @dataclass
@@ -113,6 +119,8 @@ class MaterializedCase:
         token_lora_mapping: [T] int32 from the batch's host lists.
         layers: the MoE layers after the first (``MoELoRACase.moe_layers - 1`` of them).
         extra_routing: per extra layer, the case batch's (topk_ids [T, k] int32, topk_weights [T, k] fp32).
+        snapshot: what the suite loaded into every layer's pool, kept apart from the pools (the
+            oracle's source; ``harness.snapshot``).
     """
 
     spec: LoRALayerSpec
@@ -127,6 +135,7 @@ class MaterializedCase:
     token_lora_mapping: torch.Tensor
     layers: list[MoELayer] = field(default_factory=list)
     extra_routing: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    snapshot: AdapterSnapshot | None = None
 
     @property
     def pools(self) -> list[LoRAWeights]:
@@ -143,7 +152,7 @@ class MaterializedCase:
             {m: t.to(device) for m, t in self.dense_weights.items()},
             {m: t.to(device) for m, t in self.dense_x.items()}, _pool_to(self.lora, device),
             self.token_lora_mapping.to(device), [layer.to(device) for layer in self.layers],
-            [(i.to(device), w.to(device)) for i, w in self.extra_routing],
+            [(i.to(device), w.to(device)) for i, w in self.extra_routing], self.snapshot,
         )
 
 
@@ -213,7 +222,8 @@ class MoELoRACase:
             dense_weights[m] = randn(fout, fin, scale=1 / math.sqrt(fin))
             dense_x[m] = randn(T, fin)
         lora = LoRAWeights(spec)
-        load_pool(lora, self.pool, gen)
+        snapshot = AdapterSnapshot([spec] * self.moe_layers)
+        load_pool(lora, self.pool, gen, snapshot, 0)
         mapping = torch.tensor(self.batch.token_lora_mapping, dtype=torch.int32, device=device)
         layers, extra_routing = [], []
         for n in range(1, self.moe_layers):
@@ -225,12 +235,12 @@ class MoELoRACase:
                 router=None, num_experts=E, norm_topk_prob=self.routing.renormalize,
             )
             layer_lora = LoRAWeights(spec)
-            load_pool(layer_lora, self.pool, g)
+            load_pool(layer_lora, self.pool, g, snapshot, n)
             ids, w, _ = self.routing.materialize(T, device, g)
             layers.append(MoELayer(layer_base, layer_lora))
             extra_routing.append((ids, w))
         return MaterializedCase(spec, x, logits, topk_ids, topk_weights, base, dense_weights, dense_x, lora,
-                                mapping, layers, extra_routing)
+                                mapping, layers, extra_routing, snapshot)
 
 
 @st.composite
