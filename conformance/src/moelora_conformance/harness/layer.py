@@ -47,9 +47,9 @@ import torch
 
 from moelora_conformance.harness.break_op import LiveRequests
 from moelora_conformance.harness.inputs import BatchInputs, case_inputs
+from moelora_conformance.snapshot import AdapterSnapshot, PoolGuard
 from moelora_conformance.strategies.adapters import SlotAdapter
 from moelora_conformance.strategies.cases import FUSED_MODULES, MaterializedCase, MoELoRACase, adapter_modules
-from moelora_conformance.snapshot import AdapterSnapshot, PoolGuard
 from moelora_core.backend import Backend, BackendFactory, notify_slot_loaded
 from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.batch import BatchSpec, Request

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from hypothesis import strategies as st
 
-from moelora_conformance.snapshot import AdapterSnapshot
 from moelora_conformance.profiles import SizeCaps, current_profile
+from moelora_conformance.snapshot import AdapterSnapshot
 from moelora_conformance.strategies.adapters import SlotAdapter, adapter_pools, pool_ranks, pool_scalings
 from moelora_conformance.strategies.batches import BatchPlan, batch_plans
 from moelora_conformance.strategies.choice import uniform
