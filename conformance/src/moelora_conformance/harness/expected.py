@@ -33,6 +33,7 @@ from moelora_conformance.harness.checks import (
 )
 from moelora_conformance.harness.inputs import BatchInputs
 from moelora_conformance.harness.layer import GUARD_VALUE, Layer, LayerOutput, inter_layer_norm
+from moelora_conformance.harness.moe_rounding import moe_rounding_scale
 from moelora_conformance.snapshot import PoolView
 from moelora_core.batch import BatchSpec
 from moelora_core.weights import LoRAWeights
@@ -60,27 +61,51 @@ def oracle_row_index(batch: BatchSpec, budget: int | None) -> torch.Tensor | Non
     return torch.tensor(sorted(picked), dtype=torch.long)
 
 
+@dataclass(frozen=True)
+class MoEExpected:
+    """Oracle values of one MoE layer on its run input, on the checked rows (float64, CPU).
+
+    Attributes:
+        y: [n, H] output with LoRA. delta: [n, H] ``y`` minus the oracle without LoRA.
+        delta_rounding: [n, H] what a correct run's delta may be off by (roundings the backend and the
+            stored intermediates make: :func:`~.moe_rounding.moe_rounding_scale`).
+        output_rounding: [n, H] the same for the output itself (base pairs' roundings included): a
+            small output next to a large delta carries the delta's roundings too.
+    """
+
+    y: torch.Tensor
+    delta: torch.Tensor
+    delta_rounding: torch.Tensor
+    output_rounding: torch.Tensor
+
+
 @dataclass
 class Expected:
     """Oracle values on the checked rows (float64, CPU).
 
     Attributes:
         rows: the row index (None = all rows).
-        y: [n, H] MoE output with LoRA on the run's MoE input.
-        y_delta: [n, H] ``y`` minus the oracle without LoRA on the same MoE input.
+        moe: every MoE layer's :class:`MoEExpected`, layer 1 first.
         dense: module → [n, out] dense output with LoRA; dense_delta: module → [n, out] σ·B(A x).
         dense_accumulation: module → [n, out] the fp32 accumulation error a correct ``dense_delta``
             may carry (:func:`~.checks.accumulation_bound` of :func:`dense_delta_rounding_scale`).
-        extra: per MoE layer after the first, its (y, y_delta) on its own run input.
     """
 
     rows: torch.Tensor | None
-    y: torch.Tensor
-    y_delta: torch.Tensor
+    moe: list[MoEExpected]
     dense: dict[str, torch.Tensor]
     dense_delta: dict[str, torch.Tensor]
     dense_accumulation: dict[str, torch.Tensor]
-    extra: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def y(self) -> torch.Tensor:
+        """Layer 1's output with LoRA."""
+        return self.moe[0].y
+
+    @property
+    def y_delta(self) -> torch.Tensor:
+        """Layer 1's LoRA delta."""
+        return self.moe[0].delta
 
 
 class Oracle:
@@ -108,11 +133,18 @@ class Oracle:
         t = t.detach().to("cpu")
         return t if rows is None else t[rows]
 
-    def _moe(self, moe_in, ids, w, base, lora, mapping, rows) -> tuple[torch.Tensor, torch.Tensor]:
-        """(y, y - y without LoRA) of one MoE layer on its run input ``moe_in``."""
+    def _moe(self, moe_in, ids, w, base, lora, mapping, rows) -> MoEExpected:
+        """The oracle values of one MoE layer on its run input ``moe_in``."""
         x, ids, w = self._take(moe_in, rows), self._take(ids, rows), self._take(w, rows)
         y = moe_lora_forward(x, ids, w, base.w_gate_up, base.w_down, lora, mapping)
-        return y, y - moe_lora_forward(x, ids, w, base.w_gate_up, base.w_down, None, None)
+        delta = y - moe_lora_forward(x, ids, w, base.w_gate_up, base.w_down, None, None)
+        layer = self.layer
+        # a fused moe_forward may store its intermediates in the model dtype, as an engine does
+        stored = layer.spec.dtype if layer.moe_path == "fused" else layer.intermediate_dtype
+        kw = dict(act_dtype=layer.spec.dtype, intermediate_dtype=stored)
+        rounding = moe_rounding_scale(x, ids, w, base.w_gate_up, base.w_down, lora, mapping, **kw)
+        output = moe_rounding_scale(x, ids, w, base.w_gate_up, base.w_down, lora, mapping, include_base=True, **kw)
+        return MoEExpected(y, delta, rounding, output)
 
     def expected(self, inp: BatchInputs, run: LayerOutput) -> Expected:
         """Oracle values for ``run`` (a forward of ``inp`` with LoRA)."""
@@ -120,8 +152,8 @@ class Oracle:
         rows = oracle_row_index(batch, self.oracle_rows)
         mapping = self._take(torch.tensor(batch.token_lora_mapping, dtype=torch.int32), rows)
         lora = self.adapters(0)
-        y, y_delta = self._moe(run.moe_in, inp.topk_ids, inp.topk_weights, m.base, lora, mapping, rows)
-        extra = [
+        moe = [self._moe(run.moe_in, inp.topk_ids, inp.topk_weights, m.base, lora, mapping, rows)]
+        moe += [
             self._moe(e.moe_in, ids, w, layer.base, self.adapters(n), mapping, rows)
             for n, (e, (ids, w), layer) in enumerate(zip(run.extra, inp.extra_routing, m.layers, strict=True), 1)
         ]
@@ -131,7 +163,7 @@ class Oracle:
             dense_delta[mod] = dense_lora_forward(xr, None, mod, lora, mapping)
             dense[mod] = dense_lora_forward(xr, m.dense_weights[mod], mod, lora, mapping)
             accumulation[mod] = accumulation_bound(dense_delta_rounding_scale(xr, mod, lora, mapping))
-        return Expected(rows, y, y_delta, dense, dense_delta, accumulation, extra)
+        return Expected(rows, moe, dense, dense_delta, accumulation)
 
 
 def dense_delta_rounding_scale(
@@ -170,6 +202,18 @@ def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return t if rows is None else t[rows.to(t.device)]
 
 
+@dataclass(frozen=True)
+class _MoELayerRun:
+    """One MoE layer of a run for the checks: its outputs, its twin's, and the oracle's values."""
+
+    name: str
+    y: torch.Tensor
+    y32: torch.Tensor | None
+    y_base: torch.Tensor
+    y32_base: torch.Tensor | None
+    want: MoEExpected
+
+
 def check_run(
     oracle: Oracle,
     inp: BatchInputs,
@@ -201,30 +245,35 @@ def check_run(
     """
     exp = oracle.expected(inp, run)
     r = exp.rows
-    layers = [("MoE", run.y, run.y32, base.y, base.y32, exp.y, exp.y_delta)]
+    layers = [_MoELayerRun("MoE", run.y, run.y32, base.y, base.y32, exp.moe[0])]
     layers += [
-        (f"MoE layer {n + 2}", e.y, e.y32, b.y, b.y32, y, d)
-        for n, (e, b, (y, d)) in enumerate(zip(run.extra, base.extra, exp.extra, strict=True))
+        _MoELayerRun(f"MoE layer {n + 2}", e.y, e.y32, b.y, b.y32, want)
+        for n, (e, b, want) in enumerate(zip(run.extra, base.extra, exp.moe[1:], strict=True))
     ]
     if outputs:
-        for name, y, _, _, _, want, _ in layers:
-            assert_close(_rows(y, r), want, ctx, f"{what}: {name} output")
+        for lay in layers:
+            # the policy's bounds after the derived roundings (the MoE's and y's own) are allowed
+            assert_delta_close(_rows(lay.y, r), torch.zeros_like(lay.want.y), lay.want.y, ctx,
+                               f"{what}: {lay.name} output", rounded=(_rows(lay.y, r),),
+                               accumulation=lay.want.output_rounding)
         for mod, t in run.dense.items():
             assert_close(_rows(t, r), exp.dense[mod], ctx, f"{what}: dense {mod} output")
         want_in = break_op_f64(inp.x, run.dense, inp.batch)
         assert_close(run.moe_in, want_in, ctx, f"{what}: harness break op (MoE input)")
     if deltas:
-        for name, y, y32, y_base, y32_base, _, delta in layers:
-            if y32 is not None and y32_base is not None:
-                assert_delta_close(_rows(y32, r), _rows(y32_base, r), delta, ctx, f"{what}: {name} LoRA delta")
+        for lay in layers:
+            if lay.y32 is not None and lay.y32_base is not None:
+                assert_delta_close(_rows(lay.y32, r), _rows(lay.y32_base, r), lay.want.delta, ctx,
+                                   f"{what}: {lay.name} LoRA delta", accumulation=lay.want.delta_rounding)
             else:
                 assert_delta_close(
-                    _rows(y, r),
-                    _rows(y_base, r),
-                    delta,
+                    _rows(lay.y, r),
+                    _rows(lay.y_base, r),
+                    lay.want.delta,
                     ctx,
-                    f"{what}: {name} LoRA delta",
-                    rounded=(_rows(y, r), _rows(y_base, r)),
+                    f"{what}: {lay.name} LoRA delta",
+                    rounded=(_rows(lay.y, r), _rows(lay.y_base, r)),
+                    accumulation=lay.want.delta_rounding,
                 )
         for mod, t in run.dense.items():
             assert_delta_close(
@@ -238,8 +287,9 @@ def check_run(
             )
     if base_rows:
         mask = base_row_mask(inp.batch.token_lora_mapping, run.y.device)
-        for name, y, _, y_base, _, _, _ in layers:
-            assert_bitwise(y[mask], y_base[mask], ctx, f"{what}: {name} output of base rows vs LoRA disabled")
+        for lay in layers:
+            assert_bitwise(lay.y[mask], lay.y_base[mask], ctx,
+                           f"{what}: {lay.name} output of base rows vs LoRA disabled")
         for mod, t in run.dense.items():
             assert_bitwise(
                 t[mask], base.dense[mod][mask], ctx, f"{what}: dense {mod} output of base rows vs LoRA disabled"

@@ -8,15 +8,15 @@ A forward is the three parts of DESIGN.md §6:
    (strided views, as an engine's fused qkv projection passes them) between guard columns that
    hold :data:`GUARD_VALUE`: a delta written outside its slice changes a guard or a neighbour;
 2. **break op** (:mod:`.break_op`): ``moe_in = x · f(request's dense outputs)``, attention-like;
-3. **MoE**: on the ``deltas`` path, the reference's vectorised base MoE
+3. **MoE**: on the ``deltas`` paths, the reference's vectorised base MoE
    (:func:`moelora_reference.base_moe.moe_forward`) with the backend's deltas
    (``BackendMoEDeltas``: ``moe_gate_up_delta`` before the activation, ``moe_down_delta``
-   router-weighted) — intermediates in fp32, so only y is
-   rounded (``y32`` keeps the fp32 sum for the delta check); on the ``fused`` path (backends that
-   declare ``fused_moe``), ``backend.moe_forward``. Cases with two MoE layers run a second one on
-   the first one's output after an RMS norm (:func:`inter_layer_norm`), with its own base weights,
-   pool and routing and the *same* metadata (one ``prepare`` per forward, as an engine runs every
-   decoder layer on one batch info).
+   router-weighted) — intermediates in fp32 (``deltas``) or, as engines store them, in the model
+   dtype (``deltas-model``); ``y32`` keeps the fp32 sum before y's one rounding for the delta check;
+   on the ``fused`` path (backends that declare ``fused_moe``), ``backend.moe_forward``. Cases with
+   two MoE layers run a second one on the first one's output after an RMS norm
+   (:func:`inter_layer_norm`), with its own base weights, pool and routing and the *same* metadata
+   (one ``prepare`` per forward, as an engine runs every decoder layer on one batch info).
 
 Reloading (:meth:`Layer.reload`): an adapter loaded into a slot between forwards (slot reuse,
 eviction) goes through ``LoRAWeights.load_slot`` / ``clear_slot`` into every MoE layer's pool, in
@@ -62,9 +62,10 @@ from moelora_core.weights import LoRAWeights
 from moelora_reference import base_moe
 
 F32 = torch.float32
-#: MoE paths of the harness: the backend's delta calls around the reference base MoE, or its own
-#: fused ``moe_forward``.
-MOE_PATHS: tuple[str, ...] = ("deltas", "fused")
+#: MoE paths of the harness: the backend's delta calls around the reference base MoE with fp32
+#: intermediates ("deltas") or intermediates in the model dtype, as engines store them
+#: ("deltas-model"), or the backend's own fused ``moe_forward`` ("fused").
+MOE_PATHS: tuple[str, ...] = ("deltas", "deltas-model", "fused")
 #: What the guard columns of a ``fused-qkv`` dense buffer hold (exact in every dtype); no delta may
 #: change it.
 GUARD_VALUE = -7.25
@@ -203,7 +204,7 @@ class Layer:
         factory: the backend factory under test.
         case: the drawn case (its seed gives every value).
         device: where tensors live.
-        moe_path: "deltas" or "fused" (:data:`MOE_PATHS`).
+        moe_path: "deltas", "deltas-model" or "fused" (:data:`MOE_PATHS`).
         materialized: reuse values already built for this case (e.g. to build a second backend
             on the same weights); default: ``case.materialize(device)``.
     """
@@ -218,6 +219,8 @@ class Layer:
         self.spec = self.m.spec
         self.backend: Backend = factory(self.spec)
         self.moe_path = moe_path
+        #: dtype of gate_up_out, h and down_out on the ``deltas`` paths (fp32, or the model's).
+        self.intermediate_dtype = self.spec.dtype if moe_path == "deltas-model" else F32
         self.weights = self.m.lora
         #: (base weights, pool) of every MoE layer, layer 1 first.
         self.moe_layers: list[tuple[MoEBaseWeights, LoRAWeights]] = [
@@ -348,7 +351,8 @@ class Layer:
             self.after_backend_call(f"moe_forward (MoE layer {layer + 1})")
             return y, None
         deltas = None if info is None else _CheckedDeltas(BackendMoEDeltas(self.backend, weights, info), self, layer)
-        y32 = base_moe.moe_forward(moe_in, topk_ids, topk_weights, base, deltas=deltas, out_dtype=F32)
+        y32 = base_moe.moe_forward(moe_in, topk_ids, topk_weights, base, deltas=deltas,
+                                   intermediate_dtype=self.intermediate_dtype, out_dtype=F32)
         return y32.to(self.spec.dtype), y32
 
     def extra_moe(self, y: torch.Tensor, routing, info: LoRABatchInfo | None) -> list[MoEOutput]:

@@ -65,7 +65,8 @@ class Suite:
 
     @property
     def moe_paths(self) -> tuple[str, ...]:
-        return MOE_PATHS if self.capabilities.fused_moe else ("deltas",)
+        """The MoE paths drawn: both ``deltas`` paths, and ``fused`` where declared."""
+        return tuple(p for p in MOE_PATHS if p != "fused" or self.capabilities.fused_moe)
 
     @property
     def virtual_experts(self) -> bool | None:
@@ -167,7 +168,7 @@ class Subject:
 
     Args:
         suite: the session. case: the case. mode: a layer mode.
-        moe_path: "deltas" or "fused". capacity: required for graph modes.
+        moe_path: "deltas", "deltas-model" or "fused". capacity: required for graph modes.
         materialized: reuse a case's values (a second backend on the same weights).
     """
 

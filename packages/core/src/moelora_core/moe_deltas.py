@@ -77,7 +77,9 @@ class BackendMoEDeltas:
         self._align: object | None = None
 
     def _alignment(self, topk_ids: torch.Tensor) -> dict[str, object]:
-        if not self._shared:
+        # no LoRA in the batch (host flag): the delta calls return at once, and an IDLE or all-base
+        # batch must launch nothing (the suite's P09 counts launches)
+        if not self._shared or not self.info.has_active_lora:
             return {}
         if self._align is None:
             self._align = self.backend.moe_align(topk_ids, self.info)
