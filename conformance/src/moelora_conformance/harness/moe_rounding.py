@@ -38,8 +38,9 @@ Only pairs with LoRA contribute to the *delta* scale (base pairs are bit-identic
 its twin, P02); the *output* scale (``include_base``) adds every pair's base roundings: a small
 output next to a large delta carries the delta's roundings too. The price, on well-conditioned
 deltas: a median 2.8e-5 of ``|delta|`` per element in fp32 at the interpret caps (3.7e-5 at the dev
-caps; a 5e-5 error is still caught on every draw, tested), 8e-3 in fp16 (4e-3 for a backend that
-rounds once, like the reference), 1.7e-2 with the intermediates in fp16.
+caps; a 5e-5 error is still caught on every draw, tested), 8.7e-3 in fp16 (the fp16 bound is 2e-3:
+a backend rounding as the fused kernels do carries up to half of that on these draws), 1.7e-2 with
+the intermediates in fp16.
 """
 
 from __future__ import annotations
