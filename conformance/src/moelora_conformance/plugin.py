@@ -29,8 +29,11 @@ Results are honest (:mod:`moelora_conformance.report`): every collected item is 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -47,7 +50,7 @@ from moelora_conformance.manifest import Manifest, load_manifest
 from moelora_conformance.profiles import PROFILES
 from moelora_conformance.properties import support
 from moelora_conformance.properties.registry import MARKER, PROPERTIES, item_fields, property_of
-from moelora_conformance.report import NOT_IMPLEMENTED, new_record, record_phase, summarize
+from moelora_conformance.report import NOT_IMPLEMENTED, NOT_RUN, new_record, record_phase, summarize
 from moelora_conformance.report_header import backend_origin, build_report, header_lines
 from moelora_conformance.repro import build_repro, distinct_failures, extract_blob
 from moelora_conformance.run_state import RUN_STATE, RunState, build_run_state, run_state
@@ -126,7 +129,8 @@ def pytest_configure(config: pytest.Config) -> None:
     oracle_rows = None if profile.caps.max_tokens <= ORACLE_ALL_ROWS_UP_TO else ORACLE_ROWS
     state.suite = support.Suite(target=target, factory=factory, name=name, version=version, capabilities=caps,
                                 device=device, profile=profile, caps=suite_caps(profile.caps, caps),
-                                oracle_rows=oracle_rows, origin=backend_origin(target, factory))
+                                oracle_rows=oracle_rows, origin=backend_origin(target, factory),
+                                workdir=Path(tempfile.mkdtemp(prefix="moelora-suite-files-")))
     try:
         state.manifest = load_manifest(config.getoption("moelora_manifest"), set(PROPERTIES))
     except InvalidFieldError as exc:
@@ -135,6 +139,12 @@ def pytest_configure(config: pytest.Config) -> None:
         # No paths given: collect the suite's own property modules, wherever pytest was started.
         config.args[:] = [str(PROPERTIES_DIR)]
     config.pluginmanager.register(_Recorder(state), "moelora-recorder")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    state = run_state(config)
+    if state is not None and state.suite is not None and state.suite.workdir is not None:
+        shutil.rmtree(state.suite.workdir, ignore_errors=True)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -194,6 +204,14 @@ def not_implemented_reason(suite: support.Suite, prop, mode: str, dtype: torch.d
     return None
 
 
+def not_run_reason(prop) -> str | None:
+    """Why the suite cannot run this property here (a module it needs is missing), or None."""
+    missing = [m for m in prop.requires if importlib.util.find_spec(m) is None]
+    if missing:
+        return (f"{NOT_RUN}: needs {', '.join(missing)} (pip install 'moelora-conformance[fixtures]')")
+    return None
+
+
 def _decorate(state: RunState, config: pytest.Config, fn) -> None:
     """Apply the run's Hypothesis settings, seed and replay to a property function (once: the items
     of its modes and dtypes share it), with Hypothesis' public decorators."""
@@ -222,7 +240,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             continue
         _decorate(state, config, item.obj)
         mode, dtype_name = params
-        reason = not_implemented_reason(suite, prop, mode, item.callspec.params["dtype"])
+        reason = not_implemented_reason(suite, prop, mode, item.callspec.params["dtype"]) or not_run_reason(prop)
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=reason))
             continue

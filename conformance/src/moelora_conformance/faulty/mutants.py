@@ -14,6 +14,7 @@ import torch
 
 from moelora_core.batch import BatchSpec, Request
 from moelora_core.batch_info import LoRABatchInfo
+from moelora_core.checkpoint import peft_config
 from moelora_core.sentinels import NO_ADAPTER
 from moelora_core.static_buffer import StaticBuffer
 from moelora_core.weights import LoRAWeights, module_index
@@ -274,6 +275,7 @@ class FoldsSigmaIntoPool(ReferenceBackend):
 
 
 _POOL_LOAD_SLOT = LoRAWeights.load_slot
+_PARSE_ADAPTER_CONFIG = peft_config.parse_adapter_config
 
 
 def _load_slot_keeping_absent_modules(self: LoRAWeights, slot: int, adapter, *, adapter_scaling=None) -> None:
@@ -305,6 +307,23 @@ class PoolKeepsStaleModules(ReferenceBackend):
         super().__init__(spec)
 
 
+def _parse_dropping_rslora(raw, **kwargs):
+    # FAULT: the reader drops use_rslora while parsing adapter_config.json: σ = α/r for an rsLoRA file
+    return _PARSE_ADAPTER_CONFIG({k: v for k, v in raw.items() if k != "use_rslora"}, **kwargs)
+
+
+class ReaderDropsRsLoRA(ReferenceBackend):
+    """The adapter reader drops the rsLoRA flag while parsing ``adapter_config.json`` (σ = α/r where the
+    file asks α/√r; the fault is in the reader, put in by this backend's factory: a run whose adapters
+    never pass through the reader cannot see it)."""
+
+    name = "mutant-reader-drops-rslora"
+
+    def __init__(self, spec):
+        peft_config.parse_adapter_config = _parse_dropping_rslora  # FAULT: the process's reader
+        super().__init__(spec)
+
+
 #: Mutation name → (backend class, what the fault is).
 MUTANTS: dict[str, type[ReferenceBackend]] = {
     "stale-tail": StaleTail,
@@ -323,4 +342,5 @@ MUTANTS: dict[str, type[ReferenceBackend]] = {
     "expert-id-E-off-by-one": ExpertIdEOffByOne,
     "folds-sigma-into-pool": FoldsSigmaIntoPool,
     "pool-keeps-stale-modules": PoolKeepsStaleModules,
+    "reader-drops-rslora": ReaderDropsRsLoRA,
 }

@@ -290,6 +290,28 @@ class Layer:
                 pool.load_slot(slot, modules, adapter_scaling=adapter.adapter_scaling)
         self.loaded(slot)
 
+    def load_files(self, slot: int, built, model_config) -> None:
+        """Load the adapter directory ``built.path`` into ``slot`` of every MoE layer's pool through
+        moelora's readers (``read_adapter`` → ``load_adapter_into_slot``), as an engine loads one;
+        the snapshot records what the files mean (``built.expected``, read independently of those
+        readers: :mod:`moelora_conformance.peft_files`).
+
+        Args:
+            built: a :class:`~moelora_conformance.peft_files.BuiltAdapter` with one entry per MoE layer.
+            model_config: the ``MoEModelConfig`` the adapter was made for.
+
+        Raises:
+            AdapterError: whatever the reader or the slot loader refuses (the pools are unchanged).
+        """
+        from moelora_core.checkpoint import load_adapter_into_slot, read_adapter
+
+        pools = [pool for _, pool in self.moe_layers]
+        adapter = read_adapter(built.path, model_config, dtype=self.spec.dtype, max_rank=self.spec.R)
+        load_adapter_into_slot(pools, slot, adapter, adapter_scaling=built.scaling)
+        for n, modules in enumerate(built.expected):
+            self.snapshot.record(n, slot, modules, built.scaling)
+        self.loaded(slot)
+
     def loaded(self, slot: int) -> None:
         """After the suite loaded or cleared ``slot`` of the pools: take them as the guard's reference,
         call the backend's slot-load hook for each pool, and check the hook wrote none of them."""

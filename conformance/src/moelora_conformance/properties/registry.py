@@ -30,6 +30,8 @@ class Property:
         capability: a ``Capabilities`` attribute it needs beyond the mode's (e.g. "virtual_experts").
         metadata_only: checks ``prepare`` and metadata alone (no forward): cheap and precise, so the
             plugin runs these first and a metadata fault is reported as one.
+        requires: modules the property needs besides the suite's own dependencies (without them
+            its items are reported ``not_run``, never passed).
     """
 
     id: str
@@ -37,6 +39,7 @@ class Property:
     modes: tuple[str, ...]
     capability: str | None = None
     metadata_only: bool = False
+    requires: tuple[str, ...] = ()
 
 
 _GRAPH_LAYER_MODES = tuple(m for m in LAYER_MODES if m != "eager")
@@ -59,6 +62,8 @@ PROPERTIES: dict[str, Property] = {p.id: p for p in (
     Property("P11", "mixed ranks, r < R, rsLoRA and different σ in one batch equal the oracle", LAYER_MODES),
     Property("P12", "over capacity, prepare returns Fallback, touches no static buffer, and eager is right",
              FAMILY_MODES),
+    Property("P13", "adapters read from real PEFT files (fused, per-expert, rsLoRA, patterns, fp16) mean what "
+             "their files say", LAYER_MODES, requires=("transformers", "peft", "safetensors")),
 )}
 
 

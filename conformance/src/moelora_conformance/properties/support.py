@@ -12,6 +12,7 @@ the plugin attaches to the failure with a repro command. :func:`draw_routing`,
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 from hypothesis import note
@@ -50,6 +51,7 @@ class Suite:
         profile: the loaded profile. caps: its size caps bounded by the backend's limits.
         oracle_rows: rows the per-token oracle checks per run (None = all).
         origin: where the factory came from (module, file, distribution; the report header).
+        workdir: a directory of the session for files the suite writes (adapter files, P13).
     """
 
     target: str
@@ -62,6 +64,19 @@ class Suite:
     caps: SizeCaps
     oracle_rows: int | None = None
     origin: dict | None = None
+    workdir: Path | None = None
+    _peft_files: object = field(default=None, repr=False)
+
+    def peft_files(self):
+        """The session's :class:`~moelora_conformance.peft_files.PeftFiles` (built on first use, in
+        ``workdir``)."""
+        if self._peft_files is None:
+            from moelora_conformance.peft_files import PeftFiles
+
+            if self.workdir is None:
+                raise ValueError("the suite has no work directory for adapter files")
+            self._peft_files = PeftFiles(self.workdir)
+        return self._peft_files
 
     @property
     def moe_paths(self) -> tuple[str, ...]:
