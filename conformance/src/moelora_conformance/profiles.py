@@ -41,6 +41,8 @@ class SizeCaps:
         dtypes: dtypes drawn.
         model_shapes: also draw real model layer shapes (e.g. Qwen3-30B-A3B: H 2048, I 768,
             E 128, top-8) — GPU only.
+        large_offsets: P01's eager items also draw the large-offset case (element offsets past
+            2³¹: ``strategies.large_offsets``) — GPU only.
     """
 
     max_tokens: int
@@ -53,6 +55,7 @@ class SizeCaps:
     max_loras: int
     dtypes: tuple[torch.dtype, ...]
     model_shapes: bool = False
+    large_offsets: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,7 @@ _DEV_CAPS = SizeCaps(
 _GPU_CAPS = SizeCaps(
     max_tokens=8192, max_requests=256, max_hidden=2048, max_intermediate=768, max_experts=128,
     max_top_k=8, max_rank=64, max_loras=8, dtypes=(torch.bfloat16, torch.float16, torch.float32),
-    model_shapes=True,
+    model_shapes=True, large_offsets=True,
 )
 
 PROFILES: dict[str, Profile] = {

@@ -77,7 +77,8 @@ def capped(caps: SizeCaps, limit: SizeCaps) -> SizeCaps:
     sizes = {f: min(getattr(caps, f), getattr(limit, f))
              for f in ("max_tokens", "max_requests", "max_hidden", "max_intermediate", "max_experts", "max_top_k",
                        "max_rank", "max_loras")}
-    return replace(caps, **sizes, model_shapes=caps.model_shapes and limit.model_shapes)
+    return replace(caps, **sizes, model_shapes=caps.model_shapes and limit.model_shapes,
+                   large_offsets=caps.large_offsets and limit.large_offsets)
 
 
 def _caps(caps: SizeCaps | None) -> SizeCaps:
