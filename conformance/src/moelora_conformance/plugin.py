@@ -19,7 +19,8 @@
 Without path arguments the suite's own property modules are collected, so the one-line command
 works from any directory. Each property is parametrized over its harness modes and the profile's
 dtypes; what the backend does not declare is skipped with a reason starting "not implemented".
-The metadata-only properties (P06, P07) run first.
+Items run in ``registry.RUN_ORDER``: the metadata-only properties (P06, P07) first, fp32 before
+fp16, the properties that catch most first.
 
 Results are honest (:mod:`moelora_conformance.report`): every collected item is recorded as
 ``not_run`` until its call phase passed; a run in which no item executed exits 5 and says why
@@ -49,7 +50,7 @@ from moelora_conformance.hypothesis_compat import shrink_time_limit
 from moelora_conformance.manifest import Manifest, load_manifest
 from moelora_conformance.profiles import PROFILES
 from moelora_conformance.properties import support
-from moelora_conformance.properties.registry import MARKER, PROPERTIES, item_fields, property_of
+from moelora_conformance.properties.registry import MARKER, PROPERTIES, item_fields, property_of, run_order
 from moelora_conformance.report import NOT_IMPLEMENTED, NOT_RUN, new_record, record_phase, summarize
 from moelora_conformance.report_header import backend_origin, build_report, header_lines
 from moelora_conformance.repro import build_repro, distinct_failures, extract_blob
@@ -248,8 +249,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         if entry is not None:
             used.add(entry.index)
             item.add_marker(pytest.mark.xfail(strict=True, reason=f"manifest: {entry.reason}"))
-    # Metadata-only properties first: cheap, and a metadata fault is then reported as one.
-    items.sort(key=lambda it: 0 if (property_of(it) and property_of(it).metadata_only) else 1)
+    # registry.RUN_ORDER: metadata first, fp32 first, the most productive properties first
+    items.sort(key=lambda it: run_order(property_of(it).id, *_params(it)) if property_of(it) and _params(it)
+               else (2, 0, 0, 0))
     state.unmatched = [e.describe() for e in manifest.entries if e.index not in used]
     for text in state.unmatched:
         warnings.warn(pytest.PytestWarning(f"moelora manifest {manifest.path}: {text} matched no test"),
