@@ -1,5 +1,5 @@
 """The real-checkpoint pass: every backend × layer mode on real tiny MoE checkpoints and real PEFT
-adapters, against the oracle and against HF transformers + PEFT per adapter (issue 8's main job).
+adapters, against the oracle and against HF transformers + PEFT per adapter (the main job, DESIGN.md §8).
 
 For every fixture model (Qwen3-MoE — the H = 2·I one included —, Mixtral, OLMoE; per-expert and
 fused expert layouts):

@@ -1,5 +1,5 @@
 """One-line faults in the reference backend: each class below is ``ReferenceBackend`` with one
-known class of MoE multi-LoRA fault put back in (issue 7, "the suite tests itself").
+known class of MoE multi-LoRA fault put back in (``docs/suite.md``, "The suite tests itself").
 
 Each fault is one changed line of the reference's logic, kept in the smallest override that holds
 it. The suite must catch every one in the ``interpret`` profile without shrinking

@@ -1,4 +1,4 @@
-"""moelora's tensors taken from the in-memory transformers / peft modules (issue 3 item 4).
+"""moelora's tensors taken from the in-memory transformers / peft modules (DESIGN.md §2).
 
 No file is read here: the base weights come from the transformers modules' parameters, the LoRA
 factors from peft's layers, reshaped as peft itself does in ``ParamWrapper.get_delta_weight``
