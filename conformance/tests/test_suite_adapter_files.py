@@ -23,7 +23,7 @@ from moelora_conformance.strategies import LayerShape
 
 pytestmark = pytest.mark.skipif(not peft_available(), reason="needs the fixtures extra (transformers, peft)")
 GEOMETRY = Geometry(2, 1, 4)
-SHAPE = LayerShape(8, 6, 3, 3, 2, GEOMETRY.dense_shapes(8, ("q", "k", "v", "o")), 2, 4)
+SHAPE = LayerShape(hidden_size=8, moe_intermediate_size=6, num_experts=3, num_base_experts=3, top_k=2, dense_shapes=GEOMETRY.dense_shapes(8, ("q", "k", "v", "o")), max_loras=2, max_rank=4)
 
 
 def test_the_simplest_file_adapter_is_an_rslora_adapter_of_rank_2():

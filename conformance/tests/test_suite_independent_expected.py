@@ -38,7 +38,7 @@ def _adapter(rank, sigma, modules=ALL):
 
 
 def _case(pool, requests, seed=7):
-    shape = LayerShape(8, 8, 4, 4, 2, DENSE, len(pool), 4)
+    shape = LayerShape(hidden_size=8, moe_intermediate_size=8, num_experts=4, num_base_experts=4, top_k=2, dense_shapes=DENSE, max_loras=len(pool), max_rank=4)
     batch = BatchSpec(ForwardMode.EXTEND, [Request(s, n) for s, n in requests], len(pool), pool_ranks(pool),
                       pool_scalings(pool))
     routing = RoutingPlan("uniform", 4, 4, 2, False, None, (), 0.0, 5)

@@ -71,7 +71,7 @@ def test_the_32_bit_offset_mutant_is_right_below_2_31():
 
     pool = (SlotAdapter(3, 4.0, False, tuple((m, 3, 4.0) for m in ("gate", "up", "down"))),)
     batch = BatchSpec(ForwardMode.EXTEND, [Request(0, 5), Request(-1, 3)], 1, pool_ranks(pool), pool_scalings(pool))
-    case = MoELoRACase(LayerShape(8, 8, 4, 4, 2, (), 1, 4), torch.float32, False, pool,
+    case = MoELoRACase(LayerShape(hidden_size=8, moe_intermediate_size=8, num_experts=4, num_base_experts=4, top_k=2, dense_shapes=(), max_loras=1, max_rank=4), torch.float32, False, pool,
                        BatchPlan(batch, "extend", "uniform", "small"),
                        RoutingPlan("uniform", 4, 4, 2, False, None, (), 0.0, 2), 2)
     _check(Offsets32Bit, case, "cpu")

@@ -36,7 +36,7 @@ def one_token_fp16_case(seed: int, sigma: float) -> MoELoRACase:
     adapter = SlotAdapter(1, sigma, False, tuple((m, 1, sigma) for m in ("gate", "up", "down")))
     pool = (adapter,)
     batch = BatchSpec(ForwardMode.EXTEND, [Request(0, 1)], 1, pool_ranks(pool), pool_scalings(pool))
-    return MoELoRACase(LayerShape(4, 4, 1, 1, 1, (), 1, 1), torch.float16, False, pool,
+    return MoELoRACase(LayerShape(hidden_size=4, moe_intermediate_size=4, num_experts=1, num_base_experts=1, top_k=1, dense_shapes=(), max_loras=1, max_rank=1), torch.float16, False, pool,
                        BatchPlan(batch, "extend", "uniform", "small"), RoutingPlan("uniform", 1, 1, 1, False, None,
                                                                                     (), 0.0, seed), seed)
 

@@ -112,7 +112,8 @@ def _inputs(layer: _LayerData, batch: BatchSpec, seed: int) -> tuple[Materialize
     dense_x = {m: torch.randn(T, fin, generator=gen) for m, (fin, _) in spec.dense_shapes.items()}
     mapping = torch.tensor(batch.token_lora_mapping, dtype=torch.int32)
     logits = x @ layer.base.router.T.to(F32)
-    m = MaterializedCase(spec, x, logits, ids, weights, layer.base, dict(layer.dense), dense_x, layer.pool, mapping)
+    m = MaterializedCase(spec=spec, x=x, router_logits=logits, topk_ids=ids, topk_weights=weights, base=layer.base,
+                         dense_weights=dict(layer.dense), dense_x=dense_x, lora=layer.pool, token_lora_mapping=mapping)
     return m, BatchInputs(batch, x, ids, weights, dense_x)
 
 

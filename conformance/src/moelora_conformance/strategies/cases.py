@@ -103,7 +103,7 @@ def _pool_to(src: LoRAWeights, device: torch.device | str) -> LoRAWeights:
     return lora
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MaterializedCase:
     """The tensors of a case on one device.
 
@@ -146,14 +146,15 @@ class MaterializedCase:
         """The same values on ``device`` (e.g. a CPU copy for the float64 oracle of a CUDA run)."""
         device = torch.device(device)
         spec = replace(self.spec, device=device)
-        return MaterializedCase(
-            spec, self.x.to(device), self.router_logits.to(device), self.topk_ids.to(device),
-            self.topk_weights.to(device), _base_to(self.base, device),
-            {m: t.to(device) for m, t in self.dense_weights.items()},
-            {m: t.to(device) for m, t in self.dense_x.items()}, _pool_to(self.lora, device),
-            self.token_lora_mapping.to(device), [layer.to(device) for layer in self.layers],
-            [(i.to(device), w.to(device)) for i, w in self.extra_routing], self.snapshot,
-        )
+        return MaterializedCase(spec=spec, x=self.x.to(device), router_logits=self.router_logits.to(device),
+                                topk_ids=self.topk_ids.to(device), topk_weights=self.topk_weights.to(device),
+                                base=_base_to(self.base, device),
+                                dense_weights={m: t.to(device) for m, t in self.dense_weights.items()},
+                                dense_x={m: t.to(device) for m, t in self.dense_x.items()},
+                                lora=_pool_to(self.lora, device), token_lora_mapping=self.token_lora_mapping.to(device),
+                                layers=[layer.to(device) for layer in self.layers],
+                                extra_routing=[(i.to(device), w.to(device)) for i, w in self.extra_routing],
+                                snapshot=self.snapshot)
 
 
 @dataclass(frozen=True)
@@ -239,8 +240,10 @@ class MoELoRACase:
             ids, w, _ = self.routing.materialize(T, device, g)
             layers.append(MoELayer(layer_base, layer_lora))
             extra_routing.append((ids, w))
-        return MaterializedCase(spec, x, logits, topk_ids, topk_weights, base, dense_weights, dense_x, lora,
-                                mapping, layers, extra_routing, snapshot)
+        return MaterializedCase(spec=spec, x=x, router_logits=logits, topk_ids=topk_ids, topk_weights=topk_weights,
+                                base=base, dense_weights=dense_weights, dense_x=dense_x, lora=lora,
+                                token_lora_mapping=mapping, layers=layers, extra_routing=extra_routing,
+                                snapshot=snapshot)
 
 
 @st.composite

@@ -28,7 +28,7 @@ MODEL_SHAPES: Mapping[str, dict] = {
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerShape:
     """The structure of one layer and its adapter pool (no values).
 
@@ -101,8 +101,9 @@ def layer_shapes(draw, caps: SizeCaps | None = None, *, min_size: int = 4,
     if caps.model_shapes and draw(st.booleans()):
         name = draw(st.sampled_from(sorted(MODEL_SHAPES)))
         m = MODEL_SHAPES[name]
-        return LayerShape(m["hidden_size"], m["moe_intermediate_size"], m["num_experts"], m["num_experts"],
-                          m["top_k"], m["dense_shapes"], max_loras, max_rank, name)
+        return LayerShape(hidden_size=m["hidden_size"], moe_intermediate_size=m["moe_intermediate_size"],
+                          num_experts=m["num_experts"], num_base_experts=m["num_experts"], top_k=m["top_k"],
+                          dense_shapes=m["dense_shapes"], max_loras=max_loras, max_rank=max_rank, name=name)
     H = draw(st.integers(min_size, caps.max_hidden))
     I = draw(st.integers(min_size, caps.max_intermediate))  # noqa: E741
     E = draw(st.integers(1, caps.max_experts))
@@ -115,7 +116,8 @@ def layer_shapes(draw, caps: SizeCaps | None = None, *, min_size: int = 4,
     d_kv = draw(st.integers(min_size, caps.max_hidden))
     dims = {"q": (H, d_q), "k": (H, d_kv), "v": (H, d_kv), "o": (d_q, H)}
     dense = tuple((m, dims[m]) for m in DENSE_MODULES if m in modules)
-    return LayerShape(H, I, E, E + extra, top_k, dense, max_loras, max_rank)
+    return LayerShape(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_base_experts=E + extra, top_k=top_k,
+                      dense_shapes=dense, max_loras=max_loras, max_rank=max_rank)
 
 
 def dtypes(caps: SizeCaps | None = None) -> st.SearchStrategy[torch.dtype]:
