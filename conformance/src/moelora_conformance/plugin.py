@@ -20,7 +20,7 @@ Without path arguments the suite's own property modules are collected, so the on
 works from any directory. Each property is parametrized over its harness modes and the profile's
 dtypes; what the backend does not declare is skipped with a reason starting "not implemented".
 Items run in ``registry.RUN_ORDER``: the metadata-only properties (P06, P07) first, fp32 before
-fp16, the properties that catch most first.
+fp16, then the items that catch the most faults per second.
 
 Results are honest (:mod:`moelora_conformance.report`): every collected item is recorded as
 ``not_run`` until its call phase passed; a run in which no item executed exits 5 and says why

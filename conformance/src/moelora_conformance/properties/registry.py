@@ -67,14 +67,18 @@ PROPERTIES: dict[str, Property] = {p.id: p for p in (
 )}
 
 
-#: The order the plugin runs items in: metadata-only properties first (cheap, and a metadata fault
-#: is then reported as one), then every item of one dtype before the next (fp32 first: exact enough
-#: for every fault), and within a dtype the properties that catch the most faults per second first —
-#: P01 (outputs), P04 (histories, reloads), P05 (replays), P13 (adapter files) — each in all its
-#: modes, so a fault only a graph mode shows is reached within the first few items
-#: (``docs/mutations.md``: seconds to each mutant's first counterexample).
-RUN_ORDER: tuple[str, ...] = ("P06", "P07", "P01", "P04", "P05", "P13", "P02", "P03", "P09", "P11", "P08", "P10",
-                              "P12")
+#: The order the plugin runs items in, within each dtype (fp32 first: exact enough for every fault):
+#: the metadata-only properties first (cheap, and a metadata fault is then reported as one), then
+#: the eager items of the properties that catch the most faults per second — P01 (outputs), P04
+#: (histories, reloads), P13 (adapter files) — then P05 (replays after a larger batch and after a
+#: reload since the capture), P04 and P01 under graphs (faults a captured graph keeps: frozen σ,
+#: rank bounds), the rest. ``(property, modes)``; ``"*"`` = every mode.
+#: Seconds to each mutant's first counterexample: ``docs/mutations.md``.
+RUN_ORDER: tuple[tuple[str, str], ...] = (
+    ("P06", "*"), ("P07", "*"), ("P01", "eager"), ("P04", "eager"), ("P13", "eager"), ("P05", "*"), ("P04", "*"),
+    ("P01", "*"), ("P13", "*"), ("P02", "*"), ("P03", "*"), ("P09", "*"), ("P11", "*"), ("P08", "*"), ("P10", "*"),
+    ("P12", "*"),
+)
 _DTYPE_ORDER = ("fp32", "fp16", "bf16")
 _MODE_ORDER = (*LAYER_MODES, *FAMILY_MODES)
 
@@ -82,7 +86,8 @@ _MODE_ORDER = (*LAYER_MODES, *FAMILY_MODES)
 def run_order(property_id: str, mode: str, dtype: str) -> tuple[int, int, int, int]:
     """The sort key of an item (:data:`RUN_ORDER`)."""
     prop = PROPERTIES[property_id]
-    position = RUN_ORDER.index(property_id) if property_id in RUN_ORDER else len(RUN_ORDER)
+    position = next((i for i, (p, m) in enumerate(RUN_ORDER) if p == property_id and m in ("*", mode)),
+                    len(RUN_ORDER))
     return (0 if prop.metadata_only else 1, _DTYPE_ORDER.index(dtype) if dtype in _DTYPE_ORDER else 9, position,
             _MODE_ORDER.index(mode) if mode in _MODE_ORDER else 9)
 
