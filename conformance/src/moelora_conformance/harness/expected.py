@@ -24,12 +24,18 @@ import torch
 
 from moelora_conformance.harness.break_op import break_op_f64
 from moelora_conformance.harness.checks import (
+    BaseRowMismatch,
     CheckContext,
+    DeltaMismatch,
+    LayoutMismatch,
+    OutputMismatch,
+    PadRowMismatch,
     accumulation_bound,
     assert_bitwise,
     assert_close,
     assert_delta_close,
     base_row_mask,
+    classified,
 )
 from moelora_conformance.harness.inputs import BatchInputs
 from moelora_conformance.harness.layer import GUARD_VALUE, Layer, LayerOutput, inter_layer_norm
@@ -238,7 +244,9 @@ def check_run(
             capacity-wide) is bit-identical to the LoRA-disabled run (a stale tail would add LoRA).
 
     Every MoE layer of the run gets the MoE checks; the guard columns of a ``fused-qkv`` dense
-    buffer must still hold :data:`~.layer.GUARD_VALUE` on every row (always checked).
+    buffer must still hold :data:`~.layer.GUARD_VALUE` on every row (always checked). Each kind of
+    check fails with its own ``OracleMismatch`` subclass (``checks.classified``): output, delta, base
+    rows, pad rows, layout.
 
     Returns:
         The oracle values (for further checks).
@@ -251,62 +259,74 @@ def check_run(
         for n, (e, b, want) in enumerate(zip(run.extra, base.extra, exp.moe[1:], strict=True))
     ]
     if outputs:
-        for lay in layers:
-            # the policy's bounds after the derived roundings (the MoE's and y's own) are allowed
-            assert_delta_close(_rows(lay.y, r), torch.zeros_like(lay.want.y), lay.want.y, ctx,
-                               f"{what}: {lay.name} output", rounded=(_rows(lay.y, r),),
-                               accumulation=lay.want.output_rounding)
-        for mod, t in run.dense.items():
-            assert_close(_rows(t, r), exp.dense[mod], ctx, f"{what}: dense {mod} output")
-        want_in = break_op_f64(inp.x, run.dense, inp.batch)
-        assert_close(run.moe_in, want_in, ctx, f"{what}: harness break op (MoE input)")
+        with classified(OutputMismatch):
+            _check_outputs(layers, run, exp, inp, ctx, what, r)
     if deltas:
-        for lay in layers:
-            if lay.y32 is not None and lay.y32_base is not None:
-                assert_delta_close(_rows(lay.y32, r), _rows(lay.y32_base, r), lay.want.delta, ctx,
-                                   f"{what}: {lay.name} LoRA delta", accumulation=lay.want.delta_rounding)
-            else:
-                assert_delta_close(
-                    _rows(lay.y, r),
-                    _rows(lay.y_base, r),
-                    lay.want.delta,
-                    ctx,
-                    f"{what}: {lay.name} LoRA delta",
-                    rounded=(_rows(lay.y, r), _rows(lay.y_base, r)),
-                    accumulation=lay.want.delta_rounding,
-                )
-        for mod, t in run.dense.items():
-            assert_delta_close(
-                _rows(t, r),
-                _rows(base.dense[mod], r),
-                exp.dense_delta[mod],
-                ctx,
-                f"{what}: dense {mod} LoRA delta",
-                rounded=(_rows(t, r),),
-                accumulation=exp.dense_accumulation[mod],
-            )
+        with classified(DeltaMismatch):
+            _check_deltas(layers, run, base, exp, ctx, what, r)
     if base_rows:
-        mask = base_row_mask(inp.batch.token_lora_mapping, run.y.device)
-        for lay in layers:
-            assert_bitwise(lay.y[mask], lay.y_base[mask], ctx,
-                           f"{what}: {lay.name} output of base rows vs LoRA disabled")
-        for mod, t in run.dense.items():
-            assert_bitwise(
-                t[mask], base.dense[mod][mask], ctx, f"{what}: dense {mod} output of base rows vs LoRA disabled"
-            )
+        with classified(BaseRowMismatch):
+            _check_base_rows(layers, run, base, inp, ctx, what)
     if pad_rows:
-        T = inp.num_tokens
-        full, twin = run.rows, base.rows
-        pairs = [("MoE", full["y"], twin["y"])]
-        pairs += [(f"MoE layer {n + 2}", e.y, b.y) for n, (e, b) in enumerate(zip(full["extra"], twin["extra"]))]
-        for name, y, y_base in pairs:
-            assert_bitwise(
-                y[T:], y_base[T:], ctx, f"{what}: {name} output of pad rows (past {T} live tokens) vs LoRA disabled"
-            )
-        for mod, t in full["dense"].items():
-            assert_bitwise(
-                t[T:], twin["dense"][mod][T:], ctx, f"{what}: dense {mod} output of pad rows vs LoRA disabled"
-            )
+        with classified(PadRowMismatch):
+            _check_pad_rows(run, base, inp, ctx, what)
+    with classified(LayoutMismatch):
+        _check_layout(run, ctx, what)
+    return exp
+
+
+def _check_outputs(layers, run: LayerOutput, exp: Expected, inp: BatchInputs, ctx: CheckContext, what: str,
+                   r) -> None:
+    for lay in layers:
+        # the policy's bounds after the derived roundings (the MoE's and y's own) are allowed
+        assert_delta_close(_rows(lay.y, r), torch.zeros_like(lay.want.y), lay.want.y, ctx,
+                           f"{what}: {lay.name} output", rounded=(_rows(lay.y, r),),
+                           accumulation=lay.want.output_rounding)
+    for mod, t in run.dense.items():
+        assert_close(_rows(t, r), exp.dense[mod], ctx, f"{what}: dense {mod} output")
+    want_in = break_op_f64(inp.x, run.dense, inp.batch)
+    assert_close(run.moe_in, want_in, ctx, f"{what}: harness break op (MoE input)")
+
+
+def _check_deltas(layers, run: LayerOutput, base: LayerOutput, exp: Expected, ctx: CheckContext, what: str,
+                  r) -> None:
+    for lay in layers:
+        if lay.y32 is not None and lay.y32_base is not None:
+            assert_delta_close(_rows(lay.y32, r), _rows(lay.y32_base, r), lay.want.delta, ctx,
+                               f"{what}: {lay.name} LoRA delta", accumulation=lay.want.delta_rounding)
+        else:
+            assert_delta_close(_rows(lay.y, r), _rows(lay.y_base, r), lay.want.delta, ctx,
+                               f"{what}: {lay.name} LoRA delta", rounded=(_rows(lay.y, r), _rows(lay.y_base, r)),
+                               accumulation=lay.want.delta_rounding)
+    for mod, t in run.dense.items():
+        assert_delta_close(_rows(t, r), _rows(base.dense[mod], r), exp.dense_delta[mod], ctx,
+                           f"{what}: dense {mod} LoRA delta", rounded=(_rows(t, r),),
+                           accumulation=exp.dense_accumulation[mod])
+
+
+def _check_base_rows(layers, run: LayerOutput, base: LayerOutput, inp: BatchInputs, ctx: CheckContext,
+                     what: str) -> None:
+    mask = base_row_mask(inp.batch.token_lora_mapping, run.y.device)
+    for lay in layers:
+        assert_bitwise(lay.y[mask], lay.y_base[mask], ctx, f"{what}: {lay.name} output of base rows vs LoRA disabled")
+    for mod, t in run.dense.items():
+        assert_bitwise(t[mask], base.dense[mod][mask], ctx,
+                       f"{what}: dense {mod} output of base rows vs LoRA disabled")
+
+
+def _check_pad_rows(run: LayerOutput, base: LayerOutput, inp: BatchInputs, ctx: CheckContext, what: str) -> None:
+    T = inp.num_tokens
+    full, twin = run.rows, base.rows
+    pairs = [("MoE", full["y"], twin["y"])]
+    pairs += [(f"MoE layer {n + 2}", e.y, b.y) for n, (e, b) in enumerate(zip(full["extra"], twin["extra"]))]
+    for name, y, y_base in pairs:
+        assert_bitwise(y[T:], y_base[T:], ctx,
+                       f"{what}: {name} output of pad rows (past {T} live tokens) vs LoRA disabled")
+    for mod, t in full["dense"].items():
+        assert_bitwise(t[T:], twin["dense"][mod][T:], ctx, f"{what}: dense {mod} output of pad rows vs LoRA disabled")
+
+
+def _check_layout(run: LayerOutput, ctx: CheckContext, what: str) -> None:
     # each later MoE layer ran on the harness's norm of the previous layer's output, on every row
     # (capacity-wide in graph runs, same shapes as in the run): a backend that writes into its
     # input x shows here (before the norm, layer 2's input was layer 1's checked y)
@@ -318,10 +338,5 @@ def check_run(
         prev = e.y
     guards = every_row["guards"]
     if guards is not None:
-        assert_bitwise(
-            guards,
-            torch.full_like(guards, GUARD_VALUE),
-            ctx,
-            f"{what}: guard columns of the fused q|k|v output buffer (outside every module's slice)",
-        )
-    return exp
+        assert_bitwise(guards, torch.full_like(guards, GUARD_VALUE), ctx,
+                       f"{what}: guard columns of the fused q|k|v output buffer (outside every module's slice)")
