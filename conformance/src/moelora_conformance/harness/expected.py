@@ -39,7 +39,7 @@ from moelora_conformance.harness.checks import (
 )
 from moelora_conformance.harness.inputs import BatchInputs
 from moelora_conformance.harness.layer import GUARD_VALUE, Layer, LayerOutput, inter_layer_norm
-from moelora_conformance.harness.moe_rounding import moe_rounding_scale
+from moelora_conformance.harness.moe_rounding import dense_activation_rounding, moe_rounding_scale
 from moelora_conformance.snapshot import PoolView
 from moelora_core.batch import BatchSpec
 from moelora_core.weights import LoRAWeights
@@ -93,8 +93,10 @@ class Expected:
         rows: the row index (None = all rows).
         moe: every MoE layer's :class:`MoEExpected`, layer 1 first.
         dense: module → [n, out] dense output with LoRA; dense_delta: module → [n, out] σ·B(A x).
-        dense_accumulation: module → [n, out] the fp32 accumulation error a correct ``dense_delta``
-            may carry (:func:`~.checks.accumulation_bound` of :func:`dense_delta_rounding_scale`).
+        dense_accumulation: module → [n, out] the rounding error a correct ``dense_delta`` may carry:
+            its fp32 accumulation (:func:`~.checks.accumulation_bound` of
+            :func:`dense_delta_rounding_scale`) and its shrink output and delta rounded to the
+            activation dtype (:func:`~.moe_rounding.dense_activation_rounding`).
     """
 
     rows: torch.Tensor | None
@@ -168,7 +170,8 @@ class Oracle:
             xr = self._take(x, rows)
             dense_delta[mod] = dense_lora_forward(xr, None, mod, lora, mapping)
             dense[mod] = dense_lora_forward(xr, m.dense_weights[mod], mod, lora, mapping)
-            accumulation[mod] = accumulation_bound(dense_delta_rounding_scale(xr, mod, lora, mapping))
+            accumulation[mod] = (accumulation_bound(dense_delta_rounding_scale(xr, mod, lora, mapping))
+                                 + dense_activation_rounding(xr, mod, lora, mapping, act_dtype=self.layer.spec.dtype))
         return Expected(rows, moe, dense, dense_delta, accumulation)
 
 
@@ -283,7 +286,10 @@ def _check_outputs(layers, run: LayerOutput, exp: Expected, inp: BatchInputs, ct
                            f"{what}: {lay.name} output", rounded=(_rows(lay.y, r),),
                            accumulation=lay.want.output_rounding)
     for mod, t in run.dense.items():
-        assert_close(_rows(t, r), exp.dense[mod], ctx, f"{what}: dense {mod} output")
+        # the output's own rounding and the delta's (a small output next to a large delta carries them)
+        assert_delta_close(_rows(t, r), torch.zeros_like(exp.dense[mod]), exp.dense[mod], ctx,
+                           f"{what}: dense {mod} output", rounded=(_rows(t, r),),
+                           accumulation=exp.dense_accumulation[mod])
     want_in = break_op_f64(inp.x, run.dense, inp.batch)
     assert_close(run.moe_in, want_in, ctx, f"{what}: harness break op (MoE input)")
 

@@ -77,6 +77,29 @@ def _delta_terms(inp: torch.Tensor, A: torch.Tensor, B: torch.Tensor, sigma: flo
     return d, err, a
 
 
+def dense_activation_rounding(x: torch.Tensor, module: str, lora, token_lora_mapping: torch.Tensor, *,
+                              act_dtype: torch.dtype) -> torch.Tensor:
+    """What a dense delta ``σ·B(A x)`` may be off by when a backend rounds its shrink output and its
+    delta to the activation dtype (the segmented and chunked LoRA kernels store the shrink output in
+    it): ``S·u_a·(|d| + σ‖|B| ⊙ |A x|‖₂)`` per token and column, float64 on the CPU. Added to the
+    fp32 accumulation allowance of ``expected.dense_delta_rounding_scale``; in fp32 it is ``2u₃₂``-small.
+
+    Args:
+        x: [T, in]; module: "q".."o"; lora: the adapters; token_lora_mapping: [T] (``NO_ADAPTER``: 0).
+    """
+    x = x.detach().to("cpu", F64)
+    mapping = token_lora_mapping.detach().to("cpu", torch.long)
+    A_all, B_all = lora.factors(module)
+    out = torch.zeros(x.shape[0], B_all.shape[-2], dtype=F64)
+    u_a = ROUNDING_SAFETY * UNIT_ROUNDOFF[act_dtype]
+    for slot in sorted({int(v) for v in mapping.tolist() if v >= 0}):
+        rows = mapping == slot
+        sigma = float(lora.scalings(module)[slot])
+        _, err, _ = _delta_terms(x[rows], A_all[slot].to(F64), B_all[slot].to(F64), sigma, u_a, 0.0)
+        out[rows] = err
+    return out
+
+
 def moe_rounding_scale(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
                        w_down: torch.Tensor, lora, token_lora_mapping: torch.Tensor, *, act_dtype: torch.dtype,
                        intermediate_dtype: torch.dtype = torch.float32, include_base: bool = False) -> torch.Tensor:
