@@ -61,7 +61,7 @@ def _install_moelora(session: nox.Session) -> None:
 
 def _test_paths() -> list[str]:
     paths = [f"{p}/tests" for p in _packages() if (ROOT / p / "tests").is_dir()]
-    paths += [p for p in ("e2e",) if (ROOT / p).is_dir()]
+    paths += [p for p in ("e2e", "ci/tests") if (ROOT / p).is_dir()]
     return paths
 
 

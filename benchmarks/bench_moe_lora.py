@@ -1,4 +1,4 @@
-"""MoE multi-LoRA kernel benchmark on one GPU, by the method of issue 4 (see benchmarks/README.md).
+"""MoE multi-LoRA kernel benchmark on one GPU, by the method of benchmarks/README.md.
 
 Shapes: Qwen3-30B-A3B MoE layer (H 2048, I 768, E 128, top-8, bf16); max_loras 4, every slot loaded
 at rank R in {16, 64}; M in {1, 8, 32, 128, 512, 2048, 8192} tokens in 5 contiguous requests (slots
@@ -64,7 +64,7 @@ MODELS = {"qwen3-30b-a3b-layer": {"H": 2048, "I": 768, "E": 128, "top_k": 8}}
 TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
 RANKS = (16, 64)
 MAX_LORAS = 4
-#: Issue 4 targets (H200 medians, µs): M → (base a, LoRA b R16, LoRA b R64). Binding for M <= 512.
+#: The first kernel targets (H200 medians, µs): M → (base a, LoRA b R16, LoRA b R64). Binding for M <= 512.
 TARGETS = {1: (40, 23, 32), 8: (129, 28, 50), 32: (261, 34, 67), 128: (310, 48, 127), 512: (330, 95, 176),
            2048: (465, 147, 294), 8192: (1285, 202, 351)}
 ALIGN_TARGET_US = 15.0
@@ -172,7 +172,8 @@ class KeepBaseBuffers:
 
 def make_pool(shape: dict, R: int, gen: torch.Generator) -> LoRAWeights:
     H, I, E = shape["H"], shape["I"], shape["E"]  # noqa: E741
-    spec = LoRALayerSpec(H, I, E, shape["top_k"], {}, MAX_LORAS, R, dtype=DT, device="cuda")
+    spec = LoRALayerSpec(hidden_size=H, moe_intermediate_size=I, num_experts=E, top_k=shape["top_k"], dense_shapes={},
+                         max_loras=MAX_LORAS, max_rank=R, dtype=DT, device="cuda")
     w = LoRAWeights(spec)
     for slot in range(MAX_LORAS):
         adapter = {}

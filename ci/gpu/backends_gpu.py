@@ -1,5 +1,5 @@
 """The conformance suite over the ``triton`` and ``csgmv`` backends on a CUDA machine (the H200), from
-source, and a record of the run (issue 8).
+source, and a record of the run.
 
 For each backend, runs ``pytest -p moelora_conformance.plugin --backend <name> --device cuda`` in the
 ``gpu`` profile (bf16 among the dtypes, Qwen3-30B-A3B layer shapes among the shapes): graph modes on

@@ -10,7 +10,11 @@ graphs          CUDA graphs vs the CPU-graph emulator (ci/gpu/graph_agreement.py
 kernels         kernel suite, gpu profile, sync debug "error" (ci/gpu/kernels_gpu.py)  6–8
 reference       conformance suite on ``reference``, --device cuda, gpu profile           3–5
 backends        conformance suite on ``triton`` and ``csgmv``, gpu profile (backends_gpu.py)  9
-bench           issue-4 benchmark (benchmarks/bench_moe_lora.py)                          1–2
+bench           MoE-LoRA benchmark (benchmarks/bench_moe_lora.py)                          1–2
+runner-graphs   engine graph runners vs eager: real CUDA graphs, bf16, guard "error"     5–8
+                (packages/runner/tests/test_graph_*.py; measurements in graph_vs_eager.jsonl)
+bench-engine    engine benchmark: eager vs decode graph / prefill full / breakable          4–6
+                (benchmarks/bench_engine.py; builds its 4-layer Qwen3-30B-A3B-shaped model)
 ==============  ==========================================================  ==========
 
     python ci/gpu/run_all.py --stage graphs --stage kernels --out-dir "$OUT"
@@ -32,7 +36,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ["packages/core/src", "packages/kernels/src", "packages/backends/src", "reference/src", "conformance/src"]
+SOURCES = ["packages/core/src", "packages/kernels/src", "packages/backends/src", "packages/runner/src", "reference/src",
+           "conformance/src"]
+#: The engine's graph tests, run on CUDA in bf16 by the runner-graphs stage.
+RUNNER_GRAPH_TESTS = [f"packages/runner/tests/test_graph_{name}.py"
+                      for name in ("equivalence", "state", "capture", "fallback", "properties")]
 
 
 def _stages(out: Path, examples: int) -> dict[str, list[str]]:
@@ -47,12 +55,27 @@ def _stages(out: Path, examples: int) -> dict[str, list[str]]:
         "backends": [py, "ci/gpu/backends_gpu.py", "--max-examples", str(examples), "--budget-s", "270",
                      "--out-dir", str(out / "backends")],
         "bench": [py, "benchmarks/bench_moe_lora.py", "--out", str(out / "bench.json")],
+        "runner-graphs": [py, "-m", "pytest", *RUNNER_GRAPH_TESTS, "-q", "-p", "no:cacheprovider",
+                          "--junitxml", str(out / "runner_graphs.xml")],
+        "bench-engine": [py, "benchmarks/bench_engine.py", "--out", str(out / "bench_engine.json")],
     }
+
+
+def _stage_env(name: str, env: dict[str, str], out: Path, examples: int) -> dict[str, str]:
+    """The environment of one stage (the common one plus what the stage needs)."""
+    if name == "kernels":
+        return dict(env, MOELORA_MAX_EXAMPLES=str(4 * examples))
+    if name == "runner-graphs":
+        return dict(env, MOELORA_RUNNER_DEVICE="cuda", MOELORA_RUNNER_DTYPE="bfloat16", MOELORA_PROFILE="gpu",
+                    MOELORA_MAX_EXAMPLES=str(examples), MOELORA_GPU_OUT=str(out))
+    return env
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stage", action="append", choices=["graphs", "kernels", "reference", "backends", "bench"],
+    parser.add_argument("--stage", action="append",
+                        choices=["graphs", "kernels", "reference", "backends", "bench", "runner-graphs",
+                                 "bench-engine"],
                         help="stages to run (repeatable; default: all, in order)")
     parser.add_argument("--out-dir", type=Path, default=Path(os.environ.get("OUT", "gpu_run")))
     parser.add_argument("--max-examples", type=int, default=5,
@@ -67,7 +90,7 @@ def main() -> int:
         start = time.monotonic()
         with open(args.out_dir / f"{name}.log", "w") as log:
             print(f"== {name}: {' '.join(stages[name])}", flush=True)
-            stage_env = dict(env, MOELORA_MAX_EXAMPLES=str(4 * args.max_examples)) if name == "kernels" else env
+            stage_env = _stage_env(name, env, args.out_dir, args.max_examples)
             rc = subprocess.run(stages[name], cwd=ROOT, env=stage_env, stdout=log, stderr=subprocess.STDOUT).returncode
         rows.append((name, rc, time.monotonic() - start))
         tail = (args.out_dir / f"{name}.log").read_text().splitlines()[-15:]

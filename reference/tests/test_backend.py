@@ -255,7 +255,8 @@ def test_fallback_over_capacity_writes_nothing_and_eager_is_right(data, layer):
 
 
 def small_spec(**kw):
-    return LoRALayerSpec(8, 4, 3, 2, {"q": (8, 6)}, max_loras=2, max_rank=4, **kw)
+    return LoRALayerSpec(hidden_size=8, moe_intermediate_size=4, num_experts=3, top_k=2, dense_shapes={"q": (8, 6)},
+                         max_loras=2, max_rank=4, **kw)
 
 
 def test_static_buffers_keep_addresses_and_families_share_no_storage():
@@ -333,7 +334,7 @@ def test_guard_catches_a_host_sync(guard):  # the guard used above can fail
                                       torch.zeros(2, 2, 4), i[1], i[0]), "gate_up_out"),
     (lambda b, i: b.moe_down_delta(torch.zeros(4, 4), torch.zeros(2, 2), torch.zeros(2, 2),
                                    torch.zeros(2, 2, 8), i[1], i[0]), "topk_ids"),
-    # non-floating activations, router weights and outputs (adversarial finding 10: int32 was
+    # non-floating activations, router weights and outputs (a regression: int32 was
     # accepted and the delta truncated)
     (lambda b, i: b.moe_gate_up_delta(torch.ones(2, 8, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32),
                                       torch.zeros(2, 2, 8), i[1], i[0]), "x: .*floating"),
@@ -361,6 +362,7 @@ def test_bad_calls_raise_clear_errors(call, field):
 def test_weights_of_another_pool_are_refused():
     backend = make_backend(small_spec())
     info = backend.prepare(BatchSpec(ForwardMode.EXTEND, [Request(0, 2)], 2, (2, 0), (1.0, 0.0)))
-    other = LoRAWeights(LoRALayerSpec(8, 4, 3, 2, {"q": (8, 6)}, max_loras=2, max_rank=8))
+    other = LoRAWeights(LoRALayerSpec(hidden_size=8, moe_intermediate_size=4, num_experts=3, top_k=2,
+                                      dense_shapes={"q": (8, 6)}, max_loras=2, max_rank=8))
     with pytest.raises(InvalidFieldError, match="weights"):
         backend.dense_delta("q", torch.zeros(2, 8), torch.zeros(2, 6), other, info)

@@ -1,6 +1,6 @@
 """The reference backend under ``torch.inference_mode()``, the way serving engines run the forward.
 
-Regression of adversarial finding 5: static and staging buffers allocated by ``init_*_graph`` or
+Regression: static and staging buffers allocated by ``init_*_graph`` or
 the first eager ``prepare`` inside ``inference_mode`` were inference tensors, and every later
 ``prepare`` outside it failed ("Inplace update to inference tensor outside InferenceMode").
 
@@ -23,7 +23,8 @@ H, I, E, K, L, R = 16, 16, 4, 2, 3, 8  # noqa: E741
 
 
 def _layer():
-    spec = LoRALayerSpec(H, I, E, K, {"q": (H, 12)}, L, R)
+    spec = LoRALayerSpec(hidden_size=H, moe_intermediate_size=I, num_experts=E, top_k=K, dense_shapes={"q": (H, 12)},
+                         max_loras=L, max_rank=R)
     gen = torch.Generator().manual_seed(7)
     rnd = lambda *shape: torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
     weights = LoRAWeights(spec)

@@ -8,8 +8,8 @@ into fp32 intermediates), with and without virtual experts; dense
 deltas equal the oracle; rows of tokens without an adapter stay bit for bit as they were (NaN
 poison included); each stage aligns its own call (one alignment launch per stage, nothing kept
 between calls), and layers with other pools sharing one routing buffer rewritten in place by a
-Triton kernel each use their own routing (regression of adversarial finding 1); non-floating
-activations, router weights and outputs are refused before any launch or write (finding 10); a
+Triton kernel each use their own routing (a regression test); non-floating
+activations, router weights and outputs are refused before any launch or write; a
 Triton launch inside the CPU
 host-sync guard leaves its arguments device data (regression: the interpreter's storage copies
 after a launch marked them as host data, and the suite's P08 failed on the next op on ``topk_ids``).
@@ -48,7 +48,9 @@ F32 = torch.float32
 
 
 def _layer(dtype, virtual, seed=0):
-    spec = LoRALayerSpec(H, I, E, K, {"q": (H, 20), "o": (20, H)}, L, R, dtype=dtype, virtual_experts=virtual)
+    spec = LoRALayerSpec(hidden_size=H, moe_intermediate_size=I, num_experts=E, top_k=K,
+                         dense_shapes={"q": (H, 20), "o": (20, H)}, max_loras=L, max_rank=R, dtype=dtype,
+                         virtual_experts=virtual)
     gen = torch.Generator().manual_seed(seed)
     weights = LoRAWeights(spec)
     rnd = lambda *shape: torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
@@ -132,7 +134,7 @@ def _pool_of(weights, modules):
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_layers_with_other_pools_and_one_rewritten_routing_buffer_each_use_their_own_routing(name):
-    # Regression (adversarial finding 1): the gate_up stage handed its alignment to the next down
+    # Regression: the gate_up stage handed its alignment to the next down
     # call, keyed by the topk_ids object and its version. Layer 1 has only gate/up (its down stage
     # is skipped, the hand-off stayed), layer 2 only down (its gate_up stage is skipped), and the
     # engine rewrites one routing buffer with a Triton kernel: layer 2's down used layer 1's routing.
@@ -153,17 +155,22 @@ def test_layers_with_other_pools_and_one_rewritten_routing_buffer_each_use_their
         DEFAULT_POLICY.assert_close(y, want, dtype=F32, what=f"{name} layer {n} MoE y")
 
 
-@pytest.mark.parametrize("name", sorted(BACKENDS))
-def test_each_stage_aligns_its_own_call(name):
-    # The backend keeps no alignment between delta calls: without align= a down stage with another
-    # routing than its gate_up stage uses its own. A layer forward through BackendMoEDeltas aligns
-    # once (shared_moe_alignment) and hands that alignment to both of its stages.
+def _fp32_layer_inputs(name):
+    """(spec, backend, pool, base, batch, info, x, topk_ids, topk_weights) of an fp32 layer."""
     spec, weights, base, gen = _layer(F32, False)
     backend = BACKENDS[name](spec)
     batch = _batch(weights)
     x = torch.randn(batch.num_tokens, H, generator=gen)
     ids, w = _routing(batch.num_tokens, gen)
-    info = backend.prepare(batch)
+    return spec, backend, weights, base, batch, backend.prepare(batch), x, ids, w
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_each_stage_aligns_its_own_call(name):
+    # The backend keeps no alignment between delta calls: without align= a down stage with another
+    # routing than its gate_up stage uses its own. A layer forward through BackendMoEDeltas aligns
+    # once (shared_moe_alignment) and hands that alignment to both of its stages.
+    spec, backend, weights, base, batch, info, x, ids, w = _fp32_layer_inputs(name)
     names = []
 
     def count(kernel, run, args, kwargs, grid):
@@ -189,16 +196,39 @@ def test_each_stage_aligns_its_own_call(name):
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_a_shared_alignment_gives_the_same_layer_output_as_aligning_per_stage(name):
-    spec, weights, base, gen = _layer(F32, False)
-    backend = BACKENDS[name](spec)
-    batch = _batch(weights)
-    x = torch.randn(batch.num_tokens, H, generator=gen)
-    ids, w = _routing(batch.num_tokens, gen)
-    info = backend.prepare(batch)
+    _, backend, weights, base, _, info, x, ids, w = _fp32_layer_inputs(name)
     shared = _moe(backend, x, ids, w, weights, base, info)
     per_stage = BackendMoEDeltas(backend, weights, info)
     per_stage._shared = False  # each delta call aligns on its own
     assert torch.equal(shared, base_moe.moe_forward(x, ids, w, base, deltas=per_stage, out_dtype=F32))
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+@pytest.mark.parametrize("kind", ["idle", "all-base"])
+def test_a_layer_forward_of_a_batch_without_adapters_launches_no_lora_kernel(name, kind):
+    # Regression (P09 on the built-in suite): the shared per-layer alignment was made for an eager
+    # IDLE batch too, launching the alignment kernel where the delta calls launch nothing.
+    spec, weights, base, gen = _layer(F32, False)
+    backend = BACKENDS[name](spec)
+    ranks, sigmas = weights.slot_ranks(), weights.slot_scalings()
+    if kind == "idle":
+        batch = BatchSpec(ForwardMode.IDLE, (), L, ranks, sigmas)
+    else:
+        batch = BatchSpec(ForwardMode.EXTEND, [Request(-1, 3), Request(-1, 2)], L, ranks, sigmas)
+    T = batch.num_tokens
+    x = torch.randn(T, H, generator=gen)
+    ids, w = _routing(T, gen) if T else (torch.zeros(0, K, dtype=torch.int32), torch.zeros(0, K))
+    info = backend.prepare(batch)
+    names = []
+
+    def count(kernel, run, args, kwargs, grid):
+        names.append(kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel))
+        return run(kernel, *args, grid=grid, warmup=False, **kwargs)
+
+    with intercept_triton_launches(count):
+        y = _moe(backend, x, ids, w, weights, base, info)
+    assert names == []
+    assert torch.equal(y, base_moe.moe_forward(x, ids, w, base, out_dtype=F32))
 
 
 def test_a_triton_launch_inside_the_host_sync_guard_leaves_its_arguments_device_data():
@@ -216,7 +246,7 @@ NON_FLOAT_ARGS = ("x", "gate_up_out", "h", "topk_weights", "down_out", "dense x"
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 @pytest.mark.parametrize("arg", NON_FLOAT_ARGS)
 def test_non_floating_activations_and_outputs_are_refused_before_any_work(name, arg):
-    # Regression (adversarial finding 10): int32 x or out were accepted and the delta truncated.
+    # Regression: int32 x or out were accepted and the delta truncated.
     spec, weights, _, gen = _layer(F32, False)
     backend = BACKENDS[name](spec)
     batch = _batch(weights)

@@ -1,6 +1,6 @@
 """Every built-in backend under ``torch.inference_mode()``, the way serving engines run the forward.
 
-Regression of adversarial finding 5: the kernel backends' delta calls read ``topk_ids._version``
+Regression: the kernel backends' delta calls read ``topk_ids._version``
 (inference tensors have no version counter), and the static and staging buffers of all three
 backends became inference tensors when ``init_*_graph`` or the first ``prepare`` ran inside
 ``inference_mode``, so any later ``prepare`` outside it failed ("Inplace update to inference
@@ -23,7 +23,8 @@ NAMES = ("reference", "triton", "csgmv")
 
 
 def _weights():
-    spec = LoRALayerSpec(H, I, E, K, {"q": (H, 12)}, L, R)
+    spec = LoRALayerSpec(hidden_size=H, moe_intermediate_size=I, num_experts=E, top_k=K, dense_shapes={"q": (H, 12)},
+                         max_loras=L, max_rank=R)
     gen = torch.Generator().manual_seed(3)
     weights = LoRAWeights(spec)
     rnd = lambda *shape: torch.randn(*shape, generator=gen) / shape[-1] ** 0.5

@@ -30,7 +30,8 @@ L, R = 3, 8
 
 
 def _spec(**kw):
-    return LoRALayerSpec(16, 8, 4, 2, {"q": (16, 12)}, max_loras=kw.pop("max_loras", L), max_rank=R, **kw)
+    return LoRALayerSpec(hidden_size=16, moe_intermediate_size=8, num_experts=4, top_k=2,
+                         dense_shapes={"q": (16, 12)}, max_loras=kw.pop("max_loras", L), max_rank=R, **kw)
 
 
 def _batch(mode=ForwardMode.EXTEND, requests=(Request(0, 3), Request(-1, 2)), ranks=(8, 4, 0)):

@@ -100,6 +100,6 @@ def test_tokens_per_request_is_decode_only():
 
 @pytest.mark.parametrize("bad", ["x", None, True, 1e39, float("nan")])
 def test_scalings_must_be_fp32_numbers(bad):
-    # Finding 11: 'x' raised a raw ValueError; 1e39 was accepted and became Inf when staged as fp32.
+    # Regression: 'x' raised a raw ValueError; 1e39 was accepted and became Inf when staged as fp32.
     with pytest.raises(InvalidFieldError, match=r"scalings\[1\]"):
         spec(scalings=(2.0, bad, 0.0))

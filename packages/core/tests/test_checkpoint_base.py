@@ -212,7 +212,7 @@ def test_core_readers_import_neither_transformers_nor_peft():
 
 
 def test_pickled_checkpoint_weights_are_named_as_not_read(tmp_path):
-    # Finding 12: only pytorch_model.bin (no safetensors) must say that .bin files are not read.
+    # Regression: only pytorch_model.bin (no safetensors) must say that .bin files are not read.
     raw, cfg = _model("qwen3_moe")
     write_checkpoint(tmp_path, raw, checkpoint_tensors(random_model(cfg, seed=2)))
     (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")

@@ -1,4 +1,4 @@
-"""Adapter refusals (issue 5): one error class per kind, a message naming the adapter, the key or
+"""Adapter refusals: one error class per kind, a message naming the adapter, the key or
 module, expected vs found; detected from the config and from the keys alike.
 
 The real-format bad adapters (built by peft) are checked in conformance/tests/test_fixtures_bad_adapters.py.
@@ -259,7 +259,7 @@ def test_missing_files(tmp_path):
     ],
 )
 def test_sigma_overflowing_fp32_is_refused_on_read(tmp_path, extra_conf, fragments):
-    # Finding 2: lora_alpha 1e40 gave σ = 1.25e39, a finite Python float that is Inf in the pools'
+    # Regression: lora_alpha 1e40 gave σ = 1.25e39, a finite Python float that is Inf in the pools'
     # fp32 σ tables; read_adapter accepted it and load_slot failed half-way.
     cfg = _cfg()
     tensors, conf = _good(cfg)
@@ -269,7 +269,7 @@ def test_sigma_overflowing_fp32_is_refused_on_read(tmp_path, extra_conf, fragmen
 @pytest.mark.parametrize(
     ("extra_conf", "kind", "fragments"),
     [
-        # Finding 11: [1, 2] raised a raw AttributeError; string lists were iterated by character.
+        # Regression: [1, 2] raised a raw AttributeError; string lists were iterated by character.
         ({"target_modules": [1, 2]}, AdapterFormatError,
          ("adapter_config.json target_modules", "must be a list of module names or one regular-expression string")),
         ({"target_modules": "q_proj("}, AdapterFormatError, ("target_modules", "not a valid regular expression")),
@@ -292,7 +292,7 @@ def test_config_fields_of_the_wrong_type_are_named(tmp_path, extra_conf, kind, f
 
 @pytest.mark.parametrize(("r_conf", "found"), [(1, 2), (4, 2)])
 def test_config_rank_other_than_the_files_names_the_rank(tmp_path, r_conf, found):
-    # Finding 11: r = 4 for a file of rank 8 was reported as "number of experts (expected 6,
+    # Regression: r = 4 for a file of rank 8 was reported as "number of experts (expected 6,
     # found 12)": the fused lora_A rows are E·r, and the reader divided by the config's r.
     cfg = _cfg()
     tensors, conf = _good(cfg, r=2)
@@ -302,7 +302,7 @@ def test_config_rank_other_than_the_files_names_the_rank(tmp_path, r_conf, found
 
 
 def test_expert_only_adapter_with_another_rank_names_both_readings(tmp_path):
-    # Finding 11, without dense factors to show the file's rank: E'·r' rows fit either another
+    # Regression (without dense factors to show the file's rank): E'·r' rows fit either another
     # expert count or another rank, and the message says both.
     cfg = _cfg()
     tensors, conf = _good(cfg, r=2)
@@ -313,7 +313,7 @@ def test_expert_only_adapter_with_another_rank_names_both_readings(tmp_path):
 
 @pytest.mark.parametrize("stem", ["adapter_model.bin", "adapter_model.pt"])
 def test_pickled_adapter_weights_are_named_as_not_read(tmp_path, stem):
-    # Finding 12: a folder with only adapter_model.bin said "no safetensors file", not why.
+    # Regression: a folder with only adapter_model.bin said "no safetensors file", not why.
     cfg = _cfg()
     tensors, conf = _good(cfg)
     path = write_adapter(tmp_path / "bad", tensors, conf)

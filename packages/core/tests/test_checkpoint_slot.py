@@ -138,7 +138,7 @@ def test_refusal_in_the_last_layer_leaves_the_first_untouched(tmp_path):
 
 @pytest.mark.parametrize("adapter_scaling", [float("nan"), float("inf"), 1e39, "abc"])
 def test_bad_adapter_scaling_refused_before_any_layer_is_cleared(tmp_path, adapter_scaling):
-    # Finding 2: an adapter touching only layer 1, loaded with a bad adapter_scaling, cleared layer 0
+    # Regression: an adapter touching only layer 1, loaded with a bad adapter_scaling, cleared layer 0
     # of the slot and then refused in layer 1: the slot held nothing on layer 0 and the old adapter
     # on layer 1. Every argument is checked before the first write or clear.
     cfg = _cfg()
@@ -153,7 +153,7 @@ def test_bad_adapter_scaling_refused_before_any_layer_is_cleared(tmp_path, adapt
 
 
 def test_sigma_overflowing_fp32_refused_before_any_write(tmp_path):
-    # Finding 2: σ = 1.25e39 (lora_alpha 1e40) is a finite Python float; the pool's fp32 σ table
+    # Regression: σ = 1.25e39 (lora_alpha 1e40) is a finite Python float; the pool's fp32 σ table
     # cannot hold it. load_slot used to fail half-way (layer 0 slot 0 with device ranks
     # [0, 0, 8, 0, ...] and host ranks 0; layer 1 still the previous adapter).
     cfg = _cfg()
@@ -171,7 +171,7 @@ def test_sigma_overflowing_fp32_refused_before_any_write(tmp_path):
 
 
 def test_fp32_adapter_overflowing_fp16_pools_is_refused(tmp_path):
-    # Finding 4: read_adapter returns fp32 by default; loading |B| ~ 1e5 into fp16 pools overflowed
+    # Regression: read_adapter returns fp32 by default; loading |B| ~ 1e5 into fp16 pools overflowed
     # in load_slot's cast (Inf in the pool, no error), while reading with dtype=fp16 was refused.
     cfg = _cfg()
     big, _ = _adapter(tmp_path, cfg, "big", {0: ALL, 2: ALL}, r=2, seed=9)
@@ -189,7 +189,7 @@ def test_fp32_adapter_overflowing_fp16_pools_is_refused(tmp_path):
 
 
 def test_hand_built_factor_of_wrong_dims_is_a_named_error(tmp_path):
-    # Finding 11: a 1-D factor in a hand-built AdapterWeights raised IndexError from the shape check.
+    # Regression: a 1-D factor in a hand-built AdapterWeights raised IndexError from the shape check.
     cfg = _cfg()
     good, _ = _adapter(tmp_path, cfg, "hand", {0: ("q",)}, r=2, seed=11)
     bad = dataclasses.replace(good, layers=({"q": ModuleLoRA(torch.randn(24), torch.randn(20), 1.0)}, {}, {}))

@@ -1,4 +1,4 @@
-"""Adapter keys against the config that should have produced them (adversarial-input finding 3).
+"""Adapter keys against the config that should have produced them.
 
 peft 0.21.2 wraps the modules its config targets and loads the file's keys into them; a key for a
 module it did not wrap is dropped without a warning. moelora refuses such keys instead of serving
@@ -77,7 +77,7 @@ MOE = ("gate", "up", "down")
 @pytest.mark.parametrize(
     ("conf", "fragments"),
     [
-        # finding 3 cases: peft wraps none of these modules and drops their keys
+        # cases: peft wraps none of these modules and drops their keys
         ({"target_modules": ["k_proj"]}, ("layers.0.self_attn.q_proj.lora_A.weight", "target_modules=['k_proj']")),
         ({"exclude_modules": ["q_proj"]}, ("layers.0.self_attn.q_proj", "exclude_modules=['q_proj']")),
         ({"layers_to_transform": [0], "layers_pattern": "layers"},
@@ -208,7 +208,7 @@ def test_non_canonical_indices_are_refused(tmp_path, edit, fragment):
 
 
 def test_keys_with_an_adapter_name_are_refused_with_that_reason(tmp_path):
-    # Finding 3/11: lora_A.default.weight keys (a model state_dict, not save_pretrained output) were
+    # Regression: lora_A.default.weight keys (a model state_dict, not save_pretrained output) were
     # refused as "LoRA on modules moelora does not serve (router, norms...)" while naming q_proj.
     cfg = _cfg()
 

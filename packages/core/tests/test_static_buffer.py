@@ -66,7 +66,7 @@ def test_staging_alternates_buffers_and_checks_capacity():
 
 @pytest.mark.parametrize("built_inside", [True, False], ids=["built-in-inference-mode", "built-outside"])
 def test_buffers_built_in_either_mode_take_staged_writes_in_the_other(built_inside):
-    # Regression (adversarial finding 5): built inside torch.inference_mode(), both were inference
+    # Regression: built inside torch.inference_mode(), both were inference
     # tensors, and every later staged write outside it failed ("Inplace update to inference tensor").
     with torch.inference_mode(built_inside):
         buf = StaticBuffer("w", 4, dtype=torch.int32, device="cpu", fill=-1)
@@ -80,7 +80,7 @@ def test_buffers_built_in_either_mode_take_staged_writes_in_the_other(built_insi
 
 @pytest.mark.parametrize("values", [[2**31], [-(2**31) - 1], [1, 2**40]])
 def test_host_values_outside_the_dtype_are_refused_and_change_nothing(values):
-    # Finding 11: write([2**31]) into an int32 buffer raised a raw RuntimeError from the copy.
+    # Regression: write([2**31]) into an int32 buffer raised a raw RuntimeError from the copy.
     buf = StaticBuffer("seg_indptr", 4, dtype=torch.int32, device="cpu", fill=-1)
     buf.write([1, 2])
     with pytest.raises(InvalidFieldError, match=r"seg_indptr: .*outside int32"):

@@ -25,7 +25,8 @@ H, I, E, R, L = 12, 8, 3, 6, 3  # noqa: E741 - H != 2I so a transposed read is c
 
 
 def make_spec(dtype=torch.float32):
-    return LoRALayerSpec(H, I, E, 2, {"q": (H, 16), "o": (16, H)}, max_loras=L, max_rank=R, dtype=dtype)
+    return LoRALayerSpec(hidden_size=H, moe_intermediate_size=I, num_experts=E, top_k=2,
+                         dense_shapes={"q": (H, 16), "o": (16, H)}, max_loras=L, max_rank=R, dtype=dtype)
 
 
 def rand(gen, *shape):
@@ -117,7 +118,7 @@ def _bad_cases(gen):
         "Inf σ": ({"q": ModuleLoRA(good["q"].lora_A, good["q"].lora_B, float("inf"))}, "adapter['q'].scaling"),
         "integer A": ({"q": ModuleLoRA(good["q"].lora_A.int(), good["q"].lora_B, 1.0)}, "adapter['q'].lora_A"),
         "empty": ({}, "adapter"),
-        # finding 11: a meta tensor crashed in .item(); σ None raised TypeError, '2.0' and True were taken
+        # Regression: a meta tensor crashed in .item(); σ None raised TypeError, '2.0' and True were taken
         "meta A": ({"q": ModuleLoRA(torch.empty(4, H, device="meta"), good["q"].lora_B, 1.0)}, "adapter['q'].lora_A"),
         "σ None": ({"q": ModuleLoRA(good["q"].lora_A, good["q"].lora_B, None)}, "adapter['q'].scaling"),
         "σ str": ({"q": ModuleLoRA(good["q"].lora_A, good["q"].lora_B, "2.0")}, "adapter['q'].scaling"),
@@ -181,7 +182,7 @@ def test_module_tables_cover_every_module():
 
 @pytest.mark.parametrize("sigma", [1e39, -1e39, 3.5e38])
 def test_sigma_overflowing_fp32_is_refused_and_changes_nothing(sigma):
-    # Finding 2: σ = 1.25e39 is a finite Python float but not an fp32 one; load_slot cleared the
+    # Regression: σ = 1.25e39 is a finite Python float but not an fp32 one; load_slot cleared the
     # slot, then raised a raw RuntimeError half-way through writing the σ table.
     gen = torch.Generator().manual_seed(8)
     w = LoRAWeights(make_spec())
@@ -197,7 +198,7 @@ def test_sigma_overflowing_fp32_is_refused_and_changes_nothing(sigma):
 
 @pytest.mark.parametrize("adapter_scaling", [float("nan"), float("inf"), 1e39, "abc", "2.0", True])
 def test_bad_adapter_scaling_is_refused_and_changes_nothing(adapter_scaling):
-    # Finding 2/11: a non-finite, fp32-overflowing or non-numeric adapter_scaling must be refused
+    # Regression: a non-finite, fp32-overflowing or non-numeric adapter_scaling must be refused
     # with a named error before the slot is cleared ('abc' was a raw ValueError).
     gen = torch.Generator().manual_seed(9)
     w = LoRAWeights(make_spec())
@@ -210,7 +211,7 @@ def test_bad_adapter_scaling_is_refused_and_changes_nothing(adapter_scaling):
 
 
 def test_factors_overflowing_the_pool_dtype_are_refused_after_the_cast():
-    # Finding 4: fp32 factors with |B| ~ 1e5 are finite, but Inf in an fp16 pool; load_slot checked
+    # Regression: fp32 factors with |B| ~ 1e5 are finite, but Inf in an fp16 pool; load_slot checked
     # finiteness before its cast and left 236 Inf in q's B.
     gen = torch.Generator().manual_seed(10)
     w = LoRAWeights(make_spec(torch.float16))
@@ -228,7 +229,7 @@ def test_factors_overflowing_the_pool_dtype_are_refused_after_the_cast():
 
 
 def test_pool_keeps_no_autograd_history_and_no_caller_tensor():
-    # Finding 9: nn.Parameter factors made the pool buffers require grad (grad_fn CopySlices), kept
+    # Regression: nn.Parameter factors made the pool buffers require grad (grad_fn CopySlices), kept
     # the caller's tensors alive through the graph, and survived clear_slot and reloads.
     gen = torch.Generator().manual_seed(11)
     w = LoRAWeights(make_spec())

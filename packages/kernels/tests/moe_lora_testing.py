@@ -16,8 +16,9 @@ from moelora_reference import moe_lora_ops as twin
 def cpu_weights(w: LoRAWeights) -> LoRAWeights:
     """A CPU copy of a pool (the oracle and twins run on the CPU)."""
     spec = w.spec
-    out = LoRAWeights(LoRALayerSpec(spec.H, spec.I, spec.E, spec.top_k, dict(spec.dense_shapes), spec.max_loras,
-                                    spec.R, spec.dtype, "cpu"))
+    out = LoRAWeights(LoRALayerSpec(hidden_size=spec.H, moe_intermediate_size=spec.I, num_experts=spec.E,
+                                    top_k=spec.top_k, dense_shapes=dict(spec.dense_shapes), max_loras=spec.max_loras,
+                                    max_rank=spec.R, dtype=spec.dtype, device="cpu"))
     for name in ("gate_up_A", "gate_up_B", "down_A", "down_B", "module_ranks", "module_scalings"):
         getattr(out, name).copy_(getattr(w, name).cpu())
     for m in w.dense_A:
@@ -80,7 +81,8 @@ def check_delta(stage, out, want, out0, mask, dtype, seed, what):
 def make_pool(seed, *, L=3, E=5, H=40, I=24, R=16, dtype=torch.float32, ranks=None, sigma=(0.5, 2.0, 1.0)):
     """A pool whose slot s has module ranks ranks[s] = {module: r} (default: all modules rank R)."""
     gen = torch.Generator().manual_seed(seed)
-    spec = LoRALayerSpec(H, I, E, 2, {}, L, R, dtype=dtype, device=DEVICE)
+    spec = LoRALayerSpec(hidden_size=H, moe_intermediate_size=I, num_experts=E, top_k=2, dense_shapes={}, max_loras=L,
+                         max_rank=R, dtype=dtype, device=DEVICE)
     w = LoRAWeights(spec)
     ranks = ranks or {s: {"gate": R, "up": R, "down": R} for s in range(L)}
     for slot, mods in ranks.items():

@@ -7,7 +7,7 @@ and with graph capacity tails (empty tail segments, weight index -1, padding row
 capacity): output equal to the twin within tolerance, rows of tokens without LoRA bit-identical,
 the intermediate NaN where nothing is written; fp32 deltas against the fp64 oracle; named cases:
 mixed ranks with a host max_rank, a single token, launcher precondition errors, a max_rank below a
-loaded slot's rank refused by ``dense_lora_delta`` (finding 12).
+loaded slot's rank refused by ``dense_lora_delta``.
 """
 
 import dataclasses
@@ -146,7 +146,9 @@ def test_dense_lora_matches_twin(problem):
 
 def _pool(seed, ranks, R=16, dtype=torch.float32, fin=40, fout=24):
     gen = torch.Generator().manual_seed(seed)
-    spec = LoRALayerSpec(8, 8, 2, 1, {"q": (fin, fout)}, len(ranks), R, dtype=dtype, device=DEVICE)
+    spec = LoRALayerSpec(hidden_size=8, moe_intermediate_size=8, num_experts=2, top_k=1,
+                         dense_shapes={"q": (fin, fout)}, max_loras=len(ranks), max_rank=R, dtype=dtype,
+                         device=DEVICE)
     w = LoRAWeights(spec)
     for slot, r in enumerate(ranks):
         if r:
@@ -235,7 +237,7 @@ def test_launcher_refuses_bad_arguments(name, override, match):
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["segmented", "chunked"])
 def test_dense_lora_delta_refuses_max_rank_below_a_loaded_slots_rank(chunked):
-    # Regression (adversarial finding 12): dense_lora_delta has the pool, so a max_rank below a
+    # Regression: dense_lora_delta has the pool, so a max_rank below a
     # loaded slot's rank of the module (which would cut that slot's rank loop) is refused on the host.
     w, gen = _pool(43, [4, 2])
     batch = BatchSpec(ForwardMode.EXTEND, [Request(0, 3), Request(1, 2)], 2, (4, 2), (1.0, 2.0))

@@ -9,13 +9,13 @@ the result and a write outside as a changed sentinel.
 Covers:
 - dense kernels (segmented LoRA-A/B, chunked SGMV): a weight index of L, of 10⁶ or below -1, a
   segment end past T, a negative segment start, permutation rows past T or negative: equal to a run
-  on the in-range equivalent, nothing outside read or written (finding 6);
+  on the in-range equivalent, nothing outside read or written;
 - ``fused_moe_gemm``: an alignment made for more experts than ``w`` holds is refused on the host;
   built by hand (its expert count unknown), blocks of experts >= E_w add nothing and read no
-  weight past E_w (finding 7);
+  weight past E_w;
 - an alignment written for another pair count than the launch (a static ``AlignOutput`` reused
   for a smaller batch: its padding sentinel is a real pair of the larger launch) is refused by every
-  MoE launcher before anything is written (finding 8); the alignment launchers record the pair and
+  MoE launcher before anything is written; the alignment launchers record the pair and
   expert counts they wrote, in place on ``out``; a hand-built alignment (counts unknown) still runs;
 - MoE-LoRA kernels: negative pair indices in a hand-built alignment add nothing and touch no row
   outside the output.
@@ -54,7 +54,7 @@ def _padded(gen, rows, *shape, fill=float("nan")):
     return buf[1:-1], buf
 
 
-# --- dense kernels (finding 6) ------------------------------------------------------------------------
+# --- dense kernels ------------------------------------------------------------------------
 
 L, R, HD, N, T = 3, 8, 32, 24, 6
 I32 = torch.int32
@@ -117,7 +117,7 @@ def test_dense_metadata_out_of_range_adds_nothing_and_reads_nothing_outside(kind
     assert_close(got, want, dtype=F32, what=f"{kind} {case} vs its in-range equivalent")
 
 
-# --- fused_moe_gemm: experts past the weight (finding 7) ----------------------------------------------
+# --- fused_moe_gemm: experts past the weight ----------------------------------------------
 
 E_W, M, TOP_K = 4, 5, 2
 #: experts 4 and 5 do not exist in w (E_w = 4)
@@ -156,7 +156,7 @@ def test_fused_moe_gemm_skips_blocks_of_experts_past_w_in_a_hand_built_alignment
     assert bool((c.cpu()[~inside] == 7.0).all()), "rows of pairs of experts past w stay unwritten"
 
 
-# --- alignments for another pair count (finding 8) ----------------------------------------------------
+# --- alignments for another pair count ----------------------------------------------------
 
 LM, EM, M_BIG, M_SMALL = 3, 5, 9, 4
 
@@ -214,7 +214,7 @@ MOE_LAUNCHES = {
 
 @pytest.mark.parametrize("launch", sorted(MOE_LAUNCHES))
 def test_moe_launchers_refuse_an_alignment_written_for_another_pair_count(launch):
-    # Regression (adversarial finding 8): an alignment of M = 4 tokens used with x of M = 9 took its
+    # Regression: an alignment of M = 4 tokens used with x of M = 9 took its
     # padding sentinel 4·top_k for a real pair, and token 4 got a spurious delta.
     weights, ids, mapping, enabled, x = _moe_problem(64)
     align = _small_alignment(ids, mapping, enabled, base=launch == "fused_moe_gemm")

@@ -7,7 +7,7 @@ with LoRA against the fp64 oracle (fp32). Named cases: gate_A != up_A; rank < R 
 (with and without a host max_rank); base tokens in a mixed batch bit-identical to a LoRA-free run;
 disabled slots; expert ids -1, E and E+1; a single token; all tokens to one expert; empty experts;
 top_k = 1; an IDLE batch; launcher precondition errors (rank > R among them); a max_rank below a
-loaded slot's rank refused by ``moe_lora_delta`` (finding 12).
+loaded slot's rank refused by ``moe_lora_delta``.
 """
 
 import math
@@ -175,7 +175,7 @@ def test_max_rank_above_R_is_refused():
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_max_rank_below_a_loaded_slots_rank_is_refused(stage):
-    # Regression (adversarial finding 12): max_rank=4 with a rank-8 slot silently cut its rank loop.
+    # Regression: max_rank=4 with a rank-8 slot silently cut its rank loop.
     # moe_lora_delta has the pool, so it checks max_rank against every loaded slot's host rank.
     ranks = {0: {"gate": 3, "up": 8, "down": 6}, 1: {"gate": 2, "up": 2, "down": 2}}
     w = make_pool(25, L=2, R=16, ranks=ranks)

@@ -20,10 +20,10 @@ from __future__ import annotations
 from functools import partial
 
 from moelora_backends.kernel_backend import KernelBackend
-from moelora_backends.metadata import Capacity
 from moelora_backends.segmentation import Segmentation, chunk_segments, chunk_size_for, max_chunk_segments
 from moelora_core.batch import BatchSpec
 from moelora_core.layer_spec import LoRALayerSpec
+from moelora_core.metadata import LaunchSizes
 
 
 class CsgmvBackend(KernelBackend):
@@ -40,7 +40,7 @@ class CsgmvBackend(KernelBackend):
     def family_layout(self, family: str, max_requests: int, max_tokens: int, tokens_per_request: int | None):
         L = self.spec.max_loras
         size = chunk_size_for(max_tokens)
-        cap = Capacity(max_requests, max_tokens, L, max_chunk_segments(max_tokens, max_requests, L, size),
+        cap = LaunchSizes(max_requests, max_tokens, L, max_chunk_segments(max_tokens, max_requests, L, size),
                        min(size, max_tokens), True)
         return cap, partial(self.chunk_segments, chunk_size=size)
 

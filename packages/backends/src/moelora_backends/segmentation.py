@@ -32,12 +32,12 @@ LoRA backends (``triton_backend.py``; ``chunked_backend.py``, sgl-project/sglang
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from itertools import groupby
 from operator import itemgetter
 
 from moelora_core.batch import BatchSpec
 from moelora_core.errors import InvalidFieldError
+from moelora_core.metadata import Segmentation
 
 #: Tokens per prefill-graph tile (DESIGN.md §5).
 PREFILL_TILE = 16
@@ -48,36 +48,6 @@ MAX_CHUNK = 128
 CHUNKS_PER_BATCH = 64
 #: Largest segment count of one launch (the dense kernels' segment axis).
 MAX_SEGMENTS = 65535
-
-
-@dataclass(frozen=True)
-class Segmentation:
-    """A segmentation as host lists.
-
-    Attributes:
-        seg_indptr: [S + 1] token offsets of the segments (permuted order if ``permutation``).
-        weight_indices: [S] slot per segment, ``NO_ADAPTER`` for base tokens.
-        permutation: [N] original row at each sorted position, or None (batch order).
-    """
-
-    seg_indptr: list[int]
-    weight_indices: list[int]
-    permutation: list[int] | None
-
-    @property
-    def num_segments(self) -> int:
-        return len(self.weight_indices)
-
-    @property
-    def seg_lens(self) -> list[int]:
-        """[S] tokens per segment."""
-        p = self.seg_indptr
-        return [p[i + 1] - p[i] for i in range(len(p) - 1)]
-
-    @property
-    def max_len(self) -> int:
-        """Longest segment (0 without segments)."""
-        return max(self.seg_lens, default=0)
 
 
 def slot_runs(requests: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -115,7 +85,7 @@ def _sorted_by_slot(batch: BatchSpec) -> tuple[list[tuple[int, int]], list[int]]
 
 def request_segments(batch: BatchSpec) -> Segmentation:
     """One segment per request in batch order: ``seg_indptr = req_seg_indptr``, slots per request."""
-    return Segmentation(list(batch.req_seg_indptr), list(batch.req_to_lora), None)
+    return Segmentation.per_request(batch)
 
 
 def adapter_segments(batch: BatchSpec) -> Segmentation:

@@ -22,7 +22,6 @@ from __future__ import annotations
 from functools import partial
 
 from moelora_backends.kernel_backend import KernelBackend
-from moelora_backends.metadata import Capacity
 from moelora_backends.segmentation import (
     PREFILL_TILE,
     Segmentation,
@@ -35,6 +34,7 @@ from moelora_backends.segmentation import (
 from moelora_core.batch import BatchSpec
 from moelora_core.forward_mode import ForwardMode
 from moelora_core.layer_spec import LoRALayerSpec
+from moelora_core.metadata import LaunchSizes
 
 
 class TritonBackend(KernelBackend):
@@ -55,9 +55,9 @@ class TritonBackend(KernelBackend):
     def family_layout(self, family: str, max_requests: int, max_tokens: int, tokens_per_request: int | None):
         L = self.spec.max_loras
         if family == "decode":
-            cap = Capacity(max_requests, max_tokens, L, max_adapter_segments(max_requests, L), max_tokens, True)
+            cap = LaunchSizes(max_requests, max_tokens, L, max_adapter_segments(max_requests, L), max_tokens, True)
             return cap, self.decode_segments
-        cap = Capacity(max_requests, max_tokens, L, max_tile_segments(max_tokens, max_requests, PREFILL_TILE),
+        cap = LaunchSizes(max_requests, max_tokens, L, max_tile_segments(max_tokens, max_requests, PREFILL_TILE),
                        min(PREFILL_TILE, max_tokens), False)
         return cap, partial(self.prefill_graph_segments, tile=PREFILL_TILE)
 

@@ -16,6 +16,8 @@ A reader of DESIGN.md finds its names here:
 - ``StaticBuffer``                                                          (:mod:`.static_buffer`)
 - ``PinnedStaging``                                                         (:mod:`.staging`)
 - ``TolerancePolicy``, ``DEFAULT_POLICY``, ``assert_exact``                 (:mod:`.tolerance`)
+- ``LogprobTolerance``, ``logprob_tolerance``, ``LogprobCheck``, ``assert_logprobs_close``
+  (:mod:`.tolerance`; engine-level absolute-logprob rows)
 """
 
 from moelora_core.adapter_config import AdapterConfig, lora_scaling
@@ -38,7 +40,18 @@ from moelora_core.layer_spec import ALL_MODULES, DENSE_MODULES, MOE_MODULES, LoR
 from moelora_core.sentinels import EXPERT_NOT_HERE, NO_ADAPTER, NO_EXPERT_BLOCK, padding_row
 from moelora_core.staging import PinnedStaging
 from moelora_core.static_buffer import StaticBuffer
-from moelora_core.tolerance import DEFAULT_POLICY, CloseReport, Tolerance, TolerancePolicy, assert_exact
+from moelora_core.tolerance import (
+    DEFAULT_POLICY,
+    LOGPROB_COMPARISONS,
+    CloseReport,
+    LogprobCheck,
+    LogprobTolerance,
+    Tolerance,
+    TolerancePolicy,
+    assert_exact,
+    assert_logprobs_close,
+    logprob_tolerance,
+)
 from moelora_core.weights import LoRAWeights, ModuleLoRA, module_index
 
 __version__ = "0.1.0"
@@ -50,6 +63,7 @@ __all__ = [
     "DENSE_MODULES",
     "EXPERT_NOT_HERE",
     "GRAPH_FAMILIES",
+    "LOGPROB_COMPARISONS",
     "MOE_MODULES",
     "NO_ADAPTER",
     "NO_EXPERT_BLOCK",
@@ -70,6 +84,8 @@ __all__ = [
     "LoRABatchInfo",
     "LoRALayerSpec",
     "LoRAWeights",
+    "LogprobCheck",
+    "LogprobTolerance",
     "MoEBaseWeights",
     "MoELoRABatchInfo",
     "ModuleLoRA",
@@ -82,7 +98,9 @@ __all__ = [
     "TolerancePolicy",
     "align_capacity",
     "assert_exact",
+    "assert_logprobs_close",
     "load_backend",
+    "logprob_tolerance",
     "lora_scaling",
     "module_index",
     "padding_row",

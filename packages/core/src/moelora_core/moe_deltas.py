@@ -56,6 +56,9 @@ class MoEDeltas(Protocol):
         ...
 
 
+_NOT_ALIGNED = object()
+
+
 class BackendMoEDeltas:
     """A backend's MoE deltas for one layer forward: ``Backend`` + pool + batch info → :class:`MoEDeltas`.
 
@@ -74,14 +77,16 @@ class BackendMoEDeltas:
         self.weights = weights
         self.info = info
         self._shared = bool(getattr(backend.capabilities(), "shared_moe_alignment", False))
-        self._align: object | None = None
+        self._align: object = _NOT_ALIGNED
 
     def _alignment(self, topk_ids: torch.Tensor) -> dict[str, object]:
         # no LoRA in the batch (host flag): the delta calls return at once, and an IDLE or all-base
         # batch must launch nothing (the suite's P09 counts launches)
         if not self._shared or not self.info.has_active_lora:
             return {}
-        if self._align is None:
+        if self._align is _NOT_ALIGNED:
+            # The backend's alignment (None where it has nothing to align: no active adapter or no
+            # token, so its delta calls launch nothing either).
             self._align = self.backend.moe_align(topk_ids, self.info)
         return {"align": self._align}
 

@@ -23,78 +23,12 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 from moelora_core.errors import KernelPreconditionError
 from moelora_kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check_grid, check_tensor, next_pow2
+from moelora_kernels._moe_epilogue_kernels import _moe_activation_kernel, _moe_sum_kernel
 
 ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh")
-
-
-@triton.jit
-def _act(x, ACTIVATION: tl.constexpr):
-    if ACTIVATION == "silu":
-        return x * tl.sigmoid(x)
-    else:
-        # GELU, tanh form: 0.5 x (1 + tanh(√(2/π)(x + 0.044715 x³))), with tanh(z) = 2σ(2z) - 1
-        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        return x * tl.sigmoid(2.0 * z)
-
-
-@triton.jit
-def _moe_activation_kernel(
-    # pointers
-    gate_up_ptr,     # [rows, 2I] (GATED) or [rows, I]
-    h_ptr,           # [rows, I], out
-    topk_ids_ptr,    # [rows] expert id per pair (HAS_IDS)
-    # sizes
-    inter,           # I
-    # strides
-    stride_gm, stride_hm,
-    # meta-parameters
-    BLOCK: tl.constexpr,
-    ACTIVATION: tl.constexpr,
-    GATED: tl.constexpr,
-    HAS_IDS: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    if HAS_IDS:
-        if tl.load(topk_ids_ptr + row) < 0:
-            return
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < inter
-    g = tl.load(gate_up_ptr + row * stride_gm + cols, mask=ok, other=0.0).to(tl.float32)
-    h = _act(g, ACTIVATION)
-    if GATED:
-        u = tl.load(gate_up_ptr + row * stride_gm + inter + cols, mask=ok, other=0.0).to(tl.float32)
-        h = h * u
-    tl.store(h_ptr + row * stride_hm + cols, h.to(h_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _moe_sum_kernel(
-    # pointers
-    down_out_ptr,    # [M, top_k, H]
-    topk_ids_ptr,    # [M, top_k]
-    y_ptr,           # [M, H], out
-    # sizes
-    hidden,
-    top_k,
-    # strides
-    stride_dm, stride_dk, stride_ym,
-    # meta-parameters
-    BLOCK: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < hidden
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for j in range(0, top_k):
-        here = tl.load(topk_ids_ptr + t * top_k + j) >= 0
-        v = tl.load(down_out_ptr + t * stride_dm + j * stride_dk + cols, mask=ok & here, other=0.0)
-        # where, not a multiply: an unwritten row of an EXPERT_NOT_HERE pair may hold NaN
-        acc += tl.where(here, v.to(tl.float32), 0.0)
-    tl.store(y_ptr + t * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def moe_activation(

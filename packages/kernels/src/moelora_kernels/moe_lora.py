@@ -1,4 +1,4 @@
-"""Launchers of the MoE-LoRA delta (kernels and tensor layouts in :mod:`.moe_lora_kernels`).
+"""Launchers of the MoE-LoRA delta (kernels and tensor layouts in :mod:`._moe_lora_kernels`).
 
 Three entry points with the stage ("gate_up" or "down") an explicit argument:
 
@@ -32,9 +32,9 @@ from moelora_kernels._common import (
     gemm_launch_options,
     next_pow2,
 )
+from moelora_kernels._moe_lora_kernels import _fused_moe_lora_kernel, _moe_lora_expand_kernel, _moe_lora_shrink_kernel
 from moelora_kernels.configs import kernel_config
 from moelora_kernels.fused_moe import used_blocks_bound
-from moelora_kernels.moe_lora_kernels import _fused_moe_lora_kernel, _moe_lora_expand_kernel, _moe_lora_shrink_kernel
 
 STAGES: tuple[str, ...] = ("gate_up", "down")
 #: LoRAWeights modules of each stage.

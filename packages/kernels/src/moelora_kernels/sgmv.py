@@ -1,4 +1,4 @@
-"""Launchers of the dense LoRA kernels (:mod:`.dense_lora`): segmented LoRA-A/B and chunked SGMV.
+"""Launchers of the dense LoRA kernels (:mod:`._sgmv_kernels`): segmented LoRA-A/B and chunked SGMV.
 
 - :func:`segmented_lora_a` / :func:`segmented_lora_b`: the intermediate is indexed by token row
   (``triton`` backend; ``permutation`` optional: DECODE sorts requests by adapter).
@@ -9,7 +9,7 @@
 
 Grids are ``(S, cdiv(max_len, BLOCK_S)[, cdiv(out, BLOCK_N)])`` from host numbers only; the device
 segment bounds decide which programs work. No launcher reads a device value; the kernels check the
-device metadata against the host T and L instead (range contract in :mod:`.dense_lora`: slots
+device metadata against the host T and L instead (range contract in :mod:`._sgmv_kernels`: slots
 outside [0, L) and rows outside [0, T) add nothing and are never dereferenced).
 """
 
@@ -31,8 +31,8 @@ from moelora_kernels._common import (
     gemm_launch_options,
     next_pow2,
 )
+from moelora_kernels._sgmv_kernels import _dense_lora_expand_kernel, _dense_lora_shrink_kernel
 from moelora_kernels.configs import kernel_config
-from moelora_kernels.dense_lora import _dense_lora_expand_kernel, _dense_lora_shrink_kernel
 
 
 def _segments(seg_indptr, weight_indices, permutation, num_tokens, max_len, device, need_permutation):

@@ -25,36 +25,16 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 from moelora_core.align import AlignOutput
 from moelora_core.errors import KernelPreconditionError
 from moelora_core.weights import LoRAWeights
 from moelora_kernels._common import INDEX_DTYPES, check_grid, check_positive_int, check_tensor
+from moelora_kernels._virtual_experts_kernels import _virtual_topk_ids_kernel
 from moelora_kernels.align import moe_align_block_size
 from moelora_kernels.configs import moe_block_m
 from moelora_kernels.fused_moe import fused_moe_gemm
 from moelora_kernels.moe_lora import STAGES, stage_tensors
-
-
-@triton.jit
-def _virtual_topk_ids_kernel(
-    # pointers
-    topk_ids_ptr,            # [M * top_k] int32/int64
-    token_lora_mapping_ptr,  # [M] int32
-    virtual_ids_ptr,         # [M * top_k] int32, out
-    # sizes
-    num_pairs, top_k, num_experts, max_loras,
-    # meta-parameters
-    BLOCK: tl.constexpr,
-):
-    pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = pairs < num_pairs
-    e = tl.load(topk_ids_ptr + pairs, mask=ok, other=-1)
-    slot = tl.load(token_lora_mapping_ptr + pairs // top_k, mask=ok, other=-1)
-    has_lora = (slot >= 0) & (slot < max_loras) & (e >= 0) & (e < num_experts)
-    v = tl.where(has_lora, slot.to(tl.int64) * num_experts + e.to(tl.int64), -1)
-    tl.store(virtual_ids_ptr + pairs, v.to(tl.int32), mask=ok)
 
 
 def virtual_topk_ids(

@@ -1,4 +1,4 @@
-"""Readers for real checkpoints: Hugging Face MoE models and PEFT LoRA adapters (issue 5).
+"""Readers for real checkpoints: Hugging Face MoE models and PEFT LoRA adapters.
 
 safetensors + JSON only (no transformers, no peft). See ``conformance/docs/checkpoints.md`` for the
 supported families, adapter formats and refusals.

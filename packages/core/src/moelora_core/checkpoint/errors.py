@@ -1,7 +1,7 @@
 """Errors of the checkpoint and adapter readers: one class per kind of refusal.
 
 Base checkpoints raise subclasses of :class:`CheckpointError`; adapters raise subclasses of
-``moelora_core.AdapterError`` (issue 5). Every adapter refusal names the adapter, the key or module
+``moelora_core.AdapterError``. Every adapter refusal names the adapter, the key or module
 at fault, and, where it applies, what was expected and what was found:
 
     adapter 'bad_shape': key base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight: wrong

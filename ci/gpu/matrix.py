@@ -1,0 +1,457 @@
+"""The GPU CI matrix runner: the cells of ``ci/matrix.toml``, each in its own process, resumable,
+stopped cleanly at a time budget, and one report over any number of runs (DESIGN.md §9).
+
+    python3 ci/gpu/matrix.py list [--select EXPR]
+    python3 ci/gpu/matrix.py run [--select EXPR] [--budget-s N] [--resume DIR ...] --out-dir DIR [--commit SHA]
+    python3 ci/gpu/matrix.py report DIR_OR_FILE ... [--markdown out.md] [--json out.json]
+
+``--select`` (repeatable; a cell is selected when any one matches): comma-separated terms that must
+all hold, ``axis=glob`` (``suite=conformance,backend=triton,dtype=bf16``) or a glob on the cell id
+(``conformance/triton/*``).
+
+``run`` appends one JSON line per finished cell to ``DIR/records.jsonl`` the moment the cell ends
+(a call killed by the device's limit keeps every finished cell) and the cells' output to
+``DIR/matrix.log``; two files, because the GPU device returns at most eight. Cells already recorded
+as finished in ``--resume`` records (or in ``DIR`` itself) are skipped. Before a cell starts, the
+runner checks that its estimate fits what is left of ``--budget-s``; if it does not, the run stops
+there and the remaining cells stay unrecorded (the next run resumes them). A cell runs with a
+timeout (``timeout_s``, default 1.5 × its estimate) and the environment of a GPU host running from
+source: the packages' ``src`` folders on ``PYTHONPATH``, no ``TRITON_INTERPRET`` (real kernels, real
+CUDA graphs). Sync debug mode "error": every suite runs its prepare + forward (and the kernel suite
+every launch) inside ``moelora_core.graphs.host_sync_guard``, which on CUDA is
+``torch.cuda.set_sync_debug_mode("error")``; test code outside the guard may read results on the host.
+
+``report`` merges records (the newest record of a cell wins) and lists every cell of the matrix —
+a cell without a record is "not run" — with its status, max error against its tolerance where the
+suite reports one, examples run, seconds, versions and commit, as Markdown and JSON.
+
+Statuses: ``pass``; ``fail`` (the suite ran and something failed); ``error`` (the cell's process
+could not run its suite: exit 2-4, a crash); ``timeout`` (its own timeout fired); ``nothing-ran``
+(exit 5: no test ran, never a pass); ``not-run`` (no record).
+
+Only the standard library is needed to list, select, run and report (Python 3.11+: ``tomllib``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import fnmatch
+import itertools
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MATRIX = ROOT / "ci" / "matrix.toml"
+SOURCES = ["packages/core/src", "packages/kernels/src", "packages/backends/src", "packages/runner/src",
+           "reference/src", "conformance/src"]
+AXES = ("suite", "backend", "mode", "dtype", "family", "profile")
+SUITES = ("kernels", "conformance", "checkpoint-pass", "e2e", "benchmarks")
+FINISHED = ("pass", "fail", "error", "timeout", "nothing-ran")
+#: Longest timeout of one cell: the device's 10-minute call less its start-up.
+MAX_TIMEOUT_S = 570
+RECORDS = "records.jsonl"
+LOG = "matrix.log"
+
+
+class MatrixError(ValueError):
+    """ci/matrix.toml (or a --select expression) is malformed; the message names the entry."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell of the matrix.
+
+    Attributes:
+        axes: axis → value ("-" where it does not apply), in :data:`AXES` order.
+        estimate_s: measured wall time on the GPU host. timeout_s: when the runner kills it.
+        options: the group's other keys (``max_examples``, ...), passed to the suite's command.
+        target, manifest: the backend's ``module:factory`` (or built-in name) and manifest path.
+    """
+
+    axes: dict[str, str]
+    estimate_s: float
+    timeout_s: float
+    options: dict[str, object] = field(default_factory=dict)
+    target: str = ""
+    manifest: str = ""
+
+    @property
+    def id(self) -> str:
+        return "/".join(self.axes[a] for a in AXES)
+
+
+def _as_list(value: object) -> list[str]:
+    return [str(v) for v in value] if isinstance(value, list) else [str(value)]
+
+
+def load_matrix(path: Path | str = MATRIX) -> list[Cell]:
+    """Every cell of the matrix file, in file order.
+
+    Raises:
+        MatrixError: an unknown suite or axis key, a group without ``estimate_s``, a backend name
+            not in ``[backends]``, two cells with one id.
+    """
+    data = tomllib.loads(Path(path).read_text())
+    backends = data.get("backends", {})
+    cells: list[Cell] = []
+    for n, group in enumerate(data.get("group", []), 1):
+        where = f"{Path(path).name} group {n}"
+        if "estimate_s" not in group:
+            raise MatrixError(f"{where}: needs estimate_s (seconds measured on the GPU host)")
+        suites = _as_list(group.get("suite", "-"))
+        for s in suites:
+            if s not in SUITES:
+                raise MatrixError(f"{where}: unknown suite {s!r}; expected one of {SUITES}")
+        options = {k: v for k, v in group.items() if k not in (*AXES, "estimate_s", "timeout_s")}
+        values = [_as_list(group.get(a, "-")) for a in AXES]
+        for combo in itertools.product(*values):
+            axes = dict(zip(AXES, combo))
+            b = axes["backend"]
+            if b != "-" and b not in backends:
+                raise MatrixError(f"{where}: backend {b!r} is not declared in [backends] ({sorted(backends)})")
+            estimate = float(group["estimate_s"])
+            timeout = float(group.get("timeout_s", min(MAX_TIMEOUT_S, 1.5 * estimate)))
+            entry = backends.get(b, {})
+            cells.append(Cell(axes, estimate, timeout, options, entry.get("target", b), entry.get("manifest", "")))
+    ids = [c.id for c in cells]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise MatrixError(f"{Path(path).name}: cells with the same id: {dupes}")
+    return cells
+
+
+def _term_holds(cell: Cell, term: str) -> bool:
+    if "=" in term:
+        axis, _, pattern = term.partition("=")
+        axis = axis.strip()
+        if axis not in AXES:
+            raise MatrixError(f"--select: unknown axis {axis!r} in {term!r}; axes are {AXES}")
+        return fnmatch.fnmatchcase(cell.axes[axis], pattern.strip())
+    return fnmatch.fnmatchcase(cell.id, term.strip())
+
+
+def select(cells: Iterable[Cell], expressions: Sequence[str] | None) -> list[Cell]:
+    """The cells matching any of ``expressions`` (all cells when there are none); see the module doc.
+
+    Raises:
+        MatrixError: an unknown axis in an expression.
+    """
+    cells = list(cells)
+    if not expressions:
+        return cells
+    return [c for c in cells
+            if any(all(_term_holds(c, t) for t in expr.split(",") if t.strip()) for expr in expressions)]
+
+
+# --- records -------------------------------------------------------------------------------------
+
+
+def read_records(paths: Iterable[Path | str]) -> dict[str, dict]:
+    """cell id → its newest record, from ``records.jsonl`` files or folders holding ``*.jsonl``.
+    Records of a cell the run did not finish (status ``not-run``) are ignored."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files += sorted(p.glob("*.jsonl"))
+        elif p.is_file():
+            files.append(p)
+    out: dict[str, dict] = {}
+    for f in files:
+        for line in f.read_text().splitlines():
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if rec.get("status") not in FINISHED:
+                continue
+            prev = out.get(rec["cell"])
+            if prev is None or rec.get("finished", "") >= prev.get("finished", ""):
+                out[rec["cell"]] = rec
+    return out
+
+
+def _versions() -> dict[str, str]:
+    """torch / CUDA / triton versions and the GPU's name, from a child process (the runner itself
+    imports no torch); "unknown" where they cannot be read."""
+    code = ("import json, platform, torch\n"
+            "try:\n import triton; tv = triton.__version__\nexcept ImportError:\n tv = 'not installed'\n"
+            "print(json.dumps({'torch': torch.__version__, 'cuda': str(torch.version.cuda), 'triton': tv,"
+            " 'gpu': torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}))")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        versions = json.loads(out.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError):
+        versions = {"torch": "unknown", "cuda": "unknown", "triton": "unknown", "gpu": "unknown"}
+    return {**versions, "python": platform.python_version()}
+
+
+def _commit(explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    if os.environ.get("MOELORA_COMMIT"):
+        return os.environ["MOELORA_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+# --- the cells' commands --------------------------------------------------------------------------
+
+
+def _mode_filter(cell: Cell) -> str:
+    """The pytest ``-k`` expression of a conformance cell: items of its mode and dtype. Graph-family
+    items (ids ``decode-<dtype>`` / ``prefill-<dtype>``) go with the decode and prefill-full cells."""
+    mode, dtype = cell.axes["mode"], cell.axes["dtype"]
+    terms = [f"{mode}-{dtype}"]
+    if mode == "prefill-full":
+        terms.append(f"prefill-{dtype}")
+    return " or ".join(terms)
+
+
+def command(cell: Cell, work: Path) -> list[str]:
+    """The command line of ``cell``, writing its suite's own report under ``work``.
+
+    Raises:
+        MatrixError: a suite without a command here yet.
+    """
+    py, suite, o = sys.executable, cell.axes["suite"], cell.options
+    if suite == "kernels":
+        cmd = [py, "ci/gpu/kernels_gpu.py", "--profile", cell.axes["profile"], "--out", str(work / "kernels.json")]
+        if "pytest_k" in o:
+            cmd += ["--", "-k", str(o["pytest_k"])]
+        return cmd
+    if suite == "conformance":
+        cmd = [py, "-m", "pytest", "-p", "moelora_conformance.plugin", "-p", "no:cacheprovider",
+               "--backend", cell.target, "--device", "cuda", "--profile", cell.axes["profile"],
+               "--report-json", str(work / "report.json"), "-q", "-rfE", "-k", _mode_filter(cell)]
+        if cell.manifest:
+            cmd += ["--manifest", str(ROOT / cell.manifest)]
+        if "max_examples" in o:
+            cmd += ["--max-examples", str(o["max_examples"])]
+        return cmd
+    if suite == "benchmarks":
+        return [py, "benchmarks/bench_moe_lora.py", "--out", str(work / "bench.json")]
+    raise MatrixError(f"cell {cell.id}: no command for suite {suite!r} yet")
+
+
+def _status(exit_code: int | None, timed_out: bool) -> str:
+    if timed_out:
+        return "timeout"
+    return {0: "pass", 1: "fail", 5: "nothing-ran"}.get(exit_code, "error")
+
+
+def summarize(cell: Cell, work: Path) -> dict:
+    """What the cell's own report says: outcome counts, examples run, the max error against its
+    tolerance where the suite records one, the first failure messages (empty without a report)."""
+    out: dict[str, object] = {}
+    report = work / "report.json"
+    if cell.axes["suite"] == "conformance" and report.is_file():
+        data = json.loads(report.read_text())
+        records = data.get("records", [])
+        counts: dict[str, int] = {}
+        for r in records:
+            counts[r.get("outcome", "?")] = counts.get(r.get("outcome", "?"), 0) + 1
+        out["counts"] = counts
+        out["examples"] = sum(int(r.get("examples_run") or 0) for r in records) or None
+        errors = [(r["max_error"], r.get("tolerance")) for r in records if r.get("max_error") is not None]
+        if errors:
+            worst = max(errors, key=lambda e: e[0] / e[1] if e[1] else e[0])
+            out["max_error"], out["tolerance"] = worst
+        out["failures"] = [f"{r.get('test')}: {r.get('message', '')}"[:300] for r in records
+                           if r.get("outcome") in ("failed", "error")][:5]
+    kernels = work / "kernels.json"
+    if cell.axes["suite"] == "kernels" and kernels.is_file():
+        data = json.loads(kernels.read_text())
+        out["counts"] = data.get("summary", {})
+        out["examples"] = sum(v.get("passing", 0) for v in data.get("examples", {}).values()) or None
+    bench = work / "bench.json"
+    if cell.axes["suite"] == "benchmarks" and bench.is_file():
+        rows = json.loads(bench.read_text()).get("rows", [])
+        errs = [v for r in rows for k, v in r.items() if k.startswith("err_") and isinstance(v, int | float)]
+        if errs:
+            out["max_error"], out["tolerance"] = max(errs), 2e-2
+    return out
+
+
+# --- run -----------------------------------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # real kernels on the GPU
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / s) for s in SOURCES] + [env.get("PYTHONPATH", "")])
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_cell(cell: Cell, timeout_s: float, log, env: dict[str, str]) -> tuple[dict, float]:
+    """Run one cell in its own process group; (its record fields, wall seconds)."""
+    with tempfile.TemporaryDirectory(prefix="moelora-cell-") as tmp:
+        work = Path(tmp)
+        try:
+            cmd = command(cell, work)
+        except MatrixError as exc:
+            return {"status": "error", "exit_code": None, "message": str(exc)}, 0.0
+        log.write(f"\n== {cell.id} (timeout {timeout_s:.0f} s): {' '.join(cmd)}\n")
+        log.flush()
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGINT)  # pytest still writes its reports on SIGINT
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        wall = time.monotonic() - start
+        fields = {"status": _status(proc.returncode, timed_out), "exit_code": proc.returncode}
+        try:
+            fields.update(summarize(cell, work))
+        except (OSError, ValueError, KeyError) as exc:
+            fields["message"] = f"could not read the cell's report: {exc}"
+        return fields, wall
+
+
+def run(cells: Sequence[Cell], *, out_dir: Path, budget_s: float | None, resume: Sequence[Path],
+        commit: str, now=time.monotonic, runner=run_cell) -> list[dict]:
+    """Run ``cells`` in order (module doc); returns the records written this run."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    done = read_records([*resume, out_dir / RECORDS])
+    todo = [c for c in cells if c.id not in done]
+    env = _env()
+    versions = _versions() if todo else {}
+    start = now()
+    written = []
+    with open(out_dir / LOG, "a") as log, open(out_dir / RECORDS, "a") as records:
+        for cell in todo:
+            left = None if budget_s is None else budget_s - (now() - start)
+            if left is not None and left < cell.estimate_s:
+                log.write(f"\n== budget: {left:.0f} s left < {cell.estimate_s:.0f} s estimated for {cell.id}; "
+                          f"stopping ({len(todo) - len(written)} cells left for --resume)\n")
+                break
+            timeout = cell.timeout_s if left is None else min(cell.timeout_s, left)
+            fields, wall = runner(cell, timeout, log, env)
+            rec = {"cell": cell.id, **cell.axes, **fields, "seconds": round(wall, 1), "estimate_s": cell.estimate_s,
+                   "commit": commit, "finished": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                   **versions}
+            records.write(json.dumps(rec) + "\n")
+            records.flush()
+            written.append(rec)
+            print(f"{cell.id:<60} {rec['status']:<11} {wall:7.1f} s", flush=True)
+    return written
+
+
+# --- report --------------------------------------------------------------------------------------
+
+
+def report_rows(cells: Sequence[Cell], records: dict[str, dict]) -> list[dict]:
+    """One row per cell of the matrix, in matrix order; cells without a record are "not-run"."""
+    rows = []
+    for c in cells:
+        rec = records.get(c.id)
+        rows.append({"cell": c.id, **c.axes, "status": rec["status"] if rec else "not-run", "record": rec})
+    return rows
+
+
+def _fmt_error(rec: dict | None) -> str:
+    if not rec or rec.get("max_error") is None:
+        return "–"
+    tol = rec.get("tolerance")
+    return f"{rec['max_error']:.2e} / {tol:.0e}" if tol else f"{rec['max_error']:.2e}"
+
+
+def render_markdown(rows: Sequence[dict]) -> str:
+    """The report as Markdown: a status summary, then one table row per cell."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    recs = [r["record"] for r in rows if r["record"]]
+    commits = sorted({r.get("commit", "unknown") for r in recs})
+    gpus = sorted({r.get("gpu", "unknown") for r in recs})
+    lines = ["# GPU matrix report", "",
+             f"{len(rows)} cells: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())), "",
+             f"GPUs: {', '.join(gpus) or '–'}; commits: {', '.join(c[:12] for c in commits) or '–'}", "",
+             "| cell | status | max error / tol | examples | seconds | finished | torch / triton | commit |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        rec = r["record"] or {}
+        ver = f"{rec.get('torch', '–')} / {rec.get('triton', '–')}" if rec else "–"
+        lines.append(f"| `{r['cell']}` | {r['status']} | {_fmt_error(rec)} | {rec.get('examples') or '–'} | "
+                     f"{rec.get('seconds', '–')} | {rec.get('finished', '–')[:10]} | {ver} | "
+                     f"{rec.get('commit', '–')[:12]} |")
+    fails = [r for r in rows if r["status"] in ("fail", "error", "timeout", "nothing-ran")]
+    if fails:
+        lines += ["", "## Not passing", ""]
+        for r in fails:
+            rec = r["record"] or {}
+            detail = "; ".join(rec.get("failures") or []) or rec.get("message", "") or f"exit {rec.get('exit_code')}"
+            lines.append(f"- `{r['cell']}` ({r['status']}): {detail}")
+    return "\n".join(lines) + "\n"
+
+
+# --- CLI -----------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--matrix", type=Path, default=MATRIX, help="the matrix file (default ci/matrix.toml)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_list = sub.add_parser("list", help="print the selected cells with their estimates")
+    p_run = sub.add_parser("run", help="run the selected cells")
+    p_rep = sub.add_parser("report", help="merge records into one report")
+    for p in (p_list, p_run, p_rep):
+        p.add_argument("--select", action="append", default=None, help="cells to take (module doc; repeatable)")
+    p_run.add_argument("--out-dir", type=Path, required=True, help="records.jsonl and matrix.log go here")
+    p_run.add_argument("--budget-s", type=float, default=None, help="stop before a cell that would pass this")
+    p_run.add_argument("--resume", type=Path, action="append", default=[], help="records of earlier runs to skip")
+    p_run.add_argument("--commit", default=None, help="the commit under test (default: git, or $MOELORA_COMMIT)")
+    p_rep.add_argument("records", type=Path, nargs="+", help="records.jsonl files or folders of *.jsonl")
+    p_rep.add_argument("--markdown", type=Path, default=None, help="write the Markdown report here")
+    p_rep.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    try:
+        cells = select(load_matrix(args.matrix), args.select)
+    except (MatrixError, OSError, tomllib.TOMLDecodeError) as exc:
+        print(f"matrix: {exc}", file=sys.stderr)
+        return 2
+    if not cells:
+        print("matrix: no cell matches --select", file=sys.stderr)
+        return 2
+    if args.command == "list":
+        for c in cells:
+            print(f"{c.id:<60} ~{c.estimate_s:5.0f} s")
+        print(f"{len(cells)} cells, ~{sum(c.estimate_s for c in cells) / 60:.0f} minutes")
+        return 0
+    if args.command == "run":
+        written = run(cells, out_dir=args.out_dir, budget_s=args.budget_s, resume=args.resume,
+                      commit=_commit(args.commit))
+        return 0 if all(r["status"] == "pass" for r in written) else 1
+    rows = report_rows(cells, read_records(args.records))
+    md = render_markdown(rows)
+    if args.markdown:
+        args.markdown.write_text(md)
+    else:
+        print(md)
+    if args.json:
+        args.json.write_text(json.dumps([{k: v for k, v in r.items()} for r in rows], indent=1))
+    return 0 if all(r["status"] == "pass" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The GPU matrix runner (``ci/gpu/matrix.py``) on the CPU: cells from groups, selection, resume,
+the budget stop, the report merge, and a command for every cell of ``ci/matrix.toml``.
+
+Cells run through a fake runner and a fake clock here; the real cells need a GPU host.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("ci_matrix", ROOT / "ci" / "gpu" / "matrix.py")
+matrix = importlib.util.module_from_spec(_spec)
+sys.modules["ci_matrix"] = matrix
+_spec.loader.exec_module(matrix)
+
+SMALL = """
+[backends]
+reference = { target = "reference", manifest = "" }
+mine = { target = "my_pkg.mod:make", manifest = "mine.toml" }
+
+[[group]]
+suite = "kernels"
+profile = "gpu"
+estimate_s = 100
+
+[[group]]
+suite = "conformance"
+backend = ["reference", "mine"]
+mode = ["eager", "decode"]
+dtype = ["bf16", "fp16"]
+profile = "gpu"
+max_examples = 2
+estimate_s = 50
+"""
+
+
+@pytest.fixture
+def small(tmp_path):
+    path = tmp_path / "matrix.toml"
+    path.write_text(SMALL)
+    return matrix.load_matrix(path)
+
+
+def test_groups_expand_to_the_product_of_their_list_axes_with_stable_ids(small):
+    ids = [c.id for c in small]
+    assert ids[0] == "kernels/-/-/-/-/gpu"
+    assert len(ids) == 1 + 2 * 2 * 2
+    assert "conformance/mine/decode/fp16/-/gpu" in ids
+    mine = next(c for c in small if c.axes["backend"] == "mine")
+    assert (mine.target, mine.manifest, mine.options) == ("my_pkg.mod:make", "mine.toml", {"max_examples": 2})
+    assert mine.timeout_s == 75  # 1.5 x the estimate by default
+
+
+@pytest.mark.parametrize("text, problem", [
+    ('[[group]]\nsuite = "kernels"\n', "estimate_s"),
+    ('[[group]]\nsuite = "unit"\nestimate_s = 1\n', "unknown suite"),
+    ('[[group]]\nsuite = "conformance"\nbackend = "ghost"\nestimate_s = 1\n', "not declared"),
+    ('[[group]]\nsuite = "kernels"\nestimate_s = 1\n[[group]]\nsuite = "kernels"\nestimate_s = 2\n', "same id"),
+])
+def test_a_malformed_matrix_is_refused_by_name(tmp_path, text, problem):
+    path = tmp_path / "m.toml"
+    path.write_text(text)
+    with pytest.raises(matrix.MatrixError, match=problem):
+        matrix.load_matrix(path)
+
+
+def test_select_by_axes_and_by_id_glob(small):
+    picked = matrix.select(small, ["suite=conformance,backend=mine,dtype=bf16"])
+    assert [c.id for c in picked] == ["conformance/mine/eager/bf16/-/gpu", "conformance/mine/decode/bf16/-/gpu"]
+    assert [c.id for c in matrix.select(small, ["kernels/*", "*/reference/decode/fp16/*"])] == [
+        "kernels/-/-/-/-/gpu", "conformance/reference/decode/fp16/-/gpu"]
+    assert matrix.select(small, None) == small
+    with pytest.raises(matrix.MatrixError, match="unknown axis"):
+        matrix.select(small, ["colour=red"])
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def fake_runner(clock, outcomes):
+    ran = []
+
+    def runner(cell, timeout, log, env):
+        ran.append((cell.id, timeout))
+        clock.t += cell.estimate_s
+        return {"status": outcomes.get(cell.id, "pass"), "exit_code": 0}, cell.estimate_s
+    return runner, ran
+
+
+def test_the_budget_stops_before_a_cell_that_does_not_fit_and_resume_runs_the_rest(small, tmp_path, monkeypatch):
+    monkeypatch.setattr(matrix, "_versions", lambda: {"torch": "t", "triton": "tr", "gpu": "g"})
+    clock = FakeClock()
+    runner, _ = fake_runner(clock, {"conformance/reference/eager/fp16/-/gpu": "fail"})
+    out = tmp_path / "run1"
+    first = matrix.run(small, out_dir=out, budget_s=210, resume=[], commit="abc", now=clock, runner=runner)
+    # kernels 100 s + two cells of 50 s = 200 s; the third cell's 50 s no longer fit in the 10 s left
+    assert [r["cell"] for r in first] == [c.id for c in small[:3]]
+    assert [r["status"] for r in first] == ["pass", "pass", "fail"]
+    assert "stopping (6 cells left for --resume)" in (out / "matrix.log").read_text()
+    lines = (out / "records.jsonl").read_text().splitlines()
+    assert [json.loads(x)["cell"] for x in lines] == [r["cell"] for r in first]
+    assert json.loads(lines[0])["commit"] == "abc" and json.loads(lines[0])["torch"] == "t"
+    # a second run resumes: it skips every recorded cell, failed ones included
+    runner2, ran2 = fake_runner(clock, {})
+    second = matrix.run(small, out_dir=tmp_path / "run2", budget_s=None, resume=[out], commit="abc", now=clock,
+                        runner=runner2)
+    assert [c for c, _ in ran2] == [c.id for c in small[3:]]
+    assert len(second) == 6
+    # a cell's timeout never exceeds what is left of the budget
+    clock3 = FakeClock()
+    runner3, ran3 = fake_runner(clock3, {})
+    matrix.run(small[:2], out_dir=tmp_path / "run3", budget_s=130, resume=[], commit="x", now=clock3, runner=runner3)
+    assert ran3 == [("kernels/-/-/-/-/gpu", 130.0)]
+
+
+def test_the_report_lists_every_cell_and_the_newest_record_wins(small, tmp_path):
+    rec = lambda cell, status, finished, **kw: json.dumps(
+        {"cell": cell, "status": status, "finished": finished, "seconds": 1.0, "commit": "c0ffee", **kw})
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join([rec("kernels/-/-/-/-/gpu", "fail", "2026-12-01T10:00:00", failures=["t: boom"]),
+                            rec("conformance/mine/eager/bf16/-/gpu", "pass", "2026-12-01T10:00:00",
+                                max_error=3e-3, tolerance=2e-2)]))
+    b.write_text("\n".join([rec("kernels/-/-/-/-/gpu", "pass", "2026-12-02T10:00:00"),
+                            rec("conformance/mine/eager/fp16/-/gpu", "not-run", "2026-12-02T10:00:00")]))
+    records = matrix.read_records([tmp_path])
+    rows = matrix.report_rows(small, records)
+    status = {r["cell"]: r["status"] for r in rows}
+    assert len(rows) == len(small)
+    assert status["kernels/-/-/-/-/gpu"] == "pass"  # the newer record
+    assert status["conformance/mine/eager/bf16/-/gpu"] == "pass"
+    assert status["conformance/mine/eager/fp16/-/gpu"] == "not-run"  # an unfinished record is no result
+    md = matrix.render_markdown(rows)
+    assert "9 cells: 7 not-run, 2 pass" in md
+    assert "3.00e-03 / 2e-02" in md
+    assert md.count("| `") == len(small)
+
+
+def test_every_cell_of_the_repository_matrix_has_a_command(tmp_path):
+    cells = matrix.load_matrix()
+    assert cells, "ci/matrix.toml has no cells"
+    for cell in cells:
+        cmd = matrix.command(cell, tmp_path)
+        assert cmd and cmd[0] == sys.executable, cell.id
+        assert cell.estimate_s <= 480, f"{cell.id}: cells are sized to at most 8 minutes"
+        if cell.axes["suite"] == "conformance":
+            assert "-k" in cmd and cmd[cmd.index("--backend") + 1] == cell.target
+
+
+def test_conformance_cells_select_their_mode_and_dtype_items_only():
+    cells = {c.id: c for c in matrix.load_matrix()}
+    k = lambda cid: matrix._mode_filter(cells[cid])
+    assert k("conformance/triton/eager/bf16/-/gpu") == "eager-bf16"
+    assert k("conformance/triton/prefill-full/fp16/-/gpu") == "prefill-full-fp16 or prefill-fp16"
+    assert k("conformance/csgmv/decode/fp32/-/gpu") == "decode-fp32"
+
+
+def test_the_cli_lists_cells_and_refuses_a_selection_that_matches_nothing(capsys):
+    assert matrix.main(["list", "--select", "suite=kernels"]) == 0
+    assert "kernels/-/-/-/-/gpu" in capsys.readouterr().out
+    assert matrix.main(["list", "--select", "suite=e2e,backend=nobody"]) == 2
+    assert "no cell matches" in capsys.readouterr().err

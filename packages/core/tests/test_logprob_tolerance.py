@@ -1,0 +1,51 @@
+"""The absolute-logprob rows of the tolerance policy (engine-level comparisons).
+
+Covers: every comparison has an fp32 row and every row says whether it was measured; a missing row is
+a KeyError naming the rows there are (no silent default); ``LogprobCheck`` fails an item above
+max_abs naming the item and position, holds the mean only over a comparison of at least
+``MEAN_MIN_SAMPLES`` logprobs (a 2-token prompt's single logprob is its own mean), and refuses
+non-finite values and length mismatches.
+"""
+
+import pytest
+import torch
+
+from moelora_core import LOGPROB_COMPARISONS, LogprobCheck, assert_logprobs_close, logprob_tolerance
+from moelora_core.tolerance import LOGPROB_TOLERANCES, MEAN_MIN_SAMPLES
+
+
+def test_every_comparison_has_an_fp32_row_with_a_status():
+    for comparison in LOGPROB_COMPARISONS:
+        row = logprob_tolerance(comparison, torch.float32)
+        assert row.dtype == "float32" and row.max_abs > 0 and 0 < row.mean_abs <= row.max_abs
+    assert {r.status for r in LOGPROB_TOLERANCES.values()} == {"measured", "target"}
+    assert logprob_tolerance("engine_vs_hf", "float32").max_abs == 1e-4  # the engine issue's bound
+
+
+def test_a_missing_row_is_an_error():
+    with pytest.raises(KeyError, match="no logprob tolerance for 'tp_vs_tp1' at bfloat16; rows"):
+        logprob_tolerance("tp_vs_tp1", torch.bfloat16)
+
+
+def test_max_is_checked_per_item_and_named():
+    check = LogprobCheck("engine_vs_hf", "float32")
+    assert check.add([-1.0, -2.0], [-1.0, -2.00005], what="r0") == pytest.approx(5e-5)
+    with pytest.raises(AssertionError, match=r"r1: max \|Δlogprob\| 2\.000e-04 > 1\.0e-04.*\[1\] expected -3 actual"):
+        check.add([-1.0, -3.0002], [-1.0, -3.0], what="r1")
+    with pytest.raises(AssertionError, match="non-finite"):
+        check.add([float("nan")], [-1.0], what="r2")
+    with pytest.raises(AssertionError, match="2 logprobs, expected 1"):
+        check.add([-1.0, -1.0], [-1.0], what="r3")
+
+
+def test_mean_is_held_only_over_enough_logprobs():
+    # One logprob 5e-5 off: within max_abs, above mean_abs, but a sample of one says nothing of the mean.
+    assert assert_logprobs_close([-1.00005], [-1.0], comparison="engine_vs_hf", dtype="float32", what="one") \
+        == pytest.approx((5e-5, 5e-5))
+    many = LogprobCheck("engine_vs_hf", "float32")
+    many.add([-1.00005] * MEAN_MIN_SAMPLES, [-1.0] * MEAN_MIN_SAMPLES, what="all off")
+    with pytest.raises(AssertionError, match=f"mean .* over {MEAN_MIN_SAMPLES} logprobs"):
+        many.finish()
+    fine = LogprobCheck("engine_vs_hf", "float32")
+    fine.add([-1.00005] + [-1.0] * MEAN_MIN_SAMPLES, [-1.0] * (MEAN_MIN_SAMPLES + 1), what="one off")
+    assert fine.finish()[0] == pytest.approx(5e-5)

@@ -1,0 +1,197 @@
+"""The ``moelora`` command.
+
+    moelora generate --model DIR [--adapter NAME=DIR ...] --requests FILE.jsonl --output results.jsonl
+                     [--backend reference|triton|csgmv|module:factory] [--dtype auto|float32|float16|bfloat16]
+                     [--device cpu|cuda] [--max-loras N] [--max-lora-rank R] [--max-loras-per-batch N]
+                     [--max-num-batched-tokens N] [--kv-cache-tokens N] [--moe-impl torch|triton]
+                     [--graph eager|full|breakable] [--decode-graph | --no-decode-graph]
+                     [--max-num-requests N] [--prefill-token-buckets 16,32,...] [--decode-batch-buckets 1,2,...]
+                     [--metrics-file PATH] [--metrics-port PORT] [--no-progress]
+    moelora make-fixtures DIR      # tiny local HF MoE models + PEFT adapters to try it on
+
+``generate`` reads and validates every ``--adapter`` against the model before any request runs (slots
+are filled on demand), serves the requests, and writes one output line per request, in input order.
+Exit status: 0 when every request finished, 1 when any request failed (the others are still written),
+2 on a usage error — bad arguments, an unreadable request file or checkpoint, an adapter refused at
+start-up (its error class and message on stderr) — where nothing is served and no output is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from moelora_core.errors import MoeLoraError
+from moelora_runner.graph_config import PREFILL_MODES
+from moelora_runner.moe_paths import MOE_IMPLS
+
+EXIT_OK, EXIT_FAILED_REQUESTS, EXIT_USAGE = 0, 1, 2
+
+
+def _adapter(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {value!r}")
+    return name, path
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moelora", description="moelora's reference multi-LoRA MoE engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="serve a JSONL file of requests on a checkpoint with PEFT adapters")
+    g.add_argument("--model", required=True, type=Path, help="Hugging Face checkpoint directory")
+    g.add_argument("--adapter", action="append", default=[], type=_adapter, metavar="NAME=DIR",
+                   help="a PEFT LoRA adapter, served under NAME (repeatable)")
+    g.add_argument("--requests", required=True, type=Path, help="JSONL, one request per line")
+    g.add_argument("--output", required=True, type=Path, help="JSONL results, one line per request, input order")
+    g.add_argument("--backend", default="reference", help="reference, triton, csgmv or module:factory")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    g.add_argument("--max-loras", type=int, default=4, help="adapter slots (default 4)")
+    g.add_argument("--max-lora-rank", type=int, default=64, help="the pool's max rank R (default 64)")
+    g.add_argument("--max-loras-per-batch", type=int, default=None, help="distinct adapters per batch "
+                   "(default: --max-loras)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget (default 2048)")
+    g.add_argument("--kv-cache-tokens", type=int, default=8192, help="KV cache size in tokens (default 8192)")
+    g.add_argument("--moe-impl", choices=list(MOE_IMPLS), default=None,
+                   help="base MoE path (default: torch on the CPU, triton on CUDA)")
+    g.add_argument("--graph", choices=list(PREFILL_MODES), default=None,
+                   help="prefill mode: eager, full (whole extend forward captured per token bucket) or breakable "
+                   "(segments between attention calls captured); default: full on CUDA, eager on the CPU")
+    g.add_argument("--decode-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture the decode forward per batch-size bucket (default: on on CUDA, off on the CPU)")
+    g.add_argument("--max-num-requests", type=int, default=None, help="request slots of the prefill graph "
+                   "(default 64)")
+    g.add_argument("--prefill-token-buckets", default=None, metavar="16,32,...",
+                   help="prefill graph token buckets (default: 16, 32, ... doubling up to --max-num-batched-tokens)")
+    g.add_argument("--decode-batch-buckets", default=None, metavar="1,2,...",
+                   help="decode graph batch-size buckets (default: 1, 2, 4, 8, 16, 24, 32, then steps of 16 up to "
+                   "256)")
+    g.add_argument("--metrics-file", type=Path, default=None, help="write the Prometheus text exposition here")
+    g.add_argument("--metrics-port", type=int, default=None, help="serve the metrics over HTTP on this port")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    f = sub.add_parser("make-fixtures", help="build tiny local HF MoE models and PEFT adapters (needs "
+                       "moelora-conformance with its fixtures extra)")
+    f.add_argument("directory", type=Path)
+    return parser
+
+
+def _fail(message: str) -> int:
+    print(message, file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _read_requests(path: Path) -> list[dict] | str:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        return f"moelora: cannot read --requests {path}: {exc}"
+    requests = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as exc:
+            return f"moelora: {path} line {number}: not valid JSON: {exc}"
+        if not isinstance(value, dict):
+            return f"moelora: {path} line {number}: a request must be a JSON object, got {type(value).__name__}"
+        requests.append(value)
+    return requests
+
+
+def generate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from moelora_runner import cli_report
+    from moelora_runner.engine import Engine
+
+    requests = _read_requests(args.requests)
+    if isinstance(requests, str):
+        return _fail(requests)
+    try:
+        engine = Engine(args.model, backend=args.backend, dtype=args.dtype, device=args.device,
+                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                        max_loras_per_batch=args.max_loras_per_batch,
+                        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens,
+                        moe_impl=args.moe_impl, graph=args.graph, decode_graph=args.decode_graph,
+                        max_num_requests=args.max_num_requests, prefill_token_buckets=args.prefill_token_buckets,
+                        decode_batch_buckets=args.decode_batch_buckets)
+    except MoeLoraError as exc:
+        return _fail(f"moelora: cannot start: {type(exc).__name__}: {exc}")
+    for name, path in args.adapter:
+        try:
+            engine.load_adapter(name, path)
+        except MoeLoraError as exc:
+            return _fail(f"moelora: adapter {name!r} refused: {type(exc).__name__}: {exc}")
+    console = Console(stderr=True)
+    console.print(cli_report.sizing_line(engine), highlight=False, soft_wrap=True)
+    server = None
+    if args.metrics_port is not None:
+        try:
+            server, _ = engine.metrics_.serve(args.metrics_port)
+        except OSError as exc:
+            return _fail(f"moelora: cannot serve metrics on port {args.metrics_port}: {exc}")
+        console.print(f"moelora: metrics on http://127.0.0.1:{server.server_port}/metrics while serving",
+                      highlight=False)
+    start = time.perf_counter()
+    try:
+        with cli_report.progress(console, len(requests), enabled=not args.no_progress) as bar:
+            task = bar.add_task("generate", total=len(requests))
+            outputs = engine.generate(requests, on_output=lambda out: bar.advance(task))
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+    seconds = time.perf_counter() - start
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    with args.output.open("w") as fh:
+        for out in outputs:
+            fh.write(json.dumps(out.to_json()) + "\n")
+    table, line = cli_report.summary_table(outputs, seconds)
+    console.print(table)
+    console.print(cli_report.passes_table(engine))
+    console.print(line, highlight=False, soft_wrap=True)
+    for out in outputs:
+        if out.finish_reason == "error":
+            console.print(f"moelora: request {out.request_id!r} failed: {out.error['type']}: {out.error['message']}",
+                          highlight=False, soft_wrap=True)
+    if args.metrics_file is not None:
+        args.metrics_file.parent.mkdir(parents=True, exist_ok=True)
+        args.metrics_file.write_text(engine.metrics_.text())
+    return EXIT_FAILED_REQUESTS if any(o.finish_reason == "error" for o in outputs) else EXIT_OK
+
+
+def make_fixtures(args: argparse.Namespace) -> int:
+    try:
+        from moelora_conformance.fixtures import build_fixtures
+    except ImportError as exc:
+        return _fail(f"moelora: make-fixtures needs moelora-conformance with its fixtures extra "
+                     f"(pip install -e './conformance[fixtures]'): {exc}")
+    fixtures = build_fixtures(args.directory)
+    m = fixtures.manifest
+    print(f"built {len(m['models'])} models, {len(m['adapters'])} adapters, {len(m['bad_adapters'])} bad adapters "
+          f"in {args.directory}")
+    for name in sorted(m["models"]):
+        adapters = sorted(a for a, e in m["adapters"].items() if e["model"] == name)
+        print(f"  models/{name}: adapters {', '.join(adapters) or '-'}")
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``moelora`` console script; returns the exit status."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: 2 on a usage error, 0 for --help
+        return int(exc.code or 0)
+    if args.command == "generate":
+        return generate(args)
+    return make_fixtures(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

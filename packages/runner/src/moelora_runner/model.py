@@ -1,0 +1,227 @@
+"""The decoder: Qwen3-MoE, Mixtral and OLMoE from ``moelora_core.checkpoint`` weights, with LoRA
+from one backend and one ``LoRAWeights`` pool per layer.
+
+Per decoder layer (as transformers 5.17 computes it; x rows are the step's tokens):
+
+    a = rms_norm(h, input_layernorm)
+    q, k, v = a W_qᵀ, a W_kᵀ, a W_vᵀ        + backend.dense_delta("q"/"k"/"v", ...)    (PEFT: base + σ·B(A a))
+    OLMoE:     q, k = rms_norm(q, q_norm), rms_norm(k, k_norm)   over heads·head_dim, then clip_qkv
+    Qwen3-MoE: q, k = rms_norm per head over head_dim
+    q, k = rope(q, k, positions)               (θ of the config; rotate-half, transformers' default RoPE)
+    o = attention(q, k, v) W_oᵀ                + backend.dense_delta("o", ...)
+    h = h + o
+    m = rms_norm(h, post_attention_layernorm)
+    topk_weights, topk_ids = route_topk(m W_routerᵀ, top_k, norm_topk_prob)   (fp32 softmax → top-k)
+    h = h + moe_layer_forward(base path, m, topk_ids, topk_weights, base, backend, pool, info)
+
+then ``logits = rms_norm(h, norm)[logits_indices] lm_headᵀ`` (the embedding when tied).
+
+The forward is split where a graph runner needs seams: :meth:`MoEDecoder.embed`,
+:meth:`MoEDecoder.pre_attention`, :meth:`MoEDecoder.attention` (the KV write and read, the one step
+that reads per-request metadata), :meth:`MoEDecoder.post_attention`, :meth:`MoEDecoder.logits`; a
+``breakable`` prefill graph captures everything between two attention calls. No step branches on a
+device value or reads one; every shape comes from host numbers. :meth:`MoEDecoder.hidden_states` is
+the forward up to the final norm (what ``full`` and decode graphs capture; the LM head runs on the
+step's logits rows after the replay).
+
+Dtypes: weights and activations in the model dtype; RMSNorm and the router softmax in fp32 (as
+transformers); the MoE base path and the backend decide their own intermediates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moelora_core.base_weights import MoEBaseWeights
+from moelora_core.checkpoint import DecoderLayerWeights, ModelWeights, MoEModelConfig
+from moelora_core.moe_deltas import BaseMoEPath, moe_layer_forward
+from moelora_core.weights import LoRAWeights
+from moelora_reference.base_moe import route_topk
+from moelora_runner.attention import paged_attention, write_kv
+from moelora_runner.forward_batch import ForwardBatch
+from moelora_runner.kv_cache import KVCache
+
+F32 = torch.float32
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: normalise in fp32, round to x's dtype, then scale by ``weight``."""
+    x32 = x.to(F32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding:
+    """transformers' default RoPE: inv_freq = 1/θ^(2i/d), cos/sin of position·inv_freq in fp32 (table
+    over every position up to ``max_positions``), rounded to the model dtype, rotate-half form."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(F32) / head_dim))
+        freqs = torch.arange(max_positions, dtype=torch.int64).to(F32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, d]
+        self.cos = emb.cos().to(dtype).to(device)
+        self.sin = emb.sin().to(dtype).to(device)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, nh, d], k [T, nkv, d] rotated by ``positions`` [T]."""
+        cos = self.cos.index_select(0, positions)[:, None, :]
+        sin = self.sin.index_select(0, positions)[:, None, :]
+        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+
+
+@dataclass
+class LoRAContext:
+    """Who adds LoRA in a forward: the backend (one for every layer) and each layer's pool."""
+
+    backend: object
+    pools: Sequence[LoRAWeights]
+
+
+class DecoderLayer:
+    """One decoder layer's weights and its pre-/post-attention steps (see the module doc)."""
+
+    def __init__(self, index: int, weights: DecoderLayerWeights, config: MoEModelConfig) -> None:
+        self.index = index
+        self.w = weights
+        self.config = config
+        self.moe: MoEBaseWeights = weights.moe
+
+    def _dense(self, module: str, x: torch.Tensor, lora: LoRAContext, fb: ForwardBatch) -> torch.Tensor:
+        out = F.linear(x, self.w.dense(module))
+        lora.backend.dense_delta(module, x, out, lora.pools[self.index], fb.lora_info)
+        return out
+
+    def pre_attention(self, h: torch.Tensor, fb: ForwardBatch, lora: LoRAContext,
+                      rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [T, nh, d], k [T, nkv, d], v [T, nkv, d]) of hidden states h [T, H]."""
+        c = self.config
+        eps = c.rms_norm_eps
+        a = rms_norm(h, self.w.input_layernorm, eps)
+        q, k, v = (self._dense(m, a, lora, fb) for m in ("q", "k", "v"))
+        T = h.shape[0]
+        if c.family.qk_norm == "full":
+            q, k = rms_norm(q, self.w.q_norm, eps), rms_norm(k, self.w.k_norm, eps)
+        q = q.view(T, c.num_attention_heads, c.head_dim)
+        k = k.view(T, c.num_key_value_heads, c.head_dim)
+        v = v.view(T, c.num_key_value_heads, c.head_dim)
+        if c.family.qk_norm == "per_head":
+            q, k = rms_norm(q, self.w.q_norm, eps), rms_norm(k, self.w.k_norm, eps)
+        if c.clip_qkv is not None:
+            q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
+        q, k = rope.apply(q, k, fb.positions)
+        return q, k, v
+
+    def post_attention(self, attn: torch.Tensor, h: torch.Tensor, fb: ForwardBatch, lora: LoRAContext,
+                       moe_path: BaseMoEPath) -> torch.Tensor:
+        """The layer's output hidden states [T, H] from the attention output [T, nh·d] and its input h."""
+        c = self.config
+        h = h + self._dense("o", attn, lora, fb)
+        m = rms_norm(h, self.w.post_attention_layernorm, c.rms_norm_eps)
+        topk_weights, topk_ids = route_topk(F.linear(m, self.moe.router), c.top_k, c.norm_topk_prob)
+        y = moe_layer_forward(moe_path, m, topk_ids, topk_weights, self.moe, lora.backend,
+                              lora.pools[self.index], fb.lora_info)
+        return h + y
+
+
+class MoEDecoder:
+    """The whole model on one device (see the module doc).
+
+    Args:
+        weights: from ``moelora_core.checkpoint.read_checkpoint`` (moved to ``device`` / ``dtype`` here).
+        dtype, device: compute dtype and device.
+        max_positions: RoPE table length (the engine's context).
+        sliding_window: attention window (None = full causal attention).
+        moe_path: the base MoE path (:mod:`moelora_runner.moe_paths`).
+    """
+
+    def __init__(self, weights: ModelWeights, *, dtype: torch.dtype, device: torch.device, max_positions: int,
+                 sliding_window: int | None, moe_path: BaseMoEPath) -> None:
+        self.config = weights.config
+        self.dtype = dtype
+        self.device = device
+        self.sliding_window = sliding_window
+        self.moe_path = moe_path
+
+        def to(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device=device, dtype=dtype).contiguous()
+
+        self.embed_tokens = to(weights.embed_tokens)
+        self.norm = to(weights.norm)
+        # Tied as transformers ties: by the config, whatever the file stores.
+        self.lm_head = self.embed_tokens if weights.config.tie_word_embeddings else to(weights.lm_head)
+        self.layers = []
+        for i, lw in enumerate(weights.layers):
+            moe = MoEBaseWeights(w_gate_up=to(lw.moe.w_gate_up), w_down=to(lw.moe.w_down), router=to(lw.moe.router),
+                                 num_experts=lw.moe.num_experts, norm_topk_prob=lw.moe.norm_topk_prob)
+            moved = DecoderLayerWeights(q_proj=to(lw.q_proj), k_proj=to(lw.k_proj), v_proj=to(lw.v_proj),
+                                        o_proj=to(lw.o_proj), q_norm=to(lw.q_norm), k_norm=to(lw.k_norm),
+                                        input_layernorm=to(lw.input_layernorm),
+                                        post_attention_layernorm=to(lw.post_attention_layernorm), moe=moe)
+            self.layers.append(DecoderLayer(i, moved, self.config))
+        c = self.config
+        self.rope = RotaryEmbedding(c.head_dim, c.rope_theta, max_positions, dtype, device)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def bytes(self) -> int:
+        """Bytes of the model's weights on the device."""
+        seen: dict[int, int] = {}
+        tensors = [self.embed_tokens, self.norm, self.lm_head]
+        for layer in self.layers:
+            w = layer.w
+            tensors += [w.q_proj, w.k_proj, w.v_proj, w.o_proj, w.q_norm, w.k_norm, w.input_layernorm,
+                        w.post_attention_layernorm, w.moe.w_gate_up, w.moe.w_down, w.moe.router]
+        for t in tensors:
+            if t is not None:
+                seen[t.data_ptr()] = t.numel() * t.element_size()
+        return sum(seen.values())
+
+    # --- the forward's steps -------------------------------------------------------------------
+
+    def embed(self, fb: ForwardBatch) -> torch.Tensor:
+        """[T, H] token embeddings."""
+        return F.embedding(fb.input_ids, self.embed_tokens)
+
+    def pre_attention(self, i: int, h: torch.Tensor, fb: ForwardBatch, lora: LoRAContext):
+        return self.layers[i].pre_attention(h, fb, lora, self.rope)
+
+    def attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
+                  kv: KVCache) -> torch.Tensor:
+        """Write the step's K/V into layer ``i``'s cache, then attend: [T, nh·d]."""
+        write_kv(kv.k[i], kv.v[i], k, v, fb)
+        return paged_attention(q, kv.k[i], kv.v[i], kv.req_to_token, fb, sliding_window=self.sliding_window)
+
+    def post_attention(self, i: int, attn: torch.Tensor, h: torch.Tensor, fb: ForwardBatch,
+                       lora: LoRAContext) -> torch.Tensor:
+        return self.layers[i].post_attention(attn, h, fb, lora, self.moe_path)
+
+    def logits(self, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """[n, V] logits (model dtype) of the rows ``fb.logits_indices``."""
+        rows = h.index_select(0, fb.logits_indices)
+        return F.linear(rms_norm(rows, self.norm, self.config.rms_norm_eps), self.lm_head)
+
+    def hidden_states(self, fb: ForwardBatch, kv: KVCache, lora: LoRAContext) -> torch.Tensor:
+        """[T, H] the last layer's output (before the final norm): embed → every layer
+        (pre-attention, attention, post-attention). What a ``full`` or decode graph captures."""
+        h = self.embed(fb)
+        for i in range(self.num_layers):
+            q, k, v = self.pre_attention(i, h, fb, lora)
+            attn = self.attention(i, q, k, v, fb, kv)
+            h = self.post_attention(i, attn, h, fb, lora)
+        return h
+
+    def forward(self, fb: ForwardBatch, kv: KVCache, lora: LoRAContext) -> torch.Tensor:
+        """The eager forward: :meth:`hidden_states` → :meth:`logits`."""
+        return self.logits(self.hidden_states(fb, kv, lora), fb)
