@@ -80,9 +80,7 @@ class BackendMoEDeltas:
         self._align: object = _NOT_ALIGNED
 
     def _alignment(self, topk_ids: torch.Tensor) -> dict[str, object]:
-        # no LoRA in the batch (host flag): the delta calls return at once, and an IDLE or all-base
-        # batch must launch nothing (the suite's P09 counts launches)
-        if not self._shared or not self.info.has_active_lora:
+        if not self._shared:
             return {}
         if self._align is _NOT_ALIGNED:
             # The backend's alignment (None where it has nothing to align: no active adapter or no
