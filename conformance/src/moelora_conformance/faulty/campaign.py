@@ -95,7 +95,8 @@ def table_markdown(results: list[MutationResult], *, profile: str, seed: int | N
         "(`moelora_conformance/faulty/mutants.py`), or a `triton` / `csgmv` backend with one "
         "(`faulty/backend_mutants.py`, Triton kernels under the interpreter, run with the example budget of "
         "their class). Seconds: wall time of the suite run until it stopped "
-        "at the first failure (interpreter start-up included); item: the catching test alone.",
+        "at the first failure (interpreter start-up included): the time to the first counterexample with `-x`, "
+        "every one within a minute; item: the catching test alone.",
         "",
         "| mutation | fault | caught by (mode-dtype) | seconds | item s | without P06/P07: caught by | seconds |",
         "|---|---|---|---|---|---|---|",
