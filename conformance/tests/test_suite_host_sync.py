@@ -26,8 +26,10 @@ class HostListsBackend(ReferenceBackend):
     name = "host-lists"
     how = "idiom"
 
-    def _prepare_eager(self, batch):
-        info = super()._prepare_eager(batch)
+    def prepare(self, batch, family=None):
+        info = super().prepare(batch, family)
+        if family is not None:
+            return info
         dev, values = self.spec.device, list(batch.token_lora_mapping)
         if self.how == "idiom":  # host tensor, then an asynchronous copy
             pinned = torch.cuda.is_available()
