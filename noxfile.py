@@ -22,8 +22,10 @@ REPORTS = ROOT / ".reports"
 
 # In dependency order; a package takes part once its pyproject.toml exists.
 PACKAGES = ["packages/core", "reference", "packages/kernels", "packages/backends", "packages/runner", "conformance"]
-# Extras installed for CPU sessions (the fixtures builder needs transformers + peft).
-EXTRAS = {"conformance": "[fixtures]"}
+# Extras installed for CPU sessions (the fixtures builder needs transformers + peft; the tests of
+# reference, kernels and backends draw with the conformance strategies: their "test" extra).
+EXTRAS = {"conformance": "[fixtures]", "reference": "[test]", "packages/kernels": "[test]",
+          "packages/backends": "[test]"}
 TEST_TOOLS = ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100"]
 
 CPU_ENV = {

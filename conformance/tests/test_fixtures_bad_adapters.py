@@ -1,4 +1,4 @@
-"""Each refusal kind of issue 5 on a bad adapter built from what peft writes: the exact error class,
+"""Each refusal kind of the readers on a bad adapter built from what peft writes: the exact error class,
 a message naming the adapter, the key or module and expected vs found, and no slot changed.
 
 The pools hold two good adapters (slots 0 and 1) before each attempt; after the refusal every

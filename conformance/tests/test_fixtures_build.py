@@ -1,4 +1,4 @@
-"""The fixtures builder (issue 3 item 3, issue 5): what it writes, in which format, and that it
+"""The fixtures builder (``docs/checkpoints.md``): what it writes, in which format, and that it
 writes the same bytes every time.
 
 Covers: the manifest lists every spec; models are on disk in the declared expert format with the

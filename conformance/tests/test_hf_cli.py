@@ -1,7 +1,9 @@
 """``moelora-conformance``: the subcommand registry and ``hf-check``'s table and exit status.
 
 hf-check exits 0 with a table of model × adapter × max relative error when everything passes, and
-1 when a check fails (here: a manifest that expects another σ than peft's).
+1 when a check fails (here: a manifest that expects another σ than peft's); a directory without a
+manifest is a clear error (exit 2), not a traceback, for hf-check and checkpoint-pass alike; the
+registry lives in ``commands`` (``cli`` and the subcommand modules import it: no import circle).
 """
 
 import argparse
@@ -10,7 +12,7 @@ import shutil
 
 import pytest
 
-from moelora_conformance import cli
+from moelora_conformance import cli, commands
 
 
 def test_registry_holds_the_builtin_subcommands_and_refuses_duplicates():
@@ -24,7 +26,7 @@ def test_registry_holds_the_builtin_subcommands_and_refuses_duplicates():
 
 
 def test_a_new_subcommand_plugs_in(monkeypatch):
-    monkeypatch.setattr(cli, "SUBCOMMANDS", dict(cli.SUBCOMMANDS))
+    monkeypatch.setattr(commands, "SUBCOMMANDS", dict(commands.SUBCOMMANDS))
 
     @cli.subcommand("echo", help="test only")
     def _echo(parser: argparse.ArgumentParser):
@@ -54,3 +56,24 @@ def test_hf_check_fails_with_nonzero_status(fixture_set, tmp_path, capsys):
     out = capsys.readouterr().out
     assert status == 1
     assert "FAIL" in out and "L1 down" in out
+
+
+@pytest.mark.parametrize("command", ["hf-check", "checkpoint-pass"])
+def test_a_fixtures_directory_without_a_manifest_is_a_clear_error(command, tmp_path, capsys):
+    pytest.importorskip("peft")
+    (tmp_path / "models").mkdir()
+    extra = ["--backends", "reference"] if command == "checkpoint-pass" else []
+    assert cli.main([command, "--fixtures", str(tmp_path), *extra]) == 2
+    err = capsys.readouterr().err
+    assert "is not a fixtures directory: it has no manifest.json" in err and "make-fixtures" in err
+    assert "Traceback" not in err
+
+
+def test_subcommand_modules_do_not_import_the_cli():
+    import ast
+    import inspect
+
+    from moelora_conformance.checkpoint_pass import command
+
+    imported = {n.module for n in ast.walk(ast.parse(inspect.getsource(command))) if isinstance(n, ast.ImportFrom)}
+    assert "moelora_conformance.cli" not in imported and "moelora_conformance.commands" in imported

@@ -1,4 +1,4 @@
-"""The oracle against HF transformers + PEFT on every fixture (issue 3 item 4, issue 5 "Checked").
+"""The oracle against HF transformers + PEFT on every fixture (DESIGN.md §2; ``docs/checkpoints.md``).
 
 For every fixture model: the oracle without adapter equals the transformers base layers (MoE block,
 routing, q/k/v/o), with weights from the in-memory modules and from moelora's readers. For every

@@ -87,7 +87,7 @@ def test_graph_rank_bound_at_capture_cuts_a_larger_adapter_loaded_later():
     def adapter(rank, sigma):
         return SlotAdapter(rank, sigma * rank, False, tuple((m, rank, sigma * rank) for m in ("gate", "up", "down", "q")))
 
-    shape = LayerShape(16, 16, 2, 2, 1, (("q", (16, 8)),), 2, 8)
+    shape = LayerShape(hidden_size=16, moe_intermediate_size=16, num_experts=2, num_base_experts=2, top_k=1, dense_shapes=(("q", (16, 8)),), max_loras=2, max_rank=8)
     pool, bigger = (adapter(2, 1.0), adapter(3, 0.5)), adapter(8, 2 / 3)
     batch = BatchSpec(ForwardMode.EXTEND, [Request(0, 3), Request(1, 2)], 2, (2, 3), (1.0, 0.5))
     case = MoELoRACase(shape, torch.float32, False, pool, BatchPlan(batch, "extend", "uniform", "small"),

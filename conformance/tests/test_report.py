@@ -1,7 +1,8 @@
 """The support matrix and its commands: cells, Markdown, rich output, repro lines.
 
 Covers: a cell is "pass" only when every dtype passed and otherwise names each dtype's outcome,
-"n/i" (not implemented) and "xfail" are told apart from failures, absent modes are "–"; the
+"n/i" (not implemented) and "xfail" are told apart from failures, modes a property does not have are
+"–" and modes it has without a record "not run"; the
 Markdown matrix has a row per property × backend and a column per mode and lists unexpected
 failures with their repro commands and unmatched manifest entries; a property other than P01 that
 fails the standard checks of its own batches is marked "FAIL (oracle)"; ``load_report`` refuses other
@@ -33,9 +34,9 @@ def report(name, records, **kw):
 def test_cells():
     assert cell([rec("P01", "eager", "fp32", "passed"), rec("P01", "eager", "fp16", "passed")]) == "pass"
     assert cell([rec("P01", "eager", "fp32", "passed"), rec("P01", "eager", "fp16", "failed")]) == "fp16 FAIL · fp32 pass"
-    assert cell([rec("P10", "eager", "fp32", "not implemented")]) == "n/i"
+    assert cell([rec("P10", "eager", "fp32", "not_implemented")]) == "n/i"
     assert cell([rec("P05", "decode", "fp32", "xfailed")]) == "xfail"
-    assert cell([]) == "–"
+    assert cell([]) == "not run" and cell([], is_applicable=False) == "–"
     # a property other than P01 failing the standard checks of its own batches is told apart from
     # a failure of its own claim (a new user read P08 FAIL as a host sync that was not there)
     assert cell([rec("P08", "eager", "fp32", "failed", check="oracle")]) == "FAIL (oracle)"
@@ -61,17 +62,18 @@ def test_markdown_matrix_of_two_backends():
     repro = {"replay": "pytest -k 'x' --moelora-replay v:b", "rerun": ""}
     a = report("ref", [rec("P01", "eager", "fp32", "passed"), rec("P06", "decode", "fp32", "passed")])
     b = report("other", [rec("P01", "eager", "fp32", "failed", message="AssertionError: off", repro=repro),
-                         rec("P06", "decode", "fp32", "not implemented")],
+                         rec("P06", "decode", "fp32", "not_implemented")],
                manifest_unmatched=["expected_failure[0] (property=P09 mode=* dtype=*)"])
     text = matrix_markdown([a, b])
     lines = text.splitlines()
     header = next(line for line in lines if line.startswith("| property"))
-    assert header == "| property | backend | eager | decode |"
-    assert any(line.startswith("| P01 ") and "| ref | pass | – |" in line for line in lines)
-    assert any(line.startswith("| P01 ") and "| other | FAIL | – |" in line for line in lines)
-    assert any(line.startswith("| P06 ") and "| other | – | n/i |" in line for line in lines)
+    # every mode of the properties present; one that never ran is "not run", one a property lacks "–"
+    assert header == "| property | backend | eager | decode | prefill-full | prefill-breakable | prefill |"
+    assert any(line.startswith("| P01 ") and "| ref | pass | not run | not run | not run | – |" in line for line in lines)
+    assert any(line.startswith("| P01 ") and "| other | FAIL | not run |" in line for line in lines)
+    assert any(line.startswith("| P06 ") and "| other | – | n/i | – | – | not run |" in line for line in lines)
     assert "--moelora-replay v:b" in text and "matched nothing" in text
-    assert summarize(b["records"]) == {"failed": 1, "not implemented": 1}
+    assert summarize(b["records"]) == {"failed": 1, "not_implemented": 1}
 
 
 def test_rich_matrix_prints(capsys):

@@ -3,7 +3,8 @@
 Covers: over 500 draws, at least 20 % of batches have more than 32 requests and every forward
 kind, adapter mode and routing mode occurs in at least 5 %; IDLE batches, sentinel ids and mixed
 ranks occur; sizes stay within the profile's caps; materialize is deterministic and consistent
-with the drawn structure (ranks, σ, routing modes, sentinels); every ``data.draw`` in the
+with the drawn structure (ranks, σ, routing modes, sentinels); the boundary expert ids -1, E - 1, E
+and E_base - 1 are in every draw with sentinels; every ``data.draw`` in the
 repository carries a ``label=``; ``$CI`` derandomizes every profile.
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
 
 from moelora_conformance.profiles import PROFILES, current_profile, load_profile, on_ci
 from moelora_conformance.strategies import (
@@ -118,6 +120,26 @@ def test_sentinels_take_both_forms_and_keep_the_rest(plan):
     ids, _, _ = plan.materialize(64)
     assert bool((ids == -1).any()) and bool((ids >= 4).any())
     assert bool(((ids >= 0) & (ids < 4)).any())
+
+
+@given(E=st.integers(1, 8), extra=st.integers(0, 2), k=st.integers(1, 3), T=st.integers(1, 40),
+       share=st.sampled_from((0.05, 0.1, 0.3, 1.0)), mode=st.sampled_from(ROUTING_MODES), data=st.data())
+def test_boundary_expert_ids_are_in_every_draw_with_sentinels(E, extra, k, T, share, mode, data):
+    # -1, E and E_base - 1 in every draw with sentinels, and E - 1 among the routed pairs (where it
+    # is not an empty expert and some pair is routed): an upper bound checked as `id >= 0` only, or
+    # off by one, is caught by the first such example (a 150-example search found it before)
+    k = min(k, E)
+    plan = data.draw(routing_plans(E, k, E + extra, modes=(mode,), sentinel_shares=(share,)), label="plan")
+    assert plan.boundary_ids() == ((-1, *sorted({E, E + extra - 1})) if extra else (-1,))
+    ids, _, _ = plan.materialize(T)
+    present = set(ids.flatten().tolist())
+    bounds = plan.boundary_ids()
+    assert set(bounds[: T * k]) <= present, (bounds, present)
+    if bool(((ids >= 0) & (ids < E)).any()) and E - 1 not in plan.empty_experts:
+        assert E - 1 in present, present
+    for t in range(T):  # a token's routed experts stay distinct
+        row = [e for e in ids[t].tolist() if 0 <= e < E]
+        assert len(row) == len(set(row)), ids[t]
 
 
 def test_idle_batches_are_drawable():

@@ -49,7 +49,7 @@ def _adapter(rank, sigma, modules=(*MOE_MODULES, "q", "k", "v", "o")):
 
 
 def _case(pool, requests, *, shape=None, layout="contiguous", layers=1, seed=3):
-    shape = shape or LayerShape(8, 8, 4, 4, 2, DENSE, len(pool), 8)
+    shape = shape or LayerShape(hidden_size=8, moe_intermediate_size=8, num_experts=4, num_base_experts=4, top_k=2, dense_shapes=DENSE, max_loras=len(pool), max_rank=8)
     batch = BatchSpec(ForwardMode.EXTEND, [Request(s, n) for s, n in requests], len(pool), pool_ranks(pool),
                       pool_scalings(pool))
     routing = RoutingPlan("uniform", shape.num_experts, shape.num_base_experts, shape.top_k, False, None, (), 0.0, 5)
@@ -206,10 +206,10 @@ def test_sigma_frozen_at_capture_fails_on_replay_only(mode):
 # --- faults past the interpret caps ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(CAP_MUTANTS))
+@pytest.mark.parametrize("name", sorted(set(CAP_MUTANTS) - {"offsets-32-bit"}))  # that one: test_suite_large_offsets
 def test_beyond_caps_mutants_fail_past_the_caps_and_pass_within(name):
-    big = LayerShape(80, 72, 4, 4, 3, (), 1, 20)
-    small = LayerShape(16, 16, 4, 4, 2, (), 1, 16)
+    big = LayerShape(hidden_size=80, moe_intermediate_size=72, num_experts=4, num_base_experts=4, top_k=3, dense_shapes=(), max_loras=1, max_rank=20)
+    small = LayerShape(hidden_size=16, moe_intermediate_size=16, num_experts=4, num_base_experts=4, top_k=2, dense_shapes=(), max_loras=1, max_rank=16)
     for shape, caught in ((big, True), (small, False)):
         case = _case((_adapter(shape.max_rank, 1.0, MOE_MODULES),), ((0, 3), (-1, 1)), shape=shape)
         if caught:
@@ -266,9 +266,9 @@ def test_two_layer_cases_share_slots_and_ranks_but_not_values(case):
 
 
 def _suite():
-    backend = make_backend(LayerShape(8, 8, 2, 2, 1, (), 1, 1).spec())
-    return Suite("reference", make_backend, "reference", backend.version, backend.capabilities(), CPU,
-                 PROFILES["interpret"], CAPS)
+    backend = make_backend(LayerShape(hidden_size=8, moe_intermediate_size=8, num_experts=2, num_base_experts=2, top_k=1, dense_shapes=(), max_loras=1, max_rank=1).spec())
+    return Suite(target="reference", factory=make_backend, name="reference", version=backend.version,
+                 capabilities=backend.capabilities(), device=CPU, profile=PROFILES["interpret"], caps=CAPS)
 
 
 @pytest.mark.parametrize("mode", ["eager", "decode", "prefill-full"])

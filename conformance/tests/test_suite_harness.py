@@ -365,7 +365,7 @@ def test_a_dense_only_adapter_has_no_moe_delta_regression():
     # the break op) by ~1e-4, and comparing "y - y(LoRA-disabled run)" against the oracle's MoE delta
     # charged fp32 noise of the whole base MoE to a delta of that size (max_rel 3.7e-5 > 1e-5). The
     # twin now runs the MoE on the run's own MoE input: the MoE delta of this adapter is exactly zero.
-    shape = LayerShape(4, 4, 1, 1, 1, (("q", (4, 4)), ("k", (4, 4)), ("v", (4, 4)), ("o", (4, 4))), 1, 1)
+    shape = LayerShape(hidden_size=4, moe_intermediate_size=4, num_experts=1, num_base_experts=1, top_k=1, dense_shapes=(("q", (4, 4)), ("k", (4, 4)), ("v", (4, 4)), ("o", (4, 4))), max_loras=1, max_rank=1)
     batch = BatchSpec(ForwardMode.EXTEND, [Request(0, 1)], 1, (1,), (1.0,))
     case = MoELoRACase(
         shape,

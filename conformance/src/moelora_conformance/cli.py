@@ -24,7 +24,8 @@ The conformance suite's own subcommands:
   on the real checkpoints and PEFT adapters, against the oracle and HF + PEFT per adapter; prints
   the table, exits 1 on any failed comparison (:mod:`moelora_conformance.checkpoint_pass.command`).
 
-A subcommand registers itself like this::
+Subcommands register in :mod:`moelora_conformance.commands` (modules holding subcommands import it,
+not this one). A subcommand registers itself like this::
 
     @subcommand("report", help="render the support matrix")
     def add_report(parser): ...          # declare arguments; return the handler
@@ -35,40 +36,18 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
-Handler = Callable[[argparse.Namespace], int]
-
-
-@dataclass(frozen=True)
-class Subcommand:
-    """A registered subcommand: ``configure(parser)`` declares its arguments and returns its handler."""
-
-    name: str
-    help: str
-    configure: Callable[[argparse.ArgumentParser], Handler]
-
-
-#: name → Subcommand, in registration order.
-SUBCOMMANDS: dict[str, Subcommand] = {}
-
-
-def subcommand(name: str, *, help: str) -> Callable[[Callable[[argparse.ArgumentParser], Handler]], Callable]:
-    """Register a subcommand (decorator on its ``configure`` function).
-
-    Raises:
-        ValueError: the name is already registered.
-    """
-
-    def register(configure: Callable[[argparse.ArgumentParser], Handler]):
-        if name in SUBCOMMANDS:
-            raise ValueError(f"subcommand {name!r} is already registered")
-        SUBCOMMANDS[name] = Subcommand(name, help, configure)
-        return configure
-
-    return register
+from moelora_conformance import commands
+from moelora_conformance.commands import (  # noqa: F401 (re-exported: the registry's old home)
+    SUBCOMMANDS,
+    Handler,
+    Subcommand,
+    fixtures_or_exit,
+    require_fixtures_extra,
+    subcommand,
+)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
@@ -77,7 +56,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
                                      description="moelora's conformance suite for MoE multi-LoRA backends")
     subs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     handlers = {}
-    for sub in SUBCOMMANDS.values():
+    for sub in commands.SUBCOMMANDS.values():
         handlers[sub.name] = sub.configure(subs.add_parser(sub.name, help=sub.help, description=sub.help))
     return parser, handlers
 
@@ -89,17 +68,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return handlers[args.command](args)
 
 
-def _require_fixtures_extra(command: str) -> bool:
-    """Whether transformers and peft are importable; if not, say how to get them."""
-    import importlib.util
-
-    missing = [m for m in ("transformers", "peft") if importlib.util.find_spec(m) is None]
-    if missing:
-        print(f"moelora-conformance {command}: needs the 'fixtures' extra ({', '.join(missing)} missing): "
-              "pip install 'moelora-conformance[fixtures]'", file=sys.stderr)
-    return not missing
-
-
 # --- built-in subcommands -----------------------------------------------------------------------
 
 
@@ -109,7 +77,7 @@ def _make_fixtures(parser: argparse.ArgumentParser) -> Handler:
                         "manifest.json)")
 
     def run(args: argparse.Namespace) -> int:
-        if not _require_fixtures_extra("make-fixtures"):
+        if not require_fixtures_extra("make-fixtures"):
             return 2
         from moelora_conformance.fixtures import build_fixtures
 
@@ -129,13 +97,15 @@ def _hf_check(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--adapter", action="append", default=None, help="check only this adapter (repeatable)")
 
     def run(args: argparse.Namespace) -> int:
-        if not _require_fixtures_extra("hf-check"):
+        if not require_fixtures_extra("hf-check"):
             return 2
-        from moelora_conformance.fixtures import build_fixtures, load_fixtures
+        from moelora_conformance.fixtures import build_fixtures
         from moelora_conformance.hf_check import render, run_hf_check
 
         with tempfile.TemporaryDirectory(prefix="moelora-fixtures-") as tmp:
-            fixtures = load_fixtures(args.fixtures) if args.fixtures else build_fixtures(Path(tmp))
+            fixtures = fixtures_or_exit(args.fixtures, "hf-check") if args.fixtures else build_fixtures(Path(tmp))
+            if fixtures is None:
+                return 2
             rows = run_hf_check(fixtures, adapters=args.adapter)
         return 0 if render(rows) else 1
 

@@ -1,5 +1,5 @@
 """Expected-failure manifests: what a backend knows it fails, in TOML, matched to the suite's
-property × mode × dtype items (issue 7, DESIGN.md §7).
+property × mode × dtype items (DESIGN.md §7).
 
 ::
 
@@ -8,7 +8,7 @@ property × mode × dtype items (issue 7, DESIGN.md §7).
     property = "P05"          # a stable property id (required)
     mode = "decode"           # a harness mode; "*" or absent = every mode
     dtype = "fp16"            # "fp32" / "fp16" / "bf16"; "*" or absent = every dtype
-    reason = "decode replay reads a segment count frozen at capture (tracked in #12)"   # required
+    reason = "decode replay reads a segment count frozen at capture"   # required
 
 Every matching item becomes ``xfail(strict=True)``: it must fail, and a pass is reported as a
 failure (the manifest is stale). An entry that matches no collected item is reported with a

@@ -1,51 +1,60 @@
-"""The pytest plugin of the conformance suite (issue 7, DESIGN.md §7).
+"""The pytest plugin of the conformance suite (DESIGN.md §7).
 
     pytest -p moelora_conformance.plugin --backend module:factory [--profile NAME] [--device cpu|cuda]
            [--manifest expected.toml] [--report-json results.json] [--junitxml results.xml]
 
 - ``--backend`` (or ``MOELORA_BACKEND``): ``module:factory`` or a built-in name (reference, triton,
   csgmv). The factory is called once on a tiny spec to read the capabilities.
-- ``--profile`` (default ``MOELORA_PROFILE`` or ``dev``): the moelora Hypothesis profile, loaded by
-  name (never Hypothesis' built-in ``ci``); ``--max-examples N`` (or ``MOELORA_MAX_EXAMPLES``)
-  overrides its example count (a per-backend budget), ``--no-shrink`` runs the explicit and
-  generate phases only.
+- ``--profile`` (default ``MOELORA_PROFILE`` or ``dev``): the moelora profile; its Hypothesis
+  settings are applied to every property explicitly (never Hypothesis' built-in ``ci``, nothing
+  registered globally); ``--max-examples N`` (or ``MOELORA_MAX_EXAMPLES``) overrides its example
+  count (a per-backend budget), ``--no-shrink`` runs the explicit and generate phases only.
 - ``--device`` (or ``MOELORA_DEVICE``, default cpu).
 - ``--manifest``: expected failures (:mod:`moelora_conformance.manifest`) → ``xfail(strict=True)``.
-- ``--report-json``: the JSON report (:mod:`moelora_conformance.report`).
+- ``--report-json``: the JSON report (:mod:`moelora_conformance.report`); ``--moelora-log``: the
+  log file of full failure reports and warnings (default: beside the JSON report).
 - ``--moelora-replay VERSION:BLOB`` with ``--repro-caps PROFILE``: replay one failing example
   (the repro line of a failure prints both).
 
 Without path arguments the suite's own property modules are collected, so the one-line command
 works from any directory. Each property is parametrized over its harness modes and the profile's
 dtypes; what the backend does not declare is skipped with a reason starting "not implemented".
-The metadata-only properties (P06, P07) run first.
-The report header echoes the backend, its version and capabilities, and every ``MOELORA_*``
-variable. A failure carries a repro section (seed, batch structure, replay command).
+Items run in ``registry.RUN_ORDER``: the metadata-only properties (P06, P07) first, fp32 before
+fp16, then the items that catch the most faults per second.
+
+Results are honest (:mod:`moelora_conformance.report`): every collected item is recorded as
+``not_run`` until its call phase passed; a run in which no item executed exits 5 and says why
+(:mod:`moelora_conformance.diagnosis`). The run's state lives in ``config.stash``
+(:mod:`moelora_conformance.run_state`).
 """
 
 from __future__ import annotations
 
-import datetime as _dt
+import importlib.util
 import json
 import os
-import platform
-import time
+import shutil
+import tempfile
 import warnings
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import Phase, settings
+from hypothesis import reproduce_failure, seed
+from hypothesis import settings as hypothesis_settings
 
-from moelora_conformance import __version__
+from moelora_conformance.diagnosis import executed_nothing, no_run_cause
+from moelora_conformance.failures import RunLog, failure_text, first_line, hypothesis_output
 from moelora_conformance.harness.checks import OracleMismatch
-from moelora_conformance.manifest import EMPTY, Manifest, load_manifest
-from moelora_conformance.profiles import PROFILES, Profile, load_profile
-from moelora_conformance.properties import registry, support
-from moelora_conformance.properties.registry import MARKER, PROPERTIES, property_of
-from moelora_conformance.report import NOT_IMPLEMENTED, record_phase, summarize
-from moelora_conformance.repro import build_repro, extract_blob
+from moelora_conformance.hypothesis_compat import shrink_time_limit
+from moelora_conformance.manifest import Manifest, load_manifest
+from moelora_conformance.profiles import PROFILES
+from moelora_conformance.properties import support
+from moelora_conformance.properties.registry import MARKER, PROPERTIES, item_fields, property_of, run_order
+from moelora_conformance.report import NOT_IMPLEMENTED, NOT_RUN, new_record, record_phase, summarize
+from moelora_conformance.report_header import backend_origin, build_report, header_lines
+from moelora_conformance.repro import build_repro, distinct_failures, extract_blob
+from moelora_conformance.run_state import RUN_STATE, RunState, build_run_state, run_state
 from moelora_conformance.strategies.shapes import DTYPE_NAMES
 from moelora_conformance.strategies.suite import family_of, suite_caps
 from moelora_core.backend import load_backend
@@ -57,9 +66,6 @@ PROPERTIES_DIR = Path(__file__).resolve().parent / "properties"
 #: Above this token cap the per-token oracle checks a bounded number of rows per run.
 ORACLE_ALL_ROWS_UP_TO = 512
 ORACLE_ROWS = 16
-
-_SUITE = pytest.StashKey[support.Suite]()
-_STATE = pytest.StashKey[dict]()
 
 
 # --- options ------------------------------------------------------------------------------------
@@ -76,6 +82,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--manifest", "--moelora-manifest", dest="moelora_manifest", default=None,
                     help="TOML manifest of expected failures")
     group.addoption("--report-json", dest="moelora_report_json", default=None, help="write the JSON report here")
+    group.addoption("--moelora-log", dest="moelora_log", default=None,
+                    help="log file of full failure reports and warnings (default: beside --report-json)")
     group.addoption("--max-examples", dest="moelora_max_examples", type=int, default=None,
                     help="examples per property item (default: the profile's, or $MOELORA_MAX_EXAMPLES)")
     group.addoption("--no-shrink", dest="moelora_no_shrink", action="store_true", default=False,
@@ -86,51 +94,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="with --profile repro: use this profile's size caps (the failing run's)")
 
 
-def _option(config: pytest.Config, name: str, env: str | None = None, default=None):
-    value = config.getoption(name)
-    if value is None and env is not None:
-        value = os.environ.get(env) or None
-    return default if value is None else value
-
-
 # --- configuration ----------------------------------------------------------------------------
-
-
-def _load_settings(config: pytest.Config) -> Profile:
-    """Load the moelora profile by name and apply the run's overrides as a derived profile."""
-    name = _option(config, "moelora_profile", "MOELORA_PROFILE", "dev")
-    caps_from = config.getoption("moelora_repro_caps")
-    config.stash[_STATE]["profile_args"] = (name, caps_from or name)
-    if caps_from:
-        if caps_from not in PROFILES:
-            raise pytest.UsageError(f"--repro-caps: unknown profile {caps_from!r}; known {sorted(PROFILES)}")
-        derived = f"{name}+{caps_from}-caps"
-        PROFILES[derived] = replace(PROFILES[name], name=derived, caps=PROFILES[caps_from].caps)
-        name = derived
-    try:
-        profile = load_profile(name)
-    except KeyError as exc:
-        raise pytest.UsageError(str(exc.args[0])) from None
-    overrides = {}
-    max_examples = _max_examples(config)
-    if max_examples is not None:
-        overrides["max_examples"] = max_examples
-    if config.getoption("moelora_no_shrink"):
-        overrides["phases"] = (Phase.explicit, Phase.generate)
-    if config.getoption("hypothesis_seed", None) is not None:
-        # an explicit seed asks for that random search (a "rerun the search" line), on CI too
-        overrides["derandomize"] = False
-    elif config.getoption("moelora_manifest"):
-        # strict expected failures need the same search every run: a random search may miss a
-        # known fault on one run, and the entry's XPASS(strict) would then fail CI at random
-        overrides["derandomize"] = True
-    name = f"moelora-{profile.name}"
-    if overrides:
-        settings.register_profile("moelora-run", parent=settings.get_profile(name), **overrides)
-        name = "moelora-run"
-    settings.load_profile(name)
-    registry.SUITE_SETTINGS = settings.get_profile(name)
-    return profile
 
 
 def _probe_capabilities(factory, device: torch.device) -> tuple[str, str, Capabilities]:
@@ -145,57 +109,57 @@ def _probe_capabilities(factory, device: torch.device) -> tuple[str, str, Capabi
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{MARKER}(id): a moelora conformance property (parametrized by the plugin)")
-    state = {"records": {}, "unmatched": [], "started": time.time(), "manifest": EMPTY}
-    config.stash[_STATE] = state
-    target = _option(config, "moelora_backend", "MOELORA_BACKEND")
+    target = config.getoption("moelora_backend") or os.environ.get("MOELORA_BACKEND") or None
     if target is None:
         raise pytest.UsageError("moelora_conformance.plugin: name the backend under test with --backend "
                                 "module:factory (or a built-in: reference, triton, csgmv) or MOELORA_BACKEND")
-    device = torch.device(_option(config, "moelora_device", "MOELORA_DEVICE", "cpu"))
+    device = torch.device(config.getoption("moelora_device") or os.environ.get("MOELORA_DEVICE") or "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise pytest.UsageError("--device cuda: no CUDA device is available")
-    profile = _load_settings(config)
+    state = build_run_state(config)
+    worker = getattr(config, "workerinput", None)
+    if worker is not None and "moelora_log" in worker:  # an xdist worker: the controller's seed and log
+        state.seed, state.log = worker["moelora_seed"], Path(worker["moelora_log"])
+    config.stash[RUN_STATE] = state
     try:
         factory = load_backend(target)
     except InvalidFieldError as exc:
         raise pytest.UsageError(f"--backend: {exc}") from None
     name, version, caps = _probe_capabilities(factory, device)
+    profile = state.profile
     oracle_rows = None if profile.caps.max_tokens <= ORACLE_ALL_ROWS_UP_TO else ORACLE_ROWS
-    config.stash[_SUITE] = support.Suite(target, factory, name, version, caps, device, profile,
-                                         suite_caps(profile.caps, caps), oracle_rows)
+    state.suite = support.Suite(target=target, factory=factory, name=name, version=version, capabilities=caps,
+                                device=device, profile=profile, caps=suite_caps(profile.caps, caps),
+                                oracle_rows=oracle_rows, origin=backend_origin(target, factory),
+                                workdir=Path(tempfile.mkdtemp(prefix="moelora-suite-files-")))
     try:
-        state["manifest"] = load_manifest(config.getoption("moelora_manifest"), set(PROPERTIES))
+        state.manifest = load_manifest(config.getoption("moelora_manifest"), set(PROPERTIES))
     except InvalidFieldError as exc:
         raise pytest.UsageError(str(exc)) from None
     if not config.option.file_or_dir:
         # No paths given: collect the suite's own property modules, wherever pytest was started.
         config.args[:] = [str(PROPERTIES_DIR)]
+    config.pluginmanager.register(_Recorder(state), "moelora-recorder")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    state = run_state(config)
+    if state is not None and state.suite is not None and state.suite.workdir is not None:
+        shutil.rmtree(state.suite.workdir, ignore_errors=True)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    suite = config.stash.get(_SUITE, None)
-    if suite is None:
-        return []
-    lines = [
-        f"moelora conformance {__version__}: backend {suite.name} {suite.version} ({suite.target}) on {suite.device}",
-        f"  capabilities: {json.dumps(suite.capabilities.as_dict())}",
-        f"  profile: {suite.profile.name} (max_examples={registry.SUITE_SETTINGS.max_examples}, "
-        f"phases={[p.name for p in registry.SUITE_SETTINGS.phases]}, "
-        f"derandomize={registry.SUITE_SETTINGS.derandomize}), caps: {suite.caps}",
-        f"  manifest: {config.getoption('moelora_manifest') or '(empty)'}",
-    ]
-    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOELORA_")}
-    lines.append("  environment: " + (" ".join(f"{k}={v}" for k, v in env.items()) or "(no MOELORA_* variables)"))
-    return lines
+    state = run_state(config)
+    return [] if state is None or state.suite is None else header_lines(state)
 
 
 @pytest.fixture(scope="session")
 def moelora_suite(request: pytest.FixtureRequest) -> support.Suite:
     """The session's :class:`~moelora_conformance.properties.support.Suite`."""
-    return request.config.stash[_SUITE]
+    return request.config.stash[RUN_STATE].suite
 
 
-# --- parametrization, skips, manifest -----------------------------------------------------------
+# --- parametrization, skips, manifest, settings ---------------------------------------------------
 
 
 def _dtypes(suite: support.Suite) -> list[torch.dtype]:
@@ -208,7 +172,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if marker is None:
         return
     prop = PROPERTIES[marker.args[0]]
-    suite = metafunc.config.stash[_SUITE]
+    suite = metafunc.config.stash[RUN_STATE].suite
     params, ids = [], []
     for mode in prop.modes:
         for dtype in _dtypes(suite):
@@ -241,20 +205,43 @@ def not_implemented_reason(suite: support.Suite, prop, mode: str, dtype: torch.d
     return None
 
 
+def not_run_reason(prop) -> str | None:
+    """Why the suite cannot run this property here (a module it needs is missing), or None."""
+    missing = [m for m in prop.requires if importlib.util.find_spec(m) is None]
+    if missing:
+        return (f"{NOT_RUN}: needs {', '.join(missing)} (pip install 'moelora-conformance[fixtures]')")
+    return None
+
+
+def _decorate(state: RunState, config: pytest.Config, fn) -> None:
+    """Apply the run's Hypothesis settings, seed and replay to a property function (once: the items
+    of its modes and dtypes share it), with Hypothesis' public decorators."""
+    if id(fn) in state.decorated:
+        return
+    state.decorated.add(id(fn))
+    hypothesis_settings(state.settings)(fn)
+    if state.seed is not None and not state.seed_forced:
+        seed(state.seed)(fn)
+    replay = config.getoption("moelora_replay")
+    if replay:
+        version, _, blob = replay.partition(":")
+        reproduce_failure(version, blob.encode())(fn)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    suite = config.stash[_SUITE]
-    state = config.stash[_STATE]
-    manifest: Manifest = state["manifest"]
+    state = config.stash[RUN_STATE]
+    suite = state.suite
+    manifest: Manifest = state.manifest
     used: set[int] = set()
-    replay = config.getoption("moelora_replay")
     for item in items:
         prop = property_of(item)
         params = _params(item)
         if prop is None or params is None:
             continue
+        _decorate(state, config, item.obj)
         mode, dtype_name = params
-        reason = not_implemented_reason(suite, prop, mode, item.callspec.params["dtype"])
+        reason = not_implemented_reason(suite, prop, mode, item.callspec.params["dtype"]) or not_run_reason(prop)
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=reason))
             continue
@@ -262,13 +249,11 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         if entry is not None:
             used.add(entry.index)
             item.add_marker(pytest.mark.xfail(strict=True, reason=f"manifest: {entry.reason}"))
-        if replay:
-            version, _, blob = replay.partition(":")
-            item.obj._hypothesis_internal_use_reproduce_failure = (version, blob)
-    # Metadata-only properties first: cheap, and a metadata fault is then reported as one.
-    items.sort(key=lambda it: 0 if (property_of(it) and property_of(it).metadata_only) else 1)
-    state["unmatched"] = [e.describe() for e in manifest.entries if e.index not in used]
-    for text in state["unmatched"]:
+    # registry.RUN_ORDER: metadata first, fp32 first, the most productive properties first
+    items.sort(key=lambda it: run_order(property_of(it).id, *_params(it)) if property_of(it) and _params(it)
+               else (2, 0, 0, 0))
+    state.unmatched = [e.describe() for e in manifest.entries if e.index not in used]
+    for text in state.unmatched:
         warnings.warn(pytest.PytestWarning(f"moelora manifest {manifest.path}: {text} matched no test"),
                       stacklevel=1)
 
@@ -276,62 +261,70 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 # --- results: records, repro sections, JSON -------------------------------------------------------
 
 
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    support.TRACE.clear()
-
-
-def _max_examples(config: pytest.Config) -> int | None:
-    value = _option(config, "moelora_max_examples", "MOELORA_MAX_EXAMPLES")
-    return None if value is None else int(value)
-
-
-def _hypothesis_seed(item: pytest.Item) -> int | None:
-    forced = item.config.getoption("hypothesis_seed", None)
-    if forced is not None:
-        try:
-            return int(forced)
-        except ValueError:
-            return None
-    fn = getattr(item, "obj", None)
-    return getattr(fn, "_hypothesis_internal_use_generated_seed", None)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    outcome = yield
-    report: pytest.TestReport = outcome.get_result()
+def _item_info(item: pytest.Item, state: RunState) -> dict | None:
     prop, params = property_of(item), _params(item)
     if prop is None or params is None:
-        return
-    used = getattr(getattr(item, "obj", None), "_hypothesis_internal_use_settings", None)
-    info = {"property": prop.id, "title": prop.title, "mode": params[0], "dtype": params[1], "test": item.name,
-            "max_examples": getattr(used, "max_examples", None)}
-    if report.failed and call.when == "call" and not hasattr(report, "wasxfail"):
-        suite = item.config.stash[_SUITE]
-        exc = call.excinfo.value if call.excinfo is not None else None
-        profile, caps_profile = item.config.stash[_STATE]["profile_args"]
-        repro = build_repro(test=item.name, backend=suite.target, device=str(suite.device), profile=profile,
-                            caps_profile=caps_profile, hypothesis_seed=_hypothesis_seed(item),
-                            blob=extract_blob(exc), trace=list(support.TRACE),
-                            derandomized=bool(registry.SUITE_SETTINGS.derandomize),
-                            max_examples=_max_examples(item.config))
-        report.sections.append(("moelora repro", repro.text()))
-        info["repro"] = repro.as_dict()
-        info["message"] = _first_line(exc)
-        if isinstance(exc, OracleMismatch):
-            info["check"] = "oracle"
+        return None
+    return {"property": prop.id, "title": prop.title, "mode": params[0], "dtype": params[1], "test": item.name,
+            "max_examples": state.settings.max_examples}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """Run a property item with the profile's shrink bound and its warnings kept out of the terminal
+    (logged; :mod:`moelora_conformance.failures`)."""
+    state = run_state(item.config)
+    if state is None or property_of(item) is None:
+        return (yield)
+    with warnings.catch_warnings(record=True) as caught, shrink_time_limit(state.profile.shrink_seconds):
+        warnings.simplefilter("always")
+        try:
+            return (yield)
+        finally:
+            if caught and state.log is not None:
+                item.user_properties.append(("moelora_warnings", RunLog(state.log).warnings(item.nodeid, caught)))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report: pytest.TestReport = yield
+    state = run_state(item.config)
+    info = None if state is None else _item_info(item, state)
+    if info is None:
+        return report
+    if report.failed and call.when == "call" and call.excinfo is not None and not hasattr(report, "wasxfail"):
+        _summarize_failure(item, call, report, state, info)  # (a strict XPASS has no exception: kept as is)
     if call.when == "setup":
         # JUnit (--junitxml) writes the item's user properties as <property> elements of its test case.
-        item.user_properties += [("moelora_property", prop.id), ("moelora_mode", params[0]),
-                                 ("moelora_dtype", params[1])]
+        item.user_properties += [("moelora_property", info["property"]), ("moelora_mode", info["mode"]),
+                                 ("moelora_dtype", info["dtype"])]
     report.user_properties.append(("moelora", json.dumps(info)))
+    return report
 
 
-def _first_line(exc: BaseException | None) -> str:
-    if exc is None:
-        return ""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:400]
+def _summarize_failure(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport, state: RunState,
+                       info: dict) -> None:
+    """Attach the repro to the failing item's record and print the short failure text instead of
+    Hypothesis' full report (which goes to the log)."""
+    suite = state.suite
+    exc = call.excinfo.value if call.excinfo is not None else None
+    failures = distinct_failures(exc)
+    repro = build_repro(test=item.name, backend=suite.target, device=str(suite.device), profile=state.profile_name,
+                        caps_profile=state.caps_profile, hypothesis_seed=state.seed,
+                        blobs=[extract_blob(f) for f in failures], traces=[support.trace_lines(f) for f in failures],
+                        messages=[first_line(f) for f in failures], derandomized=state.derandomized,
+                        max_examples=state.max_examples)
+    full = str(report.longrepr)
+    log = RunLog(state.log) if state.log is not None else None
+    if log is not None:
+        captured = "\n".join(f"--- {name} ---\n{hypothesis_output(text)}" for name, text in report.sections)
+        log.write(f"failure of {item.nodeid}", f"{repro.text()}\n\n{full}\n\n{captured}")
+    report.longrepr = failure_text(repro, failures, full, log)
+    report.sections = [(name, text) for name, text in report.sections if "Captured" not in name]
+    info["repro"] = repro.as_dict()
+    info["message"] = first_line(failures[0] if failures else exc)
+    if failures and all(isinstance(f, OracleMismatch) for f in failures):
+        info["check"] = "oracle"
 
 
 def _skip_reason(report: pytest.TestReport) -> str:
@@ -341,91 +334,99 @@ def _skip_reason(report: pytest.TestReport) -> str:
     return str(longrepr or "")
 
 
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    # Runs where the records are kept: the only process, or the xdist controller (the worker's
-    # "moelora" user property carries the item's fields across).
-    info = next((json.loads(v) for k, v in report.user_properties if k == "moelora"), None)
-    if info is None or _CONFIG is None:
-        return
-    record_phase(_CONFIG.stash[_STATE]["records"], nodeid=report.nodeid, info=info, when=report.when,
-                 passed=report.passed, failed=report.failed, skipped=report.skipped, duration=report.duration,
-                 wasxfail=getattr(report, "wasxfail", None),
-                 skip_reason=_skip_reason(report) if report.skipped else "",
-                 last_line=str(report.longreprtext).strip().splitlines()[-1][:400] if report.failed and
-                 report.longreprtext else "")
+class _Recorder:
+    """The hooks that fold reports into the run's records: in the only process, or in the xdist
+    controller (workers' reports carry each item's fields in the "moelora" user property)."""
 
+    def __init__(self, state: RunState) -> None:
+        self.state = state
 
-_CONFIG: pytest.Config | None = None
+    def _expect(self, nodeids) -> None:
+        for nodeid in nodeids:
+            fields = item_fields(nodeid)
+            if fields is not None and nodeid not in self.state.records:
+                self.state.records[nodeid] = new_record(nodeid, {**fields,
+                                                                 "max_examples": self.state.settings.max_examples})
 
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        if not hasattr(session.config, "workerinput"):
+            self._expect(item.nodeid for item in session.items)
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_sessionstart(session: pytest.Session) -> None:
-    global _CONFIG
-    _CONFIG = session.config
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node, ids) -> None:
+        self._expect(ids)
 
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_configure_node(self, node) -> None:
+        node.workerinput["moelora_seed"] = self.state.seed
+        node.workerinput["moelora_log"] = str(self.state.log)
 
-def build_report(config: pytest.Config, duration: float) -> dict:
-    """The JSON report of this session (header + records)."""
-    suite = config.stash[_SUITE]
-    state = config.stash[_STATE]
-    records = sorted(state["records"].values(), key=lambda r: (r["property"], r["mode"], r["dtype"]))
-    versions = {"moelora_conformance": __version__, "python": platform.python_version(), "torch": torch.__version__}
-    for mod in ("hypothesis", "triton"):
-        try:
-            versions[mod] = __import__(mod).__version__
-        except ImportError:
-            pass
-    return {
-        "backend": {"name": suite.name, "version": suite.version, "target": suite.target},
-        "capabilities": suite.capabilities.as_dict(),
-        "profile": suite.profile.name,
-        "max_examples": registry.SUITE_SETTINGS.max_examples,
-        "phases": [p.name for p in registry.SUITE_SETTINGS.phases],
-        "derandomize": registry.SUITE_SETTINGS.derandomize,
-        "device": str(suite.device),
-        "device_name": torch.cuda.get_device_name(suite.device) if suite.device.type == "cuda" else platform.machine(),
-        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOELORA_")},
-        "manifest": str(state["manifest"].path) if state["manifest"].path else None,
-        "manifest_unmatched": state["unmatched"],
-        "hypothesis_seed": config.getoption("hypothesis_seed", None),
-        "started": _dt.datetime.fromtimestamp(state["started"], _dt.UTC).isoformat(timespec="seconds"),
-        "duration": duration,
-        "versions": versions,
-        "summary": summarize(records),
-        "records": records,
-    }
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        info = next((json.loads(v) for k, v in report.user_properties if k == "moelora"), None)
+        if info is None:
+            fields = item_fields(report.nodeid)  # e.g. xdist's report of a crashed worker
+            if fields is None:
+                return
+            info = fields
+        text = str(report.longreprtext).strip().splitlines() if report.failed and report.longreprtext else []
+        note = next((v for k, v in report.user_properties if k == "moelora_warnings"), None)
+        rec = record_phase(self.state.records, nodeid=report.nodeid, info=info, when=report.when,
+                           passed=report.passed, failed=report.failed, skipped=report.skipped,
+                           duration=report.duration, wasxfail=getattr(report, "wasxfail", None),
+                           skip_reason=_skip_reason(report) if report.skipped else "",
+                           last_line=(text[0] if text and text[0].startswith("[XPASS") else
+                                      text[-1] if text else "")[:400])
+        if note:
+            rec["warnings"] = note
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
-    if hasattr(config, "workerinput"):  # an xdist worker: the controller writes the report
-        return
+    state = run_state(config)
+    if state is None or state.suite is None or hasattr(config, "workerinput"):
+        return  # an xdist worker: the controller decides and writes the report
+    records = list(state.records.values())
+    if not config.option.collectonly and exitstatus in (0, 5) and executed_nothing(records):
+        suite = state.suite
+        state.diagnosis = no_run_cause(records, device=str(suite.device),
+                                       declared_devices=sorted(suite.capabilities.devices))
+        session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
     path = config.getoption("moelora_report_json")
-    if path and _SUITE in config.stash:
-        report = build_report(config, time.time() - config.stash[_STATE]["started"])
+    if path:
+        report = build_report(state, config)
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(report, indent=1))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    if _STATE not in config.stash:
-        return
-    state = config.stash[_STATE]
-    records = list(state["records"].values())
-    if not records:
+    state = run_state(config)
+    if state is None or not state.records:
         return
     tr = terminalreporter
+    records = list(state.records.values())
     tr.section("moelora conformance")
-    counts = summarize(records)
-    tr.write_line(", ".join(f"{n} {o}" for o, n in counts.items()))
+    tr.write_line(", ".join(f"{n} {o}" for o, n in summarize(records).items()))
     for rec in records:
-        if rec["outcome"] in ("failed", "error") and rec.get("repro"):
+        if rec["outcome"] in ("failed", "xpassed") and rec.get("repro"):
             repro = rec["repro"]
             tr.write_line(f"{rec['test']} ({rec['property']}): {rec['message']}")
             for line in repro["trace"][:3]:
                 tr.write_line(f"    {line}")
-            for key in ("replay", "rerun"):
-                if repro.get(key):
-                    tr.write_line(f"    {key}: {repro[key]}")
-    for text in state["unmatched"]:
+            for i, replay in enumerate(repro.get("replays") or [repro.get("replay")]):
+                if replay:
+                    tr.write_line(f"    replay{f' failure {i + 1}' if len(repro.get('replays', [])) > 1 else ''}: "
+                                  f"{replay}")
+            if repro.get("rerun"):
+                tr.write_line(f"    rerun: {repro['rerun']}")
+    cut = [r for r in records if r["outcome"] == "not_run" and not r.get("reason")]  # started, never finished
+    if cut:
+        tr.write_line(f"{len(cut)} items did not finish (not_run): " + ", ".join(r["test"] for r in cut[:6])
+                      + (" ..." if len(cut) > 6 else ""))
+    if state.log is not None and state.log.exists():
+        tr.write_line(f"moelora log (full failure reports, warnings): {state.log}")
+    for text in state.unmatched:
         tr.write_line(f"manifest entry matched no test: {text}")
+    if state.diagnosis:
+        tr.write_line("moelora: this run tested nothing (exit 5)", red=True, bold=True)
+        for line in state.diagnosis.splitlines():
+            tr.write_line(f"  {line}")

@@ -41,6 +41,8 @@ class SizeCaps:
         dtypes: dtypes drawn.
         model_shapes: also draw real model layer shapes (e.g. Qwen3-30B-A3B: H 2048, I 768,
             E 128, top-8) — GPU only.
+        large_offsets: P01's eager items also draw the large-offset case (element offsets past
+            2³¹: ``strategies.large_offsets``) — GPU only.
     """
 
     max_tokens: int
@@ -53,25 +55,38 @@ class SizeCaps:
     max_loras: int
     dtypes: tuple[torch.dtype, ...]
     model_shapes: bool = False
+    large_offsets: bool = False
 
 
 @dataclass(frozen=True)
 class Profile:
-    """A named profile: Hypothesis settings plus size caps."""
+    """A named profile: Hypothesis settings plus size caps.
+
+    Attributes:
+        shrink_seconds: how long Hypothesis may shrink one failure (None: its own five minutes;
+            the conformance plugin applies it through :mod:`moelora_conformance.hypothesis_compat`).
+    """
 
     name: str
     caps: SizeCaps
     max_examples: int
     phases: tuple[Phase, ...] = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink)
+    shrink_seconds: float | None = None
 
     def settings(self, *, derandomize: bool = False) -> settings:
-        """Hypothesis settings of the profile; ``derandomize`` fixes the search (CI)."""
+        """Hypothesis settings of the profile; ``derandomize`` fixes the search (CI).
+
+        ``report_multiple_bugs``: each distinct failure (exception type and place) is shrunk on its
+        own and reported with its own example, so a shrunk example never slips from the failure
+        found to another one.
+        """
         return settings(
             max_examples=self.max_examples,
             phases=self.phases,
             deadline=None,
             derandomize=derandomize,
             print_blob=True,
+            report_multiple_bugs=True,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                    HealthCheck.function_scoped_fixture],
             database=None,
@@ -92,13 +107,15 @@ _DEV_CAPS = SizeCaps(
 _GPU_CAPS = SizeCaps(
     max_tokens=8192, max_requests=256, max_hidden=2048, max_intermediate=768, max_experts=128,
     max_top_k=8, max_rank=64, max_loras=8, dtypes=(torch.bfloat16, torch.float16, torch.float32),
-    model_shapes=True,
+    model_shapes=True, large_offsets=True,
 )
 
 PROFILES: dict[str, Profile] = {
-    "interpret": Profile("interpret", _CPU_CAPS, max_examples=15),
-    "dev": Profile("dev", _DEV_CAPS, max_examples=50),
-    "gpu": Profile("gpu", _GPU_CAPS, max_examples=100),
+    # shrink bounds: a counterexample within a minute on two cores (interpret), longer where a run
+    # is allowed to take longer
+    "interpret": Profile("interpret", _CPU_CAPS, max_examples=15, shrink_seconds=20),
+    "dev": Profile("dev", _DEV_CAPS, max_examples=50, shrink_seconds=60),
+    "gpu": Profile("gpu", _GPU_CAPS, max_examples=100, shrink_seconds=120),
     "soak": Profile("soak", _GPU_CAPS, max_examples=2000),
     "repro": Profile("repro", _CPU_CAPS, max_examples=1, phases=(Phase.explicit, Phase.generate)),
 }

@@ -166,7 +166,7 @@ def test_pinned_host_memory_is_reread_on_every_replay():
     [
         ("pageable_copy", "pageable host memory"),  # non_blocking from a list-built tensor
         ("blocking_pinned_copy", "blocking"),
-        ("list_to_device", "pageable host memory"),  # torch.tensor(list, device=...)
+        ("list_on_device_read", "host tensor"),  # torch.tensor(list, device=...) read with no copy
         ("host_tensor_to_device", "pageable host memory"),  # torch.tensor(list).to(device)
         ("tolist", r"Tensor\.tolist\(\)"),
         ("cpu", r"Tensor\.cpu\(\)"),
@@ -191,7 +191,7 @@ def test_host_syncs_raise_at_capture(case, match):
     cases = {
         "pageable_copy": lambda: x.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]), non_blocking=True),
         "blocking_pinned_copy": lambda: x.copy_(pinned),
-        "list_to_device": lambda: torch.tensor([1, 2], device="cpu"),
+        "list_on_device_read": lambda: x[:2] + torch.tensor([1.0, 2.0], device="cpu"),
         "host_tensor_to_device": lambda: torch.tensor([1, 2]).to("cpu", non_blocking=True),
         "tolist": lambda: x.tolist(),
         "cpu": lambda: x.cpu(),

@@ -3,8 +3,9 @@ pinned staging pass.
 
 Covers: host reads of device data (.item(), .tolist(), .cpu(), bool(), int(), printing,
 torch.equal), data-dependent shapes (nonzero, x[mask]), blocking host-to-device copies
-(StaticBuffer.write without staging, torch.tensor(list, device=...)); what passes: host lists and
-tensors built from them, PinnedStaging + StaticBuffer.write(stage=...), non-blocking copies,
+(StaticBuffer.write without staging, a host tensor made with device=... read by a device op without a
+copy); what passes: host lists and tensors built from them, PinnedStaging + StaticBuffer.write(stage=...),
+non-blocking copies (the production idiom ``torch.tensor(lst, device="cpu").to(device, non_blocking=True)``),
 x[mask] = scalar; device data derived inside the guard is device data; the guard is gone after
 the block, also after an error.
 """
@@ -38,7 +39,7 @@ def _metadata():
         ("nonzero", "nonzero"),
         ("mask_index", "boolean mask"),
         ("static_write_unstaged", "blocking"),
-        ("list_to_device", "blocking"),
+        ("list_on_device_read", "host tensor"),  # torch.tensor(lst, device=dev) used with no copy
         ("blocking_to", "blocking"),
     ],
 )
@@ -57,7 +58,7 @@ def test_host_syncs_fail(case, match):
         "nonzero": lambda: torch.nonzero(seg_indptr),
         "mask_index": lambda: x[x > 0],
         "static_write_unstaged": lambda: buf.write([1, 2, 3]),
-        "list_to_device": lambda: torch.tensor([1, 2, 3], dtype=torch.int32, device="cpu"),
+        "list_on_device_read": lambda: seg_indptr[:3] + torch.tensor([1, 2, 3], dtype=torch.int32, device="cpu"),
         "blocking_to": lambda: torch.tensor([1, 2]).to("cpu"),
     }
     with pytest.raises(HostSyncError, match=match), host_sync_guard("cpu"):
@@ -75,12 +76,18 @@ def test_host_lists_and_pinned_staging_pass():
         with staging.batch() as stage:
             buf.write([2, 0, 1], stage=stage)  # pinned staging, non_blocking copy
         dev_lens = torch.tensor(host_lens, dtype=torch.int32).to("cpu", non_blocking=True)
+        # the production idiom: a host tensor spelled device="cpu" (pinned where CUDA is), then a
+        # non-blocking copy; on CUDA that is an asynchronous copy, so it must pass here too
+        pinned = torch.cuda.is_available()
+        idiom = torch.tensor(host_lens, dtype=torch.int32, device="cpu", pin_memory=pinned).to(
+            "cpu", non_blocking=True)
         y = x.clone()
         y[y > 1.0] = 0.0  # masked_fill: no sync
         seg_lens = seg_indptr[1:] - seg_indptr[:-1]
         ok = torch.where(seg_lens == dev_lens, 1, 0)
     assert buf.tensor.tolist() == [2, 0, 1, -1, -1, -1, -1, -1]
     assert ok.tolist() == [1, 1, 1] and (y <= 1.0).all()
+    assert idiom.tolist() == host_lens
 
 
 def test_guard_is_removed_after_the_block_even_after_an_error():

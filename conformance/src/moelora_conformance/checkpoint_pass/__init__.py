@@ -1,4 +1,4 @@
-"""The real-checkpoint pass (issue 8's main job): every backend × layer mode on real tiny MoE
+"""The real-checkpoint pass (the main job, DESIGN.md §8): every backend × layer mode on real tiny MoE
 checkpoints and PEFT adapters, against the oracle and HF transformers + PEFT per adapter.
 
 - :mod:`.adapters`: the adapters of each model (three made here of different ranks — one rsLoRA,

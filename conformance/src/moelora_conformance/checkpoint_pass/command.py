@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from moelora_conformance.cli import Handler, _require_fixtures_extra, subcommand
+from moelora_conformance.commands import Handler, fixtures_or_exit, require_fixtures_extra, subcommand
 
 _MODES = "eager,decode,prefill-full,prefill-breakable"
 
@@ -34,7 +34,8 @@ def _usable(backends: list[str]) -> str | None:
 
     from moelora_core import InvalidFieldError, LoRALayerSpec, load_backend
 
-    spec = LoRALayerSpec(8, 8, 2, 1, {}, 1, 1)
+    spec = LoRALayerSpec(hidden_size=8, moe_intermediate_size=8, num_experts=2, top_k=1, dense_shapes={},
+                         max_loras=1, max_rank=1)
     for name in backends:
         try:
             caps = load_backend(name)(spec).capabilities()
@@ -61,7 +62,7 @@ def _checkpoint_pass(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--json", type=Path, default=None, help="also write every comparison as JSON")
 
     def run(args: argparse.Namespace) -> int:
-        if not _require_fixtures_extra("checkpoint-pass"):
+        if not require_fixtures_extra("checkpoint-pass"):
             return 2
         backends = _csv(args.backends) or []
         problem = _usable(backends)
@@ -73,7 +74,7 @@ def _checkpoint_pass(parser: argparse.ArgumentParser) -> Handler:
         from moelora_conformance.checkpoint_pass.batches import PASS_REQUESTS
         from moelora_conformance.checkpoint_pass.run import run_checkpoint_pass
         from moelora_conformance.checkpoint_pass.table import render
-        from moelora_conformance.fixtures import build_fixtures, load_fixtures
+        from moelora_conformance.fixtures import build_fixtures
 
         layers = None if args.layers is None else [int(v) for v in _csv(args.layers)]
         # one live line on a terminal; redirected output gets only its final state, not one line per run
@@ -84,8 +85,11 @@ def _checkpoint_pass(parser: argparse.ArgumentParser) -> Handler:
         def advance(line: str) -> None:
             progress.update(task, advance=1, description=line)
 
+        given = fixtures_or_exit(args.fixtures, "checkpoint-pass") if args.fixtures else None
+        if args.fixtures and given is None:
+            return 2
         with tempfile.TemporaryDirectory(prefix="moelora-pass-") as tmp, progress:
-            fixtures = load_fixtures(args.fixtures) if args.fixtures else build_fixtures(Path(tmp) / "fixtures")
+            fixtures = given or build_fixtures(Path(tmp) / "fixtures")
             work = args.work_dir or Path(tmp) / "work"
             try:
                 rows = run_checkpoint_pass(fixtures, work, models=_csv(args.models), backends=backends,

@@ -1,5 +1,5 @@
 """The real-checkpoint pass: every backend × layer mode on real tiny MoE checkpoints and real PEFT
-adapters, against the oracle and against HF transformers + PEFT per adapter (issue 8's main job).
+adapters, against the oracle and against HF transformers + PEFT per adapter (the main job, DESIGN.md §8).
 
 For every fixture model (Qwen3-MoE — the H = 2·I one included —, Mixtral, OLMoE; per-expert and
 fused expert layouts):
@@ -112,7 +112,8 @@ def _inputs(layer: _LayerData, batch: BatchSpec, seed: int) -> tuple[Materialize
     dense_x = {m: torch.randn(T, fin, generator=gen) for m, (fin, _) in spec.dense_shapes.items()}
     mapping = torch.tensor(batch.token_lora_mapping, dtype=torch.int32)
     logits = x @ layer.base.router.T.to(F32)
-    m = MaterializedCase(spec, x, logits, ids, weights, layer.base, dict(layer.dense), dense_x, layer.pool, mapping)
+    m = MaterializedCase(spec=spec, x=x, router_logits=logits, topk_ids=ids, topk_weights=weights, base=layer.base,
+                         dense_weights=dict(layer.dense), dense_x=dense_x, lora=layer.pool, token_lora_mapping=mapping)
     return m, BatchInputs(batch, x, ids, weights, dense_x)
 
 

@@ -17,7 +17,7 @@ from moelora_conformance.faulty.beyond_caps import CAP_MUTANTS
 from moelora_conformance.faulty.mutants import MUTANTS
 
 if importlib.util.find_spec("moelora_backends") is not None:
-    # The triton / csgmv mutants (issue 8) join once their backends are installed.
+    # The triton / csgmv mutants join once their backends are installed.
     from moelora_conformance.faulty.backend_mutants import BACKEND_MUTANTS
 
     MUTANTS.update(BACKEND_MUTANTS)

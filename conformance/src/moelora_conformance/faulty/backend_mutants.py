@@ -1,4 +1,4 @@
-"""One-line faults in the ``triton`` and ``csgmv`` backends (``moelora_backends``, issue 8): each class
+"""One-line faults in the ``triton`` and ``csgmv`` backends (``moelora_backends``): each class
 is one of those backends with one known fault of the field put back, kept in the smallest override
 that holds it (the line marked ``FAULT``). The tile mutants rebuild the prefill-graph segmentation
 from the real pieces of ``moelora_backends.segmentation`` (``slot_runs``, ``cut_runs``,

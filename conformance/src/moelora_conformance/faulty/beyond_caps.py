@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from moelora_conformance.examples.torch_backend import TorchBackend
 from moelora_reference.backend import ReferenceBackend
 
 
@@ -53,9 +54,29 @@ class ShrinkKTile64(ReferenceBackend):
         return A * (torch.arange(A.shape[-1], device=A.device) < 64).to(A.dtype), B  # FAULT: one K tile
 
 
+class Offsets32Bit(TorchBackend):
+    """The production-style backend adding its gate_up delta through 32-bit element offsets
+    (``pair · 2I + column`` in int32): rows whose offset passes 2³¹ wrap around and get another
+    row's delta (needs the ``gpu`` profile's large-offset case: ``strategies.large_offsets``)."""
+
+    name = "mutant-offsets-32-bit"
+    needs = "row × stride >= 2^31 (gpu profile, large-offset case)"
+
+    def moe_gate_up_delta(self, x, topk_ids, gate_up_out, weights, info, *, align=None):
+        before = gate_up_out.clone()
+        super().moe_gate_up_delta(x, topk_ids, gate_up_out, weights, info, align=align)
+        T, k, N = gate_up_out.shape
+        rows = torch.arange(T * k, device=x.device, dtype=torch.int32)
+        # FAULT: row · stride in int32 (wraps past 2^31), then the wrapped row receives the delta
+        offset = (rows * N).to(torch.int64) % gate_up_out.numel()
+        delta = (gate_up_out - before).reshape(T * k, N)
+        gate_up_out.copy_(before.reshape(T * k, N).index_add(0, offset // N, delta).reshape(T, k, N))
+
+
 #: Mutation name → backend class (not in ``MUTANTS``: the ``interpret`` caps cannot reach them).
-CAP_MUTANTS: dict[str, type[ReferenceBackend]] = {
+CAP_MUTANTS: dict[str, type] = {
     "lora-top2-only": LoRATop2Only,
     "rank-tile-16": RankTile16,
     "shrink-k-tile-64": ShrinkKTile64,
+    "offsets-32-bit": Offsets32Bit,
 }

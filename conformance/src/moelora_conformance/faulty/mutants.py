@@ -1,5 +1,5 @@
 """One-line faults in the reference backend: each class below is ``ReferenceBackend`` with one
-known class of MoE multi-LoRA fault put back in (issue 7, "the suite tests itself").
+known class of MoE multi-LoRA fault put back in (``docs/suite.md``, "The suite tests itself").
 
 Each fault is one changed line of the reference's logic, kept in the smallest override that holds
 it. The suite must catch every one in the ``interpret`` profile without shrinking
@@ -14,9 +14,10 @@ import torch
 
 from moelora_core.batch import BatchSpec, Request
 from moelora_core.batch_info import LoRABatchInfo
+from moelora_core.checkpoint import peft_config
 from moelora_core.sentinels import NO_ADAPTER
 from moelora_core.static_buffer import StaticBuffer
-from moelora_core.weights import LoRAWeights
+from moelora_core.weights import LoRAWeights, module_index
 from moelora_reference.backend import ReferenceBackend
 
 
@@ -230,6 +231,99 @@ class DenseOutAssumedContiguous(ReferenceBackend):
         super().dense_delta(module, x, out.contiguous(), weights, info)  # FAULT: a copy of a strided out
 
 
+class ExpertIdEOffByOne(ReferenceBackend):
+    """The upper bound of a LoRA expert id is off by one (``id <= E``): a fused shared expert's id of
+    exactly E reads the LoRA of the next slot's first expert through the flat ``[L·E]`` expert index
+    (sgl-project/sglang's shared-expert-fusion out-of-bounds read); ids past E are still refused."""
+
+    name = "mutant-expert-id-E-off-by-one"
+
+    def _pair_index(self, topk_ids: torch.Tensor, info: LoRABatchInfo):
+        if self.spec.virtual_experts:
+            return super()._pair_index(topk_ids, info)
+        L, E = self.spec.max_loras, self.spec.E
+        slot = info.moe.token_lora_mapping.long()[:, None].expand_as(topk_ids)
+        ids = topk_ids.long()
+        valid = (slot >= 0) & (slot < L) & (ids >= 0) & (ids <= E)  # FAULT: <= E where ids < E
+        flat = torch.where(valid, slot * E + ids, torch.zeros_like(ids)) % (L * E)  # a flat read past slot s
+        return valid, (flat // E, flat % E), flat // E
+
+
+class FoldsSigmaIntoPool(ReferenceBackend):
+    """σ is folded into the pool's own B at every MoE delta call (B ← σ·B, σ ← 1, in place): the
+    outputs stay right, but the backend writes the pool it was handed, which every other reader of
+    the pool (another backend, the engine's other layers, an oracle) then sees rescaled."""
+
+    name = "mutant-folds-sigma-into-pool"
+
+    def _fold(self, weights: LoRAWeights, modules: tuple[str, ...]) -> None:
+        for module in modules:
+            _, B = weights.factors(module)
+            sigma = weights.scalings(module)  # a view of module_scalings
+            live = sigma != 0
+            factor = torch.where(live, sigma, torch.ones_like(sigma)).to(B.dtype)
+            B.mul_(factor.reshape(-1, *([1] * (B.dim() - 1))))  # FAULT: the pool's B, in place
+            sigma.copy_(torch.where(live, torch.ones_like(sigma), sigma))
+
+    def moe_gate_up_delta(self, x, topk_ids, gate_up_out, weights, info):
+        self._fold(weights, ("gate", "up"))
+        super().moe_gate_up_delta(x, topk_ids, gate_up_out, weights, info)
+
+    def moe_down_delta(self, h, topk_ids, topk_weights, down_out, weights, info):
+        self._fold(weights, ("down",))
+        super().moe_down_delta(h, topk_ids, topk_weights, down_out, weights, info)
+
+
+_POOL_LOAD_SLOT = LoRAWeights.load_slot
+_PARSE_ADAPTER_CONFIG = peft_config.parse_adapter_config
+
+
+def _load_slot_keeping_absent_modules(self: LoRAWeights, slot: int, adapter, *, adapter_scaling=None) -> None:
+    kept = {}
+    for module in (*("gate", "up", "down"), *self.spec.dense_shapes):
+        if module not in adapter and self.host_ranks[module][slot]:
+            A, B = self.factors(module)
+            kept[module] = (A[slot].clone(), B[slot].clone(), self.host_ranks[module][slot],
+                            self.host_scalings[module][slot])
+    _POOL_LOAD_SLOT(self, slot, adapter, adapter_scaling=adapter_scaling)
+    for module, (a, b, r, sigma) in kept.items():  # FAULT: the previous adapter's module is put back
+        A, B = self.factors(module)
+        A[slot].copy_(a)
+        B[slot].copy_(b)
+        self.module_ranks[module_index(module), slot] = r
+        self.module_scalings[module_index(module), slot] = sigma
+        self.host_ranks[module][slot], self.host_scalings[module][slot] = r, sigma
+
+
+class PoolKeepsStaleModules(ReferenceBackend):
+    """The pool keeps a previous adapter's modules in a reused slot: ``load_slot`` of an adapter that
+    lacks a module the slot's previous adapter had leaves that module's factors, rank and σ in place
+    (the fault is in the pool, put in by this backend's factory; the backend itself is right)."""
+
+    name = "mutant-pool-keeps-stale-modules"
+
+    def __init__(self, spec):
+        LoRAWeights.load_slot = _load_slot_keeping_absent_modules  # FAULT: the process's pool class
+        super().__init__(spec)
+
+
+def _parse_dropping_rslora(raw, **kwargs):
+    # FAULT: the reader drops use_rslora while parsing adapter_config.json: σ = α/r for an rsLoRA file
+    return _PARSE_ADAPTER_CONFIG({k: v for k, v in raw.items() if k != "use_rslora"}, **kwargs)
+
+
+class ReaderDropsRsLoRA(ReferenceBackend):
+    """The adapter reader drops the rsLoRA flag while parsing ``adapter_config.json`` (σ = α/r where the
+    file asks α/√r; the fault is in the reader, put in by this backend's factory: a run whose adapters
+    never pass through the reader cannot see it)."""
+
+    name = "mutant-reader-drops-rslora"
+
+    def __init__(self, spec):
+        peft_config.parse_adapter_config = _parse_dropping_rslora  # FAULT: the process's reader
+        super().__init__(spec)
+
+
 #: Mutation name → (backend class, what the fault is).
 MUTANTS: dict[str, type[ReferenceBackend]] = {
     "stale-tail": StaleTail,
@@ -245,4 +339,8 @@ MUTANTS: dict[str, type[ReferenceBackend]] = {
     "sigma-in-bf16": SigmaInBf16,
     "pair-index-cached-per-info": PairIndexCachedPerInfo,
     "dense-out-assumed-contiguous": DenseOutAssumedContiguous,
+    "expert-id-E-off-by-one": ExpertIdEOffByOne,
+    "folds-sigma-into-pool": FoldsSigmaIntoPool,
+    "pool-keeps-stale-modules": PoolKeepsStaleModules,
+    "reader-drops-rslora": ReaderDropsRsLoRA,
 }

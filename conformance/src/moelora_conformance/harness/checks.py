@@ -35,6 +35,7 @@ has kernels accumulate in fp32.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,39 @@ class OracleMismatch(AssertionError):
     oracle, LoRA delta, base rows, pad rows), a P01-class fault found while another property ran
     its batches: the report marks such a failure
     "FAIL (oracle)" so it is not read as a failure of that property's own claim."""
+
+
+class OutputMismatch(OracleMismatch):
+    """An output (MoE, dense, the harness's break op) differs from the oracle."""
+
+
+class DeltaMismatch(OracleMismatch):
+    """A LoRA delta (output minus the LoRA-disabled twin) differs from the oracle's."""
+
+
+class BaseRowMismatch(OracleMismatch):
+    """A row of a token without an adapter differs, bit for bit, from the LoRA-disabled run."""
+
+
+class PadRowMismatch(OracleMismatch):
+    """A graph run's row past the live tokens differs, bit for bit, from the LoRA-disabled run."""
+
+
+class LayoutMismatch(OracleMismatch):
+    """A write outside the outputs: a guard column of the fused q|k|v buffer, or a layer's input."""
+
+
+@contextlib.contextmanager
+def classified(kind: type[OracleMismatch]):
+    """Raise a failed check of the body as ``kind``: each kind of check failure is its own exception
+    type, so Hypothesis shrinks (and reports) a delta failure and a base-row failure as two distinct
+    failures, and a shrunk example never slips from one kind to another."""
+    try:
+        yield
+    except OracleMismatch:
+        raise
+    except AssertionError as exc:
+        raise kind(str(exc)) from exc
 
 
 @dataclass(frozen=True)

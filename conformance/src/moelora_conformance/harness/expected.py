@@ -10,9 +10,10 @@ On large (GPU-profile) batches the oracle runs on at most ``oracle_rows`` token 
 request's first and last token, then evenly spread rows (the same rows for every check of a run).
 
 Each MoE layer of a two-layer case is checked the same way on its own input (the previous layer's
-actual output after the harness's RMS norm), with its own weights, pool and routing. The oracle
-reads the layer's pools as they are *now*: after a reload (``Layer.reload``) it re-reads them (a CPU
-copy is made again on CUDA).
+actual output after the harness's RMS norm), with its own weights, adapters and routing. The oracle
+never reads the pools the backend is handed: its adapters are the suite's own record of what it
+loaded (:class:`~moelora_conformance.snapshot.AdapterSnapshot`, current after every reload), so a
+backend that writes the pool, or a pool that keeps stale modules, cannot move the expected values.
 """
 
 from __future__ import annotations
@@ -23,15 +24,23 @@ import torch
 
 from moelora_conformance.harness.break_op import break_op_f64
 from moelora_conformance.harness.checks import (
+    BaseRowMismatch,
     CheckContext,
+    DeltaMismatch,
+    LayoutMismatch,
+    OutputMismatch,
+    PadRowMismatch,
     accumulation_bound,
     assert_bitwise,
     assert_close,
     assert_delta_close,
     base_row_mask,
+    classified,
 )
 from moelora_conformance.harness.inputs import BatchInputs
 from moelora_conformance.harness.layer import GUARD_VALUE, Layer, LayerOutput, inter_layer_norm
+from moelora_conformance.harness.moe_rounding import dense_activation_rounding, moe_rounding_scale
+from moelora_conformance.snapshot import PoolView
 from moelora_core.batch import BatchSpec
 from moelora_core.weights import LoRAWeights
 from moelora_reference.oracle import dense_lora_forward, moe_lora_forward
@@ -58,79 +67,116 @@ def oracle_row_index(batch: BatchSpec, budget: int | None) -> torch.Tensor | Non
     return torch.tensor(sorted(picked), dtype=torch.long)
 
 
+@dataclass(frozen=True)
+class MoEExpected:
+    """Oracle values of one MoE layer on its run input, on the checked rows (float64, CPU).
+
+    Attributes:
+        y: [n, H] output with LoRA. delta: [n, H] ``y`` minus the oracle without LoRA.
+        delta_rounding: [n, H] what a correct run's delta may be off by (roundings the backend and the
+            stored intermediates make: :func:`~.moe_rounding.moe_rounding_scale`).
+        output_rounding: [n, H] the same for the output itself (base pairs' roundings included): a
+            small output next to a large delta carries the delta's roundings too.
+    """
+
+    y: torch.Tensor
+    delta: torch.Tensor
+    delta_rounding: torch.Tensor
+    output_rounding: torch.Tensor
+
+
 @dataclass
 class Expected:
     """Oracle values on the checked rows (float64, CPU).
 
     Attributes:
         rows: the row index (None = all rows).
-        y: [n, H] MoE output with LoRA on the run's MoE input.
-        y_delta: [n, H] ``y`` minus the oracle without LoRA on the same MoE input.
+        moe: every MoE layer's :class:`MoEExpected`, layer 1 first.
         dense: module → [n, out] dense output with LoRA; dense_delta: module → [n, out] σ·B(A x).
-        dense_accumulation: module → [n, out] the fp32 accumulation error a correct ``dense_delta``
-            may carry (:func:`~.checks.accumulation_bound` of :func:`dense_delta_rounding_scale`).
-        extra: per MoE layer after the first, its (y, y_delta) on its own run input.
+        dense_accumulation: module → [n, out] the rounding error a correct ``dense_delta`` may carry:
+            its fp32 accumulation (:func:`~.checks.accumulation_bound` of
+            :func:`dense_delta_rounding_scale`) and its shrink output and delta rounded to the
+            activation dtype (:func:`~.moe_rounding.dense_activation_rounding`).
     """
 
     rows: torch.Tensor | None
-    y: torch.Tensor
-    y_delta: torch.Tensor
+    moe: list[MoEExpected]
     dense: dict[str, torch.Tensor]
     dense_delta: dict[str, torch.Tensor]
     dense_accumulation: dict[str, torch.Tensor]
-    extra: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def y(self) -> torch.Tensor:
+        """Layer 1's output with LoRA."""
+        return self.moe[0].y
+
+    @property
+    def y_delta(self) -> torch.Tensor:
+        """Layer 1's LoRA delta."""
+        return self.moe[0].delta
 
 
 class Oracle:
-    """The oracle for one layer: its weights as the layer holds them now (on CUDA, a CPU copy made
-    again whenever the layer's pools were reloaded)."""
+    """The oracle for one layer: its base weights (a CPU copy on CUDA) and the adapters of the
+    layer's snapshot, never its pools."""
 
     def __init__(self, layer: Layer, *, oracle_rows: int | None = None) -> None:
         self.layer = layer
         self.oracle_rows = oracle_rows
-        self._version: int | None = None
         self._m = None
 
     @property
     def m(self):
-        """The layer's ``MaterializedCase`` on the CPU, current with its pools."""
-        layer = self.layer
-        if self._version != layer.pool_version:
+        """The layer's ``MaterializedCase`` on the CPU (its base and dense weights are read)."""
+        if self._m is None:
+            layer = self.layer
             self._m = layer.m if layer.device.type == "cpu" else layer.m.to("cpu")
-            self._version = layer.pool_version
         return self._m
+
+    def adapters(self, layer: int):
+        """MoE layer ``layer``'s adapters as the suite loaded them (a ``PoolView`` of the snapshot)."""
+        return self.layer.snapshot.pool_view(layer)
 
     def _take(self, t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         t = t.detach().to("cpu")
         return t if rows is None else t[rows]
 
-    def _moe(self, moe_in, ids, w, base, lora, mapping, rows) -> tuple[torch.Tensor, torch.Tensor]:
-        """(y, y - y without LoRA) of one MoE layer on its run input ``moe_in``."""
+    def _moe(self, moe_in, ids, w, base, lora, mapping, rows) -> MoEExpected:
+        """The oracle values of one MoE layer on its run input ``moe_in``."""
         x, ids, w = self._take(moe_in, rows), self._take(ids, rows), self._take(w, rows)
         y = moe_lora_forward(x, ids, w, base.w_gate_up, base.w_down, lora, mapping)
-        return y, y - moe_lora_forward(x, ids, w, base.w_gate_up, base.w_down, None, None)
+        delta = y - moe_lora_forward(x, ids, w, base.w_gate_up, base.w_down, None, None)
+        layer = self.layer
+        # a fused moe_forward may store its intermediates in the model dtype, as an engine does
+        stored = layer.spec.dtype if layer.moe_path == "fused" else layer.intermediate_dtype
+        kw = dict(act_dtype=layer.spec.dtype, intermediate_dtype=stored)
+        rounding = moe_rounding_scale(x, ids, w, base.w_gate_up, base.w_down, lora, mapping, **kw)
+        output = moe_rounding_scale(x, ids, w, base.w_gate_up, base.w_down, lora, mapping, include_base=True, **kw)
+        return MoEExpected(y, delta, rounding, output)
 
     def expected(self, inp: BatchInputs, run: LayerOutput) -> Expected:
         """Oracle values for ``run`` (a forward of ``inp`` with LoRA)."""
         m, batch = self.m, inp.batch
         rows = oracle_row_index(batch, self.oracle_rows)
         mapping = self._take(torch.tensor(batch.token_lora_mapping, dtype=torch.int32), rows)
-        y, y_delta = self._moe(run.moe_in, inp.topk_ids, inp.topk_weights, m.base, m.lora, mapping, rows)
-        extra = [
-            self._moe(e.moe_in, ids, w, layer.base, layer.lora, mapping, rows)
-            for e, (ids, w), layer in zip(run.extra, inp.extra_routing, m.layers, strict=True)
+        lora = self.adapters(0)
+        moe = [self._moe(run.moe_in, inp.topk_ids, inp.topk_weights, m.base, lora, mapping, rows)]
+        moe += [
+            self._moe(e.moe_in, ids, w, layer.base, self.adapters(n), mapping, rows)
+            for n, (e, (ids, w), layer) in enumerate(zip(run.extra, inp.extra_routing, m.layers, strict=True), 1)
         ]
         dense, dense_delta, accumulation = {}, {}, {}
         for mod, x in inp.dense_x.items():
             xr = self._take(x, rows)
-            dense_delta[mod] = dense_lora_forward(xr, None, mod, m.lora, mapping)
-            dense[mod] = dense_lora_forward(xr, m.dense_weights[mod], mod, m.lora, mapping)
-            accumulation[mod] = accumulation_bound(dense_delta_rounding_scale(xr, mod, m.lora, mapping))
-        return Expected(rows, y, y_delta, dense, dense_delta, accumulation, extra)
+            dense_delta[mod] = dense_lora_forward(xr, None, mod, lora, mapping)
+            dense[mod] = dense_lora_forward(xr, m.dense_weights[mod], mod, lora, mapping)
+            accumulation[mod] = (accumulation_bound(dense_delta_rounding_scale(xr, mod, lora, mapping))
+                                 + dense_activation_rounding(xr, mod, lora, mapping, act_dtype=self.layer.spec.dtype))
+        return Expected(rows, moe, dense, dense_delta, accumulation)
 
 
 def dense_delta_rounding_scale(
-    x: torch.Tensor, module: str, lora: LoRAWeights, token_lora_mapping: torch.Tensor
+    x: torch.Tensor, module: str, lora: LoRAWeights | PoolView, token_lora_mapping: torch.Tensor
 ) -> torch.Tensor:
     """The scale of the fp32 rounding error of a dense LoRA delta ``σ·B(A x)``, per token and column.
 
@@ -165,6 +211,18 @@ def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return t if rows is None else t[rows.to(t.device)]
 
 
+@dataclass(frozen=True)
+class _MoELayerRun:
+    """One MoE layer of a run for the checks: its outputs, its twin's, and the oracle's values."""
+
+    name: str
+    y: torch.Tensor
+    y32: torch.Tensor | None
+    y_base: torch.Tensor
+    y32_base: torch.Tensor | None
+    want: MoEExpected
+
+
 def check_run(
     oracle: Oracle,
     inp: BatchInputs,
@@ -189,69 +247,92 @@ def check_run(
             capacity-wide) is bit-identical to the LoRA-disabled run (a stale tail would add LoRA).
 
     Every MoE layer of the run gets the MoE checks; the guard columns of a ``fused-qkv`` dense
-    buffer must still hold :data:`~.layer.GUARD_VALUE` on every row (always checked).
+    buffer must still hold :data:`~.layer.GUARD_VALUE` on every row (always checked). Each kind of
+    check fails with its own ``OracleMismatch`` subclass (``checks.classified``): output, delta, base
+    rows, pad rows, layout.
 
     Returns:
         The oracle values (for further checks).
     """
     exp = oracle.expected(inp, run)
     r = exp.rows
-    layers = [("MoE", run.y, run.y32, base.y, base.y32, exp.y, exp.y_delta)]
+    layers = [_MoELayerRun("MoE", run.y, run.y32, base.y, base.y32, exp.moe[0])]
     layers += [
-        (f"MoE layer {n + 2}", e.y, e.y32, b.y, b.y32, y, d)
-        for n, (e, b, (y, d)) in enumerate(zip(run.extra, base.extra, exp.extra, strict=True))
+        _MoELayerRun(f"MoE layer {n + 2}", e.y, e.y32, b.y, b.y32, want)
+        for n, (e, b, want) in enumerate(zip(run.extra, base.extra, exp.moe[1:], strict=True))
     ]
     if outputs:
-        for name, y, _, _, _, want, _ in layers:
-            assert_close(_rows(y, r), want, ctx, f"{what}: {name} output")
-        for mod, t in run.dense.items():
-            assert_close(_rows(t, r), exp.dense[mod], ctx, f"{what}: dense {mod} output")
-        want_in = break_op_f64(inp.x, run.dense, inp.batch)
-        assert_close(run.moe_in, want_in, ctx, f"{what}: harness break op (MoE input)")
+        with classified(OutputMismatch):
+            _check_outputs(layers, run, exp, inp, ctx, what, r)
     if deltas:
-        for name, y, y32, y_base, y32_base, _, delta in layers:
-            if y32 is not None and y32_base is not None:
-                assert_delta_close(_rows(y32, r), _rows(y32_base, r), delta, ctx, f"{what}: {name} LoRA delta")
-            else:
-                assert_delta_close(
-                    _rows(y, r),
-                    _rows(y_base, r),
-                    delta,
-                    ctx,
-                    f"{what}: {name} LoRA delta",
-                    rounded=(_rows(y, r), _rows(y_base, r)),
-                )
-        for mod, t in run.dense.items():
-            assert_delta_close(
-                _rows(t, r),
-                _rows(base.dense[mod], r),
-                exp.dense_delta[mod],
-                ctx,
-                f"{what}: dense {mod} LoRA delta",
-                rounded=(_rows(t, r),),
-                accumulation=exp.dense_accumulation[mod],
-            )
+        with classified(DeltaMismatch):
+            _check_deltas(layers, run, base, exp, ctx, what, r)
     if base_rows:
-        mask = base_row_mask(inp.batch.token_lora_mapping, run.y.device)
-        for name, y, _, y_base, _, _, _ in layers:
-            assert_bitwise(y[mask], y_base[mask], ctx, f"{what}: {name} output of base rows vs LoRA disabled")
-        for mod, t in run.dense.items():
-            assert_bitwise(
-                t[mask], base.dense[mod][mask], ctx, f"{what}: dense {mod} output of base rows vs LoRA disabled"
-            )
+        with classified(BaseRowMismatch):
+            _check_base_rows(layers, run, base, inp, ctx, what)
     if pad_rows:
-        T = inp.num_tokens
-        full, twin = run.rows, base.rows
-        pairs = [("MoE", full["y"], twin["y"])]
-        pairs += [(f"MoE layer {n + 2}", e.y, b.y) for n, (e, b) in enumerate(zip(full["extra"], twin["extra"]))]
-        for name, y, y_base in pairs:
-            assert_bitwise(
-                y[T:], y_base[T:], ctx, f"{what}: {name} output of pad rows (past {T} live tokens) vs LoRA disabled"
-            )
-        for mod, t in full["dense"].items():
-            assert_bitwise(
-                t[T:], twin["dense"][mod][T:], ctx, f"{what}: dense {mod} output of pad rows vs LoRA disabled"
-            )
+        with classified(PadRowMismatch):
+            _check_pad_rows(run, base, inp, ctx, what)
+    with classified(LayoutMismatch):
+        _check_layout(run, ctx, what)
+    return exp
+
+
+def _check_outputs(layers, run: LayerOutput, exp: Expected, inp: BatchInputs, ctx: CheckContext, what: str,
+                   r) -> None:
+    for lay in layers:
+        # the policy's bounds after the derived roundings (the MoE's and y's own) are allowed
+        assert_delta_close(_rows(lay.y, r), torch.zeros_like(lay.want.y), lay.want.y, ctx,
+                           f"{what}: {lay.name} output", rounded=(_rows(lay.y, r),),
+                           accumulation=lay.want.output_rounding)
+    for mod, t in run.dense.items():
+        # the output's own rounding and the delta's (a small output next to a large delta carries them)
+        assert_delta_close(_rows(t, r), torch.zeros_like(exp.dense[mod]), exp.dense[mod], ctx,
+                           f"{what}: dense {mod} output", rounded=(_rows(t, r),),
+                           accumulation=exp.dense_accumulation[mod])
+    want_in = break_op_f64(inp.x, run.dense, inp.batch)
+    assert_close(run.moe_in, want_in, ctx, f"{what}: harness break op (MoE input)")
+
+
+def _check_deltas(layers, run: LayerOutput, base: LayerOutput, exp: Expected, ctx: CheckContext, what: str,
+                  r) -> None:
+    for lay in layers:
+        if lay.y32 is not None and lay.y32_base is not None:
+            assert_delta_close(_rows(lay.y32, r), _rows(lay.y32_base, r), lay.want.delta, ctx,
+                               f"{what}: {lay.name} LoRA delta", accumulation=lay.want.delta_rounding)
+        else:
+            assert_delta_close(_rows(lay.y, r), _rows(lay.y_base, r), lay.want.delta, ctx,
+                               f"{what}: {lay.name} LoRA delta", rounded=(_rows(lay.y, r), _rows(lay.y_base, r)),
+                               accumulation=lay.want.delta_rounding)
+    for mod, t in run.dense.items():
+        assert_delta_close(_rows(t, r), _rows(base.dense[mod], r), exp.dense_delta[mod], ctx,
+                           f"{what}: dense {mod} LoRA delta", rounded=(_rows(t, r),),
+                           accumulation=exp.dense_accumulation[mod])
+
+
+def _check_base_rows(layers, run: LayerOutput, base: LayerOutput, inp: BatchInputs, ctx: CheckContext,
+                     what: str) -> None:
+    mask = base_row_mask(inp.batch.token_lora_mapping, run.y.device)
+    for lay in layers:
+        assert_bitwise(lay.y[mask], lay.y_base[mask], ctx, f"{what}: {lay.name} output of base rows vs LoRA disabled")
+    for mod, t in run.dense.items():
+        assert_bitwise(t[mask], base.dense[mod][mask], ctx,
+                       f"{what}: dense {mod} output of base rows vs LoRA disabled")
+
+
+def _check_pad_rows(run: LayerOutput, base: LayerOutput, inp: BatchInputs, ctx: CheckContext, what: str) -> None:
+    T = inp.num_tokens
+    full, twin = run.rows, base.rows
+    pairs = [("MoE", full["y"], twin["y"])]
+    pairs += [(f"MoE layer {n + 2}", e.y, b.y) for n, (e, b) in enumerate(zip(full["extra"], twin["extra"]))]
+    for name, y, y_base in pairs:
+        assert_bitwise(y[T:], y_base[T:], ctx,
+                       f"{what}: {name} output of pad rows (past {T} live tokens) vs LoRA disabled")
+    for mod, t in full["dense"].items():
+        assert_bitwise(t[T:], twin["dense"][mod][T:], ctx, f"{what}: dense {mod} output of pad rows vs LoRA disabled")
+
+
+def _check_layout(run: LayerOutput, ctx: CheckContext, what: str) -> None:
     # each later MoE layer ran on the harness's norm of the previous layer's output, on every row
     # (capacity-wide in graph runs, same shapes as in the run): a backend that writes into its
     # input x shows here (before the norm, layer 2's input was layer 1's checked y)
@@ -263,10 +344,5 @@ def check_run(
         prev = e.y
     guards = every_row["guards"]
     if guards is not None:
-        assert_bitwise(
-            guards,
-            torch.full_like(guards, GUARD_VALUE),
-            ctx,
-            f"{what}: guard columns of the fused q|k|v output buffer (outside every module's slice)",
-        )
-    return exp
+        assert_bitwise(guards, torch.full_like(guards, GUARD_VALUE), ctx,
+                       f"{what}: guard columns of the fused q|k|v output buffer (outside every module's slice)")

@@ -134,6 +134,7 @@ class GraphLayer:
         """Prepare ``inp`` in the family and write its rows into the static inputs, without
         replaying (:meth:`replay` runs it). A ``Fallback`` stages nothing."""
         info = self.prepare(inp)
+        self.layer.after_backend_call(f"prepare(batch, {self.family!r})")
         if isinstance(info, Fallback):
             return info
         self.write_inputs(inp)
@@ -158,9 +159,15 @@ class GraphLayer:
         if self.graph is None:
             self.info = info
             self.graph = LayerGraph(self._projection, self._break, self._moe, mode=self.layer_mode, pool=self.pool)
-            self.graph.capture()
+            self.layer.capturing = True
+            try:
+                self.graph.capture()
+            finally:
+                self.layer.capturing = False
+            self.layer.after_backend_call(f"the {self.mode} graph's capture")
             self.captures += 1
         y, y32, moe_in, extra = self.graph.replay()
+        self.layer.after_backend_call(f"a {self.mode} replay")
         guards = self._dense.guards()
         full = LayerOutput({m: t.clone() for m, t in self._dense.items()}, moe_in.clone(), y.clone(),
                            None if y32 is None else y32.clone(), info, extra=[e.clone() for e in extra],
@@ -190,5 +197,6 @@ class GraphLayer:
         if layer.moe_path == "fused":
             extra = self.capacity - self.batch.num_tokens
             info = layer.backend.prepare(all_base(self.batch, extra, self.tokens_per_request))
+            layer.after_backend_call("prepare (all base, capacity)")
         twin = layer.disabled_moe(run, info, self.topk_ids, self.topk_weights, self.extra_routing, dense)
         return twin.live(self.batch.num_tokens)

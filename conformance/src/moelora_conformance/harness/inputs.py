@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moelora_conformance.strategies.batches import runs
 from moelora_conformance.strategies.cases import MaterializedCase, MoELoRACase
 from moelora_core.batch import BatchSpec
 from moelora_core.errors import InvalidFieldError
@@ -72,8 +73,7 @@ class BatchInputs:
 
     def describe(self) -> str:
         b = self.batch
-        return (f"{b.forward_mode.name} bs={b.bs} T={b.num_tokens} lens={list(b.seq_lens)[:16]}"
-                f"{'...' if b.bs > 16 else ''} slots={list(b.req_to_lora)[:16]}{'...' if b.bs > 16 else ''}")
+        return f"{b.forward_mode.name} bs={b.bs} T={b.num_tokens} lens={runs(b.seq_lens)} slots={runs(b.req_to_lora)}"
 
 
 def case_inputs(m: MaterializedCase, batch: BatchSpec) -> BatchInputs:

@@ -8,19 +8,27 @@ A forward is the three parts of DESIGN.md §6:
    (strided views, as an engine's fused qkv projection passes them) between guard columns that
    hold :data:`GUARD_VALUE`: a delta written outside its slice changes a guard or a neighbour;
 2. **break op** (:mod:`.break_op`): ``moe_in = x · f(request's dense outputs)``, attention-like;
-3. **MoE**: on the ``deltas`` path, the reference's vectorised base MoE
+3. **MoE**: on the ``deltas`` paths, the reference's vectorised base MoE
    (:func:`moelora_reference.base_moe.moe_forward`) with the backend's deltas
    (``BackendMoEDeltas``: ``moe_gate_up_delta`` before the activation, ``moe_down_delta``
-   router-weighted) — intermediates in fp32, so only y is
-   rounded (``y32`` keeps the fp32 sum for the delta check); on the ``fused`` path (backends that
-   declare ``fused_moe``), ``backend.moe_forward``. Cases with two MoE layers run a second one on
-   the first one's output after an RMS norm (:func:`inter_layer_norm`), with its own base weights,
-   pool and routing and the *same* metadata (one ``prepare`` per forward, as an engine runs every
-   decoder layer on one batch info).
+   router-weighted) — intermediates in fp32 (``deltas``) or, as engines store them, in the model
+   dtype (``deltas-model``); ``y32`` keeps the fp32 sum before y's one rounding for the delta check;
+   on the ``fused`` path (backends that declare ``fused_moe``), ``backend.moe_forward``. Cases with
+   two MoE layers run a second one on the first one's output after an RMS norm
+   (:func:`inter_layer_norm`), with its own base weights, pool and routing and the *same* metadata
+   (one ``prepare`` per forward, as an engine runs every decoder layer on one batch info).
 
 Reloading (:meth:`Layer.reload`): an adapter loaded into a slot between forwards (slot reuse,
 eviction) goes through ``LoRAWeights.load_slot`` / ``clear_slot`` into every MoE layer's pool, in
-place, exactly as an engine does it; captured graphs keep reading the same pool tensors.
+place, exactly as an engine does it; captured graphs keep reading the same pool tensors. After every
+load or clear — the case's initial pool once the backend is built, and every reload — the backend's
+slot-load hook is called (``moelora_core.backend.notify_slot_loaded``), and what was loaded is
+recorded in the case's :class:`~moelora_conformance.snapshot.AdapterSnapshot`, the oracle's source.
+
+The pool is read-only to the backend: after every backend call the harness makes (``prepare``, each
+delta, ``moe_forward``, the slot-load hook; a graph's capture and replays) a
+:class:`~moelora_conformance.snapshot.PoolGuard` checks every pool bit for bit (inside a host-sync
+guard or a capture the check waits for the region's end).
 
 The LoRA-disabled twin of a run (:meth:`Layer.disabled`) is the same path with no LoRA on the
 run's own inputs — the dense inputs, and the MoE input the run's break op produced: no backend
@@ -39,9 +47,10 @@ import torch
 
 from moelora_conformance.harness.break_op import LiveRequests
 from moelora_conformance.harness.inputs import BatchInputs, case_inputs
+from moelora_conformance.snapshot import AdapterSnapshot, PoolGuard
 from moelora_conformance.strategies.adapters import SlotAdapter
 from moelora_conformance.strategies.cases import FUSED_MODULES, MaterializedCase, MoELoRACase, adapter_modules
-from moelora_core.backend import Backend, BackendFactory
+from moelora_core.backend import Backend, BackendFactory, notify_slot_loaded
 from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.batch import BatchSpec, Request
 from moelora_core.batch_info import LoRABatchInfo
@@ -53,9 +62,10 @@ from moelora_core.weights import LoRAWeights
 from moelora_reference import base_moe
 
 F32 = torch.float32
-#: MoE paths of the harness: the backend's delta calls around the reference base MoE, or its own
-#: fused ``moe_forward``.
-MOE_PATHS: tuple[str, ...] = ("deltas", "fused")
+#: MoE paths of the harness: the backend's delta calls around the reference base MoE with fp32
+#: intermediates ("deltas") or intermediates in the model dtype, as engines store them
+#: ("deltas-model"), or the backend's own fused ``moe_forward`` ("fused").
+MOE_PATHS: tuple[str, ...] = ("deltas", "deltas-model", "fused")
 #: What the guard columns of a ``fused-qkv`` dense buffer hold (exact in every dtype); no delta may
 #: change it.
 GUARD_VALUE = -7.25
@@ -171,6 +181,22 @@ def all_base(batch: BatchSpec, extra_rows: int = 0, tokens_per_request: int | No
     return BatchSpec(mode, requests, batch.max_loras, batch.lora_ranks, batch.scalings)
 
 
+class _CheckedDeltas:
+    """A layer's ``BackendMoEDeltas`` with the pool checked after each of its two calls."""
+
+    def __init__(self, inner: BackendMoEDeltas, layer: Layer, index: int) -> None:
+        self.inner, self.layer, self.index = inner, layer, index
+
+    def gate_up(self, x: torch.Tensor, topk_ids: torch.Tensor, gate_up_out: torch.Tensor) -> None:
+        self.inner.gate_up(x, topk_ids, gate_up_out)
+        self.layer.after_backend_call(f"moe_gate_up_delta (MoE layer {self.index + 1})")
+
+    def down(self, h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+             down_out: torch.Tensor) -> None:
+        self.inner.down(h, topk_ids, topk_weights, down_out)
+        self.layer.after_backend_call(f"moe_down_delta (MoE layer {self.index + 1})")
+
+
 class Layer:
     """A backend built for a case's spec, the case's weights, and eager forwards.
 
@@ -178,7 +204,7 @@ class Layer:
         factory: the backend factory under test.
         case: the drawn case (its seed gives every value).
         device: where tensors live.
-        moe_path: "deltas" or "fused" (:data:`MOE_PATHS`).
+        moe_path: "deltas", "deltas-model" or "fused" (:data:`MOE_PATHS`).
         materialized: reuse values already built for this case (e.g. to build a second backend
             on the same weights); default: ``case.materialize(device)``.
     """
@@ -193,14 +219,55 @@ class Layer:
         self.spec = self.m.spec
         self.backend: Backend = factory(self.spec)
         self.moe_path = moe_path
+        #: dtype of gate_up_out, h and down_out on the ``deltas`` paths (fp32, or the model's).
+        self.intermediate_dtype = self.spec.dtype if moe_path == "deltas-model" else F32
         self.weights = self.m.lora
         #: (base weights, pool) of every MoE layer, layer 1 first.
         self.moe_layers: list[tuple[MoEBaseWeights, LoRAWeights]] = [
             (self.m.base, self.m.lora), *((x.base, x.lora) for x in self.m.layers)]
+        if self.m.snapshot is None:  # values built by hand (a test): record the pools as they are
+            self.m.snapshot = AdapterSnapshot.of_pools([pool for _, pool in self.moe_layers])
         #: Bumped by every :meth:`reload` (the oracle re-reads the pools when it changes).
         self.pool_version = 0
+        #: True while a graph captures this layer's calls (pool checks wait for the capture's end).
+        self.capturing = False
+        self._deferred: list[str] | None = None
         layout = case.dense_layout if case is not None else "contiguous"
         self._fused, self._guard_columns, self._fused_width = self._fused_layout(layout)
+        self.pool_guard = PoolGuard([pool for _, pool in self.moe_layers])
+        for pool in {id(p): p for _, p in self.moe_layers}.values():
+            for slot in range(pool.spec.max_loras):
+                if pool.slot_rank(slot):
+                    notify_slot_loaded(self.backend, slot, pool)
+                    self.after_backend_call(f"on_slot_loaded({slot})")
+
+    @property
+    def snapshot(self) -> AdapterSnapshot:
+        """What the suite loaded into every MoE layer's pool (the oracle reads this, never the pools)."""
+        return self.m.snapshot
+
+    def after_backend_call(self, what: str) -> None:
+        """Check that the backend call ``what`` left every pool unchanged (deferred inside a guarded
+        region, skipped during a capture: :meth:`GraphLayer.replay` checks after it).
+
+        Raises:
+            PoolWritten: a pool differs from what the suite loaded.
+        """
+        if self._deferred is not None:
+            self._deferred.append(what)
+        elif not self.capturing:
+            self.pool_guard.check(what)
+
+    @contextlib.contextmanager
+    def deferred_pool_checks(self):
+        """Collect the pool checks of the body (a host-sync guard is active there) and make them after it."""
+        outer, self._deferred = self._deferred, []
+        try:
+            yield
+        finally:
+            calls, self._deferred = self._deferred, outer
+        if calls:
+            self.after_backend_call(", ".join(dict.fromkeys(calls)))
 
     def inputs(self) -> BatchInputs:
         """The case's own batch and values."""
@@ -214,11 +281,45 @@ class Layer:
         ``clear_slot`` (``adapter`` None), in place between forwards."""
         for n, (_, pool) in enumerate(self.moe_layers):
             if adapter is None:
+                self.snapshot.record(n, slot, None)
                 pool.clear_slot(slot)
-                continue
-            gen = torch.Generator(self.device).manual_seed((seed * 1_000_003 + n) % 2**63)
-            pool.load_slot(slot, adapter_modules(pool.spec, adapter, gen), adapter_scaling=adapter.adapter_scaling)
+            else:
+                gen = torch.Generator(self.device).manual_seed((seed * 1_000_003 + n) % 2**63)
+                modules = adapter_modules(pool.spec, adapter, gen)
+                self.snapshot.record(n, slot, modules, adapter.adapter_scaling)
+                pool.load_slot(slot, modules, adapter_scaling=adapter.adapter_scaling)
+        self.loaded(slot)
+
+    def load_files(self, slot: int, built, model_config) -> None:
+        """Load the adapter directory ``built.path`` into ``slot`` of every MoE layer's pool through
+        moelora's readers (``read_adapter`` → ``load_adapter_into_slot``), as an engine loads one;
+        the snapshot records what the files mean (``built.expected``, read independently of those
+        readers: :mod:`moelora_conformance.peft_files`).
+
+        Args:
+            built: a :class:`~moelora_conformance.peft_files.BuiltAdapter` with one entry per MoE layer.
+            model_config: the ``MoEModelConfig`` the adapter was made for.
+
+        Raises:
+            AdapterError: whatever the reader or the slot loader refuses (the pools are unchanged).
+        """
+        from moelora_core.checkpoint import load_adapter_into_slot, read_adapter
+
+        pools = [pool for _, pool in self.moe_layers]
+        adapter = read_adapter(built.path, model_config, dtype=self.spec.dtype, max_rank=self.spec.R)
+        load_adapter_into_slot(pools, slot, adapter, adapter_scaling=built.scaling)
+        for n, modules in enumerate(built.expected):
+            self.snapshot.record(n, slot, modules, built.scaling)
+        self.loaded(slot)
+
+    def loaded(self, slot: int) -> None:
+        """After the suite loaded or cleared ``slot`` of the pools: take them as the guard's reference,
+        call the backend's slot-load hook for each pool, and check the hook wrote none of them."""
         self.pool_version += 1
+        self.pool_guard.refresh()
+        for _, pool in self.moe_layers:
+            notify_slot_loaded(self.backend, slot, pool)
+        self.after_backend_call(f"on_slot_loaded({slot})")
 
     # --- the three parts ---------------------------------------------------------------------
 
@@ -256,6 +357,7 @@ class Layer:
         if info is not None:
             for mod, t in out.items():
                 self.backend.dense_delta(mod, dense_x[mod], t, self.weights, info)
+                self.after_backend_call(f"dense_delta({mod!r})")
         return out
 
     def moe(self, moe_in: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -267,9 +369,12 @@ class Layer:
         """
         base, weights = self.moe_layers[layer]
         if self.moe_path == "fused":
-            return self.backend.moe_forward(moe_in, topk_ids, topk_weights, base, weights, info), None
-        deltas = None if info is None else BackendMoEDeltas(self.backend, weights, info)
-        y32 = base_moe.moe_forward(moe_in, topk_ids, topk_weights, base, deltas=deltas, out_dtype=F32)
+            y = self.backend.moe_forward(moe_in, topk_ids, topk_weights, base, weights, info)
+            self.after_backend_call(f"moe_forward (MoE layer {layer + 1})")
+            return y, None
+        deltas = None if info is None else _CheckedDeltas(BackendMoEDeltas(self.backend, weights, info), self, layer)
+        y32 = base_moe.moe_forward(moe_in, topk_ids, topk_weights, base, deltas=deltas,
+                                   intermediate_dtype=self.intermediate_dtype, out_dtype=F32)
         return y32.to(self.spec.dtype), y32
 
     def extra_moe(self, y: torch.Tensor, routing, info: LoRABatchInfo | None) -> list[MoEOutput]:
@@ -295,17 +400,20 @@ class Layer:
                 ``prepare`` + projection and around the MoE part; the break op is the harness's
                 and runs outside it.
         """
+        guarded = guard is not None
         guard = guard or contextlib.nullcontext
+        checks = self.deferred_pool_checks if guarded else contextlib.nullcontext
         batch = inp.batch
-        with guard():
+        with checks(), guard():
             info = self.backend.prepare(batch)
+            self.after_backend_call("prepare")
             if isinstance(info, Fallback):
                 raise AssertionError(f"eager prepare returned {info} (eager runs never fall back)")
             dense = self.projection(inp.dense_x, info)
         breaker = LiveRequests(self.device, batch.num_tokens)
         breaker.set_batch(batch)
         moe_in = breaker(inp.x, dense)
-        with guard():
+        with checks(), guard():
             y, y32 = self.moe(moe_in, inp.topk_ids, inp.topk_weights, info)
             extra = self.extra_moe(y, inp.extra_routing, info)
         return LayerOutput(dict(dense), moe_in, y, y32, info, extra=extra, guards=dense.guards())
@@ -314,7 +422,10 @@ class Layer:
         """The LoRA-disabled twin of ``run``: base dense outputs of ``inp`` and each MoE layer without
         LoRA on ``run``'s own input to that layer (so each difference is that part's LoRA delta alone)."""
         dense = self.dense_base(inp.dense_x)
-        info = self.backend.prepare(all_base(inp.batch)) if self.moe_path == "fused" else None
+        info = None
+        if self.moe_path == "fused":
+            info = self.backend.prepare(all_base(inp.batch))
+            self.after_backend_call("prepare (all base)")
         return self.disabled_moe(run, info, inp.topk_ids, inp.topk_weights, inp.extra_routing, dense)
 
     def disabled_moe(self, run: LayerOutput, info: LoRABatchInfo | None, topk_ids: torch.Tensor,

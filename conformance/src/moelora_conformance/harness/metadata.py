@@ -34,6 +34,15 @@ from moelora_reference.align import check_alignment, moe_lora_align_block_size
 I32 = torch.int32
 
 
+def metadata_tensors(info: LoRABatchInfo) -> dict[str, torch.Tensor]:
+    """Every device tensor of ``info`` by name: the protocol's fields (``device_tensors``) and the
+    tensors of the backend's private metadata (``private.<key>``; in graph mode they are static
+    buffers too, DESIGN.md §5)."""
+    out = dict(info.device_tensors())
+    out.update({f"private.{k}": v for k, v in info.private.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
 def _exact(actual: torch.Tensor, expected: list, ctx: CheckContext, what: str, dtype=I32) -> None:
     assert_exact(actual.detach().cpu(), torch.tensor(expected, dtype=dtype), what=ctx.what(what), seed=ctx.seed)
 

@@ -1,4 +1,4 @@
-"""The oracle checked against code no one here wrote: HF transformers + PEFT (issue 3 item 4, issue 5).
+"""The oracle checked against code no one here wrote: HF transformers + PEFT (DESIGN.md §2; ``docs/checkpoints.md``).
 
 Needs the ``fixtures`` extra. CLI: ``moelora-conformance hf-check [--fixtures DIR]``.
 

@@ -1,4 +1,4 @@
-"""Readers → ``load_adapter_into_slot`` → the reference backend, against HF + PEFT (issue 5).
+"""Readers → ``load_adapter_into_slot`` → the reference backend, against HF + PEFT (``docs/checkpoints.md``).
 
 One mixed EXTEND batch per layer: request 0 uses the adapter (slot ``SLOT``), request 1 is a base
 request. The backend's fused ``moe_forward`` and ``dense_delta`` (added to the base projection)

@@ -1,4 +1,4 @@
-"""moelora's tensors taken from the in-memory transformers / peft modules (issue 3 item 4).
+"""moelora's tensors taken from the in-memory transformers / peft modules (DESIGN.md §2).
 
 No file is read here: the base weights come from the transformers modules' parameters, the LoRA
 factors from peft's layers, reshaped as peft itself does in ``ParamWrapper.get_delta_weight``
@@ -46,7 +46,11 @@ def _expert_factors(wrapper) -> tuple[torch.Tensor, torch.Tensor, float]:
     sigma = float(wrapper.scaling[_ADAPTER])
     ours = sigma * torch.einsum("eor,eri->eoi", B.double(), A.double())
     theirs = wrapper.get_delta_weight(_ADAPTER).double()  # [E, out, in] for [E, out, in] parameters
-    if ours.shape != theirs.shape or not torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6 * float(ours.abs().max())):
+    if E == 1 and theirs.dim() == 2:  # peft 0.21.2 returns a one-expert delta without its expert axis
+        theirs = theirs[None]
+    # peft multiplies in the factors' dtype (fp16 / bf16 when stored so): a wrong reshape is off by O(1)
+    rtol = {torch.float16: 4e-3, torch.bfloat16: 3e-2}.get(wrapper.lora_A[_ADAPTER].weight.dtype, 1e-5)
+    if ours.shape != theirs.shape or not torch.allclose(ours, theirs, rtol=rtol, atol=rtol * float(ours.abs().max())):
         raise AssertionError(f"{wrapper.parameter_name}: reshaped factors disagree with peft's get_delta_weight")
     return A.contiguous(), B.contiguous(), sigma
 

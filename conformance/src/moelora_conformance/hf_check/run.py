@@ -1,4 +1,4 @@
-"""Run the oracle-vs-HF+PEFT checks over a fixtures directory (issue 3 item 4, issue 5).
+"""Run the oracle-vs-HF+PEFT checks over a fixtures directory (DESIGN.md §2; ``docs/checkpoints.md``).
 
 For each fixture model: the oracle without adapter equals the transformers base layer. For each
 adapter:

@@ -1,4 +1,4 @@
-"""The conformance properties (issue 7, DESIGN.md §7): one module per property, collected by the
+"""The conformance properties (DESIGN.md §7): one module per property, collected by the
 plugin (``pytest -p moelora_conformance.plugin --backend module:factory``).
 
 Each property has a stable id (``P01``–``P12``, :data:`PROPERTIES`), the promise it checks (its

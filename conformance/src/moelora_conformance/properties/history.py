@@ -40,7 +40,9 @@ from moelora_core.batch import BatchSpec
 from moelora_core.capabilities import Fallback
 from moelora_core.forward_mode import ForwardMode
 
-STEP_KINDS: tuple[str, ...] = ("adapters", "all_base", "idle", "larger", "other_family", "reload")
+#: The simplest history (the first example Hypothesis tries) is one reload after a batch with LoRA:
+#: "reload" comes first.
+STEP_KINDS: tuple[str, ...] = ("reload", "adapters", "all_base", "idle", "larger", "other_family")
 #: Draw weights of the step kinds (others 1): a reload in about half of the histories.
 _KIND_WEIGHTS = {"reload": 4.0}
 
@@ -124,7 +126,8 @@ def draw_rank_headroom(data: st.DataObject, suite: Suite, case: MoELoRACase) -> 
     every rank its adapters hold, as a server's max LoRA rank usually is — so a reload can bring an
     adapter of a larger rank than any the pool held when a graph was captured."""
     most = max((a.slot_rank for a in case.pool if a is not None), default=0)
-    if most >= suite.caps.max_rank or not data.draw(st.booleans(), label="R past the pool's ranks"):
+    # True first: the simplest example raises R (a later reload can then pass any rank captured with)
+    if most >= suite.caps.max_rank or not data.draw(uniform((True, False)), label="R past the pool's ranks"):
         return case
     trace(f"R raised to {suite.caps.max_rank} (the pool's largest rank is {most})")
     return replace(case, shape=replace(case.shape, max_rank=suite.caps.max_rank))
@@ -134,16 +137,23 @@ def draw_reload(data: st.DataObject, case: MoELoRACase, pool: tuple[SlotAdapter 
                 *, seed: int, label: str) -> Reload:
     """A reload of one of ``slots`` (any slot if empty): a new adapter of rank R (three times in four:
     larger than any the pool held, where R allows) or a drawn rank, with another σ than the slot's
-    adapter — or (one time in four, if the slot holds one) ``clear_slot``."""
+    adapter — half the time targeting only some of the modules the slot's adapter had (slot reuse
+    by an adapter that lacks modules: none of the old one's may remain) — or (one time in four, if
+    the slot holds one) ``clear_slot``. The simplest draw loads an adapter of rank R."""
     shape = case.shape
     slot = data.draw(uniform(sorted(slots) or list(range(shape.max_loras))), label=f"{label}: slot")
     old = pool[slot]
     if old is not None and data.draw(weighted([(False, 3), (True, 1)]), label=f"{label}: clear the slot"):
         return Reload(slot, None, seed)
-    rank_r = data.draw(weighted([(False, 1), (True, 3)]), label=f"{label}: rank R")
+    rank_r = data.draw(weighted([(True, 3), (False, 1)]), label=f"{label}: rank R")
     adapter = data.draw(slot_adapters(shape, ranks=st.just(shape.max_rank) if rank_r else None,
                                       exclude_sigma=None if old is None else old.adapter_scaling),
                         label=f"{label}: adapter")
+    if old is not None and len(old.modules) > 1 and data.draw(st.booleans(), label=f"{label}: fewer modules"):
+        had = [m for m, _, _ in old.modules]
+        keep = data.draw(st.lists(uniform(had), min_size=1, max_size=len(had) - 1, unique=True),
+                         label=f"{label}: modules kept")
+        adapter = replace(adapter, modules=tuple((m, adapter.rank, adapter.alpha) for m in had if m in keep))
     return Reload(slot, adapter, seed)
 
 

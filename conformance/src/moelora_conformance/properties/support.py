@@ -12,6 +12,7 @@ the plugin attaches to the failure with a repro command. :func:`draw_routing`,
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 from hypothesis import note
@@ -39,7 +40,7 @@ from moelora_core.capabilities import Capabilities, Fallback
 from moelora_core.forward_mode import ForwardMode
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Suite:
     """The session's settings, built by the plugin.
 
@@ -49,6 +50,8 @@ class Suite:
         device: where cases are materialized and run.
         profile: the loaded profile. caps: its size caps bounded by the backend's limits.
         oracle_rows: rows the per-token oracle checks per run (None = all).
+        origin: where the factory came from (module, file, distribution; the report header).
+        workdir: a directory of the session for files the suite writes (adapter files, P13).
     """
 
     target: str
@@ -60,10 +63,25 @@ class Suite:
     profile: Profile
     caps: SizeCaps
     oracle_rows: int | None = None
+    origin: dict | None = None
+    workdir: Path | None = None
+    _peft_files: object = field(default=None, repr=False)
+
+    def peft_files(self):
+        """The session's :class:`~moelora_conformance.peft_files.PeftFiles` (built on first use, in
+        ``workdir``)."""
+        if self._peft_files is None:
+            from moelora_conformance.peft_files import PeftFiles
+
+            if self.workdir is None:
+                raise ValueError("the suite has no work directory for adapter files")
+            self._peft_files = PeftFiles(self.workdir)
+        return self._peft_files
 
     @property
     def moe_paths(self) -> tuple[str, ...]:
-        return MOE_PATHS if self.capabilities.fused_moe else ("deltas",)
+        """The MoE paths drawn: both ``deltas`` paths, and ``fused`` where declared."""
+        return tuple(p for p in MOE_PATHS if p != "fused" or self.capabilities.fused_moe)
 
     @property
     def virtual_experts(self) -> bool | None:
@@ -71,15 +89,29 @@ class Suite:
         return None if self.capabilities.virtual_experts else False
 
 
-# --- the trace of the running example (read by the plugin when a test fails) ---------------------
+# --- the trace of the running example -----------------------------------------------------------
 
-TRACE: list[str] = []
+#: Prefix of the example's trace lines among Hypothesis' notes of a failure (the plugin reads them
+#: back from the failing exception: each distinct failure carries its own example's lines).
+TRACE_PREFIX = "moelora | "
 
 
 def trace(line: str) -> None:
-    """Add a line to the running example's trace (and to Hypothesis' failure report)."""
-    TRACE.append(line)
-    note(line)
+    """Add a line to the running example's trace: a Hypothesis ``note``, which Hypothesis attaches
+    to the failure of that example (the plugin prints it in the repro)."""
+    note(TRACE_PREFIX + line)
+
+
+def trace_lines(exc: BaseException | None) -> list[str]:
+    """The trace lines of the example that raised ``exc`` (from its notes, or its cause's)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        lines = [n[len(TRACE_PREFIX):] for n in getattr(exc, "__notes__", ()) if n.startswith(TRACE_PREFIX)]
+        if lines:
+            return lines
+        exc = exc.__cause__ or exc.__context__
+    return []
 
 
 def draw_case(data: st.DataObject, suite: Suite, mode: str, dtype: torch.dtype, **kwargs) -> MoELoRACase:
@@ -87,12 +119,13 @@ def draw_case(data: st.DataObject, suite: Suite, mode: str, dtype: torch.dtype, 
 
     Args:
         kwargs: passed to :func:`~moelora_conformance.strategies.suite.suite_cases` (kinds,
-            adapter_modes, routing_modes, virtual_experts).
+            adapter_modes, routing_modes, virtual_experts, extra_experts: by default drawn only where
+            the backend declares ``fused_shared_experts``).
     """
     kwargs.setdefault("virtual_experts", suite.virtual_experts)
+    kwargs.setdefault("extra_experts", suite.capabilities.fused_shared_experts)
     case = data.draw(suite_cases(suite.caps, mode, dtype, **kwargs), label="case")
-    TRACE.clear()
-    TRACE.append(f"case: {case.describe()}")
+    trace(f"case: {case.describe()}")
     return case
 
 
@@ -150,7 +183,7 @@ class Subject:
 
     Args:
         suite: the session. case: the case. mode: a layer mode.
-        moe_path: "deltas" or "fused". capacity: required for graph modes.
+        moe_path: "deltas", "deltas-model" or "fused". capacity: required for graph modes.
         materialized: reuse a case's values (a second backend on the same weights).
     """
 

@@ -1,12 +1,12 @@
 """P06: static-buffer addresses stay fixed across batches; decode and prefill families share no
 storage.
 
-In a graph family, every device tensor of the metadata ``prepare(batch, family)`` returns is a view
-of a static buffer a captured graph reads: its address must not change from batch to batch, nor may
-the host numbers a launch uses (``bs``, ``num_tokens``, ``num_segments``, ``max_len``: capacities
-fixed at capture). Where the backend declares both families, no byte of one family's metadata
-storage may belong to the other's, and preparing a batch in the other family leaves this family's
-buffers exactly as they were.
+In a graph family, every device tensor of the metadata ``prepare(batch, family)`` returns (its
+private metadata included) is a view of a static buffer a captured graph reads: its address must not
+change from batch to batch, nor may the host numbers a launch uses (``bs``, ``num_tokens``,
+``num_segments``, ``max_len``: capacities fixed at capture). Where the backend declares both
+families, no byte of one family's metadata storage may belong to the other's, and preparing a batch
+in the other family leaves this family's buffers exactly as they were.
 """
 
 import torch
@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moelora_conformance.harness.layer import Layer
+from moelora_conformance.harness.metadata import metadata_tensors
 from moelora_conformance.properties.history import draw_batch
 from moelora_conformance.properties.registry import conformance
 from moelora_conformance.properties.support import capacity_for, draw_case, not_fallback, trace
@@ -32,7 +33,7 @@ def _init(backend, family, cap):
 
 def _storages(info):
     out = {}
-    for name, t in info.device_tensors().items():
+    for name, t in metadata_tensors(info).items():
         s = t.untyped_storage()
         out[name] = (s.data_ptr(), s.data_ptr() + s.nbytes())
     return out
@@ -51,11 +52,11 @@ def test_static_buffers_keep_their_addresses(moelora_suite, mode, dtype, data):
     trace(f"capacity: {cap}; batches: {[b.bs for b in batches]} requests")
     _init(backend, family, cap)
     first = not_fallback(backend.prepare(batches[0], family), f"{family} batch 0")
-    ptrs = {n: t.data_ptr() for n, t in first.device_tensors().items()}
+    ptrs = {n: t.data_ptr() for n, t in metadata_tensors(first).items()}
     host = {f: getattr(first, f) for f in HOST_FIELDS}
     for i, batch in enumerate(batches[1:], 1):
         info = not_fallback(backend.prepare(batch, family), f"{family} batch {i}")
-        now = {n: t.data_ptr() for n, t in info.device_tensors().items()}
+        now = {n: t.data_ptr() for n, t in metadata_tensors(info).items()}
         if now != ptrs:
             moved = sorted(n for n in set(ptrs) | set(now) if ptrs.get(n) != now.get(n))
             raise AssertionError(f"{family} batch {i}: metadata tensors moved or appeared: {moved} | {case.describe()}")
@@ -66,7 +67,7 @@ def test_static_buffers_keep_their_addresses(moelora_suite, mode, dtype, data):
     other = "prefill" if family == "decode" else "decode"
     if other not in suite.capabilities.graph_families:
         return
-    snapshot = {n: t.clone() for n, t in info.device_tensors().items()}
+    snapshot = {n: t.clone() for n, t in metadata_tensors(info).items()}
     mine = _storages(info)
     kind = ForwardMode.DECODE if other == "decode" else ForwardMode.EXTEND
     b = case.batch
@@ -80,6 +81,6 @@ def test_static_buffers_keep_their_addresses(moelora_suite, mode, dtype, data):
         for b, (lo2, hi2) in theirs.items():
             if lo < hi2 and lo2 < hi:
                 raise AssertionError(f"{family}.{a} and {other}.{b} share storage | {case.describe()}")
-    for n, t in info.device_tensors().items():
+    for n, t in metadata_tensors(info).items():
         if not torch.equal(t, snapshot[n]):
             raise AssertionError(f"preparing a {other} batch changed {family}.{n} | {case.describe()}")

@@ -12,6 +12,7 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from moelora_conformance.harness.metadata import metadata_tensors
 from moelora_conformance.properties.registry import conformance
 from moelora_conformance.properties.support import Subject, draw_case, draw_moe_path, not_fallback, trace
 from moelora_core.batch import BatchSpec, Request
@@ -62,12 +63,12 @@ def test_over_capacity_falls_back_and_touches_nothing(moelora_suite, mode, dtype
         fits = _batch(b, ForwardMode.EXTEND, [Request(first_req.adapter_id, 1)])
     trace(f"{family} family one size too small ({over}); fitting batch: {list(fits.seq_lens)}")
     info = not_fallback(backend.prepare(fits, family), f"{family} fitting batch")
-    before = {n: t.clone() for n, t in info.device_tensors().items()}
+    before = {n: t.clone() for n, t in metadata_tensors(info).items()}
     result = backend.prepare(b, family)
     if not isinstance(result, Fallback) or not result.reason:
         raise AssertionError(f"{family}: prepare of a batch over capacity ({over}) returned {result!r}, expected a "
                              f"Fallback with a reason | {subject.ctx.describe}")
-    for n, t in info.device_tensors().items():
+    for n, t in metadata_tensors(info).items():
         if not torch.equal(t, before[n]):
             raise AssertionError(f"{family}: prepare of a batch over capacity wrote {n} | {subject.ctx.describe}")
     subject.run_and_check(subject.inputs(), f"the eager run after the {family} Fallback")

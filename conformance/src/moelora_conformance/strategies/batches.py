@@ -45,7 +45,23 @@ class BatchPlan:
 
     def describe(self) -> str:
         b = self.batch
-        return f"{self.kind} bs={b.bs} T={b.num_tokens} adapters={self.adapter_mode} slots={list(b.req_to_lora)[:12]}"
+        return f"{self.kind} bs={b.bs} T={b.num_tokens} adapters={self.adapter_mode} slots={runs(b.req_to_lora)}"
+
+
+def runs(values) -> str:
+    """Every entry of ``values``, a run of three or more equal entries written ``v×n``: a case line
+    shows every request's slot (a trigger at the 33rd request stays visible) without 128 numbers."""
+    out: list[str] = []
+    values = list(values)
+    i = 0
+    while i < len(values):
+        j = i
+        while j < len(values) and values[j] == values[i]:
+            j += 1
+        n = j - i
+        out += [f"{values[i]}×{n}"] if n >= 3 else [str(values[i])] * n
+        i = j
+    return "[" + ", ".join(out) + "]"
 
 
 def _zipf_slot(u: int, order: list[int]) -> int:

@@ -27,6 +27,7 @@ import torch
 from hypothesis import strategies as st
 
 from moelora_conformance.profiles import SizeCaps, current_profile
+from moelora_conformance.snapshot import AdapterSnapshot
 from moelora_conformance.strategies.adapters import SlotAdapter, adapter_pools, pool_ranks, pool_scalings
 from moelora_conformance.strategies.batches import BatchPlan, batch_plans
 from moelora_conformance.strategies.choice import uniform
@@ -56,11 +57,16 @@ def adapter_modules(spec: LoRALayerSpec, adapter: SlotAdapter, gen: torch.Genera
     return modules
 
 
-def load_pool(lora: LoRAWeights, pool: tuple[SlotAdapter | None, ...], gen: torch.Generator) -> None:
-    """Load every adapter of ``pool`` into its slot of ``lora`` with fresh values from ``gen``."""
+def load_pool(lora: LoRAWeights, pool: tuple[SlotAdapter | None, ...], gen: torch.Generator,
+              snapshot: AdapterSnapshot | None = None, layer: int = 0) -> None:
+    """Load every adapter of ``pool`` into its slot of ``lora`` with fresh values from ``gen``, and
+    record what was drawn in ``snapshot`` (layer ``layer``) before the pool sees it."""
     for slot, adapter in enumerate(pool):
         if adapter is not None:
-            lora.load_slot(slot, adapter_modules(lora.spec, adapter, gen), adapter_scaling=adapter.adapter_scaling)
+            modules = adapter_modules(lora.spec, adapter, gen)
+            if snapshot is not None:
+                snapshot.record(layer, slot, modules, adapter.adapter_scaling)
+            lora.load_slot(slot, modules, adapter_scaling=adapter.adapter_scaling)
 
 
 @dataclass
@@ -97,7 +103,7 @@ def _pool_to(src: LoRAWeights, device: torch.device | str) -> LoRAWeights:
     return lora
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MaterializedCase:
     """The tensors of a case on one device.
 
@@ -113,6 +119,8 @@ class MaterializedCase:
         token_lora_mapping: [T] int32 from the batch's host lists.
         layers: the MoE layers after the first (``MoELoRACase.moe_layers - 1`` of them).
         extra_routing: per extra layer, the case batch's (topk_ids [T, k] int32, topk_weights [T, k] fp32).
+        snapshot: what the suite loaded into every layer's pool, kept apart from the pools (the
+            oracle's source; ``harness.snapshot``).
     """
 
     spec: LoRALayerSpec
@@ -127,6 +135,7 @@ class MaterializedCase:
     token_lora_mapping: torch.Tensor
     layers: list[MoELayer] = field(default_factory=list)
     extra_routing: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    snapshot: AdapterSnapshot | None = None
 
     @property
     def pools(self) -> list[LoRAWeights]:
@@ -137,14 +146,15 @@ class MaterializedCase:
         """The same values on ``device`` (e.g. a CPU copy for the float64 oracle of a CUDA run)."""
         device = torch.device(device)
         spec = replace(self.spec, device=device)
-        return MaterializedCase(
-            spec, self.x.to(device), self.router_logits.to(device), self.topk_ids.to(device),
-            self.topk_weights.to(device), _base_to(self.base, device),
-            {m: t.to(device) for m, t in self.dense_weights.items()},
-            {m: t.to(device) for m, t in self.dense_x.items()}, _pool_to(self.lora, device),
-            self.token_lora_mapping.to(device), [layer.to(device) for layer in self.layers],
-            [(i.to(device), w.to(device)) for i, w in self.extra_routing],
-        )
+        return MaterializedCase(spec=spec, x=self.x.to(device), router_logits=self.router_logits.to(device),
+                                topk_ids=self.topk_ids.to(device), topk_weights=self.topk_weights.to(device),
+                                base=_base_to(self.base, device),
+                                dense_weights={m: t.to(device) for m, t in self.dense_weights.items()},
+                                dense_x={m: t.to(device) for m, t in self.dense_x.items()},
+                                lora=_pool_to(self.lora, device), token_lora_mapping=self.token_lora_mapping.to(device),
+                                layers=[layer.to(device) for layer in self.layers],
+                                extra_routing=[(i.to(device), w.to(device)) for i, w in self.extra_routing],
+                                snapshot=self.snapshot)
 
 
 @dataclass(frozen=True)
@@ -213,7 +223,8 @@ class MoELoRACase:
             dense_weights[m] = randn(fout, fin, scale=1 / math.sqrt(fin))
             dense_x[m] = randn(T, fin)
         lora = LoRAWeights(spec)
-        load_pool(lora, self.pool, gen)
+        snapshot = AdapterSnapshot([spec] * self.moe_layers)
+        load_pool(lora, self.pool, gen, snapshot, 0)
         mapping = torch.tensor(self.batch.token_lora_mapping, dtype=torch.int32, device=device)
         layers, extra_routing = [], []
         for n in range(1, self.moe_layers):
@@ -225,12 +236,14 @@ class MoELoRACase:
                 router=None, num_experts=E, norm_topk_prob=self.routing.renormalize,
             )
             layer_lora = LoRAWeights(spec)
-            load_pool(layer_lora, self.pool, g)
+            load_pool(layer_lora, self.pool, g, snapshot, n)
             ids, w, _ = self.routing.materialize(T, device, g)
             layers.append(MoELayer(layer_base, layer_lora))
             extra_routing.append((ids, w))
-        return MaterializedCase(spec, x, logits, topk_ids, topk_weights, base, dense_weights, dense_x, lora,
-                                mapping, layers, extra_routing)
+        return MaterializedCase(spec=spec, x=x, router_logits=logits, topk_ids=topk_ids, topk_weights=topk_weights,
+                                base=base, dense_weights=dense_weights, dense_x=dense_x, lora=lora,
+                                token_lora_mapping=mapping, layers=layers, extra_routing=extra_routing,
+                                snapshot=snapshot)
 
 
 @st.composite
@@ -244,6 +257,7 @@ def moe_lora_cases(
     virtual_experts: bool | None = None,
     dtype: torch.dtype | None = None,
     moe_layers: tuple[int, ...] = (1,),
+    extra_experts: bool = True,
 ) -> MoELoRACase:
     """A ``MoELoRACase`` within ``caps`` (default: the loaded profile's).
 
@@ -252,9 +266,11 @@ def moe_lora_cases(
         virtual_experts: force virtual experts on/off (default: drawn).
         dtype: force a dtype (default: drawn from the caps; bf16 only with CUDA).
         moe_layers: MoE layer counts to draw from (default: one layer).
+        extra_experts: also draw extra fused base experts (ids in ``[E, E_base)``; False for a backend
+            that does not declare ``fused_shared_experts``).
     """
     caps = caps if caps is not None else current_profile().caps
-    shape = draw(layer_shapes(caps))
+    shape = draw(layer_shapes(caps, extra_experts=extra_experts))
     dt = dtype if dtype is not None else draw(dtypes(caps))
     ve = virtual_experts if virtual_experts is not None else draw(st.booleans())
     pool = draw(adapter_pools(shape))

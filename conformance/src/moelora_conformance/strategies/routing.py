@@ -13,6 +13,13 @@ Hypothesis draws the *plan* (mode, hot or empty experts, sentinel share, renorma
 Sentinel replacement: each (token, k) pair is replaced with probability ``sentinel_share`` by -1
 (expert parallelism: not handled here) or, where the base declares extra fused experts, by an id in
 ``[E, E_base)`` (base only, no LoRA). The router weight of a replaced pair is kept.
+
+Boundaries are always drawn: wherever the share is above 0, the first replaced pairs (at least
+that many pairs are replaced) hold exactly the boundary ids :meth:`RoutingPlan.boundary_ids` — -1,
+E and E_base - 1 — and, unless that expert is empty, one routed pair holds E - 1, the last LoRA
+expert. An upper-bound check that tests only ``id >= 0`` (an id of exactly E indexing the next
+slot's first expert: SGLang's shared-expert-fusion fault) is then caught by the first example with
+sentinels and fused experts, not after a hundred.
 """
 
 from __future__ import annotations
@@ -53,6 +60,12 @@ class RoutingPlan:
     empty_experts: tuple[int, ...]
     sentinel_share: float
     seed: int
+
+    def boundary_ids(self) -> tuple[int, ...]:
+        """The sentinel ids every draw with sentinels holds: -1, then E and E_base - 1 where the base
+        has extra fused experts (one id when there is one such expert)."""
+        extra = range(self.num_experts, self.num_base_experts)
+        return (-1, *sorted({extra[0], extra[-1]})) if len(extra) else (-1,)
 
     def describe(self) -> str:
         detail = {"one_expert": f"({self.hot_expert})", "some_empty": f"({list(self.empty_experts)})"}
@@ -95,8 +108,45 @@ class RoutingPlan:
             sentinel = torch.where(pick < 0.5, torch.full_like(ids, -1), fused)
         else:
             sentinel = torch.full_like(ids, -1)
-        ids = torch.where(coin < self.sentinel_share, sentinel, ids)
+        replaced = coin < self.sentinel_share
+        if self.sentinel_share > 0 and num_tokens:
+            ids, sentinel, replaced = self._with_boundaries(ids, sentinel, replaced)
+        ids = torch.where(replaced, sentinel, ids)
         return ids, weights.to(torch.float32).contiguous(), logits
+
+    def _with_boundaries(self, ids: torch.Tensor, sentinel: torch.Tensor,
+                         replaced: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids, sentinel, replaced) with the boundary ids placed (module docstring): the first
+        replaced pairs in row-major order take :meth:`boundary_ids` (pairs from the end are replaced
+        too where too few were), and, where no routed pair holds E - 1 and E - 1 is not empty, the
+        least-weighted routed pair of the first token that lacks it gets E - 1 (ids of a token stay
+        distinct)."""
+        T, k = ids.shape
+        device = ids.device
+        bounds = self.boundary_ids()
+        flat = replaced.flatten().cpu().tolist()  # host lists: materialize runs outside graphs
+        missing = min(len(bounds), T * k) - sum(flat)
+        for i in range(T * k - 1, -1, -1):
+            if missing <= 0:
+                break
+            if not flat[i]:
+                flat[i], missing = True, missing - 1
+        positions = [i for i, r in enumerate(flat) if r]
+        s = sentinel.flatten().cpu()
+        for pos, value in zip(positions, bounds):
+            s[pos] = value
+        replaced = torch.tensor(flat, device=device).reshape(T, k)
+        host_ids = ids.cpu().clone()
+        last = self.num_experts - 1
+        routed = host_ids.masked_fill(replaced.cpu(), -2)
+        if last not in self.empty_experts and not bool((routed == last).any()):
+            for t in range(T):
+                free = [j for j in range(k) if not flat[t * k + j]]
+                if free and last not in host_ids[t].tolist():
+                    host_ids[t, free[-1]] = last  # the token's least-weighted routed pair
+                    break
+        ids, s = host_ids.to(device), s.to(device)
+        return ids, s.reshape(T, k), replaced
 
 
 @st.composite

@@ -14,6 +14,7 @@ import torch
 from hypothesis import strategies as st
 
 from moelora_conformance.profiles import SizeCaps, current_profile
+from moelora_conformance.strategies.choice import uniform
 from moelora_core.layer_spec import DENSE_MODULES, LoRALayerSpec
 
 #: Real layer shapes by name: H, I, E, top_k and the attention projections (in, out).
@@ -27,7 +28,7 @@ MODEL_SHAPES: Mapping[str, dict] = {
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerShape:
     """The structure of one layer and its adapter pool (no values).
 
@@ -76,7 +77,8 @@ def capped(caps: SizeCaps, limit: SizeCaps) -> SizeCaps:
     sizes = {f: min(getattr(caps, f), getattr(limit, f))
              for f in ("max_tokens", "max_requests", "max_hidden", "max_intermediate", "max_experts", "max_top_k",
                        "max_rank", "max_loras")}
-    return replace(caps, **sizes, model_shapes=caps.model_shapes and limit.model_shapes)
+    return replace(caps, **sizes, model_shapes=caps.model_shapes and limit.model_shapes,
+                   large_offsets=caps.large_offsets and limit.large_offsets)
 
 
 def _caps(caps: SizeCaps | None) -> SizeCaps:
@@ -99,19 +101,23 @@ def layer_shapes(draw, caps: SizeCaps | None = None, *, min_size: int = 4,
     if caps.model_shapes and draw(st.booleans()):
         name = draw(st.sampled_from(sorted(MODEL_SHAPES)))
         m = MODEL_SHAPES[name]
-        return LayerShape(m["hidden_size"], m["moe_intermediate_size"], m["num_experts"], m["num_experts"],
-                          m["top_k"], m["dense_shapes"], max_loras, max_rank, name)
+        return LayerShape(hidden_size=m["hidden_size"], moe_intermediate_size=m["moe_intermediate_size"],
+                          num_experts=m["num_experts"], num_base_experts=m["num_experts"], top_k=m["top_k"],
+                          dense_shapes=m["dense_shapes"], max_loras=max_loras, max_rank=max_rank, name=name)
     H = draw(st.integers(min_size, caps.max_hidden))
     I = draw(st.integers(min_size, caps.max_intermediate))  # noqa: E741
     E = draw(st.integers(1, caps.max_experts))
     top_k = draw(st.integers(1, min(caps.max_top_k, E)))
-    extra = draw(st.integers(0, 2)) if extra_experts else 0
+    # 0, 1 or 2 extra fused experts, each a third of the draws: ids E and E_base - 1 are boundaries
+    # the routing always draws (strategies.routing) where sentinels are drawn
+    extra = draw(uniform((0, 1, 2))) if extra_experts else 0
     modules = draw(st.sampled_from(("qkvo", "none", "qo", "kv")))
     d_q = draw(st.integers(min_size, caps.max_hidden))
     d_kv = draw(st.integers(min_size, caps.max_hidden))
     dims = {"q": (H, d_q), "k": (H, d_kv), "v": (H, d_kv), "o": (d_q, H)}
     dense = tuple((m, dims[m]) for m in DENSE_MODULES if m in modules)
-    return LayerShape(H, I, E, E + extra, top_k, dense, max_loras, max_rank)
+    return LayerShape(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_base_experts=E + extra, top_k=top_k,
+                      dense_shapes=dense, max_loras=max_loras, max_rank=max_rank)
 
 
 def dtypes(caps: SizeCaps | None = None) -> st.SearchStrategy[torch.dtype]:

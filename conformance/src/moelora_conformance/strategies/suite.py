@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from moelora_conformance.profiles import SizeCaps
 from moelora_conformance.strategies.cases import MoELoRACase, moe_lora_cases
-from moelora_conformance.strategies.choice import uniform
+from moelora_conformance.strategies.choice import uniform, weighted
 from moelora_core.batch import BatchSpec, Request
 from moelora_core.capabilities import Capabilities
 from moelora_core.forward_mode import ForwardMode
@@ -57,17 +57,26 @@ def suite_caps(caps: SizeCaps, capabilities: Capabilities) -> SizeCaps:
 
 
 def suite_cases(caps: SizeCaps, mode: str, dtype: torch.dtype, *, virtual_experts: bool | None,
-                kinds: tuple[str, ...] | None = None, **kwargs) -> st.SearchStrategy[MoELoRACase]:
+                kinds: tuple[str, ...] | None = None, large_offsets: bool = False,
+                **kwargs) -> st.SearchStrategy[MoELoRACase]:
     """Whole cases for ``mode`` (its forward kinds, intersected with ``kinds``) in ``dtype``.
 
     Args:
         virtual_experts: None = drawn (the backend declares them), False = never.
+        large_offsets: also draw the large-offset case (one draw in 16) where the caps allow it and
+            the mode is eager (``strategies.large_offsets``).
         kwargs: passed to :func:`~.cases.moe_lora_cases` (adapter_modes, routing_modes).
     """
     allowed = MODE_KINDS[mode]
     if kinds is not None:
         allowed = tuple(k for k in allowed if k in kinds) or allowed
-    return moe_lora_cases(caps, kinds=allowed, dtype=dtype, virtual_experts=virtual_experts, **kwargs)
+    drawn = moe_lora_cases(caps, kinds=allowed, dtype=dtype, virtual_experts=virtual_experts, **kwargs)
+    if not (large_offsets and caps.large_offsets and mode == "eager" and "extend" in allowed):
+        return drawn
+    from moelora_conformance.strategies.large_offsets import large_offset_case
+
+    large = st.integers(0, 2**31 - 1).map(lambda seed: large_offset_case(dtype, seed=seed))
+    return weighted([(False, 15), (True, 1)]).flatmap(lambda big: large if big else drawn)
 
 
 def live_slots(batch: BatchSpec) -> list[int]:

@@ -16,7 +16,12 @@ import torch
 
 from moelora_core.adapter_config import fp32_scaling
 from moelora_core.checkpoint.adapter_reader import AdapterWeights
-from moelora_core.checkpoint.errors import ModelMismatchError, RankTooLargeError, ShapeMismatchError
+from moelora_core.checkpoint.errors import (
+    ModelMismatchError,
+    NonFiniteWeightError,
+    RankTooLargeError,
+    ShapeMismatchError,
+)
 from moelora_core.errors import InvalidFieldError
 from moelora_core.layer_spec import MOE_MODULES
 from moelora_core.weights import LoRAWeights, ModuleLoRA
@@ -40,9 +45,11 @@ def load_adapter_into_slot(
             pool's spec, other dims).
         RankTooLargeError: a module's rank above a pool's max rank R.
         ShapeMismatchError: a factor's shape the pool refuses.
+        NonFiniteWeightError: NaN or Inf in a factor, as given or after the cast to a pool's dtype
+            (the class the reader raises for the same fault).
         InvalidFieldError: a bad ``adapter_scaling`` (field ``adapter_scaling``); factors that are not
             tensors of the module's dims; anything else ``LoRAWeights.load_slot`` would refuse (σ not
-            finite in fp32, NaN/Inf after the cast to a pool's dtype, ...), named by adapter and layer.
+            finite in fp32, ...), named by adapter and layer.
     """
     name = adapter.name
     if len(pools) != adapter.num_layers:
@@ -76,6 +83,8 @@ def load_adapter_into_slot(
                 pool.validate(slot, {module: lora})  # the pool's own checks (finiteness, σ), still before any write
             except InvalidFieldError as exc:
                 part = exc.field.removeprefix(f"adapter[{module!r}]").lstrip(".")  # "scaling", "lora_B", ...
+                if part in ("lora_A", "lora_B"):  # NaN / Inf, or an overflow in the cast: as the reader says it
+                    raise NonFiniteWeightError(name, f"{where} {part}", exc.problem) from None
                 field = f"adapter {name!r} {where}" + (f" {part}" if part else "")
                 raise InvalidFieldError(field, exc.problem) from None
     if adapter_scaling is None:  # the modules' σ were checked above, so this one fits fp32 too

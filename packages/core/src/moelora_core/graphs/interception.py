@@ -42,8 +42,9 @@ _HINTS = {
                 "with non_blocking=True",
     "blocking": "a blocking host<->device copy waits for the device; stage host lists through "
                 "PinnedStaging and copy with non_blocking=True",
-    "mixed": "on CUDA this is a device mismatch or an implicit blocking copy; move the values to the "
-             "device through PinnedStaging first",
+    "mixed": "on CUDA this is a device mismatch or an implicit blocking copy (torch.tensor(host list, "
+             "device=cuda) is one); build the tensor on the host and copy it with .to(device, non_blocking=True), "
+             "or stage it through PinnedStaging",
 }
 
 
@@ -144,8 +145,12 @@ class Interceptor:
         if isinstance(data, torch.Tensor):  # a conversion of existing data: the ops decide
             return func(*args, **kwargs)
         device = kwargs.get("device")
-        if device is not None and self.is_device_target(device):
+        if device is not None and self.placement.by_device_type and self.is_device_target(device):
             self.crossing("h2d", False, False, f"{name or 'torch.' + func.__name__}(host data, device={device!s})")
+        # On a CPU run ``device=`` names the CPU whatever the code means: host data either way. The
+        # production idiom ``torch.tensor(lst, device="cpu").to(device, non_blocking=True)`` then
+        # crosses at the copy, as on CUDA; a host tensor that a device op reads without that copy
+        # (``torch.tensor(lst, device=device)`` used directly: a blocking copy on CUDA) fails there.
         with self.placing("host"):
             return func(*args, **kwargs)
 

@@ -1,0 +1,65 @@
+"""The subcommand registry of ``moelora-conformance`` (:mod:`moelora_conformance.cli` builds the parser).
+
+A subcommand registers itself with :func:`subcommand`; modules that hold subcommands import this
+module, never ``cli`` (which imports them to register them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """A registered subcommand: ``configure(parser)`` declares its arguments and returns its handler."""
+
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], Handler]
+
+
+#: name → Subcommand, in registration order.
+SUBCOMMANDS: dict[str, Subcommand] = {}
+
+
+def subcommand(name: str, *, help: str) -> Callable[[Callable[[argparse.ArgumentParser], Handler]], Callable]:
+    """Register a subcommand (decorator on its ``configure`` function).
+
+    Raises:
+        ValueError: the name is already registered.
+    """
+
+    def register(configure: Callable[[argparse.ArgumentParser], Handler]):
+        if name in SUBCOMMANDS:
+            raise ValueError(f"subcommand {name!r} is already registered")
+        SUBCOMMANDS[name] = Subcommand(name, help, configure)
+        return configure
+
+    return register
+
+
+def require_fixtures_extra(command: str) -> bool:
+    """Whether transformers and peft are importable; if not, say how to get them."""
+    import importlib.util
+
+    missing = [m for m in ("transformers", "peft") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"moelora-conformance {command}: needs the 'fixtures' extra ({', '.join(missing)} missing): "
+              "pip install 'moelora-conformance[fixtures]'", file=sys.stderr)
+    return not missing
+
+
+def fixtures_or_exit(directory, command: str):
+    """``load_fixtures(directory)``, or None after printing why the directory is not usable."""
+    from moelora_conformance.fixtures import FixturesError, load_fixtures
+
+    try:
+        return load_fixtures(directory)
+    except FixturesError as exc:
+        print(f"moelora-conformance {command}: {exc}", file=sys.stderr)
+        return None
