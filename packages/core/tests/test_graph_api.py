@@ -89,11 +89,55 @@ def test_a_failed_cuda_capture_leaves_its_pool_usable(kind):
     def leaky():
         return x * float(x.sum().item())  # a host read: refused during capture
 
+    before = torch.cuda.current_stream() if kind == "cuda" else None
     with pytest.raises(HostSyncError):
         pool.capture(leaky, warmup=0)
+    if kind == "cuda":  # torch.cuda.graph left the thread on its capture stream after the failure
+        assert torch.cuda.current_stream() == before
     graph = pool.capture(lambda: x * 2.0, warmup=0)
     x.copy_(torch.randn(8, device=device))
     assert torch.equal(graph.replay(), x * 2.0)
     staged = torch.empty(8, device=device)
     staged.copy_(torch.arange(8.0).pin_memory() if kind == "cuda" else torch.arange(8.0), non_blocking=True)
     assert torch.equal(staged.cpu(), torch.arange(8.0))
+
+
+@pytest.mark.parametrize("kind", _kinds())
+def test_a_collection_during_capture_cannot_free_cuda_objects(kind):
+    # Regression (H200, the engine's graph tests in one process): an automatic collection inside a
+    # breakable capture freed an earlier engine's CUDA graph, whose destructor invalidated the
+    # capture ("operation failed due to a previous error during capture"). The collector is off
+    # inside every capture (so no automatic collection can run there) and back on after it, and
+    # cyclic garbage that holds a captured graph is freed outside the capture.
+    import gc
+    import weakref
+
+    device = "cuda" if kind == "cuda" else "cpu"
+    old = GraphPool("decode", device, kind=kind)
+    y = torch.randn(8, device=device)
+
+    class Holder:  # an engine-like cycle that owns a captured graph
+        pass
+
+    holder = Holder()
+    holder.graph, holder.me = old.capture(lambda: y + 1.0, warmup=0), holder
+    freed = []
+    weakref.finalize(holder, freed.append, True)
+    del holder
+    old.graphs.clear()
+    pool = GraphPool("prefill", device, kind=kind)
+    x = torch.randn(8, device=device)
+    collector = []
+
+    def fn():
+        collector.append(gc.isenabled())
+        return x * 3.0
+
+    assert gc.isenabled()
+    graph = pool.capture(fn, warmup=1)
+    assert collector == [True, False], "warm-up runs with the collector, the capture without it"
+    assert gc.isenabled()
+    gc.collect()
+    assert freed == [True]
+    x.copy_(torch.randn(8, device=device))
+    assert torch.equal(graph.replay(), x * 3.0)

@@ -17,7 +17,7 @@ from moelora_core.graphs.emulator import EmulatedGraph
 from moelora_core.graphs.host_memory import is_pinned_host, mark_host_memory, pin_host_memory
 from moelora_core.graphs.host_sync_guard import host_sync_guard
 from moelora_core.graphs.layer_modes import LayerGraph
-from moelora_core.graphs.pool import GRAPH_KINDS, CapturedGraph, CudaGraph, GraphPool, graph_pools
+from moelora_core.graphs.pool import GRAPH_KINDS, CapturedGraph, CudaGraph, GraphPool, collector_paused, graph_pools
 
 __all__ = [
     "GRAPH_KINDS",
@@ -26,6 +26,7 @@ __all__ = [
     "EmulatedGraph",
     "GraphPool",
     "LayerGraph",
+    "collector_paused",
     "graph_pools",
     "host_sync_guard",
     "is_pinned_host",

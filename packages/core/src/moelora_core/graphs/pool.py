@@ -18,7 +18,9 @@ does not leave the work done: call ``replay()`` to run it. A host sync during ca
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -123,7 +125,8 @@ class GraphPool:
         if self.kind == "emulated":
             for _ in range(warmup):
                 fn()
-            graph: CapturedGraph = capture_emulated(fn, self.device, self.family)
+            with collector_paused():
+                graph: CapturedGraph = capture_emulated(fn, self.device, self.family)
         else:
             graph = self._capture_cuda(fn, warmup)
         self.graphs.append(graph)
@@ -139,17 +142,22 @@ class GraphPool:
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._handle):
+            with collector_paused(), torch.cuda.graph(graph, pool=self._handle):
                 output = fn()
         except BaseException as exc:
-            self._after_failed_capture()
+            self._after_failed_capture(current)
             if isinstance(exc, RuntimeError) and _is_capture_error(exc):
                 raise HostSyncError(f"host sync during CUDA graph capture ({self.family}): {exc}") from exc
             raise
         return CudaGraph(self.family, graph, output)
 
-    def _after_failed_capture(self) -> None:
-        """Leave the pool usable after a capture that raised.
+    def _after_failed_capture(self, current: torch.cuda.Stream) -> None:
+        """Leave the pool and the thread's stream usable after a capture that raised.
+
+        ``torch.cuda.graph`` restores the caller's stream only when ``capture_end`` succeeds: after
+        an invalidated capture the thread stayed on torch's capture stream, and every later eager
+        kernel and capture of the process ran there (seen on the H200 with the engine's graph
+        tests). The caller's stream ``current`` is made current again.
 
         When a host sync invalidates a CUDA stream capture, ``CUDAGraph.capture_end`` fails at
         ``cudaStreamEndCapture`` before it tells the caching allocator to stop recording into the
@@ -165,6 +173,30 @@ class GraphPool:
         except RuntimeError:
             pass  # capture_end got as far as ending the recording itself
         self._handle = torch.cuda.graph_pool_handle()
+        torch.cuda.set_stream(current)
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Keep Python's cyclic garbage collector off for the body (a capture).
+
+    An automatic collection inside a capture can free an earlier engine's CUDA graph or pinned
+    buffers; their destructors call CUDA APIs a capturing process may not call (``CUDAGraph.reset``
+    warned "operation not permitted when stream is capturing") and the capture in progress is
+    invalidated. With the collector off, garbage waits for the next collection outside a capture
+    (SGLang and vLLM freeze the collector around their captures in the same way; no collection is
+    forced here, it would cost every bucket's capture a full pass over the heap). Found on the
+    H200: a breakable capture failed only after earlier tests had left engines to collect
+    (``test_a_collection_during_capture_cannot_free_cuda_objects``). Used on both graph kinds, so
+    the emulator's capture runs under the same rule.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def graph_pools(device: torch.device | str, *, kind: str | None = None) -> dict[str, GraphPool]:
