@@ -49,7 +49,7 @@ class GraphLayer:
         mode: a key of :data:`GRAPH_MODES`.
         max_requests: request capacity (decode: ``max_bs``).
         max_tokens: token capacity of the prefill family (ignored for decode).
-        tokens_per_request: the decode family's tokens per request (ignored for prefill).
+        tokens_per_request: the decode family's tokens per request (ignored for prefill, None there).
         pad_seed: seed of the pad rows' values.
 
     Raises:
@@ -57,7 +57,7 @@ class GraphLayer:
     """
 
     def __init__(self, layer: Layer, mode: str, *, max_requests: int, max_tokens: int | None = None,
-                 tokens_per_request: int = 1, pad_seed: int = 0) -> None:
+                 tokens_per_request: int | None = 1, pad_seed: int = 0) -> None:
         if mode not in GRAPH_MODES:
             raise InvalidFieldError("mode", f"unknown graph mode {mode!r}; expected one of {tuple(GRAPH_MODES)}")
         self.layer = layer

@@ -31,11 +31,12 @@ from dataclasses import dataclass, replace
 from hypothesis import strategies as st
 
 from moelora_conformance.harness import BatchInputs, GraphLayer, LayerOutput, derive_inputs
-from moelora_conformance.properties.support import Capacity, Subject, Suite, capacity_for, trace
+from moelora_conformance.properties.support import Subject, Suite, capacity_for, trace
 from moelora_conformance.strategies.adapters import SlotAdapter, pool_ranks, pool_scalings, slot_adapters
 from moelora_conformance.strategies.cases import MaterializedCase, MoELoRACase
 from moelora_conformance.strategies.choice import uniform, weighted
 from moelora_conformance.strategies.suite import family_of, mode_forward, pool_batches, tokens_per_request
+from moelora_core.backend_checks import FamilyCapacity
 from moelora_core.batch import BatchSpec
 from moelora_core.capabilities import Fallback
 from moelora_core.forward_mode import ForwardMode
@@ -225,7 +226,7 @@ class HistoryRunner:
         self.other: GraphLayer | None = None
         if others:
             mode = others[0].mode
-            cap: Capacity = capacity_for(mode, [s.inputs.batch for s in others])
+            cap: FamilyCapacity = capacity_for(mode, [s.inputs.batch for s in others])
             self.other = GraphLayer(subject.layer, mode, max_requests=cap.max_requests, max_tokens=cap.max_tokens,
                                     tokens_per_request=cap.tokens_per_request, pad_seed=subject.case.seed + 5)
 
@@ -259,13 +260,14 @@ class HistoryRunner:
 
 
 def history_capacity(mode: str, target: BatchSpec, steps: list[Step], extra_requests: int = 0,
-                     extra_tokens: int = 0) -> Capacity:
+                     extra_tokens: int = 0) -> FamilyCapacity:
     """The subject's capacity: every own-mode batch of the history and the target fit."""
     own = [s.inputs.batch for s in steps if s.mode == mode and s.inputs is not None] + [target]
     return capacity_for(mode, own, extra_requests=extra_requests, extra_tokens=extra_tokens)
 
 
-def draw_history_capacity(data: st.DataObject, mode: str, target: BatchSpec, steps: list[Step]) -> Capacity | None:
+def draw_history_capacity(data: st.DataObject, mode: str, target: BatchSpec,
+                          steps: list[Step]) -> FamilyCapacity | None:
     """:func:`history_capacity` with drawn slack (0-2 requests, 0-8 tokens), traced; None (nothing
     drawn) in eager mode."""
     if mode == "eager":

@@ -35,6 +35,7 @@ from moelora_conformance.strategies.cases import MaterializedCase, MoELoRACase
 from moelora_conformance.strategies.routing import routing_plans
 from moelora_conformance.strategies.suite import family_of, suite_cases, tokens_per_request
 from moelora_core.backend import BackendFactory
+from moelora_core.backend_checks import FamilyCapacity
 from moelora_core.batch import BatchSpec
 from moelora_core.capabilities import Capabilities, Fallback
 from moelora_core.forward_mode import ForwardMode
@@ -147,26 +148,20 @@ def draw_moe_path(data: st.DataObject, suite: Suite) -> str:
     return path
 
 
-@dataclass(frozen=True)
-class Capacity:
-    """Graph capacities: requests, tokens (prefill), tokens per request (decode)."""
-
-    max_requests: int
-    max_tokens: int
-    tokens_per_request: int = 1
-
-
-def capacity_for(mode: str, batches: list[BatchSpec], *, extra_requests: int = 0, extra_tokens: int = 0) -> Capacity:
-    """The smallest capacity that fits every batch of ``batches`` in ``mode``, plus slack."""
-    tpr = next((tokens_per_request(b) for b in batches if b.forward_mode is ForwardMode.DECODE), 1)
+def capacity_for(mode: str, batches: list[BatchSpec], *, extra_requests: int = 0,
+                 extra_tokens: int = 0) -> FamilyCapacity:
+    """The smallest capacity of ``mode``'s graph family that fits every batch of ``batches``, plus
+    slack: the decode family's ``init_decode_graph(max_bs, tokens_per_request)`` in "decode", the
+    prefill family's ``init_prefill_graph(max_num_tokens, max_num_requests)`` otherwise."""
     reqs = max([b.bs for b in batches] + [1]) + extra_requests
     if mode == "decode":
-        return Capacity(reqs, reqs * tpr, tpr)
+        tpr = next((tokens_per_request(b) for b in batches if b.forward_mode is ForwardMode.DECODE), 1)
+        return FamilyCapacity.decode(reqs, tpr)
     toks = max([b.num_tokens for b in batches] + [1]) + extra_tokens
-    return Capacity(reqs, max(toks, 1), tpr)
+    return FamilyCapacity.prefill(toks, reqs)
 
 
-def draw_capacity(data: st.DataObject, mode: str, batches: list[BatchSpec]) -> Capacity | None:
+def draw_capacity(data: st.DataObject, mode: str, batches: list[BatchSpec]) -> FamilyCapacity | None:
     """A capacity for ``batches`` with drawn slack (0-3 requests, 0-16 tokens); None (nothing drawn)
     in eager mode."""
     if mode == "eager":
@@ -191,7 +186,7 @@ class Subject:
     case: MoELoRACase
     mode: str
     moe_path: str = "deltas"
-    capacity: Capacity | None = None
+    capacity: FamilyCapacity | None = None
     materialized: MaterializedCase | None = None
     layer: Layer = field(init=False)
     graph: GraphLayer | None = field(init=False, default=None)

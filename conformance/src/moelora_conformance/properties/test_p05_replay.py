@@ -20,7 +20,6 @@ from moelora_conformance.harness import derive_inputs
 from moelora_conformance.properties.history import draw_rank_headroom, draw_reload, on_pool
 from moelora_conformance.properties.registry import conformance
 from moelora_conformance.properties.support import (
-    Capacity,
     Subject,
     assert_outputs_close,
     draw_case,
@@ -29,6 +28,7 @@ from moelora_conformance.properties.support import (
 )
 from moelora_conformance.strategies.choice import uniform
 from moelora_conformance.strategies.suite import mode_forward, pool_batches
+from moelora_core.backend_checks import FamilyCapacity
 from moelora_core.forward_mode import ForwardMode
 
 #: The public 32-request cap some engines had: capacities go past it.
@@ -47,11 +47,12 @@ def test_replay_equals_eager_after_a_larger_batch(moelora_suite, mode, dtype, da
     fmode = mode_forward(mode, like)
     most = min(caps.max_requests, caps.max_tokens)
     max_requests = data.draw(st.integers(min(PAST_CAP, most), most), label="request capacity")
+    # A decode batch in a prefill mode takes a prefill capacity of one token per request.
     if fmode is ForwardMode.DECODE:
-        capacity = Capacity(max_requests, max_requests, 1)
+        tokens = max_requests
     else:
         tokens = data.draw(st.integers(max_requests, caps.max_tokens), label="token capacity")
-        capacity = Capacity(max_requests, tokens, 1)
+    capacity = FamilyCapacity.decode(max_requests) if mode == "decode" else FamilyCapacity.prefill(tokens, max_requests)
     trace(f"capacity: {capacity}")
     small = data.draw(st.integers(1, max_requests), label="requests of the smaller batch")
     sizes = [max_requests, small, 1]
