@@ -27,11 +27,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="gpu", help="moelora Hypothesis profile (gpu, dev, soak, ...)")
     parser.add_argument("--out", default="kernels_gpu.json", help="where to write the JSON record")
+    parser.add_argument("--tests", action="append", default=None,
+                        help="test files under packages/kernels/tests to run (repeatable; default: all)")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args()
 
     env = dict(source_env(SOURCES), MOELORA_PROFILE=args.profile)
-    cmd = [sys.executable, "-m", "pytest", "packages/kernels/tests", "-p", "no:cacheprovider", "-q", "-rfEs",
+    tests = [f"packages/kernels/tests/{t}" for t in args.tests] if args.tests else ["packages/kernels/tests"]
+    cmd = [sys.executable, "-m", "pytest", *tests, "-p", "no:cacheprovider", "-q", "-rfEs",
            "--hypothesis-show-statistics", *args.pytest_args]
     proc, wall, output = run_timed(cmd, cwd=ROOT, env=env, note=f"(MOELORA_PROFILE={args.profile})")
     print(output)

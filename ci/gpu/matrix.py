@@ -7,7 +7,8 @@ stopped cleanly at a time budget, and one report over any number of runs (DESIGN
 
 ``--select`` (repeatable; a cell is selected when any one matches): comma-separated terms that must
 all hold, ``axis=glob`` (``suite=conformance,backend=triton,dtype=bf16``) or a glob on the cell id
-(``conformance/triton/*``).
+(``conformance/triton/*``). A group's ``parts`` table splits a cell into several of one call each
+(the kernel suite by test file): cell ids then end in ``:part``.
 
 ``run`` appends one JSON line per finished cell to ``DIR/records.jsonl`` the moment the cell ends
 (a call killed by the device's limit keeps every finished cell) and the cells' output to
@@ -56,7 +57,7 @@ MATRIX = ROOT / "ci" / "matrix.toml"
 SOURCES = ["packages/core/src", "packages/kernels/src", "packages/backends/src", "packages/runner/src",
            "reference/src", "conformance/src"]
 AXES = ("suite", "backend", "mode", "dtype", "family", "profile")
-SUITES = ("kernels", "conformance", "checkpoint-pass", "e2e", "benchmarks")
+SUITES = ("kernels", "graphs", "conformance", "engine", "checkpoint-pass", "e2e", "benchmarks")
 FINISHED = ("pass", "fail", "error", "timeout", "nothing-ran")
 #: Longest timeout of one cell: the device's 10-minute call less its start-up.
 MAX_TIMEOUT_S = 570
@@ -85,10 +86,13 @@ class Cell:
     options: dict[str, object] = field(default_factory=dict)
     target: str = ""
     manifest: str = ""
+    part: str = ""
+    tests: tuple[str, ...] = ()
 
     @property
     def id(self) -> str:
-        return "/".join(self.axes[a] for a in AXES)
+        base = "/".join(self.axes[a] for a in AXES)
+        return f"{base}:{self.part}" if self.part else base
 
 
 def _as_list(value: object) -> list[str]:
@@ -113,17 +117,23 @@ def load_matrix(path: Path | str = MATRIX) -> list[Cell]:
         for s in suites:
             if s not in SUITES:
                 raise MatrixError(f"{where}: unknown suite {s!r}; expected one of {SUITES}")
-        options = {k: v for k, v in group.items() if k not in (*AXES, "estimate_s", "timeout_s")}
+        options = {k: v for k, v in group.items() if k not in (*AXES, "estimate_s", "timeout_s", "parts")}
         values = [_as_list(group.get(a, "-")) for a in AXES]
+        parts = group.get("parts", {"": {}})
+        if not isinstance(parts, dict) or not all(isinstance(v, dict) for v in parts.values()):
+            raise MatrixError(f"{where}: parts must be a table of tables (name = {{ tests = [...], estimate_s = N }})")
         for combo in itertools.product(*values):
             axes = dict(zip(AXES, combo))
             b = axes["backend"]
             if b != "-" and b not in backends:
                 raise MatrixError(f"{where}: backend {b!r} is not declared in [backends] ({sorted(backends)})")
-            estimate = float(group["estimate_s"])
-            timeout = float(group.get("timeout_s", min(MAX_TIMEOUT_S, 1.5 * estimate)))
-            entry = backends.get(b, {})
-            cells.append(Cell(axes, estimate, timeout, options, entry.get("target", b), entry.get("manifest", "")))
+            for part, spec in parts.items():
+                estimate = float(spec.get("estimate_s", group["estimate_s"]))
+                timeout = float(spec.get("timeout_s", group.get("timeout_s", min(MAX_TIMEOUT_S, 1.5 * estimate))))
+                entry = backends.get(b, {})
+                own = {**options, **{k: v for k, v in spec.items() if k not in ("tests", "estimate_s", "timeout_s")}}
+                cells.append(Cell(axes, estimate, timeout, own, entry.get("target", b), entry.get("manifest", ""),
+                                  part, tuple(_as_list(spec.get("tests", [])))))
     ids = [c.id for c in cells]
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
@@ -229,6 +239,8 @@ def command(cell: Cell, work: Path) -> list[str]:
     py, suite, o = sys.executable, cell.axes["suite"], cell.options
     if suite == "kernels":
         cmd = [py, "ci/gpu/kernels_gpu.py", "--profile", cell.axes["profile"], "--out", str(work / "kernels.json")]
+        for test in cell.tests:
+            cmd += ["--tests", test]
         if "pytest_k" in o:
             cmd += ["--", "-k", str(o["pytest_k"])]
         return cmd
@@ -241,9 +253,42 @@ def command(cell: Cell, work: Path) -> list[str]:
         if "max_examples" in o:
             cmd += ["--max-examples", str(o["max_examples"])]
         return cmd
+    if suite == "graphs":
+        return [py, "ci/gpu/graph_agreement.py", "--seeds", str(o.get("seeds", 3)), "--overhead",
+                "--out", str(work / "graphs.txt")]
+    if suite == "engine":
+        if not cell.tests:
+            raise MatrixError(f"cell {cell.id}: an engine cell names its test files (parts.<name>.tests)")
+        return [py, "-m", "pytest", *(f"packages/runner/tests/{t}" for t in cell.tests), "-q", "-rfE",
+                "-p", "no:cacheprovider", "--junitxml", str(work / "junit.xml")]
     if suite == "benchmarks":
-        return [py, "benchmarks/bench_moe_lora.py", "--out", str(work / "bench.json")]
+        script = str(o.get("script", "benchmarks/bench_moe_lora.py"))
+        return [py, script, "--out", str(work / "bench.json")]
     raise MatrixError(f"cell {cell.id}: no command for suite {suite!r} yet")
+
+
+#: The engine tests' switches (packages/runner/tests/conftest.py, graph_support.py), per dtype axis.
+_RUNNER_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def cell_env(cell: Cell, env: dict[str, str], work: Path) -> dict[str, str]:
+    """The environment of ``cell``: the common one, plus, for engine cells, the runner tests' CUDA
+    switches (engines on the GPU in the cell's dtype, the gpu profile, measurements under ``work``)."""
+    if cell.axes["suite"] != "engine":
+        return env
+    dtype = _RUNNER_DTYPES.get(cell.axes["dtype"], "bfloat16")
+    return dict(env, MOELORA_RUNNER_DEVICE="cuda", MOELORA_RUNNER_DTYPE=dtype, MOELORA_PROFILE=cell.axes["profile"],
+                MOELORA_GPU_OUT=str(work))
+
+
+def _junit_counts(path: Path) -> dict[str, int]:
+    import xml.etree.ElementTree as ET
+
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    total = {k: sum(int(x.get(k, 0)) for x in suites) for k in ("tests", "failures", "errors", "skipped")}
+    return {"passed": total["tests"] - total["failures"] - total["errors"] - total["skipped"],
+            "failed": total["failures"] + total["errors"], "skipped": total["skipped"]}
 
 
 def _status(exit_code: int | None, timed_out: bool) -> str:
@@ -276,6 +321,9 @@ def summarize(cell: Cell, work: Path) -> dict:
         data = json.loads(kernels.read_text())
         out["counts"] = data.get("summary", {})
         out["examples"] = sum(v.get("passing", 0) for v in data.get("examples", {}).values()) or None
+    junit = work / "junit.xml"
+    if cell.axes["suite"] == "engine" and junit.is_file():
+        out["counts"] = _junit_counts(junit)
     bench = work / "bench.json"
     if cell.axes["suite"] == "benchmarks" and bench.is_file():
         rows = json.loads(bench.read_text()).get("rows", [])
@@ -307,7 +355,8 @@ def run_cell(cell: Cell, timeout_s: float, log, env: dict[str, str]) -> tuple[di
         log.write(f"\n== {cell.id} (timeout {timeout_s:.0f} s): {' '.join(cmd)}\n")
         log.flush()
         start = time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=cell_env(cell, env, work), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         timed_out = False
         try:
             proc.wait(timeout=timeout_s)

@@ -62,6 +62,7 @@ def test_groups_expand_to_the_product_of_their_list_axes_with_stable_ids(small):
     ('[[group]]\nsuite = "unit"\nestimate_s = 1\n', "unknown suite"),
     ('[[group]]\nsuite = "conformance"\nbackend = "ghost"\nestimate_s = 1\n', "not declared"),
     ('[[group]]\nsuite = "kernels"\nestimate_s = 1\n[[group]]\nsuite = "kernels"\nestimate_s = 2\n', "same id"),
+    ('[[group]]\nsuite = "kernels"\nestimate_s = 1\nparts = ["a", "b"]\n', "table of tables"),
 ])
 def test_a_malformed_matrix_is_refused_by_name(tmp_path, text, problem):
     path = tmp_path / "m.toml"
@@ -155,6 +156,38 @@ def test_every_cell_of_the_repository_matrix_has_a_command(tmp_path):
         assert cell.estimate_s <= 480, f"{cell.id}: cells are sized to at most 8 minutes"
         if cell.axes["suite"] == "conformance":
             assert "-k" in cmd and cmd[cmd.index("--backend") + 1] == cell.target
+
+
+def test_parts_split_a_cell_into_calls_with_their_own_tests_estimates_and_options(tmp_path):
+    path = tmp_path / "m.toml"
+    path.write_text('[[group]]\nsuite = "kernels"\nprofile = "gpu"\nestimate_s = 100\n'
+                    '[group.parts.routing]\ntests = ["test_kernel_align.py", "test_kernel_mapping.py"]\n'
+                    '[group.parts.lora]\ntests = ["test_kernel_moe_lora.py"]\nestimate_s = 300\n'
+                    '[[group]]\nsuite = "benchmarks"\nestimate_s = 10\n'
+                    '[group.parts.engine]\nscript = "benchmarks/bench_engine.py"\n'
+                    '[[group]]\nsuite = "engine"\ndtype = "fp16"\nprofile = "gpu"\nestimate_s = 10\n'
+                    '[group.parts.graphs]\ntests = ["test_graph_state.py"]\n')
+    cells = matrix.load_matrix(path)
+    assert [c.id for c in cells] == ["kernels/-/-/-/-/gpu:routing", "kernels/-/-/-/-/gpu:lora",
+                                     "benchmarks/-/-/-/-/-:engine", "engine/-/-/fp16/-/gpu:graphs"]
+    routing, lora, bench, engine = cells
+    assert (routing.estimate_s, routing.timeout_s, lora.estimate_s, lora.timeout_s) == (100, 150, 300, 450)
+    cmd = matrix.command(routing, tmp_path)
+    assert cmd[cmd.index("--tests") + 1] == "test_kernel_align.py" and cmd.count("--tests") == 2
+    assert "benchmarks/bench_engine.py" in matrix.command(bench, tmp_path)
+    cmd = matrix.command(engine, tmp_path)
+    assert "packages/runner/tests/test_graph_state.py" in cmd and "--junitxml" in cmd
+    env = matrix.cell_env(engine, {"A": "1"}, tmp_path)
+    assert (env["MOELORA_RUNNER_DEVICE"], env["MOELORA_RUNNER_DTYPE"], env["A"]) == ("cuda", "float16", "1")
+    assert matrix.cell_env(routing, {"A": "1"}, tmp_path) == {"A": "1"}
+    assert matrix.select(cells, ["kernels/*"]) == [routing, lora]
+
+
+def test_engine_cells_report_their_junit_counts(tmp_path):
+    (tmp_path / "junit.xml").write_text('<testsuites><testsuite tests="5" failures="1" errors="1" skipped="1"/>'
+                                        '</testsuites>')
+    cell = matrix.Cell({a: "-" for a in matrix.AXES} | {"suite": "engine"}, 1.0, 1.0)
+    assert matrix.summarize(cell, tmp_path)["counts"] == {"passed": 2, "failed": 2, "skipped": 1}
 
 
 def test_conformance_cells_select_their_mode_and_dtype_items_only():

@@ -1,6 +1,6 @@
 """Backend-test setup: tests marked ``interpreter`` launch Triton kernels on CPU tensors, so they run
 only under ``TRITON_INTERPRET=1`` (the CPU CI); on a GPU machine without it they are skipped (the
-conformance suite covers the backends there: ``ci/gpu/backends_gpu.py``). One known warning of the
+conformance suite covers the backends there: the conformance cells of ``ci/matrix.toml``). One known warning of the
 Triton 3.6 interpreter is silenced (``int(array)`` of a 1-element array, deprecated by numpy)."""
 
 import os
