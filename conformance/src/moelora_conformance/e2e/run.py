@@ -121,6 +121,7 @@ def run_model(backend: str, model_dir: Path, adapters: dict[str, Path], *, confi
     name = model_name or model_dir.name
     dt = DTYPE_NAMES.get(dtype, dtype)
     notify = progress or (lambda r: None)
+    from moelora_runner.errors import EngineConfigError
     from moelora_runner.model_info import ModelInfo
 
     info = ModelInfo.read(model_dir)
@@ -147,10 +148,15 @@ def run_model(backend: str, model_dir: Path, adapters: dict[str, Path], *, confi
         except Exception as exc:  # the engine or the backend crashed: every claim of this mode failed, named
             props = ["E02", "E05"] if mode == "eager" else ["E01", "E02", "E03", "E04", "E05"]
             for p in props:
-                rec = E2EResult(p, backend, mode, dt, name, repro=base.repro,
-                                duration=time.perf_counter() - start).failed(f"{type(exc).__name__}: {exc}")
-                results.append(rec)
-                notify(rec)
+                rec = E2EResult(p, backend, mode, dt, name, repro=base.repro, duration=time.perf_counter() - start)
+                if isinstance(exc, EngineConfigError):
+                    # the backend does not declare this mode, dtype or device: not implemented, as in the layer suite
+                    rec.outcome, rec.message = "not_implemented", f"not implemented: {exc}"
+                else:
+                    rec.failed(f"{type(exc).__name__}: {exc}")
+                if mode in config.modes:
+                    results.append(rec)
+                    notify(rec)
             continue
         mode_records = [check_workload(base, served, workload, adapter_kinds=kinds, max_loras=max_loras,
                                        require_kinds=config.require_adapter_kinds, n=config.requests,
