@@ -241,9 +241,37 @@ def command(cell: Cell, work: Path) -> list[str]:
         if "max_examples" in o:
             cmd += ["--max-examples", str(o["max_examples"])]
         return cmd
+    if suite == "e2e":
+        return _e2e_command(cell, work)
     if suite == "benchmarks":
         return [py, "benchmarks/bench_moe_lora.py", "--out", str(work / "bench.json")]
     raise MatrixError(f"cell {cell.id}: no command for suite {suite!r} yet")
+
+
+#: The e2e suite's engine mode of each matrix mode (the layer suite's names, DESIGN.md §6).
+E2E_MODE = {"eager": "eager", "decode": "decode_graph", "prefill-full": "full", "prefill-breakable": "breakable"}
+#: torch dtype names of the matrix's dtypes.
+TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _e2e_command(cell: Cell, work: Path) -> list[str]:
+    """``moelora-conformance e2e`` of one cell: its backend on its fixture family, eager (the graph
+    modes' reference) plus its mode, real CUDA graphs, its dtype; a cell with mode "-" runs the
+    stateful engine properties (E06) with the eager workload. The fixtures are built by the command."""
+    mode, o = cell.axes["mode"], cell.options
+    modes = "eager" if mode in ("-", "eager") else f"eager,{E2E_MODE[mode]}"
+    cmd = [sys.executable, "-m", "moelora_conformance", "e2e", "--backend", cell.target, "--device", "cuda",
+           "--dtype", TORCH_DTYPE[cell.axes["dtype"]], "--modes", modes, "--json", str(work / "report.json"),
+           "--record-jsonl", str(work / "graph_vs_eager.jsonl"),
+           "--state-machine-examples", str(o.get("state_machine_examples", 20) if mode == "-" else 0)]
+    if cell.axes["family"] != "-":
+        cmd += ["--families", cell.axes["family"]]
+    if cell.manifest:
+        cmd += ["--manifest", str(ROOT / cell.manifest)]
+    for key in ("requests", "max_new_tokens"):
+        if key in o:
+            cmd += [f"--{key.replace('_', '-')}", str(o[key])]
+    return cmd
 
 
 def _status(exit_code: int | None, timed_out: bool) -> str:
@@ -257,7 +285,7 @@ def summarize(cell: Cell, work: Path) -> dict:
     tolerance where the suite records one, the first failure messages (empty without a report)."""
     out: dict[str, object] = {}
     report = work / "report.json"
-    if cell.axes["suite"] == "conformance" and report.is_file():
+    if cell.axes["suite"] in ("conformance", "e2e") and report.is_file():
         data = json.loads(report.read_text())
         records = data.get("records", [])
         counts: dict[str, int] = {}
