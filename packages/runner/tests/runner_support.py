@@ -50,16 +50,10 @@ def mixed_requests(adapters: list[str | None], n: int, *, seed: int, prompt_len:
 
 def run_with_arrivals(engine, requests: list[dict], arrivals: list[int]) -> list:
     """Serve ``requests`` on ``engine``, request i added at step ``arrivals[i]`` (steps with nothing to
-    run are idle steps); the outputs in request order."""
-    outputs, step = {}, 0
-    pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
-    while pending or engine.has_unfinished():
-        while pending and arrivals[pending[0]] <= step:
-            engine.add_request(requests[pending.pop(0)])
-        for out in engine.step():
-            outputs[out.request_id] = out
-        step += 1
-    return [outputs[r["request_id"]] for r in requests]
+    run are idle steps); the outputs in request order (``moelora_conformance.e2e.workload.serve``)."""
+    from moelora_conformance.e2e.workload import Workload, serve
+
+    return serve(engine, Workload(tuple(requests), tuple(arrivals), seed=-1)).outputs
 
 
 # --- the engine's steps and state ---------------------------------------------------------------------
