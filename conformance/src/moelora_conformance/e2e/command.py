@@ -93,8 +93,14 @@ def _e2e(parser: argparse.ArgumentParser) -> Handler:
                         help="append every graph-vs-eager measurement here (tolerance rows)")
 
     def run(args: argparse.Namespace) -> int:
+        import importlib.util
+
         from moelora_conformance.cli import _json_path, _per_backend
         from moelora_core.errors import InvalidFieldError
+
+        if importlib.util.find_spec("moelora_runner") is None:
+            return _usage("needs the engine (moelora-runner): pip install ./packages/runner or "
+                          "'moelora-conformance[e2e]'")
 
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         bad = [m for m in modes if m not in _modes()]
