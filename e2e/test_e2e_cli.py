@@ -99,3 +99,13 @@ def test_state_machine_absent_is_not_run(fixture_set, engine_adapters):
     assert [(r.property, r.outcome) for r in records] == [(STATEFUL, "not_run")]
     assert "not available" in records[0].message
     assert json.dumps(records[0].to_record())  # JSON-able, as the report needs
+
+
+def test_the_fixtures_default_runs_the_chosen_families(fixture_set, tmp_path, capsys):
+    out = tmp_path / "fixtures.json"
+    argv = ["e2e", "--backend", "reference", "--fixtures", str(fixture_set.root), *TINY, "--modes", "eager"]
+    assert main([*argv, "--families", "olmoe", "--json", str(out)]) == 0
+    report = load_report(out)
+    assert report["models"] == ["olmoe"] and {r["model"] for r in report["records"]} == {"olmoe"}
+    assert main([*argv, "--families", "gpt2"]) == 2
+    assert "--families: unknown ['gpt2']" in capsys.readouterr().err
