@@ -5,8 +5,8 @@
   requests, spread arrivals and a burst) on ``reference`` in every engine mode: E01-E05 pass, and
   the run exercised what it claims (steps that fit and steps beyond capacity, both reasons).
 - ``test_kernel_backend_small_workload``: ``triton`` / ``csgmv`` (Triton kernels under the
-  interpreter) on a smaller workload (16 requests, prompts up to 40 tokens) eagerly and in one graph
-  mode each (the other mode in ``nox -s e2e`` and on the GPU): E01-E05 pass.
+  interpreter) on a smaller workload (16 requests, prompts up to 40 tokens, arriving over 6 steps)
+  eagerly and in one graph mode each (the other modes in ``nox -s e2e`` and on the GPU): E01-E05 pass.
 - ``test_faults_are_caught``: faulty backends (``e2e_faults``) fail exactly the claims they break:
   a wrong graph-mode delta fails E01 and E02 in the graph modes and passes eagerly; a backend that
   silently falls back fails E03 naming the step and the reason.
@@ -24,7 +24,7 @@ from moelora_conformance.e2e.workload import StepRecord
 
 MODEL = "qwen3_moe"
 #: The smaller workload of the kernel backends and the fault tests.
-SMALL = dict(requests=16, max_new_tokens=4, max_prompt_tokens=40, state_machine_examples=0)
+SMALL = dict(requests=16, max_new_tokens=4, max_prompt_tokens=40, arrival_steps=6, state_machine_examples=0)
 
 
 def _run(fixture_set, engine_adapters, backend, model=MODEL, **config):
