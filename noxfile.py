@@ -3,6 +3,7 @@
     nox -s lint          ruff over the repository
     nox -s tests         everything that runs on a CPU (the README's test command; what .ci/run calls)
     nox -s conformance   the main job: the conformance run of the built-in backends on the CPU
+    nox -s e2e           the e2e suite on the engine (CI-sized) over the built-in backends
 
 Sessions that install torch use venv + pip with the constraints file ci/constraints/cpu.txt, so
 no transitive requirement can pull a CUDA build of torch. Kernels run under the Triton interpreter
@@ -102,6 +103,7 @@ def conformance(session: nox.Session) -> None:
        under the interpreter) and print the support matrix.
     3. The real-checkpoint pass: every fixture model, >32-request mixed batches, every backend x
        {eager, decode graph, prefill full, prefill breakable} against the oracle and HF+PEFT.
+    4. A CI-sized e2e pass on the engine (``nox -s e2e``'s default) and its support matrix.
 
     Exits non-zero on any unexpected failure. Reports land in .reports/. Extra arguments go to
     ``moelora-conformance run`` (e.g. ``nox -s conformance -- --profile dev``).
@@ -121,4 +123,38 @@ def conformance(session: nox.Session) -> None:
         "moelora-conformance", "checkpoint-pass", "--fixtures", str(fixtures),
         "--backends", "reference,triton,csgmv", "--json", str(REPORTS / "checkpoint-pass.json"), env=CPU_ENV,
     )
-    session.log(f"reports in {REPORTS}: conformance-<backend>.json/.xml, support-matrix.md, checkpoint-pass.json")
+    _run_e2e(session, fixtures, [])
+    session.log(f"reports in {REPORTS}: conformance-<backend>.json/.xml, support-matrix.md, checkpoint-pass.json, "
+                "e2e-<backend>.json, e2e-matrix.md")
+
+
+#: The built-in backends of the e2e pass.
+E2E_BACKENDS = ["reference", "triton", "csgmv"]
+
+
+def _run_e2e(session: nox.Session, fixtures: Path, args: list[str]) -> None:
+    """``moelora-conformance e2e`` on the fixtures: CI-sized by default (every fixture family with
+    reference, one per kernel backend; 64 requests, 8 new tokens, the state machine at 20 examples);
+    ``args`` replace the backends and options."""
+    backends = [] if any(a.startswith("--backend") for a in args) else [f"--backend={b}" for b in E2E_BACKENDS]
+    session.run(
+        "moelora-conformance", "e2e", "--fixtures", str(fixtures), *backends, "--json", str(REPORTS / "e2e.json"),
+        "--markdown", str(REPORTS / "e2e-matrix.md"), *args, env=CPU_ENV,
+    )
+
+
+@nox.session
+def e2e(session: nox.Session) -> None:
+    """The e2e suite on the engine: every built-in backend x {eager, decode graph, prefill full,
+    prefill breakable} over the CI-sized ragged mixed workload, graph vs eager, vs HF + PEFT, the
+    metrics proving which path ran, and the stateful engine properties; prints the support matrix.
+
+    Builds the fixtures first. Extra arguments go to ``moelora-conformance e2e`` (e.g.
+    ``nox -s e2e -- --backend my_pkg.mod:make_backend --model DIR --adapter a=DIR --adapter b=DIR``).
+    """
+    _install_moelora(session)
+    REPORTS.mkdir(exist_ok=True)
+    fixtures = ROOT / "fixtures-cache"
+    session.run("moelora-conformance", "make-fixtures", str(fixtures), env=CPU_ENV)
+    _run_e2e(session, fixtures, list(session.posargs))
+    session.log(f"reports in {REPORTS}: e2e-<backend>.json, e2e-matrix.md")

@@ -261,14 +261,12 @@ def command(cell: Cell, work: Path) -> list[str]:
             raise MatrixError(f"cell {cell.id}: an engine cell names its test files (parts.<name>.tests)")
         return [py, "-m", "pytest", *(f"packages/runner/tests/{t}" for t in cell.tests), "-q", "-rfE",
                 "-p", "no:cacheprovider", "--junitxml", str(work / "junit.xml")]
+    if suite == "e2e":
+        return _e2e_command(cell, work)
     if suite == "benchmarks":
         script = str(o.get("script", "benchmarks/bench_moe_lora.py"))
         return [py, script, "--out", str(work / "bench.json")]
     raise MatrixError(f"cell {cell.id}: no command for suite {suite!r} yet")
-
-
-#: The engine tests' switches (packages/runner/tests/conftest.py, graph_support.py), per dtype axis.
-_RUNNER_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def cell_env(cell: Cell, env: dict[str, str], work: Path) -> dict[str, str]:
@@ -276,7 +274,7 @@ def cell_env(cell: Cell, env: dict[str, str], work: Path) -> dict[str, str]:
     switches (engines on the GPU in the cell's dtype, the gpu profile, measurements under ``work``)."""
     if cell.axes["suite"] != "engine":
         return env
-    dtype = _RUNNER_DTYPES.get(cell.axes["dtype"], "bfloat16")
+    dtype = TORCH_DTYPE.get(cell.axes["dtype"], "bfloat16")
     return dict(env, MOELORA_RUNNER_DEVICE="cuda", MOELORA_RUNNER_DTYPE=dtype, MOELORA_PROFILE=cell.axes["profile"],
                 MOELORA_GPU_OUT=str(work))
 
@@ -289,6 +287,30 @@ def _junit_counts(path: Path) -> dict[str, int]:
     total = {k: sum(int(x.get(k, 0)) for x in suites) for k in ("tests", "failures", "errors", "skipped")}
     return {"passed": total["tests"] - total["failures"] - total["errors"] - total["skipped"],
             "failed": total["failures"] + total["errors"], "skipped": total["skipped"]}
+#: The e2e suite's engine mode of each matrix mode (the layer suite's names, DESIGN.md §6).
+E2E_MODE = {"eager": "eager", "decode": "decode_graph", "prefill-full": "full", "prefill-breakable": "breakable"}
+#: torch dtype names of the matrix's dtypes.
+TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _e2e_command(cell: Cell, work: Path) -> list[str]:
+    """``moelora-conformance e2e`` of one cell: its backend on its fixture family, eager (the graph
+    modes' reference) plus its mode, real CUDA graphs, its dtype; a cell with mode "-" runs the
+    stateful engine properties (E06) with the eager workload. The fixtures are built by the command."""
+    mode, o = cell.axes["mode"], cell.options
+    modes = "eager" if mode in ("-", "eager") else f"eager,{E2E_MODE[mode]}"
+    cmd = [sys.executable, "-m", "moelora_conformance", "e2e", "--backend", cell.target, "--device", "cuda",
+           "--dtype", TORCH_DTYPE[cell.axes["dtype"]], "--modes", modes, "--json", str(work / "report.json"),
+           "--record-jsonl", str(work / "graph_vs_eager.jsonl"),
+           "--state-machine-examples", str(o.get("state_machine_examples", 20) if mode == "-" else 0)]
+    if cell.axes["family"] != "-":
+        cmd += ["--families", cell.axes["family"]]
+    if cell.manifest:
+        cmd += ["--manifest", str(ROOT / cell.manifest)]
+    for key in ("requests", "max_new_tokens"):
+        if key in o:
+            cmd += [f"--{key.replace('_', '-')}", str(o[key])]
+    return cmd
 
 
 def _status(exit_code: int | None, timed_out: bool) -> str:
@@ -302,7 +324,7 @@ def summarize(cell: Cell, work: Path) -> dict:
     tolerance where the suite records one, the first failure messages (empty without a report)."""
     out: dict[str, object] = {}
     report = work / "report.json"
-    if cell.axes["suite"] == "conformance" and report.is_file():
+    if cell.axes["suite"] in ("conformance", "e2e") and report.is_file():
         data = json.loads(report.read_text())
         records = data.get("records", [])
         counts: dict[str, int] = {}

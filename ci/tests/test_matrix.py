@@ -203,3 +203,15 @@ def test_the_cli_lists_cells_and_refuses_a_selection_that_matches_nothing(capsys
     assert "kernels/-/-/-/-/gpu" in capsys.readouterr().out
     assert matrix.main(["list", "--select", "suite=e2e,backend=nobody"]) == 2
     assert "no cell matches" in capsys.readouterr().err
+
+
+def test_e2e_cells_run_eager_and_their_engine_mode_on_cuda_in_their_dtype(tmp_path):
+    cells = {c.id: c for c in matrix.load_matrix()}
+    cmd = matrix.command(cells["e2e/triton/prefill-breakable/bf16/qwen3_moe/-"], tmp_path)
+    assert cmd[1:4] == ["-m", "moelora_conformance", "e2e"]
+    args = dict(zip(cmd[4::2], cmd[5::2]))
+    assert args["--backend"] == "triton" and args["--device"] == "cuda" and args["--dtype"] == "bfloat16"
+    assert args["--modes"] == "eager,breakable" and args["--families"] == "qwen3_moe"
+    assert args["--state-machine-examples"] == "0" and args["--json"] == str(tmp_path / "report.json")
+    stateful = dict(zip(*[iter(matrix.command(cells["e2e/csgmv/-/fp16/qwen3_moe/-"], tmp_path)[4:])] * 2))
+    assert stateful["--modes"] == "eager" and stateful["--state-machine-examples"] == "20"

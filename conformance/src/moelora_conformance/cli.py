@@ -23,6 +23,8 @@ The conformance suite's own subcommands:
 - ``checkpoint-pass [--fixtures DIR] [--backends reference,triton,csgmv]``: every backend × layer mode
   on the real checkpoints and PEFT adapters, against the oracle and HF + PEFT per adapter; prints
   the table, exits 1 on any failed comparison (:mod:`moelora_conformance.checkpoint_pass.command`).
+- ``e2e [--backend X ...] [--model DIR --adapter NAME=DIR ...] [--modes ...] [--manifest M] [--json J]
+  [--markdown MD]``: the e2e suite on the engine; exit 0 / 1 / 2 / 5 (:mod:`moelora_conformance.e2e.command`).
 
 Subcommands register in :mod:`moelora_conformance.commands` (modules holding subcommands import it,
 not this one). A subcommand registers itself like this::
@@ -254,6 +256,7 @@ def _mutations(parser: argparse.ArgumentParser) -> Handler:
 
 # Subcommands kept in their own modules register themselves on import.
 from moelora_conformance.checkpoint_pass import command as _checkpoint_pass  # noqa: E402, F401
+from moelora_conformance.e2e import command as _e2e  # noqa: E402, F401
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

@@ -33,8 +33,14 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from moelora_conformance.properties.registry import PROPERTIES
+from moelora_conformance.e2e.properties import E2E_PROPERTIES
+from moelora_conformance.e2e.results import E2E_MODES, MIXED_MODE
+from moelora_conformance.properties.registry import PROPERTIES as LAYER_PROPERTIES
 from moelora_conformance.strategies.suite import FAMILY_MODES, LAYER_MODES
+
+#: Every property a report can hold: the layer suite's P01.. and the e2e suite's E01.. (one matrix
+#: renders either).
+PROPERTIES = {**LAYER_PROPERTIES, **E2E_PROPERTIES}
 
 OUTCOMES = ("passed", "failed", "xfailed", "xpassed", "not_run", "not_implemented", "not_applicable")
 #: Outcomes of an item that executed (its call phase ran to a verdict).
@@ -44,7 +50,8 @@ UNEXPECTED = frozenset({"failed", "xpassed"})
 #: Words of reports written before the outcomes were fixed → today's word.
 _LEGACY = {"not implemented": "not_implemented", "error": "failed", "skipped": "not_run"}
 #: Column order of the matrix.
-MODE_ORDER = (*LAYER_MODES, *(m for m in FAMILY_MODES if m not in LAYER_MODES))
+MODE_ORDER = (*LAYER_MODES, *(m for m in FAMILY_MODES if m not in LAYER_MODES),
+              *(m for m in (*E2E_MODES, MIXED_MODE) if m not in LAYER_MODES))
 _SHORT = {"passed": "pass", "failed": "FAIL", "xfailed": "xfail", "xpassed": "XPASS", "not_run": "not run",
           "not_implemented": "n/i", "not_applicable": "–"}
 #: Severity for summarising a cell: the worst outcome wins.
@@ -242,6 +249,11 @@ LEGEND = ("pass: every dtype passed · FAIL: an unexpected failure · FAIL (orac
           "not declared) · –: not applicable (the property has no such mode)")
 
 
+def _suite_name(reports: Sequence[dict]) -> str:
+    """"conformance" (the layer suite) or "e2e" (reports whose ``suite`` says so)."""
+    return "e2e" if reports and all(rep.get("suite") == "e2e" for rep in reports) else "conformance"
+
+
 def matrix_markdown(reports: Sequence[dict]) -> str:
     """The support matrix as Markdown: one row per property × backend (split runs of one backend
     merged), one column per mode."""
@@ -249,7 +261,7 @@ def matrix_markdown(reports: Sequence[dict]) -> str:
     columns, rows = _grid(reports)
     multi = len(reports) > 1
     head = ["property", *(["backend"] if multi else []), *columns]
-    lines = ["# moelora conformance: support matrix", ""]
+    lines = [f"# moelora {_suite_name(reports)}: support matrix", ""]
     lines += [f"- {_backend_line(rep)}" for rep in reports]
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for pid, backend, cells in rows:
@@ -290,7 +302,7 @@ def matrix_rich(reports: Sequence[dict], console=None) -> None:
     reports = merge_reports(reports)
     columns, rows = _grid(reports)
     multi = len(reports) > 1
-    table = Table(title="moelora conformance: support matrix", show_lines=False)
+    table = Table(title=f"moelora {_suite_name(reports)}: support matrix", show_lines=False)
     table.add_column("property", overflow="fold", max_width=48)
     if multi:
         table.add_column("backend")

@@ -10,13 +10,12 @@ measurement in ``graph_vs_eager.jsonl`` there (the rows of ``moelora_core.tolera
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import runner_support as rs
 import torch
 
-from moelora_core import LogprobCheck, logprob_tolerance
+from moelora_conformance.e2e import engine_checks
 from moelora_core.capabilities import Fallback
 
 #: Compute dtype of the graph tests' engines.
@@ -40,14 +39,7 @@ PASS_MODES: dict[str, dict[str, str]] = {
 }
 
 
-def passes(engine) -> dict[tuple[str, str, str], int]:
-    """(phase, mode, reason) → forward passes counted by the engine's metrics."""
-    out = {}
-    for metric in engine.metrics_.forward_passes.collect():
-        for s in metric.samples:
-            if s.name.endswith("_total") and s.value:
-                out[(s.labels["phase"], s.labels["mode"], s.labels["reason"])] = int(s.value)
-    return out
+passes = engine_checks.passes
 
 
 def assert_ran_on_graphs(engine, mode: str) -> None:
@@ -65,37 +57,12 @@ def assert_ran_on_graphs(engine, mode: str) -> None:
 
 
 def compare_outputs(got, want, *, what: str, dtype: str = DTYPE, record: dict | None = None) -> tuple[float, float]:
-    """``got`` (graph) against ``want`` (eager), request by request: prompt and output logprobs within
-    the ``graph_vs_eager`` row, greedy tokens equal up to the first near-tie of the eager run's top-2
-    margin (requests with ``logprobs >= 2``; the others must agree everywhere).
-
-    The measurement (max and mean |Δlogprob| over every compared logprob) is appended to
-    ``$MOELORA_GPU_OUT/graph_vs_eager.jsonl`` with ``record``'s fields when that is set, before any
-    assertion, so a run that fails still records what it measured. Returns (max, mean)."""
-    tol = logprob_tolerance("graph_vs_eager", dtype).max_abs
-    items = []
-    for a, b in zip(got, want, strict=True):
-        assert a.request_id == b.request_id and a.finish_reason == b.finish_reason, (what, a.request_id, a.error)
-        agree = len(b.output_token_ids)
-        if b.top_logprobs:
-            margins = [t[0]["logprob"] - t[1]["logprob"] for t in b.top_logprobs]
-            agree = next((j for j, m in enumerate(margins) if m <= 2 * tol), agree)
-        assert a.output_token_ids[:agree] == b.output_token_ids[:agree], (what, a.request_id)
-        if b.prompt_logprobs is not None:
-            items.append((a.prompt_logprobs[1:], b.prompt_logprobs[1:], f"{a.request_id} prompt logprobs"))
-        items.append((a.output_logprobs[:agree], b.output_logprobs[:agree], f"{a.request_id} output logprobs"))
-    diffs = [abs(x - y) for mine, theirs, _ in items for x, y in zip(mine, theirs)]
-    measured = (max(diffs, default=0.0), sum(diffs) / max(1, len(diffs)))
+    """:func:`moelora_conformance.e2e.engine_checks.compare_outputs` with this run's dtype and device,
+    its measurement appended to ``$MOELORA_GPU_OUT/graph_vs_eager.jsonl`` when that is set."""
     out_dir = os.environ.get("MOELORA_GPU_OUT")
-    if out_dir:
-        with open(os.path.join(out_dir, "graph_vs_eager.jsonl"), "a") as fh:
-            fh.write(json.dumps({"what": what, "dtype": dtype, "device": rs.DEVICE, "count": len(diffs),
-                                 "max_abs": measured[0], "mean_abs": measured[1], **(record or {})}) + "\n")
-    check = LogprobCheck("graph_vs_eager", dtype)
-    for mine, theirs, name in items:
-        check.add(mine, theirs, what=f"{what} {name}")
-    check.finish(what)
-    return measured
+    path = os.path.join(out_dir, "graph_vs_eager.jsonl") if out_dir else None
+    return engine_checks.compare_outputs(got, want, what=what, dtype=dtype, record_path=path, record=record,
+                                         device=rs.DEVICE)
 
 
 def assert_same_outputs(got, want, *, what: str) -> None:

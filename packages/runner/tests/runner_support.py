@@ -1,5 +1,6 @@
-"""Helpers of the runner's tests: the engine adapters, mixed request sets, the HF + PEFT reference,
-a recorder of the engine's steps and snapshots of the pool and KV state.
+"""Helpers of the runner's tests: the engine adapters, mixed request sets, the HF + PEFT reference
+(both from ``moelora_conformance.e2e``), a recorder of the engine's steps and snapshots of the pool and
+KV state.
 
 Engine adapters (per fixture model, built with the fixtures builder on the model's own spec, so every
 family gets each format): fused experts + q/k/v/o (r 8), fused + q/v under rsLoRA (r 6), legacy
@@ -10,61 +11,28 @@ alpha_pattern (r 4; gate_up 2, q 7). Five ranks, five formats.
 from __future__ import annotations
 
 import os
-import warnings
-import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from moelora_core import NO_ADAPTER, LogprobCheck, logprob_tolerance
+# The engine adapters and the HF + PEFT reference are the e2e suite's too (one place for each).
+from moelora_conformance.e2e.adapters import (  # noqa: F401 (re-exported for the tests)
+    ENGINE_ADAPTERS,
+    build_engine_adapters,
+    engine_adapter_dirs,
+)
+from moelora_conformance.e2e.engine_checks import (  # noqa: F401 (re-exported for the tests)
+    HFReference,
+    TeacherForced,
+    check_against_hf,
+    greedy_agreement,
+)
+from moelora_core import NO_ADAPTER
 
 #: The pool rank R of the test engines.
 POOL_RANK = 16
 #: Where the test engines run (``MOELORA_RUNNER_DEVICE``; the CPU by default).
 DEVICE = os.environ.get("MOELORA_RUNNER_DEVICE", "cpu")
-
-#: (suffix, AdapterSpec fields) of the engine adapters.
-ENGINE_ADAPTERS: tuple[tuple[str, dict], ...] = (
-    ("eng-fused-r8", dict(format="fused", r=8, alpha=16, experts=("gate_up_proj", "down_proj"),
-                          dense=("q", "k", "v", "o"))),
-    ("eng-rslora-r6", dict(format="fused", r=6, alpha=12, use_rslora=True, experts=("gate_up_proj", "down_proj"),
-                           dense=("q", "v"))),
-    ("eng-legacy-r3", dict(format="per_expert", r=3, alpha=6, experts=("gate", "up", "down"), dense=("o",))),
-    ("eng-attn-r5-fp16", dict(format="fused", r=5, alpha=10, experts=(), dense=("q", "k", "v", "o"),
-                              stored_dtype="float16")),
-    ("eng-pattern-r4", dict(format="fused", r=4, alpha=8, experts=("gate_up_proj", "down_proj"), dense=("q", "k"),
-                            rank_pattern={"gate_up_proj": 2, "q_proj": 7}, alpha_pattern={"down_proj": 5})),
-)
-
-
-def _model_names() -> list[str]:
-    from moelora_conformance.fixtures.specs import MODELS
-
-    return [m.name for m in MODELS]
-
-
-def build_engine_adapters(root: Path) -> None:
-    """Build every engine adapter of every fixture model under ``root/<model>/<name>``."""
-    from moelora_conformance.fixtures.adapters import build_fused_adapter, build_legacy_adapter
-    from moelora_conformance.fixtures.specs import AdapterSpec, model_spec
-
-    for model in _model_names():
-        mspec = model_spec(model)
-        for suffix, fields in ENGINE_ADAPTERS:
-            name = f"{model}-{suffix}"
-            spec = AdapterSpec(name, model, seed=zlib.crc32(name.encode()) % 10_000, **fields)
-            build = build_fused_adapter if spec.format == "fused" else build_legacy_adapter
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                build(spec, mspec, root / model / name)
-    (root / "done").write_text("ok\n")
-
-
-def engine_adapter_dirs(root: Path) -> dict[str, list[tuple[str, Path]]]:
-    return {model: [(f"{model}-{suffix}", root / model / f"{model}-{suffix}") for suffix, _ in ENGINE_ADAPTERS]
-            for model in _model_names()}
-
 
 def mixed_requests(adapters: list[str | None], n: int, *, seed: int, prompt_len: tuple[int, int] = (1, 24),
                    max_new_tokens: int = 6, vocab: int = 96, **fields) -> list[dict]:
@@ -82,93 +50,10 @@ def mixed_requests(adapters: list[str | None], n: int, *, seed: int, prompt_len:
 
 def run_with_arrivals(engine, requests: list[dict], arrivals: list[int]) -> list:
     """Serve ``requests`` on ``engine``, request i added at step ``arrivals[i]`` (steps with nothing to
-    run are idle steps); the outputs in request order."""
-    outputs, step = {}, 0
-    pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
-    while pending or engine.has_unfinished():
-        while pending and arrivals[pending[0]] <= step:
-            engine.add_request(requests[pending.pop(0)])
-        for out in engine.step():
-            outputs[out.request_id] = out
-        step += 1
-    return [outputs[r["request_id"]] for r in requests]
+    run are idle steps); the outputs in request order (``moelora_conformance.e2e.workload.serve``)."""
+    from moelora_conformance.e2e.workload import Workload, serve
 
-
-# --- HF + PEFT, run as-is ---------------------------------------------------------------------------
-
-
-@dataclass
-class TeacherForced:
-    """HF + PEFT on one sequence: per position p >= 1, the logprob of token p, and per output step the
-    reference's argmax and top-2 margin."""
-
-    logprobs: list[float]
-    argmax: list[int]
-    margins: list[float]
-
-
-class HFReference:
-    """transformers + peft models of one fixture model, one per adapter (peft cannot mix expert adapters
-    in one batch), loaded on first use, fp32, eval mode."""
-
-    def __init__(self, model_dir: Path, adapter_dirs: dict[str, Path]) -> None:
-        self.model_dir = model_dir
-        self.adapter_dirs = adapter_dirs
-        self._models: dict[str | None, object] = {}
-
-    def model(self, adapter: str | None):
-        if adapter not in self._models:
-            from moelora_conformance.hf_check.hf_model import load_hf
-
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                self._models[adapter] = load_hf(self.model_dir, None if adapter is None else self.adapter_dirs[adapter])
-        return self._models[adapter]
-
-    @torch.no_grad()
-    def teacher_forced(self, adapter: str | None, tokens: list[int], prompt_len: int) -> TeacherForced:
-        logits = self.model(adapter)(torch.tensor([tokens])).logits[0].float()
-        lp = torch.log_softmax(logits, dim=-1)
-        logprobs = [float(lp[p - 1, tokens[p]]) for p in range(1, len(tokens))]
-        steps = range(prompt_len - 1, len(tokens))
-        top2 = [torch.topk(lp[p], 2).values for p in steps]
-        return TeacherForced(logprobs, [int(lp[p].argmax()) for p in steps], [float(v[0] - v[1]) for v in top2])
-
-
-def greedy_agreement(tokens: list[int], ref: TeacherForced, tol: float) -> int:
-    """Number of output tokens compared: tokens must equal the reference's argmax up to (excluding) the
-    first step whose top-2 margin is at most ``2 * tol`` (there a flip is within tolerance; HF's greedy
-    continuation of the same prefix would be the same up to that step).
-
-    Raises:
-        AssertionError: a token differs where the margin is clear.
-    """
-    for j, token in enumerate(tokens):
-        if ref.margins[j] <= 2 * tol:
-            return j
-        assert token == ref.argmax[j], (f"output token {j}: engine {token}, HF+PEFT {ref.argmax[j]} "
-                                        f"(top-2 margin {ref.margins[j]:.3g})")
-    return len(tokens)
-
-
-def check_against_hf(outputs, requests: list[dict], hf: HFReference, *, dtype: str = "float32") -> dict[str, int]:
-    """Every output's prompt and output logprobs within the ``engine_vs_hf`` row (each within max_abs,
-    all of them on average within mean_abs) and its greedy tokens equal where the margin allows. Returns {"tokens": output tokens, "compared": tokens compared}."""
-    tol = logprob_tolerance("engine_vs_hf", dtype)
-    check = LogprobCheck("engine_vs_hf", dtype)
-    total = compared = 0
-    for req, out in zip(requests, outputs):
-        assert out.finish_reason in ("stop", "length"), (req["request_id"], out.error)
-        prompt = req["prompt_token_ids"]
-        ref = hf.teacher_forced(req.get("adapter"), prompt + out.output_token_ids, len(prompt))
-        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
-        mine = out.prompt_logprobs[1:] + out.output_logprobs
-        check.add(mine, ref.logprobs, what=f"{req['request_id']} ({req.get('adapter') or 'base'}) logprobs")
-        if req.get("temperature", 0.0) == 0.0:
-            compared += greedy_agreement(out.output_token_ids, ref, tol.max_abs)
-            total += len(out.output_token_ids)
-    check.finish("engine vs HF+PEFT")
-    return {"tokens": total, "compared": compared}
+    return serve(engine, Workload(tuple(requests), tuple(arrivals), seed=-1)).outputs
 
 
 # --- the engine's steps and state ---------------------------------------------------------------------

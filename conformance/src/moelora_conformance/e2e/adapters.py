@@ -1,0 +1,68 @@
+"""The engine adapters of every fixture model: five PEFT adapters of five ranks and formats, built
+with the fixtures builder on the model's own spec so every family gets each format (the e2e
+workload's adapters, and the runner tests').
+
+======================  ======================================================================
+name suffix             what it is
+======================  ======================================================================
+``eng-fused-r8``        fused experts (gate_up_proj + down_proj) + q/k/v/o, r 8
+``eng-rslora-r6``       fused + q/v under rsLoRA (σ = α/√r), r 6
+``eng-legacy-r3``       legacy per-expert gate/up/down + o, r 3
+``eng-attn-r5-fp16``    attention-only q/k/v/o, factors stored in fp16, r 5
+``eng-pattern-r4``      fused with rank_pattern / alpha_pattern (r 4; gate_up 2, q 7; down α 5)
+======================  ======================================================================
+
+Building needs the ``fixtures`` extra (transformers + peft).
+"""
+
+from __future__ import annotations
+
+import warnings
+import zlib
+from pathlib import Path
+
+#: (suffix, AdapterSpec fields) of the engine adapters.
+ENGINE_ADAPTERS: tuple[tuple[str, dict], ...] = (
+    ("eng-fused-r8", dict(format="fused", r=8, alpha=16, experts=("gate_up_proj", "down_proj"),
+                          dense=("q", "k", "v", "o"))),
+    ("eng-rslora-r6", dict(format="fused", r=6, alpha=12, use_rslora=True, experts=("gate_up_proj", "down_proj"),
+                           dense=("q", "v"))),
+    ("eng-legacy-r3", dict(format="per_expert", r=3, alpha=6, experts=("gate", "up", "down"), dense=("o",))),
+    ("eng-attn-r5-fp16", dict(format="fused", r=5, alpha=10, experts=(), dense=("q", "k", "v", "o"),
+                              stored_dtype="float16")),
+    ("eng-pattern-r4", dict(format="fused", r=4, alpha=8, experts=("gate_up_proj", "down_proj"), dense=("q", "k"),
+                            rank_pattern={"gate_up_proj": 2, "q_proj": 7}, alpha_pattern={"down_proj": 5})),
+)
+#: The file :func:`build_engine_adapters` writes last (the directory is complete once it exists).
+DONE = "done"
+
+
+def model_names() -> list[str]:
+    """Every fixture model's name (``moelora_conformance.fixtures.specs.MODELS``)."""
+    from moelora_conformance.fixtures.specs import MODELS
+
+    return [m.name for m in MODELS]
+
+
+def build_engine_adapters(root: Path, models: list[str] | None = None) -> None:
+    """Build the engine adapters of ``models`` (default every fixture model) under
+    ``root/<model>/<model>-<suffix>``, then ``root/done``."""
+    from moelora_conformance.fixtures.adapters import build_fused_adapter, build_legacy_adapter
+    from moelora_conformance.fixtures.specs import AdapterSpec, model_spec
+
+    for model in models or model_names():
+        mspec = model_spec(model)
+        for suffix, fields in ENGINE_ADAPTERS:
+            name = f"{model}-{suffix}"
+            spec = AdapterSpec(name, model, seed=zlib.crc32(name.encode()) % 10_000, **fields)
+            build = build_fused_adapter if spec.format == "fused" else build_legacy_adapter
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                build(spec, mspec, Path(root) / model / name)
+    (Path(root) / DONE).write_text("ok\n")
+
+
+def engine_adapter_dirs(root: Path, models: list[str] | None = None) -> dict[str, list[tuple[str, Path]]]:
+    """model → [(adapter name, directory)] of the engine adapters under ``root``."""
+    return {model: [(f"{model}-{suffix}", Path(root) / model / f"{model}-{suffix}") for suffix, _ in ENGINE_ADAPTERS]
+            for model in models or model_names()}

@@ -1,0 +1,165 @@
+"""The e2e properties E01-E05 (:mod:`.properties`) checked on served runs of the workload
+(:class:`~.workload.Served`), each returning :class:`~.results.E2EResult` records.
+
+The capacity a step is held to (E03 / E04) comes from the e2e's own engine settings
+(:class:`Capacity`), not from the engine's bucket choice: a prefill step fits when its requests fit
+the request slots of the largest prefill bucket (``min(max_num_requests, largest)``: a small bucket
+has at most one slot per token) and its tokens fit the largest bucket; a decode step when its
+requests fit the largest decode bucket. A step over both limits may carry either reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moelora_conformance.e2e.engine_checks import HFReference, check_against_hf, compare_outputs
+from moelora_conformance.e2e.results import E2EResult, checking
+from moelora_conformance.e2e.workload import Served, StepRecord, Workload
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the graph engines of a run captured: the largest prefill bucket (tokens), the prefill
+    graph's request slots, the largest decode bucket (requests)."""
+
+    prefill_tokens: int
+    prefill_requests: int
+    decode_requests: int
+
+    def expected(self, step: StepRecord, mode: str) -> set[tuple[str, str]]:
+        """The (mode, reason) labels ``step`` may carry in engine mode ``mode``."""
+        if step.phase == "idle":
+            return {("eager", "disabled")}
+        if step.phase == "decode":
+            if mode == "eager":
+                return {("eager", "disabled")}
+            return {("eager", "over_requests")} if step.requests > self.decode_requests else {("decode_graph", "")}
+        if mode in ("eager", "decode_graph"):
+            return {("eager", "disabled")}
+        over = set()
+        if step.requests > min(self.prefill_requests, self.prefill_tokens):
+            over.add(("eager", "over_requests"))
+        if step.tokens > self.prefill_tokens:
+            over.add(("eager", "over_tokens"))
+        return over or {(mode, "")}
+
+
+def _step_text(i: int, step: StepRecord) -> str:
+    mode, reason = step.label
+    return f"step {i} ({step.phase}, {step.requests} requests, {step.tokens} tokens) ran {mode}/{reason!r}"
+
+
+def check_graph_paths(base: E2EResult, served: Served, capacity: Capacity, *, last_fallback=None) -> list[E2EResult]:
+    """E03 (every step that fits ran on its graph) and E04 (every step beyond capacity ran eagerly with
+    its reason; at least one such step, else E04 is ``not_run``: nothing exercised it)."""
+    mode = base.mode
+    fits, beyond = _like(base, "E03"), _like(base, "E04")
+    wrong_fit, wrong_over, n_fit, n_over = [], [], 0, 0
+    for i, step in enumerate(served.steps):
+        if step.phase == "idle":
+            continue
+        allowed = capacity.expected(step, mode)
+        graph = any(reason == "" for _, reason in allowed) or ("eager", "disabled") in allowed
+        if graph:
+            n_fit += 1
+            if step.label not in allowed:
+                wrong_fit.append(f"{_step_text(i, step)}, expected {sorted(allowed)}")
+        else:
+            n_over += 1
+            if step.label not in allowed:
+                wrong_over.append(f"{_step_text(i, step)}, expected one of {sorted(allowed)}")
+    counts = {"/".join((s.phase, *s.label)): 0 for s in served.steps}
+    for s in served.steps:
+        counts["/".join((s.phase, *s.label))] += 1
+    details = dict(steps=len(served.steps), passes=counts)
+    if wrong_fit:
+        extra = f"; the last fallback: {last_fallback}" if last_fallback else ""
+        fits.failed(f"{len(wrong_fit)} of {n_fit} steps that fit did not run on their graph: {wrong_fit[0]}{extra}",
+                    wrong=wrong_fit[:10], **details)
+    else:
+        fits.passed(fitting_steps=n_fit, **details)
+    if wrong_over:
+        beyond.failed(f"{len(wrong_over)} of {n_over} steps beyond capacity: {wrong_over[0]}", wrong=wrong_over[:10],
+                      **details)
+    elif n_over == 0:
+        beyond.not_run("no step of this run was beyond the captured capacity")
+    else:
+        beyond.passed(steps_beyond=n_over, **details)
+    return [fits, beyond]
+
+
+def check_graph_vs_eager(base: E2EResult, served: Served, eager: Served, *, dtype: str,
+                         record_path=None) -> E2EResult:
+    """E01: the graph mode's outputs against the eager run's (``graph_vs_eager``); ``not_run`` where
+    the tolerance policy has no row for ``dtype`` (a comparison nobody measured has no bound)."""
+    from moelora_core import logprob_tolerance
+
+    try:
+        logprob_tolerance("graph_vs_eager", dtype)
+    except KeyError as exc:
+        return _like(base, "E01").not_run(str(exc).strip("'\""))
+    with checking(_like(base, "E01")) as r:
+        worst, mean = compare_outputs(served.outputs, eager.outputs, what=f"{base.backend} {base.mode} vs eager",
+                                      dtype=dtype, record_path=record_path,
+                                      record=dict(backend=base.backend, mode=base.mode, model=base.model, suite="e2e"))
+        r.passed(max_abs=worst, mean_abs=mean, requests=len(served.outputs))
+    return r
+
+
+def check_hf(base: E2EResult, served: Served, workload: Workload, hf: HFReference | None, *, dtype: str,
+             why_not: str = "") -> E2EResult:
+    """E02: every request against HF + PEFT with its adapter (``engine_vs_hf`` row of ``dtype``)."""
+    r = _like(base, "E02")
+    if hf is None:
+        return r.not_run(why_not or "HF + PEFT not available")
+    with checking(r):
+        got = check_against_hf(served.outputs, list(workload.requests), hf, dtype=dtype,
+                               what=f"{base.backend} {base.mode} vs HF+PEFT")
+        r.passed(**got)
+    return r
+
+
+def check_workload(base: E2EResult, served: Served, workload: Workload, *, adapter_kinds: dict[str, dict],
+                   max_loras: int, require_kinds: bool, n: int, max_prompt_tokens: int) -> E2EResult:
+    """E05: the run exercised what the workload claims (module doc of :mod:`.properties`).
+
+    Args:
+        adapter_kinds: adapter name → {"rank": int, "rslora": bool, "per_expert": bool}.
+        require_kinds: the adapters must include >= 3 ranks, an rsLoRA and a legacy per-expert one
+            (the built-in fixtures; a user's adapters are reported, not required).
+    """
+    with checking(_like(base, "E05")) as r:
+        lengths = [len(q["prompt_token_ids"]) for q in workload.requests]
+        used = {q.get("adapter") for q in workload.requests}
+        ranks = {adapter_kinds[a]["rank"] for a in used if a is not None}
+        kinds = dict(ranks=sorted(ranks), rslora=any(adapter_kinds[a]["rslora"] for a in used if a),
+                     per_expert=any(adapter_kinds[a]["per_expert"] for a in used if a))
+        mixed = sum(1 for s in served.steps if s.prefill_items and s.decode_items)
+        chunked = max(lengths) > max(s.tokens for s in served.steps if s.phase == "prefill")
+        missing = []
+        if len(workload.requests) != n:
+            missing.append(f"{len(workload.requests)} requests, not {n}")
+        if min(lengths) != 1 or max(lengths) != max_prompt_tokens:
+            missing.append(f"prompt lengths {min(lengths)}..{max(lengths)}, not 1..{max_prompt_tokens}")
+        if None not in used:
+            missing.append("no base request")
+        if not mixed:
+            missing.append("no step mixed a prefill chunk with decodes")
+        if served.evictions == 0 or served.loads <= max_loras:
+            missing.append(f"no slot evicted and reused ({served.loads} loads, {served.evictions} evictions, "
+                           f"{max_loras} slots)")
+        if require_kinds:
+            if len(ranks) < 3:
+                missing.append(f"adapter ranks {sorted(ranks)}: fewer than 3")
+            if not kinds["rslora"]:
+                missing.append("no rsLoRA adapter")
+            if not kinds["per_expert"]:
+                missing.append("no legacy per-expert adapter")
+        assert not missing, "the workload did not exercise what it claims: " + "; ".join(missing)
+        r.passed(requests=len(lengths), prompt_tokens=sum(lengths), mixed_steps=mixed, chunked_prefill=chunked,
+                 loads=served.loads, evictions=served.evictions, **kinds)
+    return r
+
+
+def _like(base: E2EResult, prop: str) -> E2EResult:
+    return E2EResult(prop, base.backend, base.mode, base.dtype, base.model, repro=base.repro)

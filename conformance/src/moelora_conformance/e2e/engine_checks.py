@@ -1,0 +1,185 @@
+"""Checks on an engine's outputs and metrics, shared by the e2e suite and the runner's tests
+(``packages/runner/tests/runner_support.py`` and ``graph_support.py`` re-export them):
+
+- :func:`passes`: ``moelora_forward_passes_total{phase, mode, reason}`` of an engine, as a dict;
+- :func:`compare_outputs`: one run's outputs against another's (graph vs eager) within the
+  ``graph_vs_eager`` row of ``moelora_core.tolerance``, greedy tokens up to the first near-tie;
+- :class:`HFReference` / :func:`check_against_hf`: transformers + PEFT on the same sequences, one
+  model per adapter (peft cannot mix expert adapters in one batch), within ``engine_vs_hf``.
+
+Outputs are ``moelora_runner.RequestOutput`` (request_id, prompt_logprobs, output_token_ids,
+output_logprobs, top_logprobs, finish_reason); nothing here imports the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moelora_core import LogprobCheck, logprob_tolerance
+
+
+def passes(engine) -> dict[tuple[str, str, str], int]:
+    """(phase, mode, reason) → forward passes counted by ``engine``'s metrics (labels that never
+    counted are left out)."""
+    out = {}
+    for metric in engine.metrics_.forward_passes.collect():
+        for s in metric.samples:
+            if s.name.endswith("_total") and s.value:
+                out[(s.labels["phase"], s.labels["mode"], s.labels["reason"])] = int(s.value)
+    return out
+
+
+def compare_outputs(got, want, *, what: str, dtype: str = "float32", record_path: str | Path | None = None,
+                    record: dict | None = None, device: str = "cpu") -> tuple[float, float]:
+    """``got`` (graph) against ``want`` (eager), request by request: prompt and output logprobs within
+    the ``graph_vs_eager`` row, greedy tokens equal up to the first near-tie of the eager run's top-2
+    margin (requests with ``logprobs >= 2``; the others must agree everywhere).
+
+    Args:
+        got, want: outputs of the same requests in the same order.
+        what: named in every failure message. dtype: the engines' compute dtype (the row's key).
+        record_path: a JSONL file the measurement (max and mean |Δlogprob| over every compared logprob,
+            ``record``'s fields, ``device``) is appended to before any assertion, so a failing run still
+            records what it measured (the GPU runs' tolerance rows).
+
+    Returns:
+        (max, mean) |Δlogprob|.
+
+    Raises:
+        AssertionError: a request id, finish reason or greedy token differs, or a logprob is out of
+            tolerance (the message names the request and the first differing position).
+    """
+    tol = logprob_tolerance("graph_vs_eager", dtype).max_abs
+    items = []
+    for a, b in zip(got, want, strict=True):
+        assert a.request_id == b.request_id and a.finish_reason == b.finish_reason, \
+            (f"{what}: request {a.request_id} finished {a.finish_reason!r} ({a.error}), "
+             f"the reference run's {b.request_id} {b.finish_reason!r}")
+        agree = len(b.output_token_ids)
+        if b.top_logprobs:
+            margins = [t[0]["logprob"] - t[1]["logprob"] for t in b.top_logprobs]
+            agree = next((j for j, m in enumerate(margins) if m <= 2 * tol), agree)
+        assert a.output_token_ids[:agree] == b.output_token_ids[:agree], \
+            (f"{what}: request {a.request_id} tokens {a.output_token_ids[:agree]} != {b.output_token_ids[:agree]} "
+             f"(the first {agree} have a clear top-2 margin)")
+        if b.prompt_logprobs is not None:
+            items.append((a.prompt_logprobs[1:], b.prompt_logprobs[1:], f"{a.request_id} prompt logprobs"))
+        items.append((a.output_logprobs[:agree], b.output_logprobs[:agree], f"{a.request_id} output logprobs"))
+    diffs = [abs(x - y) for mine, theirs, _ in items for x, y in zip(mine, theirs)]
+    measured = (max(diffs, default=0.0), sum(diffs) / max(1, len(diffs)))
+    if record_path:
+        with open(record_path, "a") as fh:
+            fh.write(json.dumps({"what": what, "dtype": dtype, "device": device, "count": len(diffs),
+                                 "max_abs": measured[0], "mean_abs": measured[1], **(record or {})}) + "\n")
+    check = LogprobCheck("graph_vs_eager", dtype)
+    for mine, theirs, name in items:
+        check.add(mine, theirs, what=f"{what} {name}")
+    check.finish(what)
+    return measured
+
+
+# --- HF + PEFT, run as-is ---------------------------------------------------------------------------
+
+
+@dataclass
+class TeacherForced:
+    """HF + PEFT on one sequence: per position p >= 1, the logprob of token p, and per output step the
+    reference's argmax and top-2 margin."""
+
+    logprobs: list[float]
+    argmax: list[int]
+    margins: list[float]
+
+
+class HFReference:
+    """transformers + peft models of one model directory, one per adapter (peft cannot mix expert
+    adapters in one batch), loaded on first use, fp32, eval mode, on the CPU. Teacher-forced results
+    are cached by (adapter, tokens), so several engine modes with the same outputs cost one HF run.
+
+    Args:
+        model_dir: the HF checkpoint. adapter_dirs: adapter name → PEFT directory.
+    """
+
+    def __init__(self, model_dir: Path, adapter_dirs: dict[str, Path]) -> None:
+        self.model_dir = Path(model_dir)
+        self.adapter_dirs = dict(adapter_dirs)
+        self._models: dict[str | None, object] = {}
+        self._cache: dict[tuple, TeacherForced] = {}
+
+    def model(self, adapter: str | None):
+        if adapter not in self._models:
+            from moelora_conformance.hf_check.hf_model import load_hf
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._models[adapter] = load_hf(self.model_dir, None if adapter is None else self.adapter_dirs[adapter])
+        return self._models[adapter]
+
+    @torch.no_grad()
+    def teacher_forced(self, adapter: str | None, tokens: Sequence[int], prompt_len: int) -> TeacherForced:
+        key = (adapter, tuple(tokens), prompt_len)
+        if key not in self._cache:
+            logits = self.model(adapter)(torch.tensor([list(tokens)])).logits[0].float()
+            lp = torch.log_softmax(logits, dim=-1)
+            logprobs = [float(lp[p - 1, tokens[p]]) for p in range(1, len(tokens))]
+            steps = range(prompt_len - 1, len(tokens))
+            top2 = [torch.topk(lp[p], 2).values for p in steps]
+            self._cache[key] = TeacherForced(logprobs, [int(lp[p].argmax()) for p in steps],
+                                             [float(v[0] - v[1]) for v in top2])
+        return self._cache[key]
+
+
+def greedy_agreement(tokens: list[int], ref: TeacherForced, tol: float) -> int:
+    """Number of output tokens compared: tokens must equal the reference's argmax up to (excluding) the
+    first step whose top-2 margin is at most ``2 * tol`` (there a flip is within tolerance; HF's greedy
+    continuation of the same prefix would be the same up to that step).
+
+    Raises:
+        AssertionError: a token differs where the margin is clear.
+    """
+    for j, token in enumerate(tokens):
+        if ref.margins[j] <= 2 * tol:
+            return j
+        assert token == ref.argmax[j], (f"output token {j}: engine {token}, HF+PEFT {ref.argmax[j]} "
+                                        f"(top-2 margin {ref.margins[j]:.3g})")
+    return len(tokens)
+
+
+def check_against_hf(outputs, requests: list[dict], hf: HFReference, *, dtype: str = "float32",
+                     what: str = "engine vs HF+PEFT") -> dict[str, int]:
+    """Every output's prompt and output logprobs within the ``engine_vs_hf`` row (each within max_abs,
+    all of them on average within mean_abs) and its greedy tokens equal where the margin allows.
+
+    Returns:
+        {"tokens": greedy output tokens, "compared": those compared, "logprobs": logprobs compared,
+        "max_abs": the largest |Δlogprob|}.
+
+    Raises:
+        AssertionError: a request did not finish, a token or a logprob differs (named).
+    """
+    tol = logprob_tolerance("engine_vs_hf", dtype)
+    check = LogprobCheck("engine_vs_hf", dtype)
+    total = compared = count = 0
+    for req, out in zip(requests, outputs, strict=True):
+        assert out.finish_reason in ("stop", "length"), f"{req['request_id']} finished {out.finish_reason}: {out.error}"
+        prompt = req["prompt_token_ids"]
+        ref = hf.teacher_forced(req.get("adapter"), prompt + out.output_token_ids, len(prompt))
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt), \
+            f"{req['request_id']}: {len(out.prompt_logprobs)} prompt logprobs for {len(prompt)} prompt tokens"
+        mine = out.prompt_logprobs[1:] + out.output_logprobs
+        count += len(mine)
+        check.add(mine, ref.logprobs, what=f"{req['request_id']} ({req.get('adapter') or 'base'}) logprobs")
+        if req.get("temperature", 0.0) == 0.0:
+            try:
+                compared += greedy_agreement(out.output_token_ids, ref, tol.max_abs)
+            except AssertionError as exc:
+                raise AssertionError(f"{what}: {req['request_id']} ({req.get('adapter') or 'base'}) {exc}") from None
+            total += len(out.output_token_ids)
+    check.finish(what)
+    return {"tokens": total, "compared": compared, "logprobs": count, "max_abs": check.max_abs}

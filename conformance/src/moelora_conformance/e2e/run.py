@@ -1,0 +1,222 @@
+"""One backend on one model: the workload served in every engine mode, checked (E01-E05), and the
+stateful engine properties (E06, ``moelora_conformance.e2e.stateful`` when it is installed).
+
+:class:`E2EConfig` holds the engine settings of the run. The defaults are CI-sized (64 requests,
+8 new tokens, 3 slots for 5 adapters) and set the graphs' capacity *below* the workload's peaks, so
+one run has steps that fit a captured graph and steps beyond it (E03 / E04): a 64-token step budget
+with prefill buckets up to 48 tokens and 8 request slots, decode buckets up to 8 requests.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moelora_conformance.e2e.checks import Capacity, check_graph_paths, check_graph_vs_eager, check_hf, check_workload
+from moelora_conformance.e2e.engine_checks import HFReference
+from moelora_conformance.e2e.properties import STATEFUL
+from moelora_conformance.e2e.results import DTYPE_NAMES, E2E_MODES, E2EResult
+from moelora_conformance.e2e.workload import Served, make_workload, serve
+
+#: Engine arguments of each e2e mode (the graph modes run their decodes on the decode graph).
+MODE_ARGS: dict[str, dict] = {
+    "eager": dict(graph="eager", decode_graph=False),
+    "decode_graph": dict(graph="eager", decode_graph=True),
+    "full": dict(graph="full", decode_graph=True),
+    "breakable": dict(graph="breakable", decode_graph=True),
+}
+#: The module that holds the state machine (E06).
+STATEFUL_MODULE = "moelora_conformance.e2e.stateful"
+
+
+@dataclass(frozen=True)
+class E2EConfig:
+    """Settings of one e2e run (module doc).
+
+    Attributes:
+        requests, max_new_tokens, seed, arrival_steps: the workload (:func:`~.workload.make_workload`;
+            arrivals spread over ``arrival_steps``, default twice the requests: most steps then fit a
+            captured bucket, and long prompts still fill the step budget).
+        max_prompt_tokens: the longest prompt (None: the model's context minus ``max_new_tokens``).
+        max_loras: adapter slots (None: one fewer than the adapters, so slots are evicted and reused).
+        max_num_batched_tokens: the step's token budget (chunked prefill).
+        prefill_token_buckets, max_num_requests, decode_batch_buckets: the captured capacity.
+        kv_cache_tokens: KV locations. state_machine_examples: E06's Hypothesis examples (0: skip E06).
+        require_adapter_kinds: E05 requires >= 3 ranks, an rsLoRA and a legacy per-expert adapter.
+    """
+
+    requests: int = 64
+    max_new_tokens: int = 8
+    seed: int = 0
+    arrival_steps: int | None = None
+    max_prompt_tokens: int | None = None
+    max_loras: int | None = None
+    max_num_batched_tokens: int = 64
+    prefill_token_buckets: tuple[int, ...] = (16, 32, 48)
+    max_num_requests: int = 8
+    decode_batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
+    kv_cache_tokens: int = 8192
+    state_machine_examples: int = 20
+    require_adapter_kinds: bool = True
+    modes: tuple[str, ...] = field(default=E2E_MODES)
+
+    @property
+    def capacity(self) -> Capacity:
+        return Capacity(max(self.prefill_token_buckets), self.max_num_requests, max(self.decode_batch_buckets))
+
+
+def adapter_kinds(adapters: dict[str, Path], model_config) -> dict[str, dict]:
+    """name → {"rank", "rslora", "per_expert"} of each adapter as the checkpoint reader reads it for
+    the model (the largest module rank, ``use_rslora``, legacy per-expert expert keys).
+
+    Raises:
+        the reader's refusals (``moelora_core.checkpoint.ADAPTER_REFUSALS``), naming the adapter.
+    """
+    from moelora_core.checkpoint import read_adapter
+
+    out = {}
+    for name, path in adapters.items():
+        weights = read_adapter(Path(path), model_config, name=name)
+        out[name] = dict(rank=weights.max_rank(), rslora=weights.config.lora.use_rslora,
+                         per_expert="per_expert" in weights.formats)
+    return out
+
+
+def _make_engine(model_dir: Path, adapters: dict[str, Path], *, backend: str, mode: str, dtype: str, device: str,
+                 config: E2EConfig, max_loras: int, rank: int):
+    from moelora_runner import Engine
+
+    engine = Engine(model_dir, backend=backend, dtype=dtype, device=device, max_loras=max_loras, max_lora_rank=rank,
+                    max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_tokens=config.kv_cache_tokens,
+                    prefill_token_buckets=config.prefill_token_buckets, max_num_requests=config.max_num_requests,
+                    decode_batch_buckets=config.decode_batch_buckets, check_host_sync=True, **MODE_ARGS[mode])
+    for name, path in adapters.items():
+        engine.load_adapter(name, path)
+    return engine
+
+
+def run_model(backend: str, model_dir: Path, adapters: dict[str, Path], *, config: E2EConfig = E2EConfig(),
+              dtype: str = "float32", device: str = "cpu", model_name: str | None = None,
+              hf: bool = True, record_path: str | Path | None = None, progress=None) -> list[E2EResult]:
+    """The e2e suite of ``backend`` on one model: every mode of ``config.modes`` (eager always runs
+    first: it is the graph modes' reference), E01-E05, then E06.
+
+    Args:
+        backend: a built-in name or "module:factory". model_dir: an HF MoE checkpoint.
+        adapters: name → PEFT adapter directory (at least two, so one slot fewer than adapters
+            still serves one adapter).
+        dtype: "float32" / "float16" / "bfloat16". device: "cpu" / "cuda".
+        hf: compare against HF + PEFT (E02; needs transformers + peft).
+        record_path: JSONL file for the graph-vs-eager measurements (the GPU tolerance rows).
+        progress: called with each finished record.
+
+    Returns:
+        One record per property × mode (failed ones say why; a mode whose engine could not be built or
+        crashed fails every claim of that mode, named).
+    """
+    model_dir = Path(model_dir)
+    name = model_name or model_dir.name
+    dt = DTYPE_NAMES.get(dtype, dtype)
+    notify = progress or (lambda r: None)
+    from moelora_runner.errors import EngineConfigError
+    from moelora_runner.model_info import ModelInfo
+
+    info = ModelInfo.read(model_dir)
+    kinds = adapter_kinds(adapters, info.config)
+    rank = max(16, max(k["rank"] for k in kinds.values()))
+    max_loras = config.max_loras or max(1, len(adapters) - 1)
+    max_prompt = config.max_prompt_tokens or info.max_context - config.max_new_tokens
+    workload = make_workload(sorted(adapters), vocab=info.config.vocab_size, max_prompt_tokens=max_prompt,
+                             n=config.requests, max_new_tokens=config.max_new_tokens, seed=config.seed,
+                             arrival_steps=config.arrival_steps or 2 * config.requests)
+    reference, why_not = _hf_reference(model_dir, adapters, hf, dtype, device)
+    repro = (f"moelora-conformance e2e --backend {backend} --model {model_dir} "
+             + " ".join(f"--adapter {n}={p}" for n, p in sorted(adapters.items()))
+             + f" --modes {{mode}} --seed {config.seed} --dtype {dtype} --device {device}")
+    results: list[E2EResult] = []
+    eager: Served | None = None
+    for mode in ("eager", *(m for m in config.modes if m != "eager")):
+        base = E2EResult("E00", backend, mode, dt, name, repro=repro.replace("{mode}", mode))
+        start = time.perf_counter()
+        try:
+            engine = _make_engine(model_dir, adapters, backend=backend, mode=mode, dtype=dtype, device=device,
+                                  config=config, max_loras=max_loras, rank=rank)
+            served = serve(engine, workload)
+            served_s = time.perf_counter() - start
+        except Exception as exc:  # the engine or the backend crashed: every claim of this mode failed, named
+            props = ["E02", "E05"] if mode == "eager" else ["E01", "E02", "E03", "E04", "E05"]
+            for p in props:
+                rec = E2EResult(p, backend, mode, dt, name, repro=base.repro, duration=time.perf_counter() - start)
+                if isinstance(exc, EngineConfigError):
+                    # the backend does not declare this mode, dtype or device: not implemented, as in the layer suite
+                    rec.outcome, rec.message = "not_implemented", f"not implemented: {exc}"
+                else:
+                    rec.failed(f"{type(exc).__name__}: {exc}")
+                if mode in config.modes:
+                    results.append(rec)
+                    notify(rec)
+            continue
+        mode_records = [check_workload(base, served, workload, adapter_kinds=kinds, max_loras=max_loras,
+                                       require_kinds=config.require_adapter_kinds, n=config.requests,
+                                       max_prompt_tokens=max_prompt)]
+        mode_records[0].duration += served_s  # the engine run is the workload claim's (E05) time
+        if mode == "eager":
+            eager = served
+        else:
+            if eager is not None:
+                mode_records.append(check_graph_vs_eager(base, served, eager, dtype=dtype, record_path=record_path))
+            else:
+                mode_records.append(E2EResult("E01", backend, mode, dt, name).failed("the eager reference run failed"))
+            mode_records += check_graph_paths(base, served, config.capacity, last_fallback=engine.runner.last_fallback)
+        mode_records.append(check_hf(base, served, workload, reference, dtype=dtype, why_not=why_not))
+        elapsed = time.perf_counter() - start
+        for rec in mode_records:
+            rec.details.setdefault("mode_seconds", round(elapsed, 2))
+        if mode in config.modes:
+            results += mode_records
+            for rec in mode_records:
+                notify(rec)
+    if config.state_machine_examples:
+        for rec in run_stateful(backend, model_dir, adapters, config=config, max_loras=max_loras, dtype=dtype,
+                                device=device, model_name=name):
+            results.append(rec)
+            notify(rec)
+    return results
+
+
+def _hf_reference(model_dir: Path, adapters: dict[str, Path], hf: bool, dtype: str,
+                  device: str) -> tuple[HFReference | None, str]:
+    if not hf:
+        return None, "HF + PEFT comparison off (--no-hf)"
+    missing = [m for m in ("transformers", "peft") if importlib.util.find_spec(m) is None]
+    if missing:
+        return None, f"{' and '.join(missing)} not installed (the 'fixtures' extra)"
+    from moelora_core import logprob_tolerance
+
+    try:
+        logprob_tolerance("engine_vs_hf", dtype)
+    except KeyError as exc:
+        return None, str(exc)
+    return HFReference(model_dir, adapters), ""
+
+
+def run_stateful(backend: str, model_dir: Path, adapters: dict[str, Path], *, config: E2EConfig, max_loras: int,
+                 dtype: str, device: str, model_name: str) -> list[E2EResult]:
+    """E06 through ``moelora_conformance.e2e.stateful.run_state_machine``; one ``not_run`` record when
+    that module is not installed (never a silent pass); its import or run failing is a failure."""
+    base = E2EResult(STATEFUL, backend, "mixed", DTYPE_NAMES.get(dtype, dtype), model_name)
+    if importlib.util.find_spec(STATEFUL_MODULE) is None:
+        return [base.not_run("state machine not available (moelora_conformance.e2e.stateful is not installed)")]
+    start = time.perf_counter()
+    try:
+        module = importlib.import_module(STATEFUL_MODULE)
+        records = list(module.run_state_machine(backend=backend, model_dir=model_dir, adapters=adapters,
+                                                max_examples=config.state_machine_examples, max_loras=max_loras,
+                                                device=device, dtype=dtype))
+    except Exception as exc:  # a crash of the machine itself is a failure of E06, named
+        base.duration = time.perf_counter() - start
+        return [base.failed(f"{type(exc).__name__}: {exc}")]
+    return records or [base.failed("run_state_machine returned no record")]

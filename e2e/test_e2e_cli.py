@@ -1,0 +1,111 @@
+"""``moelora-conformance e2e`` (``moelora_conformance.e2e.command``): exit status 0 / 1 / 2 / 5, the
+JSON report the layer suite's ``report`` renders, the manifest's expected failures (and a stale
+entry failing the run), anyone's checkpoint through ``--model`` / ``--adapter``.
+
+Each run is a tiny workload (8 requests, prompts up to 16 tokens) on the reference backend or a
+faulty one from ``e2e_faults``; the state machine is off (``--state-machine-examples 0``) except in
+``test_state_machine_absent_is_not_run``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from moelora_conformance.cli import main
+from moelora_conformance.e2e.properties import STATEFUL
+from moelora_conformance.e2e.run import E2EConfig, run_stateful
+from moelora_conformance.report import load_report
+
+MODEL = "qwen3_moe"
+TINY = ["--requests", "8", "--max-new-tokens", "2", "--max-prompt-tokens", "16", "--state-machine-examples", "0"]
+
+pytestmark = pytest.mark.xdist_group("e2e-reference")
+
+
+def _argv(fixture_set, engine_adapters, *extra, backend="reference", model=MODEL):
+    adapters = [f"--adapter={n}={p}" for n, p in engine_adapters[model].items()]
+    return ["e2e", "--backend", backend, "--model", str(fixture_set.model_dir(model)), *adapters, *TINY, *extra]
+
+
+def test_a_passing_run_exits_0_with_its_report(fixture_set, engine_adapters, tmp_path, capsys):
+    out, md = tmp_path / "e2e.json", tmp_path / "matrix.md"
+    assert main(_argv(fixture_set, engine_adapters, "--modes", "eager,full", "--json", str(out),
+                      "--markdown", str(md))) == 0
+    report = load_report(out)
+    assert report["suite"] == "e2e" and report["backend"]["target"] == "reference"
+    got = {(r["property"], r["mode"]) for r in report["records"]}
+    assert {("E01", "full"), ("E02", "eager"), ("E03", "full"), ("E05", "full")} <= got
+    text = md.read_text()
+    assert text.startswith("# moelora e2e: support matrix") and "| E01 graph replay equals eager" in text
+    assert main(["report", str(out)]) == 0 and "E03 every step that fits" in capsys.readouterr().out
+
+
+def test_a_fault_exits_1_and_the_manifest_expects_it(fixture_set, engine_adapters, tmp_path):
+    argv = _argv(fixture_set, engine_adapters, "--modes", "eager,full", backend="e2e_faults:make_graph_delta_backend")
+    assert main(argv) == 1
+    manifest = tmp_path / "expected.toml"
+    manifest.write_text('[[expected_failure]]\nproperty = "E01"\nmode = "full"\nreason = "known graph delta"\n'
+                        '[[expected_failure]]\nproperty = "E02"\nmode = "full"\nreason = "the same"\n')
+    out = tmp_path / "xfail.json"
+    assert main([*argv, "--manifest", str(manifest), "--json", str(out)]) == 0
+    outcomes = {(r["property"], r["mode"]): r["outcome"] for r in load_report(out)["records"]}
+    assert outcomes[("E01", "full")] == outcomes[("E02", "full")] == "xfailed"
+    stale = tmp_path / "stale.toml"
+    stale.write_text(manifest.read_text() + '[[expected_failure]]\nproperty = "E02"\nmode = "eager"\n'
+                     'reason = "not actually failing"\n')
+    assert main([*argv, "--manifest", str(stale)]) == 1  # an expected failure that passed: the manifest is stale
+
+
+def test_nothing_ran_exits_5(fixture_set, engine_adapters, capsys):
+    argv = _argv(fixture_set, engine_adapters, "--modes", "eager", backend="e2e_faults:make_cpu_less_backend")
+    assert main(argv) == 5
+    assert "nothing ran" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--modes", "eager,cuda"], "--modes: unknown ['cuda']"),
+    (["--backend", "no_such_module:make"], "--backend no_such_module:make"),
+    (["--adapter", "broken"], "expected NAME=DIR"),
+    (["--adapter", "x=/nonexistent"], "not a PEFT adapter directory"),
+])
+def test_usage_errors_exit_2(extra, message, fixture_set, engine_adapters, capsys):
+    assert main([*_argv(fixture_set, engine_adapters), *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_not_a_checkpoint_or_a_refused_adapter_exits_2(fixture_set, engine_adapters, tmp_path, capsys):
+    adapters = [f"--adapter={n}={p}" for n, p in engine_adapters[MODEL].items()]
+    assert main(["e2e", "--model", str(tmp_path), *adapters, *TINY]) == 2
+    assert "not a Hugging Face checkpoint directory (no config.json)" in capsys.readouterr().err
+    assert main(["e2e", "--backend", "reference", "--model", str(fixture_set.model_dir("mixtral")), *adapters,
+                 *TINY]) == 2
+    assert "ModelMismatchError" in capsys.readouterr().err
+    assert main(["e2e", "--adapter", adapters[0].removeprefix("--adapter="), *TINY]) == 2
+    assert "--adapter needs --model" in capsys.readouterr().err
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[expected_failure]]\nproperty = "P01"\nreason = "a layer property"\n')
+    assert main([*_argv(fixture_set, engine_adapters), "--manifest", str(bad)]) == 2
+    assert "unknown property 'P01'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("moelora_conformance.e2e.stateful") is not None,
+                    reason="the state machine is installed: its own tests run it")
+def test_state_machine_absent_is_not_run(fixture_set, engine_adapters):
+    records = run_stateful("reference", fixture_set.model_dir(MODEL), engine_adapters[MODEL], config=E2EConfig(),
+                           max_loras=4, dtype="float32", device="cpu", model_name=MODEL)
+    assert [(r.property, r.outcome) for r in records] == [(STATEFUL, "not_run")]
+    assert "not available" in records[0].message
+    assert json.dumps(records[0].to_record())  # JSON-able, as the report needs
+
+
+def test_the_fixtures_default_runs_the_chosen_families(fixture_set, tmp_path, capsys):
+    out = tmp_path / "fixtures.json"
+    argv = ["e2e", "--backend", "reference", "--fixtures", str(fixture_set.root), *TINY, "--modes", "eager"]
+    assert main([*argv, "--families", "olmoe", "--json", str(out)]) == 0
+    report = load_report(out)
+    assert report["models"] == ["olmoe"] and {r["model"] for r in report["records"]} == {"olmoe"}
+    assert main([*argv, "--families", "gpt2"]) == 2
+    assert "--families: unknown ['gpt2']" in capsys.readouterr().err
