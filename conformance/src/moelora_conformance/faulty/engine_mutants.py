@@ -58,7 +58,8 @@ class MixedBatchOneMapping(Engine):
         spec = plan.host.batch_spec
         slot = spec.requests[chunks[0]].adapter_id
         # FAULT: the decodes take the prefill chunk's slot.
-        requests = [r if i in chunks else Request(slot, r.extend_len, r.prefix_len) for i, r in enumerate(spec.requests)]
+        requests = [r if i in chunks else Request(slot, r.extend_len, r.prefix_len)
+                    for i, r in enumerate(spec.requests)]
         new = BatchSpec(spec.forward_mode, requests, spec.max_loras, spec.lora_ranks, spec.scalings)
         return StepPlan(plan.batch, replace(plan.host, batch_spec=new), plan.rows)
 
@@ -111,4 +112,12 @@ ENGINE_MUTANTS: dict[str, type[Engine]] = {
     "mixed-batch-one-mapping": MixedBatchOneMapping,
     "decode-bucket-tail-kept": DecodeBucketTailKept,
     "prefill-graph-32-requests": PrefillGraph32Requests,
+}
+
+#: The named E06 history (``e2e.stateful_histories``) of each engine mutant's fault class.
+CAUGHT_BY_HISTORY: dict[str, str] = {
+    "pool-skips-zeroing": "evicted-slot-reused",
+    "mixed-batch-one-mapping": "chunked-prefill-interleaved",
+    "decode-bucket-tail-kept": "decode-batch-shrinks-in-a-bucket",
+    "prefill-graph-32-requests": "prefill-past-32-requests",
 }
