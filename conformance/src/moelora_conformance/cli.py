@@ -4,8 +4,11 @@ Subcommands register themselves in :data:`SUBCOMMANDS` with :func:`subcommand`; 
 arguments and returns an exit status. Built in here:
 
 - ``make-fixtures DIR``: build the local HF MoE models and PEFT adapters (extra ``fixtures``).
-- ``hf-check [--fixtures DIR]``: the oracle against HF transformers + PEFT on every fixture; prints
-  the table and exits 1 on any failure (fixtures are built into a temporary directory unless given).
+- ``hf-check [--fixtures DIR] [--only-adapter NAME ...]`` or ``hf-check --model DIR --adapter NAME=DIR
+  ...``: the oracle against HF transformers + PEFT on every fixture (built into a temporary directory
+  unless given), or on your own checkpoint and adapters (expected ranks and σ read from the files);
+  prints the table and exits 1 on any failure, 2 on a usage error (a directory that is not a
+  checkpoint or an adapter: what is missing is named).
 
 Both exit 2 when the ``fixtures`` extra (transformers + peft) is not installed.
 
@@ -48,6 +51,7 @@ from moelora_conformance.commands import (  # noqa: F401 (re-exported: the regis
     fixtures_or_exit,
     require_fixtures_extra,
     subcommand,
+    user_files_or_exit,
 )
 
 
@@ -95,7 +99,12 @@ def _make_fixtures(parser: argparse.ArgumentParser) -> Handler:
 def _hf_check(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--fixtures", type=Path, default=None,
                         help="a directory built by make-fixtures (default: build into a temporary directory)")
-    parser.add_argument("--adapter", action="append", default=None, help="check only this adapter (repeatable)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="your own Hugging Face MoE checkpoint directory (instead of the fixtures)")
+    parser.add_argument("--adapter", action="append", default=None, metavar="NAME=DIR",
+                        help="with --model: one of your PEFT adapters, checked on it (repeatable)")
+    parser.add_argument("--only-adapter", action="append", default=None, metavar="NAME",
+                        help="check only this fixture adapter (repeatable)")
 
     def run(args: argparse.Namespace) -> int:
         if not require_fixtures_extra("hf-check"):
@@ -103,11 +112,23 @@ def _hf_check(parser: argparse.ArgumentParser) -> Handler:
         from moelora_conformance.fixtures import build_fixtures
         from moelora_conformance.hf_check import render, run_hf_check
 
+        given = user_files_or_exit(args, "hf-check")
+        if given is False:
+            return 2
         with tempfile.TemporaryDirectory(prefix="moelora-fixtures-") as tmp:
-            fixtures = fixtures_or_exit(args.fixtures, "hf-check") if args.fixtures else build_fixtures(Path(tmp))
-            if fixtures is None:
-                return 2
-            rows = run_hf_check(fixtures, adapters=args.adapter)
+            if given is not None:
+                fixtures, only = given, None
+            else:
+                fixtures = fixtures_or_exit(args.fixtures, "hf-check") if args.fixtures else build_fixtures(Path(tmp))
+                if fixtures is None:
+                    return 2
+                only = args.only_adapter
+                unknown = sorted(set(only or []) - set(fixtures.manifest["adapters"]))
+                if unknown:
+                    print(f"moelora-conformance hf-check: unknown --only-adapter {unknown}; fixture adapters: "
+                          f"{sorted(fixtures.manifest['adapters'])}", file=sys.stderr)
+                    return 2
+            rows = run_hf_check(fixtures, adapters=only)
         return 0 if render(rows) else 1
 
     return run
