@@ -37,8 +37,8 @@ def test_a_new_subcommand_plugs_in(monkeypatch):
 
 
 def test_hf_check_passes_and_prints_the_table(fixture_set, capsys):
-    status = cli.main(["hf-check", "--fixtures", str(fixture_set.root), "--adapter", "mixtral-legacy",
-                       "--adapter", "qwen3_moe_h2i-r8"])
+    status = cli.main(["hf-check", "--fixtures", str(fixture_set.root), "--only-adapter", "mixtral-legacy",
+                       "--only-adapter", "qwen3_moe_h2i-r8"])
     out = capsys.readouterr().out
     assert status == 0, out
     assert "oracle vs HF transformers + PEFT" in out and "max rel err" in out
@@ -52,7 +52,7 @@ def test_hf_check_fails_with_nonzero_status(fixture_set, tmp_path, capsys):
     manifest = json.loads((root / "manifest.json").read_text())
     manifest["adapters"]["olmoe-r8"]["modules"]["1"]["down"]["scaling"] *= 2  # expect a σ peft never used
     (root / "manifest.json").write_text(json.dumps(manifest))
-    status = cli.main(["hf-check", "--fixtures", str(root), "--adapter", "olmoe-r8"])
+    status = cli.main(["hf-check", "--fixtures", str(root), "--only-adapter", "olmoe-r8"])
     out = capsys.readouterr().out
     assert status == 1
     assert "FAIL" in out and "L1 down" in out

@@ -51,3 +51,24 @@ def test_the_bound_stops_a_slow_shrink():
     shrinking = calls[-1][0] - first_failure
     # unbounded, this shrink takes 6.4 s (312 calls, measured); the bound stops it after 0.3 s
     assert shrinking < 0.3 + 1.5, (shrinking, len(calls))
+
+
+def test_a_state_machine_test_takes_a_seed():
+    from hypothesis.stateful import RuleBasedStateMachine, rule
+
+    from moelora_conformance.hypothesis_compat import state_machine_test
+
+    seen = []
+
+    class Draws(RuleBasedStateMachine):
+        @rule(x=st.integers(0, 10**9))
+        def draw(self, x):
+            seen.append(x)
+
+    quick = settings(max_examples=3, stateful_step_count=2, database=None, deadline=None)
+    runs = []
+    for _ in range(2):
+        seen.clear()
+        state_machine_test(Draws, settings=quick, seed=1234)()
+        runs.append(list(seen))
+    assert runs[0] and runs[0] == runs[1]  # the same seed draws the same history

@@ -4,8 +4,11 @@ Subcommands register themselves in :data:`SUBCOMMANDS` with :func:`subcommand`; 
 arguments and returns an exit status. Built in here:
 
 - ``make-fixtures DIR``: build the local HF MoE models and PEFT adapters (extra ``fixtures``).
-- ``hf-check [--fixtures DIR]``: the oracle against HF transformers + PEFT on every fixture; prints
-  the table and exits 1 on any failure (fixtures are built into a temporary directory unless given).
+- ``hf-check [--fixtures DIR] [--only-adapter NAME ...]`` or ``hf-check --model DIR --adapter NAME=DIR
+  ...``: the oracle against HF transformers + PEFT on every fixture (built into a temporary directory
+  unless given), or on your own checkpoint and adapters (expected ranks and σ read from the files);
+  prints the table and exits 1 on any failure, 2 on a usage error (a directory that is not a
+  checkpoint or an adapter: what is missing is named).
 
 Both exit 2 when the ``fixtures`` extra (transformers + peft) is not installed.
 
@@ -19,7 +22,8 @@ The conformance suite's own subcommands:
 - ``mutations [--write-docs [PATH]] [--only NAME]``: run the suite against every mutant of the
   reference backend (``moelora_conformance.faulty``) and print (or write) the table mutation →
   catching property → seconds; ``--write-docs`` also runs each without the metadata-only properties;
-  exit 1 if one is not caught.
+  exit 1 if one is not caught; ``--engine`` runs the engine-level mutants against the stateful engine
+  properties (E06) instead.
 - ``checkpoint-pass [--fixtures DIR] [--backends reference,triton,csgmv]``: every backend × layer mode
   on the real checkpoints and PEFT adapters, against the oracle and HF + PEFT per adapter; prints
   the table, exits 1 on any failed comparison (:mod:`moelora_conformance.checkpoint_pass.command`).
@@ -49,6 +53,7 @@ from moelora_conformance.commands import (  # noqa: F401 (re-exported: the regis
     fixtures_or_exit,
     require_fixtures_extra,
     subcommand,
+    user_files_or_exit,
 )
 
 
@@ -96,7 +101,12 @@ def _make_fixtures(parser: argparse.ArgumentParser) -> Handler:
 def _hf_check(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--fixtures", type=Path, default=None,
                         help="a directory built by make-fixtures (default: build into a temporary directory)")
-    parser.add_argument("--adapter", action="append", default=None, help="check only this adapter (repeatable)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="your own Hugging Face MoE checkpoint directory (instead of the fixtures)")
+    parser.add_argument("--adapter", action="append", default=None, metavar="NAME=DIR",
+                        help="with --model: one of your PEFT adapters, checked on it (repeatable)")
+    parser.add_argument("--only-adapter", action="append", default=None, metavar="NAME",
+                        help="check only this fixture adapter (repeatable)")
 
     def run(args: argparse.Namespace) -> int:
         if not require_fixtures_extra("hf-check"):
@@ -104,11 +114,23 @@ def _hf_check(parser: argparse.ArgumentParser) -> Handler:
         from moelora_conformance.fixtures import build_fixtures
         from moelora_conformance.hf_check import render, run_hf_check
 
+        given = user_files_or_exit(args, "hf-check")
+        if given is False:
+            return 2
         with tempfile.TemporaryDirectory(prefix="moelora-fixtures-") as tmp:
-            fixtures = fixtures_or_exit(args.fixtures, "hf-check") if args.fixtures else build_fixtures(Path(tmp))
-            if fixtures is None:
-                return 2
-            rows = run_hf_check(fixtures, adapters=args.adapter)
+            if given is not None:
+                fixtures, only = given, None
+            else:
+                fixtures = fixtures_or_exit(args.fixtures, "hf-check") if args.fixtures else build_fixtures(Path(tmp))
+                if fixtures is None:
+                    return 2
+                only = args.only_adapter
+                unknown = sorted(set(only or []) - set(fixtures.manifest["adapters"]))
+                if unknown:
+                    print(f"moelora-conformance hf-check: unknown --only-adapter {unknown}; fixture adapters: "
+                          f"{sorted(fixtures.manifest['adapters'])}", file=sys.stderr)
+                    return 2
+            rows = run_hf_check(fixtures, adapters=only)
         return 0 if render(rows) else 1
 
     return run
@@ -223,8 +245,14 @@ def _mutations(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--only", action="append", default=None, help="run only this mutation (repeatable)")
     parser.add_argument("--profile", default="interpret", help="moelora profile (default interpret)")
     parser.add_argument("--seed", type=int, default=0, help="--hypothesis-seed of every run (default 0)")
+    parser.add_argument("--engine", action="store_true",
+                        help="run the engine-level mutants against the E06 state machine (needs moelora_runner)")
+    parser.add_argument("--fixtures", type=Path, default=None,
+                        help="--engine: a directory built by make-fixtures (default: build into a temporary directory)")
 
     def run(args: argparse.Namespace) -> int:
+        if args.engine:
+            return _engine_mutations(args)
         from moelora_conformance.faulty import CAP_MUTANTS, MUTANTS
         from moelora_conformance.faulty.campaign import DOCS, run_campaign, table_markdown, write_docs
 
@@ -252,6 +280,38 @@ def _mutations(parser: argparse.ArgumentParser) -> Handler:
         return 0 if all(r.caught for r in results) else 1  # the full suite must catch every one
 
     return run
+
+
+def _engine_mutations(args: argparse.Namespace) -> int:
+    """``mutations --engine``: every engine mutant against the state machine and its named history."""
+    import importlib.util
+
+    if importlib.util.find_spec("moelora_runner") is None:
+        print("moelora-conformance mutations --engine: needs moelora_runner (the engine) installed", file=sys.stderr)
+        return 2
+    if not require_fixtures_extra("mutations --engine"):
+        return 2
+    from moelora_conformance.faulty.engine_campaign import run_engine_campaign
+    from moelora_conformance.faulty.engine_mutants import ENGINE_MUTANTS
+    from moelora_conformance.fixtures import build_fixtures
+
+    unknown = set(args.only or []) - set(ENGINE_MUTANTS)
+    if unknown:
+        print(f"moelora-conformance mutations: unknown {sorted(unknown)}; known {sorted(ENGINE_MUTANTS)}",
+              file=sys.stderr)
+        return 2
+
+    def progress(r):
+        where = f"E06 ({r.message[:90]})" if r.caught else "NOT CAUGHT"
+        print(f"{r.name:28s} {where}  {r.seconds:.1f} s; history {r.history}: "
+              f"{'caught' if r.history_caught else 'NOT CAUGHT'}", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="moelora-fixtures-") as tmp:
+        fixtures = fixtures_or_exit(args.fixtures, "mutations") if args.fixtures else build_fixtures(Path(tmp))
+        if fixtures is None:
+            return 2
+        results = run_engine_campaign(fixtures, args.only, seed=args.seed, progress=progress)
+    return 0 if all(r.caught and r.history_caught for r in results) else 1
 
 
 # Subcommands kept in their own modules register themselves on import.

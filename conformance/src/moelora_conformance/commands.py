@@ -63,3 +63,26 @@ def fixtures_or_exit(directory, command: str):
     except FixturesError as exc:
         print(f"moelora-conformance {command}: {exc}", file=sys.stderr)
         return None
+
+
+def user_files_or_exit(args, command: str):
+    """The user's ``--model`` / ``--adapter NAME=DIR`` files as a fixture set
+    (:func:`moelora_conformance.user_files.user_fixture_set`); None when no ``--model`` was given;
+    False after printing why they are not usable (the caller exits 2)."""
+    from moelora_conformance.user_files import UserFilesError, parse_adapters, user_fixture_set
+
+    adapters_given = getattr(args, "adapter", None)
+    if args.model is None:
+        if adapters_given:
+            print(f"moelora-conformance {command}: --adapter NAME=DIR needs --model DIR (to check only some "
+                  "fixture adapters, use --only-adapter NAME)", file=sys.stderr)
+            return False
+        return None
+    if getattr(args, "fixtures", None) is not None:
+        print(f"moelora-conformance {command}: give either --fixtures or --model, not both", file=sys.stderr)
+        return False
+    try:
+        return user_fixture_set(args.model, parse_adapters(adapters_given))
+    except UserFilesError as exc:
+        print(f"moelora-conformance {command}: {exc}", file=sys.stderr)
+        return False

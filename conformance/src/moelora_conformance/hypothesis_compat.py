@@ -8,6 +8,9 @@ the first counterexample came after up to 559 s; the suite's profiles bound it i
 (``Profile.shrink_seconds``). :func:`shrink_time_limit` sets the bound for the body and restores
 Hypothesis' value afterwards. With the attribute gone (a Hypothesis release that renamed it) the
 bound is a no-op and the test named above fails, so the change is noticed.
+
+:func:`state_machine_test` reaches ``hypothesis.stateful.get_state_machine_test`` (what the public
+``run_state_machine_as_test`` calls) so that a state machine's run can take ``hypothesis.seed``.
 """
 
 from __future__ import annotations
@@ -46,3 +49,19 @@ def shrink_time_limit(seconds: float | None) -> Iterator[None]:
         yield
     finally:
         setattr(_engine, _ATTRIBUTE, previous)
+
+
+def state_machine_test(machine: type, *, settings, seed: int | None = None):
+    """The ``@given`` test that runs the ``RuleBasedStateMachine`` subclass ``machine`` (what
+    ``run_state_machine_as_test`` builds and calls), with ``hypothesis.seed(seed)`` applied when a seed
+    is given: the public runner takes no seed, and a state machine's failure must be replayable
+    (``moelora_conformance.e2e.stateful``).
+
+    Returns:
+        A callable that runs the machine (raises the failure, with its steps in the notes).
+    """
+    import hypothesis
+    from hypothesis.stateful import get_state_machine_test
+
+    test = get_state_machine_test(machine, settings=settings)
+    return test if seed is None else hypothesis.seed(seed)(test)

@@ -1,11 +1,14 @@
 """``moelora-conformance checkpoint-pass``: the real-checkpoint pass from the command line.
 
-    moelora-conformance checkpoint-pass [--fixtures DIR] [--backends reference,triton,csgmv]
+    moelora-conformance checkpoint-pass [--fixtures DIR | --model DIR --adapter NAME=DIR ...]
+        [--backends reference,triton,csgmv]
         [--models a,b] [--modes eager,decode,prefill-full,prefill-breakable] [--layers 0,1]
         [--requests 40] [--work-dir DIR] [--json rows.json]
 
 Builds the fixtures into a temporary directory unless ``--fixtures`` names one, builds the pass's
-own adapters into ``--work-dir`` (default: a temporary directory), runs :mod:`.run`, prints the
+own adapters into ``--work-dir`` (default: a temporary directory) — or, with ``--model`` and
+``--adapter NAME=DIR``, runs on your checkpoint and adapters (``user_files``: what each adapter must
+mean read from its files; legacy per-expert + rsLoRA left out, peft serves another σ) —, runs :mod:`.run`, prints the
 table and exits 1 on any failed comparison, 2 on a usage error (a missing ``fixtures`` extra, a
 backend that cannot run here — the Triton backends on a CPU need ``TRITON_INTERPRET=1``).
 """
@@ -19,7 +22,13 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from moelora_conformance.commands import Handler, fixtures_or_exit, require_fixtures_extra, subcommand
+from moelora_conformance.commands import (
+    Handler,
+    fixtures_or_exit,
+    require_fixtures_extra,
+    subcommand,
+    user_files_or_exit,
+)
 
 _MODES = "eager,decode,prefill-full,prefill-breakable"
 
@@ -53,6 +62,10 @@ def _usable(backends: list[str]) -> str | None:
 def _checkpoint_pass(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--fixtures", type=Path, default=None,
                         help="a directory built by make-fixtures (default: build into a temporary directory)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="your own Hugging Face MoE checkpoint directory (instead of the fixtures)")
+    parser.add_argument("--adapter", action="append", default=None, metavar="NAME=DIR",
+                        help="with --model: one of your PEFT adapters (repeatable; at least one)")
     parser.add_argument("--backends", default="reference,triton,csgmv", help="comma-separated backends")
     parser.add_argument("--models", default=None, help="comma-separated fixture models (default: all)")
     parser.add_argument("--modes", default=_MODES, help=f"comma-separated layer modes (default: {_MODES})")
@@ -72,7 +85,7 @@ def _checkpoint_pass(parser: argparse.ArgumentParser) -> Handler:
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
         from moelora_conformance.checkpoint_pass.batches import PASS_REQUESTS
-        from moelora_conformance.checkpoint_pass.run import run_checkpoint_pass
+        from moelora_conformance.checkpoint_pass.run import run_checkpoint_pass, run_model, user_pass_adapters
         from moelora_conformance.checkpoint_pass.table import render
         from moelora_conformance.fixtures import build_fixtures
 
@@ -85,17 +98,34 @@ def _checkpoint_pass(parser: argparse.ArgumentParser) -> Handler:
         def advance(line: str) -> None:
             progress.update(task, advance=1, description=line)
 
-        given = fixtures_or_exit(args.fixtures, "checkpoint-pass") if args.fixtures else None
+        user = user_files_or_exit(args, "checkpoint-pass")
+        if user is False:
+            return 2
+        given = fixtures_or_exit(args.fixtures, "checkpoint-pass") if args.fixtures else user
         if args.fixtures and given is None:
             return 2
+        if user is not None:
+            adapters, skipped = user_pass_adapters(user)
+            if skipped:
+                print(f"moelora-conformance checkpoint-pass: not compared with HF + PEFT: {skipped} (legacy per-expert "
+                      "+ rsLoRA: peft serves another σ; run hf-check for them)", file=sys.stderr)
+            if not adapters:
+                print("moelora-conformance checkpoint-pass: no adapter left to compare", file=sys.stderr)
+                return 2
         with tempfile.TemporaryDirectory(prefix="moelora-pass-") as tmp, progress:
             fixtures = given or build_fixtures(Path(tmp) / "fixtures")
             work = args.work_dir or Path(tmp) / "work"
             try:
-                rows = run_checkpoint_pass(fixtures, work, models=_csv(args.models), backends=backends,
-                                           modes=tuple(_csv(args.modes) or ()), layers=layers,
-                                           num_requests=args.requests or PASS_REQUESTS,
-                                           progress=advance)
+                if user is not None:
+                    (model,) = user.manifest["models"]
+                    rows = run_model(user, work, model, backends=backends, modes=tuple(_csv(args.modes) or ()),
+                                     layers=layers, num_requests=args.requests or PASS_REQUESTS, progress=advance,
+                                     adapters=adapters)
+                else:
+                    rows = run_checkpoint_pass(fixtures, work, models=_csv(args.models), backends=backends,
+                                               modes=tuple(_csv(args.modes) or ()), layers=layers,
+                                               num_requests=args.requests or PASS_REQUESTS,
+                                               progress=advance)
             except ValueError as exc:
                 print(f"moelora-conformance checkpoint-pass: {exc}", file=sys.stderr)
                 return 2

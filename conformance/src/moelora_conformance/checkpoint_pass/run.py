@@ -38,9 +38,9 @@ import torch
 from moelora_conformance.checkpoint_pass.adapters import PassAdapter, build_pass_adapters
 from moelora_conformance.checkpoint_pass.batches import PASS_REQUESTS, decode_batch, extend_batch
 from moelora_conformance.fixtures.manifest import FixtureSet
-from moelora_conformance.fixtures.specs import POOL_MAX_RANK
 from moelora_conformance.harness import BatchInputs, CheckContext, GraphLayer, Layer, Oracle, check_run
 from moelora_conformance.strategies.cases import MaterializedCase
+from moelora_conformance.user_files import pool_max_rank
 from moelora_core import DEFAULT_POLICY, NO_ADAPTER, BatchSpec, ForwardMode, LoRAWeights, load_backend
 from moelora_core.checkpoint import MoECheckpoint, load_adapter_into_slot, read_adapter
 
@@ -158,19 +158,22 @@ def _run_mode(factory, backend: str, mode: str, m: MaterializedCase, inp: BatchI
 
 def run_model(fixtures: FixtureSet, work_dir: Path, model: str, *, backends: Sequence[str] = DEFAULT_BACKENDS,
               modes: Sequence[str] = MODES, layers: Sequence[int] | None = None,
-              num_requests: int = PASS_REQUESTS, progress: Callable[[str], None] | None = None) -> list[PassRow]:
-    """Every check of the pass on one fixture model (module docstring)."""
+              num_requests: int = PASS_REQUESTS, progress: Callable[[str], None] | None = None,
+              adapters: Sequence[PassAdapter] | None = None) -> list[PassRow]:
+    """Every check of the pass on one model (module docstring): a fixture model with the pass's
+    adapters, or the given ``adapters`` (a user's, :func:`user_pass_adapters`)."""
     from moelora_conformance.hf_check.hf_model import decoder_layers, load_hf
 
-    adapters = build_pass_adapters(fixtures, work_dir, model)
+    adapters = build_pass_adapters(fixtures, work_dir, model) if adapters is None else list(adapters)
+    max_rank = pool_max_rank(fixtures)
     model_dir = fixtures.model_dir(model)
     rows: list[PassRow] = []
     with MoECheckpoint(model_dir) as ckpt:
         cfg = ckpt.config
-        spec = cfg.layer_spec(max_loras=len(adapters), max_rank=POOL_MAX_RANK)
+        spec = cfg.layer_spec(max_loras=len(adapters), max_rank=max_rank)
         pools = [LoRAWeights(spec) for _ in range(cfg.num_layers)]
         for slot, a in enumerate(adapters):
-            load_adapter_into_slot(pools, slot, read_adapter(a.path, cfg, name=a.name, max_rank=POOL_MAX_RANK))
+            load_adapter_into_slot(pools, slot, read_adapter(a.path, cfg, name=a.name, max_rank=max_rank))
         hf_base = decoder_layers(load_hf(model_dir))
         hf_adapters = [decoder_layers(load_hf(model_dir, a.path)) for a in adapters]
         chosen = range(cfg.num_layers) if layers is None else layers
@@ -211,6 +214,20 @@ def run_model(fixtures: FixtureSet, work_dir: Path, model: str, *, backends: Seq
                         rows.append(PassRow(*where, False, _first_line(exc)))
                     rows += _hf_rows(model, backend, mode, layer, batch_name, inp, run, adapters)
     return rows
+
+
+def user_pass_adapters(fixtures: FixtureSet) -> tuple[list[PassAdapter], list[str]]:
+    """The adapters of a user fixture set (``user_files.user_fixture_set``) the pass compares with
+    HF + PEFT, and the names left out: legacy per-expert + rsLoRA, which peft serves with another σ
+    (DESIGN.md §1; ``hf-check`` compares them against a per-module reference)."""
+    kept, skipped = [], []
+    for name, entry in fixtures.manifest["adapters"].items():
+        if entry["peft_divergent"]:
+            skipped.append(name)
+            continue
+        kept.append(PassAdapter(name, fixtures.adapter_dir(name), entry["format"], int(entry["r"]),
+                                bool(entry["use_rslora"]), "user"))
+    return kept, skipped
 
 
 def run_checkpoint_pass(fixtures: FixtureSet, work_dir: str | Path, *, models: Sequence[str] | None = None,

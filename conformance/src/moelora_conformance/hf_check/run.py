@@ -23,12 +23,12 @@ import math
 import zlib
 
 from moelora_conformance.fixtures.manifest import FixtureSet
-from moelora_conformance.fixtures.specs import POOL_MAX_RANK
 from moelora_conformance.hf_check import hf_model
 from moelora_conformance.hf_check.backend_path import compare_backend_layer
 from moelora_conformance.hf_check.compare import SLOT, CheckRow, compare_layer
 from moelora_conformance.hf_check.extract import base_from_hf, lora_from_peft
 from moelora_conformance.hf_check.per_module import merged_reference_layers
+from moelora_conformance.user_files import pool_max_rank
 from moelora_core import LoRAWeights, module_index
 from moelora_core.checkpoint import MoECheckpoint, load_adapter_into_slot, read_adapter
 
@@ -47,8 +47,8 @@ def _hf_side(layer):
     )
 
 
-def _pools(ckpt_config, num_layers: int) -> list[LoRAWeights]:
-    spec = ckpt_config.layer_spec(max_loras=SLOT + 1, max_rank=POOL_MAX_RANK)
+def _pools(ckpt_config, num_layers: int, max_rank: int) -> list[LoRAWeights]:
+    spec = ckpt_config.layer_spec(max_loras=SLOT + 1, max_rank=max_rank)
     return [LoRAWeights(spec) for _ in range(num_layers)]
 
 
@@ -88,22 +88,23 @@ def check_adapter(fixtures: FixtureSet, adapter: str) -> list[CheckRow]:
     model = entry["model"]
     model_dir, adapter_dir = fixtures.model_dir(model), fixtures.adapter_dir(adapter)
     divergent = bool(entry["peft_divergent"])
+    max_rank = pool_max_rank(fixtures)
     hf = hf_model.load_hf(model_dir, adapter_dir)
     hf_layers = hf_model.decoder_layers(hf)
     rows: list[CheckRow] = []
     with MoECheckpoint(model_dir) as ckpt:
         cfg = ckpt.config
         # hf-memory: weights from the transformers / peft modules.
-        mem_pools = _pools(cfg, cfg.num_layers)
+        mem_pools = _pools(cfg, cfg.num_layers, max_rank)
         for li, layer in enumerate(hf_layers):
             moe, dense = base_from_hf(layer, norm_topk_prob=cfg.norm_topk_prob)
             mem_pools[li].load_slot(SLOT, lora_from_peft(layer, intermediate=cfg.moe_intermediate_size))
             rows += compare_layer(model=model, adapter=adapter, source="hf-memory", layer=li, moe=moe, dense=dense,
                                   pool=mem_pools[li], top_k=cfg.top_k, seed=_seed(adapter, li), **_hf_side(layer))
         # readers: everything from disk through moelora_core.checkpoint.
-        read = read_adapter(adapter_dir, cfg, max_rank=POOL_MAX_RANK)
+        read = read_adapter(adapter_dir, cfg, name=adapter, max_rank=max_rank)
         rows.append(_rank_sigma_row(model, adapter, read, entry["modules"]))
-        pools = _pools(cfg, cfg.num_layers)
+        pools = _pools(cfg, cfg.num_layers, max_rank)
         load_adapter_into_slot(pools, SLOT, read)
         disk_layers = [ckpt.layer(li) for li in range(cfg.num_layers)]
         for li, layer in enumerate(hf_layers):

@@ -48,7 +48,7 @@ from moelora_runner.kv_cache import KVCache
 from moelora_runner.metrics import EngineMetrics
 from moelora_runner.model import MoEDecoder
 from moelora_runner.model_info import ModelInfo
-from moelora_runner.model_runner import PHASES, ModelRunner, plan_step
+from moelora_runner.model_runner import PHASES, ModelRunner, StepPlan, plan_step
 from moelora_runner.moe_paths import MOE_IMPLS, base_moe_path
 from moelora_runner.requests import EngineRequest, RequestOutput
 from moelora_runner.sampler import sample_token, top_logprobs
@@ -93,6 +93,11 @@ class Engine:
         graph_capture: "startup" (every bucket when the engine starts; CUDA's default) or "lazy" (a
             bucket on its first use; the CPU's default).
 
+    Components: the adapter pool, the scheduler and the model runner are built from the class
+    attributes :attr:`adapter_pool_class`, :attr:`scheduler_class` and :attr:`model_runner_class`, and
+    a step's plan by :meth:`_plan`, so a subclass can swap one (the suite's engine-level faulty
+    variants, ``moelora_conformance.faulty.engine_mutants``, do) without a second path in this one.
+
     Raises:
         EngineConfigError: an argument out of range, a dtype / device / rank the backend does not
             declare, the Triton path on a CPU without ``TRITON_INTERPRET=1``, bf16 Triton kernels on
@@ -103,6 +108,10 @@ class Engine:
         CheckpointError (and subclasses): the checkpoint cannot be read.
         InvalidFieldError: an unknown backend name.
     """
+
+    adapter_pool_class: type[AdapterPool] = AdapterPool
+    scheduler_class: type[Scheduler] = Scheduler
+    model_runner_class: type[ModelRunner] = ModelRunner
 
     def __init__(self, model_dir: str | Path, *, backend: str = "reference", dtype: str = "auto",
                  device: str | torch.device = "cpu", max_loras: int = 4, max_lora_rank: int = 64,
@@ -158,15 +167,15 @@ class Engine:
                                 sliding_window=self.info.sliding_window, moe_path=base_moe_path(self.moe_impl))
         del weights
         pools = [LoRAWeights(spec) for _ in range(config.num_layers)]
-        self.adapters = AdapterPool(pools, self.backend, config, on_event=self.metrics_.adapter_event)
+        self.adapters = self.adapter_pool_class(pools, self.backend, config, on_event=self.metrics_.adapter_event)
         self.kv = KVCache(num_layers=config.num_layers, num_kv_heads=config.num_key_value_heads,
                           head_dim=config.head_dim, num_tokens=kv_cache_tokens, max_requests=max_num_seqs,
                           max_context=min(self.info.max_context, kv_cache_tokens), dtype=self.dtype,
                           device=self.device)
-        self.scheduler = Scheduler(self.kv, self.adapters, max_num_batched_tokens=max_num_batched_tokens,
+        self.scheduler = self.scheduler_class(self.kv, self.adapters, max_num_batched_tokens=max_num_batched_tokens,
                                    max_loras_per_batch=per_batch, max_running=max_num_seqs,
                                    max_batch_requests=caps.max_requests)
-        self.runner = ModelRunner(self.model, self.backend, self.adapters, self.kv, self.device,
+        self.runner = self.model_runner_class(self.model, self.backend, self.adapters, self.kv, self.device,
                                   check_host_sync=check_host_sync, on_pass=self.metrics_.forward_pass,
                                   graphs=self.graphs, make_backend=lambda: factory(spec))
         if self.graphs.capture == "startup":
@@ -308,7 +317,7 @@ class Engine:
         for item in batch.items:
             if item.state.first_scheduled is None:
                 item.state.first_scheduled = start
-        plan = plan_step(batch, self.adapters)
+        plan = self._plan(batch)
         logits = self.runner.forward(plan)
         logprobs = torch.log_softmax(logits, dim=-1)
         prompt_tokens = generated = 0
@@ -334,6 +343,10 @@ class Engine:
         m.step_latency.labels(phase=PHASES[plan.host.forward_mode.value]).observe(time.perf_counter() - start)
         self._update_gauges()
         return finished
+
+    def _plan(self, batch) -> StepPlan:
+        """The step's host lists and logits rows (:func:`~.model_runner.plan_step`)."""
+        return plan_step(batch, self.adapters)
 
     def generate(self, requests: Iterable[EngineRequest | Mapping[str, Any]], *,
                  on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:

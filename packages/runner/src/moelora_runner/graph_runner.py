@@ -240,7 +240,12 @@ class GraphRunner:
         make_backend: a fresh backend instance (the engine's factory on its spec).
         model, kv, adapters: the engine's. pool: the family's graph pool.
         stager: stages a step's live tensors (the capture of ``breakable`` needs an empty one).
+
+    Buckets are built from the class attribute :attr:`bucket_class` (a subclass or an instance may
+    swap it: the suite's engine-level faulty variants do).
     """
+
+    bucket_class: type[GraphBucket] = GraphBucket
 
     def __init__(self, family: str, mode: str, sizes: tuple[int, ...], request_slots: Callable[[int], int], *,
                  make_backend: Callable[[], object], model: MoEDecoder, kv: KVCache, adapters: AdapterPool,
@@ -273,8 +278,9 @@ class GraphRunner:
         if bucket is None:
             backend = self.make_backend()
             requests = size if self.family == "decode" else self.request_slots(size)
-            bucket = GraphBucket(family=self.family, mode=self.mode, tokens=size, requests=requests, backend=backend,
-                                 model=self.model, kv=self.kv, adapters=self.adapters, pool=self.pool)
+            bucket = self.bucket_class(family=self.family, mode=self.mode, tokens=size, requests=requests,
+                                       backend=backend, model=self.model, kv=self.kv, adapters=self.adapters,
+                                       pool=self.pool)
             self.adapters.attach_backend(backend)
             self.buckets[size] = bucket
         if not bucket.captured:
