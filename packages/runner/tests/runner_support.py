@@ -4,7 +4,10 @@ a recorder of the engine's steps and snapshots of the pool and KV state.
 Engine adapters (per fixture model, built with the fixtures builder on the model's own spec, so every
 family gets each format): fused experts + q/k/v/o (r 8), fused + q/v under rsLoRA (r 6), legacy
 per-expert gate/up/down + o (r 3), attention-only stored in fp16 (r 5), fused with rank_pattern /
-alpha_pattern (r 4; gate_up 2, q 7). Five ranks, five formats.
+alpha_pattern (r 4; gate_up 2, q 7). Five ranks, five formats. On a model with a shared expert
+(Qwen2-MoE) the fused r 8 adapter also targets the shared expert's gate / up / down, and the legacy
+one — which peft 0.21.2 does not convert for ``qwen2_moe``, so no HF + PEFT forward exists
+(``moelora_conformance.checkpoint_pass.adapters``) — is replaced by a shared-expert + o adapter (r 3).
 """
 
 from __future__ import annotations
@@ -38,6 +41,24 @@ ENGINE_ADAPTERS: tuple[tuple[str, dict], ...] = (
 )
 
 
+#: On a model with a shared expert: the adapters that change, by suffix (see the module docstring).
+SHARED_EXPERT_ADAPTERS: dict[str, tuple[str, dict]] = {
+    "eng-fused-r8": ("eng-fused-r8", dict(format="fused", r=8, alpha=16, experts=("gate_up_proj", "down_proj"),
+                                          dense=("q", "k", "v", "o", "shared_gate", "shared_up", "shared_down"))),
+    "eng-legacy-r3": ("eng-shared-r3", dict(format="fused", r=3, alpha=6, experts=(),
+                                            dense=("o", "shared_gate", "shared_up", "shared_down"))),
+}
+
+
+def engine_adapter_specs(model: str) -> list[tuple[str, dict]]:
+    """(suffix, AdapterSpec fields) of ``model``'s engine adapters."""
+    from moelora_conformance.fixtures.specs import model_spec
+
+    if model_spec(model).shared_inter is None:
+        return list(ENGINE_ADAPTERS)
+    return [SHARED_EXPERT_ADAPTERS.get(suffix, (suffix, fields)) for suffix, fields in ENGINE_ADAPTERS]
+
+
 def _model_names() -> list[str]:
     from moelora_conformance.fixtures.specs import MODELS
 
@@ -51,7 +72,7 @@ def build_engine_adapters(root: Path) -> None:
 
     for model in _model_names():
         mspec = model_spec(model)
-        for suffix, fields in ENGINE_ADAPTERS:
+        for suffix, fields in engine_adapter_specs(model):
             name = f"{model}-{suffix}"
             spec = AdapterSpec(name, model, seed=zlib.crc32(name.encode()) % 10_000, **fields)
             build = build_fused_adapter if spec.format == "fused" else build_legacy_adapter
@@ -62,8 +83,8 @@ def build_engine_adapters(root: Path) -> None:
 
 
 def engine_adapter_dirs(root: Path) -> dict[str, list[tuple[str, Path]]]:
-    return {model: [(f"{model}-{suffix}", root / model / f"{model}-{suffix}") for suffix, _ in ENGINE_ADAPTERS]
-            for model in _model_names()}
+    return {model: [(f"{model}-{suffix}", root / model / f"{model}-{suffix}")
+                    for suffix, _ in engine_adapter_specs(model)] for model in _model_names()}
 
 
 def mixed_requests(adapters: list[str | None], n: int, *, seed: int, prompt_len: tuple[int, int] = (1, 24),
