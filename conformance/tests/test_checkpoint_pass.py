@@ -4,7 +4,9 @@ Covers: every fixture model gets at least three adapters of different ranks, one
 legacy per-expert, read back from disk with the rank and σ their configs say; the batches hold
 more than 32 requests of more than one token, every adapter slot and base requests; the pass on
 the H = 2·I model through the reference, ``triton`` and ``csgmv`` backends in every layer mode
-passes with every adapter and the base rows compared against HF + PEFT; a faulty backend (σ = α/r
+passes with every adapter and the base rows compared against HF + PEFT; the Qwen2-MoE shared expert's
+projections pass through every backend's dense path against the PEFT-wrapped ``mlp.shared_expert``
+(Qwen2-MoE gets no legacy adapter: peft 0.21.2 does not convert them, a named test); a faulty backend (σ = α/r
 for rsLoRA) fails it on the rsLoRA adapter's rows and the command exits 1; the command refuses a
 backend it cannot load (exit 2) and registers through the CLI's subcommand registry.
 """
