@@ -70,6 +70,8 @@ def test_model_on_disk(fixture_set, spec):
         assert shared["model.layers.1.mlp.shared_expert.gate_proj.weight"] == (spec.shared_inter, H)
         assert shared["model.layers.1.mlp.shared_expert.down_proj.weight"] == (H, spec.shared_inter)
         assert shared["model.layers.1.mlp.shared_expert_gate.weight"] == (1, H)
+        assert keys["model.layers.1.self_attn.v_proj.bias"][0] == (spec.kv_heads * spec.head_dim,)  # qkv_bias
+        assert "model.layers.1.self_attn.o_proj.bias" not in keys
     assert {dtype for _, dtype in keys.values()} == {"F32"}
 
 

@@ -1,7 +1,8 @@
 """Qwen2-MoE in the readers: the shared expert beside the routed experts, and LoRA on it.
 
 Covers: the config (shared_expert_intermediate_size, the shared expert's dense shapes in the layer
-spec; qkv_bias — true by default — refused, dense MLP layers refused); the base reader (shared expert
+spec; qkv_bias, true when absent; dense MLP layers refused); the q/k/v biases read (missing, mis-shaped,
+or present without qkv_bias: refused; o never has one); the base reader (shared expert
 read to ``DecoderLayerWeights.shared_expert``, per-expert and fused routed experts alike; a missing,
 mis-shaped or surplus shared-expert tensor refused; a Qwen3-MoE checkpoint with shared-expert keys
 still refused); the adapter reader (``mlp.shared_expert.{gate,up,down}_proj`` keys as the dense
@@ -96,7 +97,6 @@ def test_the_config_gives_the_shared_expert_dense_shapes():
 @pytest.mark.parametrize(
     ("over", "match"),
     [
-        ({"qkv_bias": True}, r"qkv_bias: q/k/v projection biases are not supported"),
         ({"mlp_only_layers": [0]}, r"dense MLP layers are not supported"),
         ({"decoder_sparse_step": 2}, r"dense MLP layers are not supported"),
     ],
@@ -107,11 +107,49 @@ def test_unsupported_qwen2_moe_configs(over, match):
 
 
 def test_an_absent_qkv_bias_means_biases():
-    # Qwen2MoeConfig's default is qkv_bias=True (Qwen1.5-MoE ships q/k/v biases).
+    # Qwen2MoeConfig's default is qkv_bias=True (Qwen1.5-MoE ships q/k/v biases); o has none.
     raw = _cfg()
     raw.pop("qkv_bias")
-    with pytest.raises(UnsupportedModelError, match=r"qkv_bias.*absent \(true\)"):
-        MoEModelConfig.from_dict(raw)
+    assert MoEModelConfig.from_dict(raw).qkv_bias is True
+    assert MoEModelConfig.from_dict(_cfg()).qkv_bias is False  # as model_config_dict writes it
+    assert MoEModelConfig.from_dict({**_cfg("qwen3_moe"), "qkv_bias": True}).qkv_bias is False  # not a Qwen3 field
+
+
+def test_qkv_biases_are_read(tmp_path):
+    raw = _cfg(qkv_bias=True)
+    want = random_model(MoEModelConfig.from_dict(raw), seed=8)
+    tensors = checkpoint_tensors(want)
+    assert tensors["model.layers.1.self_attn.k_proj.bias"].shape == (10,) and "self_attn.o_proj.bias" not in str(
+        sorted(tensors))
+    write_checkpoint(tmp_path, raw, tensors)
+    with MoECheckpoint(tmp_path) as ckpt:
+        got = ckpt.layer(1)
+    for m in "qkv":
+        assert torch.equal(got.bias(m), want.layers[1].bias(m))
+    assert got.bias("o") is None and got.bias("shared_gate") is None
+
+
+@pytest.mark.parametrize(
+    ("qkv_bias", "edit", "error", "match"),
+    [
+        (True, lambda t: t.pop("model.layers.0.self_attn.v_proj.bias"), MissingTensorError,
+         r"v_proj\.bias: required tensor is missing"),
+        (True, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(24)}), CheckpointShapeError,
+         r"q_proj\.bias: wrong shape \(expected \(20,\), found \(24,\)\)"),
+        (False, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(20)}), UnsupportedModelError,
+         r"q_proj\.bias.*layout has no place for"),
+        (True, lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": torch.zeros(24)}), UnsupportedModelError,
+         r"o_proj\.bias.*layout has no place for"),
+    ],
+    ids=["missing", "wrong-shape", "without-qkv_bias", "o-bias"],
+)
+def test_qkv_bias_refusals(tmp_path, qkv_bias, edit, error, match):
+    raw = _cfg(qkv_bias=qkv_bias)
+    tensors = checkpoint_tensors(random_model(MoEModelConfig.from_dict(raw), seed=9))
+    edit(tensors)
+    write_checkpoint(tmp_path, raw, tensors)
+    with pytest.raises(error, match=match):
+        MoECheckpoint(tmp_path)
 
 
 @pytest.mark.parametrize("value", [None, 0, "40"])

@@ -142,8 +142,9 @@ def dense_lora_forward(
     module: str,
     lora: LoRAWeights | None,
     token_lora_mapping: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A dense projection with per-token LoRA: y[t] = W x[t] + σ_s · B[s] (A[s] x[t]).
+    """A dense projection with per-token LoRA: y[t] = W x[t] (+ b) + σ_s · B[s] (A[s] x[t]).
 
     Args:
         x: [T, in].
@@ -151,6 +152,7 @@ def dense_lora_forward(
         module: "q", "k", "v", "o", "shared_gate", "shared_up" or "shared_down".
         lora: pool weights or None (base only).
         token_lora_mapping: [T] slot per token, ``NO_ADAPTER`` = none.
+        bias: [out] the projection's bias (Qwen2-MoE's q/k/v), or None; only with ``weight``.
 
     Returns:
         [T, out] float64.
@@ -163,6 +165,8 @@ def dense_lora_forward(
         xt = x[t].to(F64)
         if weight is not None:
             y[t] = weight.to(F64) @ xt
+            if bias is not None:
+                y[t] += bias.to(F64)
         slot = NO_ADAPTER if lora is None else int(token_lora_mapping[t])
         if slot != NO_ADAPTER:
             A, B = lora.factors(module)

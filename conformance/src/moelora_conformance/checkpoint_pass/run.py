@@ -93,6 +93,7 @@ class _LayerData:
     pool: LoRAWeights
     base: object  # MoEBaseWeights
     dense: dict[str, torch.Tensor]
+    dense_bias: dict[str, torch.Tensor]
     hf_base: object
     hf_adapters: list
 
@@ -138,7 +139,11 @@ def _hf_rows(model: str, backend: str, mode: str, layer: _LayerData, batch_name:
         with torch.no_grad():
             want = {"moe": hf.mlp.experts(run.moe_in[mask], inp.topk_ids[mask].long(), inp.topk_weights[mask])}
             for m, x in inp.dense_x.items():
+                # The harness's projection is the GEMM and its LoRA; a bias (Qwen2-MoE q/k/v) is a
+                # constant row the engine adds in its base GEMM, checked by hf-check and the engine tests.
                 want[m] = dense_module(hf, m)(x[mask])
+                if m in layer.dense_bias:
+                    want[m] = want[m] - layer.dense_bias[m]
         for part, expected in want.items():
             actual = run.y[mask] if part == "moe" else run.dense[part][mask]
             rep = DEFAULT_POLICY.check(actual, expected.double(), dtype=F32, what=f"{model} {backend} {mode} "
@@ -186,6 +191,7 @@ def run_model(fixtures: FixtureSet, work_dir: Path, model: str, *, backends: Seq
         for li in chosen:
             disk = ckpt.layer(li)
             data.append(_LayerData(li, pools[li], disk.moe, {m: disk.dense(m) for m in spec.dense_shapes},
+                                   {m: b for m in spec.dense_shapes if (b := disk.bias(m)) is not None},
                                    hf_base[li], [hf[li] for hf in hf_adapters]))
     for layer in data:
         ranks, scalings = layer.pool.slot_ranks(), layer.pool.slot_scalings()

@@ -41,6 +41,7 @@ def compare_backend_layer(
     base_side: dict,
     seed: int,
     shared: SharedExpertWeights | None = None,
+    dense_bias: dict[str, torch.Tensor] | None = None,
 ) -> list[CheckRow]:
     """Rows "moe", "moe base rows" and, per dense module, "<m>" and "<m> base rows".
 
@@ -80,6 +81,8 @@ def compare_backend_layer(
     for m, w in dense.items():
         xd = torch.randn(TOKENS, w.shape[1], generator=gen)
         out = xd @ w.T
+        if dense_bias and m in dense_bias:  # the base projection's bias (Qwen2-MoE q/k/v), before the delta
+            out = out + dense_bias[m]
         backend.dense_delta(m, xd, out, pool, info)
         row(m, out[a], lora_side["hf_dense"](m, xd[a]))
         row(f"{m} base rows", out[b], base_side["hf_dense"](m, xd[b]))

@@ -69,6 +69,7 @@ def compare_layer(
     expect: str = "equal",
     diverge_bound: float = 1e-2,
     shared: SharedExpertWeights | None = None,
+    dense_bias: dict[str, torch.Tensor] | None = None,
 ) -> list[CheckRow]:
     """Compare the oracle with the HF side on fresh random inputs.
 
@@ -81,6 +82,7 @@ def compare_layer(
             differ by more than ``diverge_bound``; routing and attention must still be equal).
         shared: the layer's shared expert (Qwen2-MoE): the MoE block is then the routed experts
             plus the oracle's gated shared expert with the pool's shared-expert LoRA.
+        dense_bias: module → [out] bias of the dense projections that have one (Qwen2-MoE's q/k/v).
 
     Returns:
         One row for routing, one for the MoE block, one per dense projection.
@@ -122,9 +124,10 @@ def compare_layer(
 
     for m, weight in dense.items():
         xd = torch.randn(T, weight.shape[1], generator=gen)
-        yd = dense_lora_forward(xd, weight, m, pool, mapping)
+        bias = (dense_bias or {}).get(m)
+        yd = dense_lora_forward(xd, weight, m, pool, mapping, bias=bias)
         d = None
         if pool is not None and m in pool.dense_A and pool.host_ranks[m][SLOT]:
-            d = _delta_rel(yd, dense_lora_forward(xd, weight, m, None, None))
+            d = _delta_rel(yd, dense_lora_forward(xd, weight, m, None, None, bias=bias))
         row(m, hf_dense(m, xd), yd, d, "equal")
     return rows

@@ -24,11 +24,11 @@ def _unwrap(module):
     return module
 
 
-def base_from_hf(layer, *, norm_topk_prob: bool
-                 ) -> tuple[MoEBaseWeights, dict[str, torch.Tensor], SharedExpertWeights | None]:
-    """(MoE block weights, dense projection weights [out, in], shared expert or None) of a decoder
-    layer; the dense weights are "q".."o" and, with a shared expert, "shared_gate" / "shared_up" /
-    "shared_down"."""
+def base_from_hf(layer, *, norm_topk_prob: bool) -> tuple[
+        MoEBaseWeights, dict[str, torch.Tensor], SharedExpertWeights | None, dict[str, torch.Tensor]]:
+    """(MoE block weights, dense projection weights [out, in], shared expert or None, dense biases
+    [out]) of a decoder layer; the dense weights are "q".."o" and, with a shared expert,
+    "shared_gate" / "shared_up" / "shared_down"; the biases those projections have (Qwen2-MoE's q/k/v)."""
     experts = _unwrap(layer.mlp.experts)
     moe = MoEBaseWeights(
         w_gate_up=experts.gate_up_proj.detach().clone(),  # [E, 2I, H], gate rows first
@@ -44,7 +44,9 @@ def base_from_hf(layer, *, norm_topk_prob: bool
                                        for p in ("gate", "up", "down")),
                                      gate=_unwrap(layer.mlp.shared_expert_gate).weight.detach().clone())
         dense.update({m: shared.dense(m) for m in SHARED_EXPERT_LEAVES})
-    return moe, dense, shared
+    biases = {m: b.detach().clone() for m in "qkvo"
+              if (b := _unwrap(getattr(layer.self_attn, f"{m}_proj")).bias) is not None}
+    return moe, dense, shared, biases
 
 
 def _expert_factors(wrapper) -> tuple[torch.Tensor, torch.Tensor, float]:

@@ -56,6 +56,11 @@ def _dense(disk, cfg) -> dict:
     return {m: disk.dense(m) for m in cfg.dense_shapes}
 
 
+def _bias(disk) -> dict:
+    """The biases [out] of a read layer's dense projections that have one (Qwen2-MoE's q/k/v)."""
+    return {m: b for m in "qkvo" if (b := disk.bias(m)) is not None}
+
+
 def _pools(ckpt_config, num_layers: int) -> list[LoRAWeights]:
     spec = ckpt_config.layer_spec(max_loras=SLOT + 1, max_rank=POOL_MAX_RANK)
     return [LoRAWeights(spec) for _ in range(num_layers)]
@@ -68,12 +73,14 @@ def check_model_base(fixtures: FixtureSet, model: str) -> list[CheckRow]:
     with MoECheckpoint(fixtures.model_dir(model)) as ckpt:
         cfg = ckpt.config
         for li, layer in enumerate(hf_model.decoder_layers(hf)):
-            moe, dense, shared = base_from_hf(layer, norm_topk_prob=cfg.norm_topk_prob)
+            moe, dense, shared, biases = base_from_hf(layer, norm_topk_prob=cfg.norm_topk_prob)
             disk = ckpt.layer(li)
-            for source, (m, d, se) in (("hf-memory", (moe, dense, shared)),
-                                       ("readers", (disk.moe, _dense(disk, cfg), disk.shared_expert))):
+            for source, (m, d, se, b) in (("hf-memory", (moe, dense, shared, biases)),
+                                          ("readers", (disk.moe, _dense(disk, cfg), disk.shared_expert,
+                                                       _bias(disk)))):
                 rows += compare_layer(model=model, adapter=BASE, source=source, layer=li, moe=m, dense=d, pool=None,
-                                      top_k=cfg.top_k, seed=_seed(model, li), shared=se, **_hf_side(layer))
+                                      top_k=cfg.top_k, seed=_seed(model, li), shared=se, dense_bias=b,
+                                      **_hf_side(layer))
     return rows
 
 
@@ -105,11 +112,11 @@ def check_adapter(fixtures: FixtureSet, adapter: str) -> list[CheckRow]:
         # hf-memory: weights from the transformers / peft modules.
         mem_pools = _pools(cfg, cfg.num_layers)
         for li, layer in enumerate(hf_layers):
-            moe, dense, shared = base_from_hf(layer, norm_topk_prob=cfg.norm_topk_prob)
+            moe, dense, shared, biases = base_from_hf(layer, norm_topk_prob=cfg.norm_topk_prob)
             mem_pools[li].load_slot(SLOT, lora_from_peft(layer, intermediate=cfg.moe_intermediate_size))
             rows += compare_layer(model=model, adapter=adapter, source="hf-memory", layer=li, moe=moe, dense=dense,
                                   pool=mem_pools[li], top_k=cfg.top_k, seed=_seed(adapter, li), shared=shared,
-                                  **_hf_side(layer))
+                                  dense_bias=biases, **_hf_side(layer))
         # readers: everything from disk through moelora_core.checkpoint.
         read = read_adapter(adapter_dir, cfg, max_rank=POOL_MAX_RANK)
         rows.append(_rank_sigma_row(model, adapter, read, entry["modules"]))
@@ -120,7 +127,7 @@ def check_adapter(fixtures: FixtureSet, adapter: str) -> list[CheckRow]:
             disk = disk_layers[li]
             rows += compare_layer(model=model, adapter=adapter, source="readers", layer=li, moe=disk.moe,
                                   dense=_dense(disk, cfg), pool=pools[li], top_k=cfg.top_k, seed=_seed(adapter, li),
-                                  shared=disk.shared_expert, **_hf_side(layer),
+                                  shared=disk.shared_expert, dense_bias=_bias(disk), **_hf_side(layer),
                                   expect="diverge" if divergent else "equal")
             if divergent:
                 # peft's σ on the fused gate_up: 2α/√(2r) = √2 · α/√r.
@@ -138,13 +145,15 @@ def check_adapter(fixtures: FixtureSet, adapter: str) -> list[CheckRow]:
                 disk = disk_layers[li]
                 rows += compare_layer(model=model, adapter=adapter, source="per-module", layer=li, moe=disk.moe,
                                       dense=_dense(disk, cfg), pool=pools[li], top_k=cfg.top_k,
-                                      seed=_seed(adapter, li), shared=disk.shared_expert, **_hf_side(layer))
+                                      seed=_seed(adapter, li), shared=disk.shared_expert, dense_bias=_bias(disk),
+                                      **_hf_side(layer))
             if divergent:
                 lora_layers = merged  # moelora serves the file's modules, not peft's converted σ
         if backend_available():
             for li, disk in enumerate(disk_layers):
                 rows += compare_backend_layer(model=model, adapter=adapter, layer=li, moe=disk.moe,
-                                              dense=_dense(disk, cfg), shared=disk.shared_expert, pool=pools[li],
+                                              dense=_dense(disk, cfg), shared=disk.shared_expert,
+                                              dense_bias=_bias(disk), pool=pools[li],
                                               lora_side=_hf_side(lora_layers[li]), base_side=_hf_side(base_layers[li]),
                                               seed=_seed(adapter, "backend", li))
     return rows

@@ -5,6 +5,7 @@ Per decoder layer (as transformers 5.17 computes it; x rows are the step's token
 
     a = rms_norm(h, input_layernorm)
     q, k, v = a W_qᵀ, a W_kᵀ, a W_vᵀ        + backend.dense_delta("q"/"k"/"v", ...)    (PEFT: base + σ·B(A a))
+               (+ b_q, b_k, b_v with Qwen2-MoE's qkv_bias, in the base GEMM, before the delta)
     OLMoE:     q, k = rms_norm(q, q_norm), rms_norm(k, k_norm)   over heads·head_dim, then clip_qkv
     Qwen3-MoE: q, k = rms_norm per head over head_dim
     q, k = rope(q, k, positions)               (θ of the config; rotate-half, transformers' default RoPE)
@@ -100,7 +101,7 @@ class DecoderLayer:
         self.moe: MoEBaseWeights = weights.moe
 
     def _dense(self, module: str, x: torch.Tensor, lora: LoRAContext, fb: ForwardBatch) -> torch.Tensor:
-        out = F.linear(x, self.w.dense(module))
+        out = F.linear(x, self.w.dense(module), self.w.bias(module))  # q/k/v bias: Qwen2-MoE qkv_bias
         lora.backend.dense_delta(module, x, out, lora.pools[self.index], fb.lora_info)
         return out
 
@@ -173,7 +174,8 @@ class MoEDecoder:
                                         o_proj=to(lw.o_proj), q_norm=to(lw.q_norm), k_norm=to(lw.k_norm),
                                         input_layernorm=to(lw.input_layernorm),
                                         post_attention_layernorm=to(lw.post_attention_layernorm), moe=moe,
-                                        shared_expert=None if lw.shared_expert is None else lw.shared_expert.map(to))
+                                        shared_expert=None if lw.shared_expert is None else lw.shared_expert.map(to),
+                                        q_bias=to(lw.q_bias), k_bias=to(lw.k_bias), v_bias=to(lw.v_bias))
             self.layers.append(DecoderLayer(i, moved, self.config))
         c = self.config
         self.rope = RotaryEmbedding(c.head_dim, c.rope_theta, max_positions, dtype, device)
@@ -190,6 +192,7 @@ class MoEDecoder:
             w = layer.w
             tensors += [w.q_proj, w.k_proj, w.v_proj, w.o_proj, w.q_norm, w.k_norm, w.input_layernorm,
                         w.post_attention_layernorm, w.moe.w_gate_up, w.moe.w_down, w.moe.router]
+            tensors += [w.q_bias, w.k_bias, w.v_bias]
             if w.shared_expert is not None:
                 se = w.shared_expert
                 tensors += [se.gate_proj, se.up_proj, se.down_proj, se.gate]

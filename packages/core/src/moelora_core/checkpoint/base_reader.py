@@ -6,6 +6,7 @@ Formats read (transformers 5.17; see :mod:`moelora_core.checkpoint.families`):
   down_proj.weight`` (Qwen3-MoE, OLMoE), ``block_sparse_moe.experts.{e}.w1/w3/w2.weight`` (Mixtral);
 - the fused 3-D form: ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows first) and
   ``mlp.experts.down_proj`` [E, H, I];
+- q/k/v biases ``self_attn.{q,k,v}_proj.bias`` where the config has ``qkv_bias`` (Qwen2-MoE);
 - Qwen2-MoE's shared expert beside either form: ``mlp.shared_expert.{gate,up,down}_proj.weight``
   ([Is, H], [Is, H], [H, Is]) and its sigmoid gate ``mlp.shared_expert_gate.weight`` [1, H].
 
@@ -111,6 +112,8 @@ class MoECheckpoint:
             for module, leaf in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj")):
                 fin, fout = dense[module]
                 self._expect(f"{p}.self_attn.{leaf}.weight", (fout, fin))
+                if c.qkv_bias and module != "o":
+                    self._expect(f"{p}.self_attn.{leaf}.bias", (fout,))
             if c.family.qk_norm == "per_head":
                 self._expect(f"{p}.self_attn.q_norm.weight", (c.head_dim,))
                 self._expect(f"{p}.self_attn.k_norm.weight", (c.head_dim,))
@@ -217,6 +220,7 @@ class MoECheckpoint:
             post_attention_layernorm=self.tensor(f"model.layers.{layer}.post_attention_layernorm.weight"),
             moe=self.moe(layer),
             shared_expert=self.shared_expert(layer),
+            **{f"{m}_bias": self.tensor(f"{p}.{m}_proj.bias") if self.config.qkv_bias else None for m in "qkv"},
         )
 
     def embed_tokens(self) -> torch.Tensor:

@@ -18,8 +18,8 @@ olmoe          as qwen3_moe                                   intermediate_size,
 qwen2_moe      as qwen3_moe, plus the shared expert           moe_intermediate_size, num_experts,
                model.layers.l.mlp.shared_expert.gate_proj /   shared_expert_intermediate_size,
                up_proj / down_proj .weight and its sigmoid    norm_topk_prob (default False),
-               gate model.layers.l.mlp.shared_expert_gate.    qkv_bias (refused when true); no
-               weight [1, H]                                  q/k norm
+               gate model.layers.l.mlp.shared_expert_gate.    qkv_bias (q/k/v biases, default
+               weight [1, H]; self_attn.{q,k,v}_proj.bias     true); no q/k norm
 =============  ===========================================  ====================================
 
 Qwen2-MoE's MoE block (transformers ``Qwen2MoeSparseMoeBlock``) adds a dense shared expert to the

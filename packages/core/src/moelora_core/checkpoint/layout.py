@@ -7,6 +7,7 @@ field                      shape                  meaning
 =========================  =====================  ==========================================
 q_proj / k_proj / v_proj   [nh·d, H] / [nkv·d, H] attention projections, ``y = W x``
 o_proj                     [H, nh·d]
+q_bias / k_bias / v_bias   [nh·d] / [nkv·d]       Qwen2-MoE ``qkv_bias``: ``y = W x + b``; else None
 q_norm / k_norm            [d] or [nh·d]/[nkv·d]  Qwen3-MoE: per head; OLMoE: full width; else None
 input_layernorm            [H]                    RMSNorm before attention
 post_attention_layernorm   [H]                    RMSNorm before the MoE block
@@ -46,6 +47,13 @@ class DecoderLayerWeights:
     post_attention_layernorm: torch.Tensor
     moe: MoEBaseWeights
     shared_expert: SharedExpertWeights | None = None
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+
+    def bias(self, module: str) -> torch.Tensor | None:
+        """The [out] bias of dense module ``module`` (q, k, v of a model with ``qkv_bias``), else None."""
+        return {"q": self.q_bias, "k": self.k_bias, "v": self.v_bias}.get(module)
 
     def dense(self, module: str) -> torch.Tensor:
         """The [out, in] weight of dense module "q", "k", "v", "o", or of a shared-expert module

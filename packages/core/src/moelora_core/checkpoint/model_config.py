@@ -38,6 +38,8 @@ class MoEModelConfig:
         torch_dtype: the dtype config.json declares ("float32", ...), None when absent.
         shared_expert_intermediate_size: Is, the width of the dense shared expert (Qwen2-MoE's
             ``shared_expert_intermediate_size``); None for a family without one.
+        qkv_bias: the q, k and v projections have biases (Qwen2-MoE's ``qkv_bias``, true when the
+            key is absent, as in transformers); o never has one.
     """
 
     family: Family
@@ -58,6 +60,7 @@ class MoEModelConfig:
     clip_qkv: float | None = None
     torch_dtype: str | None = None
     shared_expert_intermediate_size: int | None = None
+    qkv_bias: bool = False
 
     @property
     def model_type(self) -> str:
@@ -103,8 +106,8 @@ class MoEModelConfig:
 
         Raises:
             UnsupportedModelError: unknown ``model_type``; a Qwen3-MoE or Qwen2-MoE with dense MLP
-                layers (``mlp_only_layers`` / ``decoder_sparse_step``); attention or MLP biases
-                (Qwen2-MoE's ``qkv_bias``, true by default in transformers); an activation other
+                layers (``mlp_only_layers`` / ``decoder_sparse_step``); ``attention_bias`` (o too)
+                or MLP biases (Qwen2-MoE's q/k/v-only ``qkv_bias`` is read); an activation other
                 than SiLU.
             CheckpointFormatError: a required field is missing or not a positive int.
         """
@@ -143,10 +146,7 @@ class MoEModelConfig:
                 raise UnsupportedModelError(path, f"config.json {key}", "biases are not supported", found=True)
         # Qwen2MoeConfig's qkv_bias defaults to True (q/k/v biases, as Qwen1.5-MoE ships them): an
         # absent key means biases too.
-        if model_type == "qwen2_moe" and raw.get("qkv_bias", True):
-            raise UnsupportedModelError(path, "config.json qkv_bias", "q/k/v projection biases are not supported "
-                                        "(Qwen2MoeConfig's default is true)", expected=False,
-                                        found=raw.get("qkv_bias", "absent (true)"))
+        qkv_bias = bool(raw.get("qkv_bias", True)) if model_type == "qwen2_moe" else False
         shared_inter = positive("shared_expert_intermediate_size") if family.shared_expert else None
         act = raw.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
@@ -183,6 +183,7 @@ class MoEModelConfig:
             clip_qkv=None if clip is None else float(clip),
             torch_dtype=raw.get("dtype", raw.get("torch_dtype")),
             shared_expert_intermediate_size=shared_inter,
+            qkv_bias=qkv_bias,
         )
 
 

@@ -91,6 +91,7 @@ def random_model(config: MoEModelConfig, seed: int = 0) -> ModelWeights:
             moe=MoEBaseWeights(w_gate_up=lin(E, 2 * I, H), w_down=lin(E, H, I), router=lin(E, H),
                                norm_topk_prob=c.norm_topk_prob),
             shared_expert=None if si is None else SharedExpertWeights(lin(si, H), lin(si, H), lin(H, si), lin(1, H)),
+            **({f"{m}_bias": 0.5 * torch.randn(dense[m][1], generator=gen) for m in "qkv"} if c.qkv_bias else {}),
         ))
     embed = torch.randn(c.vocab_size, H, generator=gen)
     return ModelWeights(config=c, embed_tokens=embed, layers=layers, norm=norm(H),
@@ -109,6 +110,8 @@ def checkpoint_tensors(weights: ModelWeights, *, fused: bool = False) -> dict[st
         p = f"model.layers.{li}"
         for m in "qkvo":
             out[f"{p}.self_attn.{DENSE_LEAVES[m]}.weight"] = layer.dense(m)
+            if layer.bias(m) is not None:
+                out[f"{p}.self_attn.{DENSE_LEAVES[m]}.bias"] = layer.bias(m)
         if layer.q_norm is not None:
             out[f"{p}.self_attn.q_norm.weight"] = layer.q_norm
             out[f"{p}.self_attn.k_norm.weight"] = layer.k_norm
