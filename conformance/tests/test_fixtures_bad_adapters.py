@@ -1,8 +1,10 @@
 """Each refusal kind of the readers on a bad adapter built from what peft writes: the exact error class,
 a message naming the adapter, the key or module and expected vs found, and no slot changed.
 
-The pools hold two good adapters (slots 0 and 1) before each attempt; after the refusal every
-tensor and host list of every layer's pool is bit-identical. The rank case reads fine without a
+The pools (of the model the bad adapter is loaded for) hold two good adapters (slots 0 and 1) before
+each attempt; after the refusal every tensor and host list of every layer's pool is bit-identical.
+The Qwen2-MoE ones are shared-expert LoRA with wrong shapes (a lost row, a transposed A) and LoRA on
+the shared expert's sigmoid gate. The rank case reads fine without a
 limit and is refused when loaded into a pool of R = 16.
 """
 
@@ -22,24 +24,27 @@ def _snapshot(pools):
     return out
 
 
-@pytest.fixture
-def loaded_pools(fixture_set):
+#: The two good adapters loaded into slots 0 and 1 of the model a bad adapter is loaded for.
+GOOD = {"qwen3_moe": ("qwen3_moe-r8", "qwen3_moe-pattern"), "qwen2_moe": ("qwen2_moe-r8", "qwen2_moe-shared-only")}
+
+
+def _loaded_pools(fixture_set, model):
     from moelora_core import LoRAWeights
     from moelora_core.checkpoint import load_adapter_into_slot, read_adapter, read_model_config
 
-    cfg = read_model_config(fixture_set.model_dir("qwen3_moe"))
+    cfg = read_model_config(fixture_set.model_dir(model))
     pools = [LoRAWeights(cfg.layer_spec(max_loras=2, max_rank=POOL_MAX_RANK)) for _ in range(cfg.num_layers)]
-    for slot, name in enumerate(("qwen3_moe-r8", "qwen3_moe-pattern")):
+    for slot, name in enumerate(GOOD[model]):
         load_adapter_into_slot(pools, slot, read_adapter(fixture_set.adapter_dir(name), cfg, max_rank=POOL_MAX_RANK))
     return cfg, pools
 
 
 @pytest.mark.parametrize("spec", BAD_ADAPTERS, ids=lambda s: s.name)
-def test_bad_adapter_is_refused_and_no_slot_changes(fixture_set, loaded_pools, spec):
+def test_bad_adapter_is_refused_and_no_slot_changes(fixture_set, spec):
     from moelora_core import AdapterError
     from moelora_core import checkpoint as ck
 
-    cfg, pools = loaded_pools
+    cfg, pools = _loaded_pools(fixture_set, spec.model)
     before = _snapshot(pools)
     kind = getattr(ck, spec.refusal)
     path = fixture_set.bad_adapter_dir(spec.name)

@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from moelora_conformance.cli import main
 from moelora_conformance.fixtures import ADAPTERS, BAD_ADAPTERS, MODELS
+from moelora_conformance.fixtures.specs import SHARED
 
 
 def _keys(path):
@@ -27,7 +28,7 @@ def test_manifest_lists_every_spec(fixture_set):
     assert sorted(m["models"]) == sorted(s.name for s in MODELS)
     assert sorted(m["adapters"]) == sorted(s.name for s in ADAPTERS)
     assert sorted(m["bad_adapters"]) == sorted(s.name for s in BAD_ADAPTERS)
-    assert {e["family"] for e in m["models"].values()} == {"qwen3_moe", "mixtral", "olmoe"}
+    assert {e["family"] for e in m["models"].values()} == {"qwen3_moe", "mixtral", "olmoe", "qwen2_moe"}
     for name, entry in m["adapters"].items():
         assert entry["modules"], name
         assert set(entry["modules"]) == {"0", "1"}, name
@@ -61,6 +62,16 @@ def test_model_on_disk(fixture_set, spec):
     else:
         assert keys[f"model.layers.1.mlp.experts.{E - 1}.up_proj.weight"][0] == (I, H)
         assert keys["model.layers.1.mlp.experts.0.down_proj.weight"][0] == (H, I)
+    shared = {k: shape for k, (shape, _) in keys.items() if ".shared_expert" in k}
+    if spec.shared_inter is None:
+        assert not shared
+    else:  # Qwen2-MoE: the shared expert, wider than H and than the routed experts' 2I
+        assert spec.shared_inter not in (H, I, 2 * I)
+        assert shared["model.layers.1.mlp.shared_expert.gate_proj.weight"] == (spec.shared_inter, H)
+        assert shared["model.layers.1.mlp.shared_expert.down_proj.weight"] == (H, spec.shared_inter)
+        assert shared["model.layers.1.mlp.shared_expert_gate.weight"] == (1, H)
+        assert keys["model.layers.1.self_attn.v_proj.bias"][0] == (spec.kv_heads * spec.head_dim,)  # qkv_bias
+        assert "model.layers.1.self_attn.o_proj.bias" not in keys
     assert {dtype for _, dtype in keys.values()} == {"F32"}
 
 
@@ -74,9 +85,11 @@ def test_adapter_on_disk(fixture_set, spec):
     assert config["use_rslora"] is spec.use_rslora
     fused = [k for k in keys if ".mlp.experts.lora_" in k or ".experts.base_layer." in k]
     per_expert = [k for k in keys if ".experts.0." in k]
+    shared = {k for k in keys if ".mlp.shared_expert." in k}
+    assert len(shared) == 2 * 2 * len(set(spec.dense) & set(SHARED))  # A and B, two layers
     if spec.format == "fused":
-        assert fused and not per_expert
-        assert sorted(config["target_parameters"]) == sorted(f"mlp.experts.{p}" for p in spec.experts)
+        assert bool(fused) == bool(spec.experts) and not per_expert
+        assert sorted(config["target_parameters"] or []) == sorted(f"mlp.experts.{p}" for p in spec.experts)
         nested = any("experts.base_layer" in k for k in keys)
         assert nested == (len(spec.experts) == 2)  # gate_up is the inner wrapper when both are targeted
     else:
@@ -103,7 +116,7 @@ def _digest(root):
 
 def test_make_fixtures_cli_is_deterministic(fixture_set, tmp_path, capsys):
     assert main(["make-fixtures", str(tmp_path / "again")]) == 0
-    assert "built 6 models, 18 adapters, 10 bad adapters" in capsys.readouterr().out
+    assert "built 7 models, 20 adapters, 13 bad adapters" in capsys.readouterr().out
     first, second = _digest(fixture_set.root), _digest(tmp_path / "again")
     assert first.keys() == second.keys()
     differ = [k for k in first if first[k] != second[k]]

@@ -12,6 +12,10 @@ fixture adapter, fp32, max and RMS relative error <= 1e-5 (DEFAULT_POLICY), topk
 - ``reference-backend``: the readers' pools through moelora_reference's backend on a mixed batch
   (adapter request + base request): adapter rows equal HF+PEFT, base rows equal HF without adapter.
 
+Qwen2-MoE: the MoE block is transformers' whole ``Qwen2MoeSparseMoeBlock`` (routed + gated shared
+expert) and the shared expert's projections are compared like q/k/v/o; an oracle that leaves out
+the shared expert, or its LoRA, fails (``test_the_block_needs_the_shared_expert_and_its_lora``).
+
 Each LoRA delta is a visible fraction of its output (> 10 %), so an ignored, doubled or transposed
 delta fails by far more than the tolerance. The documented peft divergence (legacy + rsLoRA) is
 asserted in test_hf_legacy_rslora.py.
@@ -20,6 +24,7 @@ asserted in test_hf_legacy_rslora.py.
 import pytest
 
 from moelora_conformance.fixtures import ADAPTERS, MODELS
+from moelora_conformance.fixtures.specs import SHARED, model_spec
 from moelora_conformance.hf_check import check_adapter, check_model_base
 
 VISIBLE = 0.1
@@ -34,8 +39,9 @@ def _failures(rows):
 def test_oracle_without_adapter_equals_hf_base(fixture_set, model):
     rows = check_model_base(fixture_set, model)
     assert {r.source for r in rows} == {"hf-memory", "readers"}
-    assert {r.part for r in rows} == {"routing", "moe", "q", "k", "v", "o"}
-    assert len(rows) == 2 * 2 * 6  # two sources × two layers × six parts
+    dense = {"q", "k", "v", "o"} | (set(SHARED) if model_spec(model).shared_inter else set())
+    assert {r.part for r in rows} == {"routing", "moe"} | dense
+    assert len(rows) == 2 * 2 * (2 + len(dense))  # two sources × two layers × the parts
     assert all(r.ok for r in rows), _failures(rows)
 
 
@@ -56,3 +62,38 @@ def test_oracle_with_adapter_equals_hf_peft(fixture_set, spec):
             assert r.delta_rel is not None and r.delta_rel > VISIBLE, (r.source, r.layer, r.part, r.delta_rel)
     compared = {(r.source, r.part) for r in rows if r.part not in ("routing", "rank/σ")}
     assert {("readers", "moe"), ("hf-memory", "moe")} <= compared
+
+
+def test_the_block_needs_the_shared_expert_and_its_lora(fixture_set):
+    # The same comparison as hf-check's "readers" rows, with the oracle's shared expert dropped, or its
+    # LoRA dropped (the slot's shared modules cleared): the MoE block must then differ from HF + PEFT.
+    from moelora_conformance.fixtures.specs import POOL_MAX_RANK
+    from moelora_conformance.hf_check import hf_model
+    from moelora_conformance.hf_check.compare import SLOT, compare_layer
+    from moelora_core import LoRAWeights, ModuleLoRA
+    from moelora_core.checkpoint import MoECheckpoint, load_adapter_into_slot, read_adapter
+
+    adapter = "qwen2_moe-shared-only"
+    model_dir, adapter_dir = fixture_set.model_dir("qwen2_moe"), fixture_set.adapter_dir(adapter)
+    layer = hf_model.decoder_layers(hf_model.load_hf(model_dir, adapter_dir))[0]
+    side = dict(hf_moe=lambda x: hf_model.hf_moe(layer, x), hf_route=lambda x: hf_model.hf_route(layer, x),
+                hf_dense=lambda m, x: hf_model.hf_dense(layer, m, x))
+    with MoECheckpoint(model_dir) as ckpt:
+        cfg, disk = ckpt.config, ckpt.layer(0)
+    read = read_adapter(adapter_dir, cfg, max_rank=POOL_MAX_RANK)
+    spec = cfg.layer_spec(max_loras=SLOT + 1, max_rank=POOL_MAX_RANK)
+    pools = [LoRAWeights(spec) for _ in range(cfg.num_layers)]
+    load_adapter_into_slot(pools, SLOT, read)
+    common = dict(model="qwen2_moe", adapter=adapter, source="readers", layer=0, moe=disk.moe, dense={},
+                  top_k=cfg.top_k, seed=3, **side)
+
+    def moe_ok(pool, shared) -> bool:
+        (row,) = [r for r in compare_layer(pool=pool, shared=shared, **common) if r.part == "moe"]
+        return row.ok
+
+    assert moe_ok(pools[0], disk.shared_expert)
+    assert not moe_ok(pools[0], None)  # the routed experts alone
+    no_shared_lora = LoRAWeights(spec)
+    no_shared_lora.load_slot(SLOT, {m: ModuleLoRA(*((0.0 * t) for t in (lo.lora_A, lo.lora_B)), lo.scaling)
+                                    for m, lo in read.layers[0].items()})
+    assert not moe_ok(no_shared_lora, disk.shared_expert)  # the shared expert without its LoRA

@@ -49,9 +49,13 @@ def _assert_same(read, want):
         assert torch.equal(got.moe.w_down, exp.moe.w_down)
         assert torch.equal(got.moe.router, exp.moe.router)
         assert got.moe.norm_topk_prob == exp.moe.norm_topk_prob
+        assert (got.shared_expert is None) == (exp.shared_expert is None)
+        if exp.shared_expert is not None:
+            for name in ("gate_proj", "up_proj", "down_proj", "gate"):
+                assert torch.equal(getattr(got.shared_expert, name), getattr(exp.shared_expert, name)), name
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
 @pytest.mark.parametrize("fused", [False, True], ids=["per_expert", "fused"])
 def test_every_family_and_form_reads_to_one_layout(tmp_path, family, fused):
     raw, cfg = _model(family)
@@ -156,7 +160,7 @@ def test_unconsumed_tensors_are_refused(tmp_path):
 @pytest.mark.parametrize(
     ("family", "over", "match"),
     [
-        ("qwen3_moe", {"model_type": "qwen2_moe"}, r"unsupported model family"),
+        ("qwen3_moe", {"model_type": "deepseek_v3"}, r"unsupported model family"),
         ("qwen3_moe", {"mlp_only_layers": [1]}, r"dense MLP layers are not supported"),
         ("qwen3_moe", {"decoder_sparse_step": 2}, r"dense MLP layers are not supported"),
         ("olmoe", {"attention_bias": True}, r"attention_bias: biases are not supported"),

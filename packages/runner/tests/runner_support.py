@@ -5,7 +5,10 @@ KV state.
 Engine adapters (per fixture model, built with the fixtures builder on the model's own spec, so every
 family gets each format): fused experts + q/k/v/o (r 8), fused + q/v under rsLoRA (r 6), legacy
 per-expert gate/up/down + o (r 3), attention-only stored in fp16 (r 5), fused with rank_pattern /
-alpha_pattern (r 4; gate_up 2, q 7). Five ranks, five formats.
+alpha_pattern (r 4; gate_up 2, q 7). Five ranks, five formats. On a model with a shared expert
+(Qwen2-MoE) the fused r 8 adapter also targets the shared expert's gate / up / down, and the legacy
+one — which peft 0.21.2 does not convert for ``qwen2_moe``, so no HF + PEFT forward exists
+(``moelora_conformance.checkpoint_pass.adapters``) — is replaced by a shared-expert + o adapter (r 3).
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ import torch
 # The engine adapters and the HF + PEFT reference are the e2e suite's too (one place for each).
 from moelora_conformance.e2e.adapters import (  # noqa: F401 (re-exported for the tests)
     ENGINE_ADAPTERS,
+    SHARED_EXPERT_ADAPTERS,
     build_engine_adapters,
     engine_adapter_dirs,
+    engine_adapter_specs,
 )
 from moelora_conformance.e2e.engine_checks import (  # noqa: F401 (re-exported for the tests)
     HFReference,

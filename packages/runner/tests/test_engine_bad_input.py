@@ -85,18 +85,23 @@ def test_unknown_adapter_fails_its_request_and_the_batch_goes_on(engine, make_en
 
 
 @pytest.mark.parametrize("spec", BAD_ADAPTERS, ids=lambda s: s.name)
-def test_reader_refusal_reaches_the_caller_and_changes_nothing(spec, engine, fixture_set):
+def test_reader_refusal_reaches_the_caller_and_changes_nothing(spec, make_engine, fixture_set):
+    # Each on an engine of the model it is loaded for (Qwen3-MoE; the shared-expert ones Qwen2-MoE),
+    # with a served adapter pinned in a slot.
     entry = fixture_set.bad_adapter(spec.name)
-    assert entry["model"] == MODEL and entry["max_rank"] == rs.POOL_RANK
+    model = entry["model"]
+    assert model in (MODEL, "qwen2_moe") and entry["max_rank"] == rs.POOL_RANK
+    engine = make_engine(model, max_loras=2)
+    engine.pin(f"{model}-eng-fused-r8")
     path = fixture_set.bad_adapter_dir(spec.name)
-    probe = _request(f"{MODEL}-eng-fused-r8")
+    probe = _request(f"{model}-eng-fused-r8")
     before = engine.generate([probe])[0]
     _refused(engine, REFUSALS[entry["refusal"]], entry["message"], lambda: engine.load_adapter(spec.name, path))
     assert spec.name not in engine.adapters
     assert engine.metrics_.value("moelora_adapter_refusals_total", error=entry["refusal"]) == 1
     # A reload of a served name with the bad files is refused the same way; the old weights still serve.
     _refused(engine, REFUSALS[entry["refusal"]], entry["message"][:1],
-             lambda: engine.load_adapter(f"{MODEL}-eng-fused-r8", path))
+             lambda: engine.load_adapter(f"{model}-eng-fused-r8", path))
     after = engine.generate([probe])[0]
     assert after.output_token_ids == before.output_token_ids and after.output_logprobs == before.output_logprobs
 

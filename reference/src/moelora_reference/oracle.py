@@ -8,6 +8,14 @@ e_1..e_k with router weights w_1..w_k, and per-module scalings σ:
     h_j = silu(g_j) ⊙ u_j
     y   = Σ_j w_j · ( W_down[e_j] h_j + σ_down · B_down[s,e_j] (A_down[s,e_j] h_j) )
 
+Qwen2-MoE adds a dense shared expert to every token (:func:`shared_expert_forward`):
+
+    s   = W_sd (silu(W_sg x + Δ_shared_gate) ⊙ (W_su x + Δ_shared_up)) + Δ_shared_down
+    y  += sigmoid(w_gate · x) · s
+
+with each Δ the dense LoRA delta σ·B(A ·) of that projection (modules shared_gate / shared_up /
+shared_down).
+
 Sources: LoRA (Hu et al., arXiv:2106.09685); SwiGLU experts as in Mixtral / Qwen3-MoE
 (transformers ``Qwen3MoeExperts``); the multi-LoRA MoE layout of SGLang's MoE-LoRA PR
 (sgl-project/sglang#14105) and vLLM's fused MoE-LoRA.
@@ -29,6 +37,7 @@ import torch
 
 from moelora_core.errors import InvalidFieldError
 from moelora_core.sentinels import NO_ADAPTER
+from moelora_core.shared_expert import SharedExpertWeights
 from moelora_core.weights import LoRAWeights
 
 F64 = torch.float64
@@ -133,15 +142,17 @@ def dense_lora_forward(
     module: str,
     lora: LoRAWeights | None,
     token_lora_mapping: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A dense projection with per-token LoRA: y[t] = W x[t] + σ_s · B[s] (A[s] x[t]).
+    """A dense projection with per-token LoRA: y[t] = W x[t] (+ b) + σ_s · B[s] (A[s] x[t]).
 
     Args:
         x: [T, in].
         weight: [out, in] base weight, or None to return the LoRA delta alone.
-        module: "q", "k", "v" or "o".
+        module: "q", "k", "v", "o", "shared_gate", "shared_up" or "shared_down".
         lora: pool weights or None (base only).
         token_lora_mapping: [T] slot per token, ``NO_ADAPTER`` = none.
+        bias: [out] the projection's bias (Qwen2-MoE's q/k/v), or None; only with ``weight``.
 
     Returns:
         [T, out] float64.
@@ -154,8 +165,35 @@ def dense_lora_forward(
         xt = x[t].to(F64)
         if weight is not None:
             y[t] = weight.to(F64) @ xt
+            if bias is not None:
+                y[t] += bias.to(F64)
         slot = NO_ADAPTER if lora is None else int(token_lora_mapping[t])
         if slot != NO_ADAPTER:
             A, B = lora.factors(module)
             y[t] += lora_delta(A[slot], B[slot], lora.scalings(module)[slot], xt)
     return y
+
+
+def shared_expert_forward(
+    x: torch.Tensor,
+    shared: SharedExpertWeights,
+    lora: LoRAWeights | None,
+    token_lora_mapping: torch.Tensor | None,
+) -> torch.Tensor:
+    """Qwen2-MoE's shared expert with per-token LoRA on its three projections, in float64:
+    y[t] = sigmoid(w_gate · x[t]) · shared_down(silu(shared_gate(x[t])) ⊙ shared_up(x[t])), each
+    projection W x + σ_s · B[s] (A[s] x) (:func:`dense_lora_forward`). Source: transformers
+    ``Qwen2MoeSparseMoeBlock.forward``.
+
+    Args:
+        x: [T, H]. shared: the layer's shared expert. lora, token_lora_mapping: as
+            :func:`dense_lora_forward` (a pool whose spec holds the three shared-expert modules).
+
+    Returns:
+        [T, H] float64: the term added to the routed experts' output.
+    """
+    g = dense_lora_forward(x, shared.gate_proj, "shared_gate", lora, token_lora_mapping)  # [T, Is]
+    u = dense_lora_forward(x, shared.up_proj, "shared_up", lora, token_lora_mapping)  # [T, Is]
+    s = dense_lora_forward(silu(g) * u, shared.down_proj, "shared_down", lora, token_lora_mapping)  # [T, H]
+    gate = torch.sigmoid(x.to(F64) @ shared.gate.to(F64).T)  # [T, 1]
+    return gate * s

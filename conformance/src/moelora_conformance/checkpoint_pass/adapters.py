@@ -7,13 +7,19 @@ adapter of distinct ranks, so the pass builds its own into a work directory with
 builder (peft for the fused ones, the hand-written legacy keys for the per-expert one), on the same
 model specs and seeds derived from their names:
 
-- ``<model>-pass-r8``: fused experts (gate_up and down) + q, k, v, o; r 8, α 16;
-- ``<model>-pass-rslora-r6``: fused experts + q, v; r 6, α 12, rsLoRA (σ = α/√r);
+- ``<model>-pass-r8``: fused experts (gate_up and down) + q, k, v, o (+ the shared expert's gate,
+  up, down on a Qwen2-MoE); r 8, α 16;
+- ``<model>-pass-rslora-r6``: fused experts + q, v (+ the shared expert's down); r 6, α 12, rsLoRA
+  (σ = α/√r);
 - ``<model>-pass-legacy-r3``: legacy per-expert gate/up/down (gate_A != up_A) + o; r 3, α 6.
 
 Legacy adapters under rsLoRA are left out: peft converts them with another σ (DESIGN.md §1), so no
 HF+PEFT forward exists to compare with (the hf-check covers that case against a per-module
-reference).
+reference). So is the legacy adapter of a Qwen2-MoE: peft 0.21.2 converts legacy per-expert adapters
+only for the model types its conversion table maps *to* ``qwen2_moe`` (qwen3_moe, olmoe, ...), not
+for ``qwen2_moe`` itself, so it leaves the experts unwrapped and drops the per-expert keys without a
+word (and its ``gate_proj`` / ``up_proj`` / ``down_proj`` targets wrap the shared expert, with
+peft's initial values where the file has no keys). moelora serves the file's own modules.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moelora_conformance.fixtures.manifest import FixtureSet
-from moelora_conformance.fixtures.specs import AdapterSpec, model_spec
+from moelora_conformance.fixtures.specs import SHARED, AdapterSpec, model_spec
 
 #: The pass's own adapters: (suffix, AdapterSpec fields).
 PASS_ADAPTERS: tuple[tuple[str, dict], ...] = (
@@ -49,10 +55,26 @@ class PassAdapter:
     origin: str  # "pass" (built here) or "fixture"
 
 
+#: The shared-expert modules each pass adapter also targets on a model with a shared expert.
+SHARED_EXTRA: dict[str, tuple[str, ...]] = {"pass-r8": SHARED, "pass-rslora-r6": ("shared_down",)}
+#: Families whose legacy per-expert adapters peft 0.21.2 does not convert on load (module docstring).
+PEFT_UNCONVERTED_LEGACY: frozenset[str] = frozenset({"qwen2_moe"})
+
+
 def pass_adapter_specs(model: str) -> list[AdapterSpec]:
-    """The three adapters the pass builds for fixture model ``model``."""
-    return [AdapterSpec(f"{model}-{suffix}", model, seed=zlib.crc32(f"{model}-{suffix}".encode()) % 10_000,
-                        **fields) for suffix, fields in PASS_ADAPTERS]
+    """The adapters the pass builds for fixture model ``model`` (three; two for a family in
+    :data:`PEFT_UNCONVERTED_LEGACY`, without the legacy one)."""
+    mspec = model_spec(model)
+    legacy = mspec.family not in PEFT_UNCONVERTED_LEGACY
+    specs = []
+    for suffix, fields in PASS_ADAPTERS:
+        if fields["format"] == "per_expert" and not legacy:
+            continue
+        if mspec.shared_inter is not None:  # the shared expert too: all three at r 8, down alone at r 6
+            fields = {**fields, "dense": fields["dense"] + SHARED_EXTRA.get(suffix, ())}
+        specs.append(AdapterSpec(f"{model}-{suffix}", model, seed=zlib.crc32(f"{model}-{suffix}".encode()) % 10_000,
+                                 **fields))
+    return specs
 
 
 def build_pass_adapters(fixtures: FixtureSet, work_dir: Path, model: str) -> list[PassAdapter]:

@@ -1,8 +1,8 @@
 """The real-checkpoint pass: every backend × layer mode on real tiny MoE checkpoints and real PEFT
 adapters, against the oracle and against HF transformers + PEFT per adapter (the main job, DESIGN.md §8).
 
-For every fixture model (Qwen3-MoE — the H = 2·I one included —, Mixtral, OLMoE; per-expert and
-fused expert layouts):
+For every fixture model (Qwen3-MoE — the H = 2·I one included —, Mixtral, OLMoE, Qwen2-MoE; per-expert
+and fused expert layouts):
 
 1. the adapters of :mod:`.adapters` (three of different ranks made here, one rsLoRA, one legacy
    per-expert, plus the model's fixture adapters) are read from disk by ``moelora_core.checkpoint``
@@ -21,6 +21,12 @@ fused expert layouts):
    against the PEFT-wrapped experts module fed the run's own MoE input and routing, each dense output
    against the PEFT-wrapped projection — and the base requests' rows against the model without
    adapter; fp32, the tolerance policy's bounds (max and RMS relative error <= 1e-5).
+
+Qwen2-MoE's shared expert enters the layer spec as three more dense modules (shared_gate, shared_up,
+shared_down): the harness runs them in its projection step like q/k/v/o, on every backend and mode,
+and each is compared with the PEFT-wrapped ``mlp.shared_expert.<leaf>``; the MoE part stays the
+routed experts (``hf.mlp.experts``). The gated composition of the two is checked by ``hf-check``
+(the whole ``Qwen2MoeSparseMoeBlock``) and by the engine tests (whole-model logprobs).
 
 Every comparison is a :class:`PassRow`; :func:`run_checkpoint_pass` returns them all and
 :mod:`.table` prints the summary. Needs the ``fixtures`` extra (transformers + peft).
@@ -60,7 +66,7 @@ class PassRow:
         check: "oracle" (the suite's standard checks of the whole run) or "hf" (one adapter's rows
             against HF + PEFT, or the base rows against HF without adapter).
         subject: the adapter ("(base)" for base rows; "all rows" for the oracle).
-        part: "layer" (oracle), "moe" or a dense module ("q", "k", "v", "o").
+        part: "layer" (oracle), "moe" or a dense module ("q", "k", "v", "o", "shared_gate", ...).
         max_rel, rms_rel: errors of HF comparisons (None for the oracle's pass/fail checks).
         ok: the comparison passed. note: the first line of a failure.
     """
@@ -87,6 +93,7 @@ class _LayerData:
     pool: LoRAWeights
     base: object  # MoEBaseWeights
     dense: dict[str, torch.Tensor]
+    dense_bias: dict[str, torch.Tensor]
     hf_base: object
     hf_adapters: list
 
@@ -120,6 +127,8 @@ def _inputs(layer: _LayerData, batch: BatchSpec, seed: int) -> tuple[Materialize
 def _hf_rows(model: str, backend: str, mode: str, layer: _LayerData, batch_name: str, inp: BatchInputs, run,
              adapters: Sequence[PassAdapter]) -> list[PassRow]:
     """Each adapter's rows (and the base rows) against HF + PEFT."""
+    from moelora_conformance.hf_check.hf_model import dense_module
+
     rows = []
     slots = torch.tensor(inp.batch.token_lora_mapping)
     sides = [(NO_ADAPTER, BASE, layer.hf_base)] + [(s, a.name, layer.hf_adapters[s]) for s, a in enumerate(adapters)]
@@ -130,7 +139,11 @@ def _hf_rows(model: str, backend: str, mode: str, layer: _LayerData, batch_name:
         with torch.no_grad():
             want = {"moe": hf.mlp.experts(run.moe_in[mask], inp.topk_ids[mask].long(), inp.topk_weights[mask])}
             for m, x in inp.dense_x.items():
-                want[m] = getattr(hf.self_attn, f"{m}_proj")(x[mask])
+                # The harness's projection is the GEMM and its LoRA; a bias (Qwen2-MoE q/k/v) is a
+                # constant row the engine adds in its base GEMM, checked by hf-check and the engine tests.
+                want[m] = dense_module(hf, m)(x[mask])
+                if m in layer.dense_bias:
+                    want[m] = want[m] - layer.dense_bias[m]
         for part, expected in want.items():
             actual = run.y[mask] if part == "moe" else run.dense[part][mask]
             rep = DEFAULT_POLICY.check(actual, expected.double(), dtype=F32, what=f"{model} {backend} {mode} "
@@ -181,6 +194,7 @@ def run_model(fixtures: FixtureSet, work_dir: Path, model: str, *, backends: Seq
         for li in chosen:
             disk = ckpt.layer(li)
             data.append(_LayerData(li, pools[li], disk.moe, {m: disk.dense(m) for m in spec.dense_shapes},
+                                   {m: b for m in spec.dense_shapes if (b := disk.bias(m)) is not None},
                                    hf_base[li], [hf[li] for hf in hf_adapters]))
     for layer in data:
         ranks, scalings = layer.pool.slot_ranks(), layer.pool.slot_scalings()

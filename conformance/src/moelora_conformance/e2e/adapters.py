@@ -12,6 +12,11 @@ name suffix             what it is
 ``eng-pattern-r4``      fused with rank_pattern / alpha_pattern (r 4; gate_up 2, q 7; down α 5)
 ======================  ======================================================================
 
+On a model with a shared expert (Qwen2-MoE) the fused r 8 adapter also targets the shared expert's
+gate / up / down, and the legacy one — which peft 0.21.2 does not convert for ``qwen2_moe``, so no
+HF + PEFT forward exists (``moelora_conformance.checkpoint_pass.adapters``) — is replaced by a
+shared-expert + o adapter (``eng-shared-r3``).
+
 Building needs the ``fixtures`` extra (transformers + peft).
 """
 
@@ -33,6 +38,13 @@ ENGINE_ADAPTERS: tuple[tuple[str, dict], ...] = (
     ("eng-pattern-r4", dict(format="fused", r=4, alpha=8, experts=("gate_up_proj", "down_proj"), dense=("q", "k"),
                             rank_pattern={"gate_up_proj": 2, "q_proj": 7}, alpha_pattern={"down_proj": 5})),
 )
+#: On a model with a shared expert: the adapters that change, by suffix (see the module docstring).
+SHARED_EXPERT_ADAPTERS: dict[str, tuple[str, dict]] = {
+    "eng-fused-r8": ("eng-fused-r8", dict(format="fused", r=8, alpha=16, experts=("gate_up_proj", "down_proj"),
+                                          dense=("q", "k", "v", "o", "shared_gate", "shared_up", "shared_down"))),
+    "eng-legacy-r3": ("eng-shared-r3", dict(format="fused", r=3, alpha=6, experts=(),
+                                            dense=("o", "shared_gate", "shared_up", "shared_down"))),
+}
 #: The file :func:`build_engine_adapters` writes last (the directory is complete once it exists).
 DONE = "done"
 
@@ -44,6 +56,15 @@ def model_names() -> list[str]:
     return [m.name for m in MODELS]
 
 
+def engine_adapter_specs(model: str) -> list[tuple[str, dict]]:
+    """(suffix, AdapterSpec fields) of ``model``'s engine adapters."""
+    from moelora_conformance.fixtures.specs import model_spec
+
+    if model_spec(model).shared_inter is None:
+        return list(ENGINE_ADAPTERS)
+    return [SHARED_EXPERT_ADAPTERS.get(suffix, (suffix, fields)) for suffix, fields in ENGINE_ADAPTERS]
+
+
 def build_engine_adapters(root: Path, models: list[str] | None = None) -> None:
     """Build the engine adapters of ``models`` (default every fixture model) under
     ``root/<model>/<model>-<suffix>``, then ``root/done``."""
@@ -52,7 +73,7 @@ def build_engine_adapters(root: Path, models: list[str] | None = None) -> None:
 
     for model in models or model_names():
         mspec = model_spec(model)
-        for suffix, fields in ENGINE_ADAPTERS:
+        for suffix, fields in engine_adapter_specs(model):
             name = f"{model}-{suffix}"
             spec = AdapterSpec(name, model, seed=zlib.crc32(name.encode()) % 10_000, **fields)
             build = build_fused_adapter if spec.format == "fused" else build_legacy_adapter
@@ -64,5 +85,5 @@ def build_engine_adapters(root: Path, models: list[str] | None = None) -> None:
 
 def engine_adapter_dirs(root: Path, models: list[str] | None = None) -> dict[str, list[tuple[str, Path]]]:
     """model → [(adapter name, directory)] of the engine adapters under ``root``."""
-    return {model: [(f"{model}-{suffix}", Path(root) / model / f"{model}-{suffix}") for suffix, _ in ENGINE_ADAPTERS]
-            for model in models or model_names()}
+    return {model: [(f"{model}-{suffix}", Path(root) / model / f"{model}-{suffix}")
+                    for suffix, _ in engine_adapter_specs(model)] for model in models or model_names()}

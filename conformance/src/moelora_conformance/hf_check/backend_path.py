@@ -3,7 +3,9 @@
 One mixed EXTEND batch per layer: request 0 uses the adapter (slot ``SLOT``), request 1 is a base
 request. The backend's fused ``moe_forward`` and ``dense_delta`` (added to the base projection)
 must give, on request 0's rows, the HF+PEFT output with the adapter and, on request 1's rows, the
-HF output without it (fp32, max and RMS relative error <= 1e-5).
+HF output without it (fp32, max and RMS relative error <= 1e-5). With a shared expert (Qwen2-MoE)
+the MoE row adds ``moelora_core.shared_expert_forward`` on the backend's dense path (base GEMM +
+``dense_delta`` for shared_gate / shared_up / shared_down), the engine's composition.
 """
 
 from __future__ import annotations
@@ -11,7 +13,17 @@ from __future__ import annotations
 import torch
 
 from moelora_conformance.hf_check.compare import SLOT, TOKENS, CheckRow
-from moelora_core import DEFAULT_POLICY, NO_ADAPTER, BatchSpec, ForwardMode, LoRAWeights, MoEBaseWeights, Request
+from moelora_core import (
+    DEFAULT_POLICY,
+    NO_ADAPTER,
+    BatchSpec,
+    ForwardMode,
+    LoRAWeights,
+    MoEBaseWeights,
+    Request,
+    SharedExpertWeights,
+    shared_expert_forward,
+)
 
 #: Rows of the adapter request; the rest of the batch is the base request.
 ADAPTER_TOKENS = 20
@@ -28,6 +40,8 @@ def compare_backend_layer(
     lora_side: dict,
     base_side: dict,
     seed: int,
+    shared: SharedExpertWeights | None = None,
+    dense_bias: dict[str, torch.Tensor] | None = None,
 ) -> list[CheckRow]:
     """Rows "moe", "moe base rows" and, per dense module, "<m>" and "<m> base rows".
 
@@ -55,11 +69,20 @@ def compare_backend_layer(
     x = torch.randn(TOKENS, moe.hidden_size, generator=gen)
     weights, ids = route_topk(x @ moe.router.T, pool.spec.top_k, moe.norm_topk_prob)
     y = backend.moe_forward(x, ids, weights, moe, pool, info)
+    if shared is not None:
+        def project(module: str, xm: torch.Tensor) -> torch.Tensor:
+            out = xm @ shared.dense(module).T
+            backend.dense_delta(module, xm, out, pool, info)
+            return out
+
+        y = y + shared_expert_forward(x, shared, project)
     row("moe", y[a], lora_side["hf_moe"](x[a]))
     row("moe base rows", y[b], base_side["hf_moe"](x[b]))
     for m, w in dense.items():
         xd = torch.randn(TOKENS, w.shape[1], generator=gen)
         out = xd @ w.T
+        if dense_bias and m in dense_bias:  # the base projection's bias (Qwen2-MoE q/k/v), before the delta
+            out = out + dense_bias[m]
         backend.dense_delta(m, xd, out, pool, info)
         row(m, out[a], lora_side["hf_dense"](m, xd[a]))
         row(f"{m} base rows", out[b], base_side["hf_dense"](m, xd[b]))

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moelora_core import DEFAULT_POLICY, NO_ADAPTER, LoRAWeights, MoEBaseWeights
-from moelora_reference.oracle import dense_lora_forward, moe_lora_forward, route_topk
+from moelora_core import DEFAULT_POLICY, NO_ADAPTER, LoRAWeights, MoEBaseWeights, SharedExpertWeights
+from moelora_reference.oracle import dense_lora_forward, moe_lora_forward, route_topk, shared_expert_forward
 
 #: Slot the adapter is loaded into: not 0, so a reader or kernel that ignores the slot index fails.
 SLOT = 1
@@ -26,7 +26,8 @@ class CheckRow:
             "readers" (moelora_core.checkpoint from disk), "readers σ·√2" (the readers' factors with
             peft's converted σ on gate/up), or "per-module" (readers vs a per-module reference).
         layer: decoder layer.
-        part: "moe", "routing", "q", "k", "v", "o" or "rank/σ".
+        part: "moe", "routing", a dense module ("q", "k", "v", "o", "shared_gate", "shared_up",
+            "shared_down") or "rank/σ".
         max_rel, rms_rel: errors against the expected side (see ``expect``).
         delta_rel: ||LoRA output − base output|| / ||base output|| of the oracle (None for base).
         ok: the check passed.
@@ -67,6 +68,8 @@ def compare_layer(
     seed: int,
     expect: str = "equal",
     diverge_bound: float = 1e-2,
+    shared: SharedExpertWeights | None = None,
+    dense_bias: dict[str, torch.Tensor] | None = None,
 ) -> list[CheckRow]:
     """Compare the oracle with the HF side on fresh random inputs.
 
@@ -77,9 +80,12 @@ def compare_layer(
         seed: input seed.
         expect: "equal", or "diverge" for the documented peft divergence (the MoE block must then
             differ by more than ``diverge_bound``; routing and attention must still be equal).
+        shared: the layer's shared expert (Qwen2-MoE): the MoE block is then the routed experts
+            plus the oracle's gated shared expert with the pool's shared-expert LoRA.
+        dense_bias: module → [out] bias of the dense projections that have one (Qwen2-MoE's q/k/v).
 
     Returns:
-        One row for routing, one for the MoE block, one per attention projection.
+        One row for routing, one for the MoE block, one per dense projection.
     """
     gen = torch.Generator().manual_seed(seed)
     T, H = TOKENS, moe.hidden_size
@@ -108,17 +114,20 @@ def compare_layer(
                          same_ids and wrep.ok, "equal",
                          "" if same_ids else f"topk_ids differ in {int((ids != hf_ids).sum())} places"))
 
-    y = moe_lora_forward(x, ids, w, moe.w_gate_up, moe.w_down, pool, mapping)
-    delta = None
-    if pool is not None:
-        delta = _delta_rel(y, moe_lora_forward(x, ids, w, moe.w_gate_up, moe.w_down, None, None))
+    def block(lora: LoRAWeights | None) -> torch.Tensor:
+        y = moe_lora_forward(x, ids, w, moe.w_gate_up, moe.w_down, lora, mapping)
+        return y if shared is None else y + shared_expert_forward(x, shared, lora, mapping)
+
+    y = block(pool)
+    delta = None if pool is None else _delta_rel(y, block(None))
     row("moe", hf_moe(x), y, delta, expect)
 
     for m, weight in dense.items():
         xd = torch.randn(T, weight.shape[1], generator=gen)
-        yd = dense_lora_forward(xd, weight, m, pool, mapping)
+        bias = (dense_bias or {}).get(m)
+        yd = dense_lora_forward(xd, weight, m, pool, mapping, bias=bias)
         d = None
         if pool is not None and m in pool.dense_A and pool.host_ranks[m][SLOT]:
-            d = _delta_rel(yd, dense_lora_forward(xd, weight, m, None, None))
+            d = _delta_rel(yd, dense_lora_forward(xd, weight, m, None, None, bias=bias))
         row(m, hf_dense(m, xd), yd, d, "equal")
     return rows

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from moelora_core import ModuleLoRA, MoEBaseWeights
+from moelora_conformance.hf_check.hf_model import dense_module
+from moelora_core import ModuleLoRA, MoEBaseWeights, SharedExpertWeights
+from moelora_core.checkpoint.families import SHARED_EXPERT_LEAVES
 
 _ADAPTER = "default"
 
@@ -22,8 +24,11 @@ def _unwrap(module):
     return module
 
 
-def base_from_hf(layer, *, norm_topk_prob: bool) -> tuple[MoEBaseWeights, dict[str, torch.Tensor]]:
-    """(MoE block weights, attention projection weights "q".."o" [out, in]) of a decoder layer."""
+def base_from_hf(layer, *, norm_topk_prob: bool) -> tuple[
+        MoEBaseWeights, dict[str, torch.Tensor], SharedExpertWeights | None, dict[str, torch.Tensor]]:
+    """(MoE block weights, dense projection weights [out, in], shared expert or None, dense biases
+    [out]) of a decoder layer; the dense weights are "q".."o" and, with a shared expert,
+    "shared_gate" / "shared_up" / "shared_down"; the biases those projections have (Qwen2-MoE's q/k/v)."""
     experts = _unwrap(layer.mlp.experts)
     moe = MoEBaseWeights(
         w_gate_up=experts.gate_up_proj.detach().clone(),  # [E, 2I, H], gate rows first
@@ -32,7 +37,16 @@ def base_from_hf(layer, *, norm_topk_prob: bool) -> tuple[MoEBaseWeights, dict[s
         norm_topk_prob=norm_topk_prob,
     )
     dense = {m: _unwrap(getattr(layer.self_attn, f"{m}_proj")).weight.detach().clone() for m in "qkvo"}
-    return moe, dense
+    shared = None
+    if hasattr(layer.mlp, "shared_expert"):
+        se = layer.mlp.shared_expert
+        shared = SharedExpertWeights(*(_unwrap(getattr(se, f"{p}_proj")).weight.detach().clone()
+                                       for p in ("gate", "up", "down")),
+                                     gate=_unwrap(layer.mlp.shared_expert_gate).weight.detach().clone())
+        dense.update({m: shared.dense(m) for m in SHARED_EXPERT_LEAVES})
+    biases = {m: b.detach().clone() for m in "qkvo"
+              if (b := _unwrap(getattr(layer.self_attn, f"{m}_proj")).bias) is not None}
+    return moe, dense, shared, biases
 
 
 def _expert_factors(wrapper) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -56,7 +70,8 @@ def _expert_factors(wrapper) -> tuple[torch.Tensor, torch.Tensor, float]:
 
 
 def lora_from_peft(layer, *, intermediate: int) -> dict[str, ModuleLoRA]:
-    """moelora module → factors of one decoder layer, from peft's in-memory layers.
+    """moelora module → factors of one decoder layer, from peft's in-memory layers (the shared
+    expert's projections, where peft wrapped them, as the dense modules shared_gate / up / down).
 
     gate and up share the fused A (one ParamWrapper on ``gate_up_proj``): A_gate = A_up = A_e,
     B_gate = B_e[:I], B_up = B_e[I:].
@@ -74,8 +89,9 @@ def lora_from_peft(layer, *, intermediate: int) -> dict[str, ModuleLoRA]:
             else:
                 raise AssertionError(f"unexpected peft target parameter {wrapper.parameter_name!r}")
         wrapper = wrapper.base_layer
-    for m in "qkvo":
-        proj = getattr(layer.self_attn, f"{m}_proj")
+    modules = ["q", "k", "v", "o"] + (list(SHARED_EXPERT_LEAVES) if hasattr(layer.mlp, "shared_expert") else [])
+    for m in modules:
+        proj = dense_module(layer, m)
         if hasattr(proj, "lora_A") and _ADAPTER in proj.lora_A:
             out[m] = ModuleLoRA(proj.lora_A[_ADAPTER].weight.detach().float(),
                                 proj.lora_B[_ADAPTER].weight.detach().float(), float(proj.scaling[_ADAPTER]))

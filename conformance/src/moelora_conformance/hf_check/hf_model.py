@@ -45,11 +45,23 @@ def hf_route(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.no_grad()
 def hf_moe(layer, x: torch.Tensor) -> torch.Tensor:
-    """The layer's sparse MoE block on x [T, H] → [T, H] (with peft's expert LoRA when wrapped)."""
+    """The layer's sparse MoE block on x [T, H] → [T, H] (with peft's expert LoRA when wrapped; for
+    Qwen2-MoE the routed experts plus the gated shared expert, with its LoRA)."""
     return layer.mlp(x[None]).reshape(x.shape[0], -1)
+
+
+def dense_module(layer, module: str):
+    """The transformers (or peft-wrapped) module of moelora dense module ``module``: the attention
+    projection ``self_attn.<m>_proj`` for "q", "k", "v", "o", the shared expert's
+    ``mlp.shared_expert.<leaf>`` for "shared_gate", "shared_up", "shared_down" (Qwen2-MoE)."""
+    from moelora_core.checkpoint.families import SHARED_EXPERT_LEAVES
+
+    if module in SHARED_EXPERT_LEAVES:
+        return getattr(layer.mlp.shared_expert, SHARED_EXPERT_LEAVES[module])
+    return getattr(layer.self_attn, f"{module}_proj")
 
 
 @torch.no_grad()
 def hf_dense(layer, module: str, x: torch.Tensor) -> torch.Tensor:
-    """The layer's attention projection ``module`` ("q", "k", "v", "o") on x [T, in] → [T, out]."""
-    return getattr(layer.self_attn, f"{module}_proj")(x)
+    """The layer's dense projection ``module`` (:func:`dense_module`) on x [T, in] → [T, out]."""
+    return dense_module(layer, module)(x)

@@ -12,6 +12,9 @@ adapter:
   delta merged into transformers' weights (DESIGN.md §1);
 - for the documented peft divergence (legacy per-expert + rsLoRA): the readers *differ* from
   HF+PEFT on the MoE block, and equal it once gate/up σ is multiplied by √2 (``readers σ·√2``);
+- Qwen2-MoE: the MoE block compared is transformers' whole ``Qwen2MoeSparseMoeBlock`` (routed
+  experts + gated shared expert), the oracle's side the routed oracle plus its shared-expert twin;
+  the shared expert's projections are compared one by one like the attention projections;
 - ``reference-backend``: the readers' pools run through the reference backend on a mixed batch
   (adapter request + base request) equal HF+PEFT on the adapter's rows (the per-module reference
   for the divergent case) and HF without adapter on the base rows.
@@ -47,6 +50,17 @@ def _hf_side(layer):
     )
 
 
+def _dense(disk, cfg) -> dict:
+    """The dense weights [out, in] of a read layer, every dense module of the model (attention and,
+    for Qwen2-MoE, the shared expert's projections)."""
+    return {m: disk.dense(m) for m in cfg.dense_shapes}
+
+
+def _bias(disk) -> dict:
+    """The biases [out] of a read layer's dense projections that have one (Qwen2-MoE's q/k/v)."""
+    return {m: b for m in "qkvo" if (b := disk.bias(m)) is not None}
+
+
 def _pools(ckpt_config, num_layers: int, max_rank: int) -> list[LoRAWeights]:
     spec = ckpt_config.layer_spec(max_loras=SLOT + 1, max_rank=max_rank)
     return [LoRAWeights(spec) for _ in range(num_layers)]
@@ -59,12 +73,14 @@ def check_model_base(fixtures: FixtureSet, model: str) -> list[CheckRow]:
     with MoECheckpoint(fixtures.model_dir(model)) as ckpt:
         cfg = ckpt.config
         for li, layer in enumerate(hf_model.decoder_layers(hf)):
-            moe, dense = base_from_hf(layer, norm_topk_prob=cfg.norm_topk_prob)
+            moe, dense, shared, biases = base_from_hf(layer, norm_topk_prob=cfg.norm_topk_prob)
             disk = ckpt.layer(li)
-            for source, (m, d) in (("hf-memory", (moe, dense)),
-                                   ("readers", (disk.moe, {k: disk.dense(k) for k in "qkvo"}))):
+            for source, (m, d, se, b) in (("hf-memory", (moe, dense, shared, biases)),
+                                          ("readers", (disk.moe, _dense(disk, cfg), disk.shared_expert,
+                                                       _bias(disk)))):
                 rows += compare_layer(model=model, adapter=BASE, source=source, layer=li, moe=m, dense=d, pool=None,
-                                      top_k=cfg.top_k, seed=_seed(model, li), **_hf_side(layer))
+                                      top_k=cfg.top_k, seed=_seed(model, li), shared=se, dense_bias=b,
+                                      **_hf_side(layer))
     return rows
 
 
@@ -97,10 +113,11 @@ def check_adapter(fixtures: FixtureSet, adapter: str) -> list[CheckRow]:
         # hf-memory: weights from the transformers / peft modules.
         mem_pools = _pools(cfg, cfg.num_layers, max_rank)
         for li, layer in enumerate(hf_layers):
-            moe, dense = base_from_hf(layer, norm_topk_prob=cfg.norm_topk_prob)
+            moe, dense, shared, biases = base_from_hf(layer, norm_topk_prob=cfg.norm_topk_prob)
             mem_pools[li].load_slot(SLOT, lora_from_peft(layer, intermediate=cfg.moe_intermediate_size))
             rows += compare_layer(model=model, adapter=adapter, source="hf-memory", layer=li, moe=moe, dense=dense,
-                                  pool=mem_pools[li], top_k=cfg.top_k, seed=_seed(adapter, li), **_hf_side(layer))
+                                  pool=mem_pools[li], top_k=cfg.top_k, seed=_seed(adapter, li), shared=shared,
+                                  dense_bias=biases, **_hf_side(layer))
         # readers: everything from disk through moelora_core.checkpoint.
         read = read_adapter(adapter_dir, cfg, name=adapter, max_rank=max_rank)
         rows.append(_rank_sigma_row(model, adapter, read, entry["modules"]))
@@ -109,9 +126,9 @@ def check_adapter(fixtures: FixtureSet, adapter: str) -> list[CheckRow]:
         disk_layers = [ckpt.layer(li) for li in range(cfg.num_layers)]
         for li, layer in enumerate(hf_layers):
             disk = disk_layers[li]
-            dense = {k: disk.dense(k) for k in "qkvo"}
-            rows += compare_layer(model=model, adapter=adapter, source="readers", layer=li, moe=disk.moe, dense=dense,
-                                  pool=pools[li], top_k=cfg.top_k, seed=_seed(adapter, li), **_hf_side(layer),
+            rows += compare_layer(model=model, adapter=adapter, source="readers", layer=li, moe=disk.moe,
+                                  dense=_dense(disk, cfg), pool=pools[li], top_k=cfg.top_k, seed=_seed(adapter, li),
+                                  shared=disk.shared_expert, dense_bias=_bias(disk), **_hf_side(layer),
                                   expect="diverge" if divergent else "equal")
             if divergent:
                 # peft's σ on the fused gate_up: 2α/√(2r) = √2 · α/√r.
@@ -119,7 +136,7 @@ def check_adapter(fixtures: FixtureSet, adapter: str) -> list[CheckRow]:
                 pools[li].module_scalings[gate_up, SLOT] *= math.sqrt(2.0)
                 rows += compare_layer(model=model, adapter=adapter, source="readers σ·√2", layer=li, moe=disk.moe,
                                       dense={}, pool=pools[li], top_k=cfg.top_k, seed=_seed(adapter, li),
-                                      **_hf_side(layer))
+                                      shared=disk.shared_expert, **_hf_side(layer))
                 pools[li].module_scalings[gate_up, SLOT] /= math.sqrt(2.0)
         base_layers = hf_model.decoder_layers(hf_model.load_hf(model_dir))
         lora_layers = hf_layers
@@ -127,16 +144,17 @@ def check_adapter(fixtures: FixtureSet, adapter: str) -> list[CheckRow]:
             merged = merged_reference_layers(hf_model.load_hf(model_dir), adapter_dir)
             for li, layer in enumerate(merged):
                 disk = disk_layers[li]
-                dense = {k: disk.dense(k) for k in "qkvo"}
                 rows += compare_layer(model=model, adapter=adapter, source="per-module", layer=li, moe=disk.moe,
-                                      dense=dense, pool=pools[li], top_k=cfg.top_k, seed=_seed(adapter, li),
+                                      dense=_dense(disk, cfg), pool=pools[li], top_k=cfg.top_k,
+                                      seed=_seed(adapter, li), shared=disk.shared_expert, dense_bias=_bias(disk),
                                       **_hf_side(layer))
             if divergent:
                 lora_layers = merged  # moelora serves the file's modules, not peft's converted σ
         if backend_available():
             for li, disk in enumerate(disk_layers):
                 rows += compare_backend_layer(model=model, adapter=adapter, layer=li, moe=disk.moe,
-                                              dense={k: disk.dense(k) for k in "qkvo"}, pool=pools[li],
+                                              dense=_dense(disk, cfg), shared=disk.shared_expert,
+                                              dense_bias=_bias(disk), pool=pools[li],
                                               lora_side=_hf_side(lora_layers[li]), base_side=_hf_side(base_layers[li]),
                                               seed=_seed(adapter, "backend", li))
     return rows

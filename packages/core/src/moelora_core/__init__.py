@@ -13,6 +13,7 @@ A reader of DESIGN.md finds its names here:
 - ``Backend`` protocol, ``load_backend``                                    (:mod:`.backend`)
 - ``AlignOutput``, ``align_capacity`` (moe_lora_align_block_size contract) (:mod:`.align`)
 - ``MoEBaseWeights``                                                       (:mod:`.base_weights`)
+- ``SharedExpertWeights``, ``shared_expert_forward`` (Qwen2-MoE)          (:mod:`.shared_expert`)
 - ``StaticBuffer``                                                          (:mod:`.static_buffer`)
 - ``PinnedStaging``                                                         (:mod:`.staging`)
 - ``TolerancePolicy``, ``DEFAULT_POLICY``, ``assert_exact``                 (:mod:`.tolerance`)
@@ -36,8 +37,16 @@ from moelora_core.errors import (
     SlotError,
 )
 from moelora_core.forward_mode import ForwardMode
-from moelora_core.layer_spec import ALL_MODULES, DENSE_MODULES, MOE_MODULES, LoRALayerSpec
+from moelora_core.layer_spec import (
+    ALL_MODULES,
+    DENSE_LORA_MODULES,
+    DENSE_MODULES,
+    MOE_MODULES,
+    SHARED_EXPERT_MODULES,
+    LoRALayerSpec,
+)
 from moelora_core.sentinels import EXPERT_NOT_HERE, NO_ADAPTER, NO_EXPERT_BLOCK, padding_row
+from moelora_core.shared_expert import SharedExpertWeights, shared_expert_forward
 from moelora_core.staging import PinnedStaging
 from moelora_core.static_buffer import StaticBuffer
 from moelora_core.tolerance import (
@@ -60,6 +69,7 @@ __all__ = [
     "ALL_MODULES",
     "BUILTIN_BACKENDS",
     "DEFAULT_POLICY",
+    "DENSE_LORA_MODULES",
     "DENSE_MODULES",
     "EXPERT_NOT_HERE",
     "GRAPH_FAMILIES",
@@ -68,6 +78,7 @@ __all__ = [
     "NO_ADAPTER",
     "NO_EXPERT_BLOCK",
     "PREFILL_GRAPH_MODES",
+    "SHARED_EXPERT_MODULES",
     "AdapterConfig",
     "AdapterError",
     "AlignOutput",
@@ -92,6 +103,7 @@ __all__ = [
     "MoeLoraError",
     "PinnedStaging",
     "Request",
+    "SharedExpertWeights",
     "SlotError",
     "StaticBuffer",
     "Tolerance",
@@ -104,4 +116,5 @@ __all__ = [
     "lora_scaling",
     "module_index",
     "padding_row",
+    "shared_expert_forward",
 ]

@@ -14,8 +14,15 @@ from moelora_core.errors import InvalidFieldError
 MOE_MODULES: tuple[str, ...] = ("gate", "up", "down")
 #: Dense (attention) projections with LoRA.
 DENSE_MODULES: tuple[str, ...] = ("q", "k", "v", "o")
-#: Every module a ``LoRAWeights`` can hold, in the order of its per-module rank/σ tables.
-ALL_MODULES: tuple[str, ...] = MOE_MODULES + DENSE_MODULES
+#: The shared expert's projections (Qwen2-MoE ``mlp.shared_expert.{gate,up,down}_proj``): dense
+#: modules like the attention projections (one weight for every token, LoRA through
+#: ``Backend.dense_delta``), present in a spec only for a model that has a shared expert (DESIGN.md §1).
+SHARED_EXPERT_MODULES: tuple[str, ...] = ("shared_gate", "shared_up", "shared_down")
+#: Every dense module a spec's ``dense_shapes`` may hold.
+DENSE_LORA_MODULES: tuple[str, ...] = DENSE_MODULES + SHARED_EXPERT_MODULES
+#: Every module a ``LoRAWeights`` can hold, in the order of its per-module rank/σ tables (new
+#: modules go last: kernels address the MoE rows by index).
+ALL_MODULES: tuple[str, ...] = MOE_MODULES + DENSE_LORA_MODULES
 #: Dtypes a spec may ask for.
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -35,7 +42,8 @@ class LoRALayerSpec:
         moe_intermediate_size: I, width of one expert's gate/up output.
         num_experts: E, routed experts of the layer (ids >= E are extra fused experts with no LoRA).
         top_k: experts per token.
-        dense_shapes: module ("q", "k", "v", "o") → (in_features, out_features).
+        dense_shapes: module ("q", "k", "v", "o"; "shared_gate", "shared_up", "shared_down" for a
+            model with a shared expert) → (in_features, out_features).
         max_loras: adapter slots of the pool.
         max_rank: R, the pool's rank; smaller ranks are zero-padded to R.
         dtype: compute and storage dtype of activations and LoRA weights.
@@ -69,9 +77,9 @@ class LoRALayerSpec:
             raise InvalidFieldError("dense_shapes", f"must be a mapping module -> (in, out), got {self.dense_shapes!r}")
         shapes = {}
         for module, shape in dict(self.dense_shapes).items():
-            if module not in DENSE_MODULES:
+            if module not in DENSE_LORA_MODULES:
                 raise InvalidFieldError(
-                    f"dense_shapes[{module!r}]", f"unknown dense module; expected one of {DENSE_MODULES}"
+                    f"dense_shapes[{module!r}]", f"unknown dense module; expected one of {DENSE_LORA_MODULES}"
                 )
             if len(shape) != 2:
                 raise InvalidFieldError(

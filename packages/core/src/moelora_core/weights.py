@@ -10,7 +10,7 @@ gate_up_A       [2, L, E, R, H]          A of gate (index 0) and up (index 1); o
 gate_up_B       [2, L, E, I, R]          B of gate and up
 down_A          [L, E, R, I]
 down_B          [L, E, H, R]
-dense_A[m]      [L, R, in_m]             m in q, k, v, o (those of the spec)
+dense_A[m]      [L, R, in_m]             m in q, k, v, o and shared_gate/up/down (those of the spec)
 dense_B[m]      [L, out_m, R]
 module_ranks    [len(ALL_MODULES), L]    int32; rank of each module per slot (0 = absent)
 module_scalings [len(ALL_MODULES), L]    fp32; σ of each module per slot (0 where absent)
@@ -40,7 +40,7 @@ import torch
 
 from moelora_core.adapter_config import fp32_scaling
 from moelora_core.errors import InvalidFieldError, SlotError
-from moelora_core.layer_spec import ALL_MODULES, DENSE_MODULES, MOE_MODULES, LoRALayerSpec
+from moelora_core.layer_spec import ALL_MODULES, DENSE_LORA_MODULES, MOE_MODULES, LoRALayerSpec
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,7 @@ class LoRAWeights:
     def _validated_module(self, module: str, lora: ModuleLoRA) -> tuple[ModuleLoRA, torch.Tensor, torch.Tensor]:
         spec = self.spec
         if module not in MOE_MODULES and module not in spec.dense_shapes:
-            known = MOE_MODULES + tuple(m for m in DENSE_MODULES if m in spec.dense_shapes)
+            known = MOE_MODULES + tuple(m for m in DENSE_LORA_MODULES if m in spec.dense_shapes)
             raise InvalidFieldError(f"adapter[{module!r}]", f"not a module of this layer; expected one of {known}")
         if not isinstance(lora, ModuleLoRA):
             raise InvalidFieldError(f"adapter[{module!r}]", f"must be a ModuleLoRA, got {type(lora).__name__}")

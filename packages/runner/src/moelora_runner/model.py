@@ -1,10 +1,11 @@
-"""The decoder: Qwen3-MoE, Mixtral and OLMoE from ``moelora_core.checkpoint`` weights, with LoRA
-from one backend and one ``LoRAWeights`` pool per layer.
+"""The decoder: Qwen3-MoE, Mixtral, OLMoE and Qwen2-MoE from ``moelora_core.checkpoint`` weights, with
+LoRA from one backend and one ``LoRAWeights`` pool per layer.
 
 Per decoder layer (as transformers 5.17 computes it; x rows are the step's tokens):
 
     a = rms_norm(h, input_layernorm)
     q, k, v = a W_qᵀ, a W_kᵀ, a W_vᵀ        + backend.dense_delta("q"/"k"/"v", ...)    (PEFT: base + σ·B(A a))
+               (+ b_q, b_k, b_v with Qwen2-MoE's qkv_bias, in the base GEMM, before the delta)
     OLMoE:     q, k = rms_norm(q, q_norm), rms_norm(k, k_norm)   over heads·head_dim, then clip_qkv
     Qwen3-MoE: q, k = rms_norm per head over head_dim
     q, k = rope(q, k, positions)               (θ of the config; rotate-half, transformers' default RoPE)
@@ -13,6 +14,8 @@ Per decoder layer (as transformers 5.17 computes it; x rows are the step's token
     m = rms_norm(h, post_attention_layernorm)
     topk_weights, topk_ids = route_topk(m W_routerᵀ, top_k, norm_topk_prob)   (fp32 softmax → top-k)
     h = h + moe_layer_forward(base path, m, topk_ids, topk_weights, base, backend, pool, info)
+    Qwen2-MoE: h += shared_expert_forward(m, shared, dense path)   (sigmoid-gated SwiGLU; its gate / up /
+               down are dense projections: base GEMM + backend.dense_delta("shared_gate"/"shared_up"/"shared_down"))
 
 then ``logits = rms_norm(h, norm)[logits_indices] lm_headᵀ`` (the embedding when tied).
 
@@ -39,6 +42,7 @@ import torch.nn.functional as F
 from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.checkpoint import DecoderLayerWeights, ModelWeights, MoEModelConfig
 from moelora_core.moe_deltas import BaseMoEPath, moe_layer_forward
+from moelora_core.shared_expert import shared_expert_forward
 from moelora_core.weights import LoRAWeights
 from moelora_reference.base_moe import route_topk
 from moelora_runner.attention import paged_attention, write_kv
@@ -97,7 +101,7 @@ class DecoderLayer:
         self.moe: MoEBaseWeights = weights.moe
 
     def _dense(self, module: str, x: torch.Tensor, lora: LoRAContext, fb: ForwardBatch) -> torch.Tensor:
-        out = F.linear(x, self.w.dense(module))
+        out = F.linear(x, self.w.dense(module), self.w.bias(module))  # q/k/v bias: Qwen2-MoE qkv_bias
         lora.backend.dense_delta(module, x, out, lora.pools[self.index], fb.lora_info)
         return out
 
@@ -130,6 +134,9 @@ class DecoderLayer:
         topk_weights, topk_ids = route_topk(F.linear(m, self.moe.router), c.top_k, c.norm_topk_prob)
         y = moe_layer_forward(moe_path, m, topk_ids, topk_weights, self.moe, lora.backend,
                               lora.pools[self.index], fb.lora_info)
+        if self.w.shared_expert is not None:
+            # transformers adds the gated shared expert to the routed output before the residual.
+            y = y + shared_expert_forward(m, self.w.shared_expert, lambda mod, x: self._dense(mod, x, lora, fb))
         return h + y
 
 
@@ -166,7 +173,9 @@ class MoEDecoder:
             moved = DecoderLayerWeights(q_proj=to(lw.q_proj), k_proj=to(lw.k_proj), v_proj=to(lw.v_proj),
                                         o_proj=to(lw.o_proj), q_norm=to(lw.q_norm), k_norm=to(lw.k_norm),
                                         input_layernorm=to(lw.input_layernorm),
-                                        post_attention_layernorm=to(lw.post_attention_layernorm), moe=moe)
+                                        post_attention_layernorm=to(lw.post_attention_layernorm), moe=moe,
+                                        shared_expert=None if lw.shared_expert is None else lw.shared_expert.map(to),
+                                        q_bias=to(lw.q_bias), k_bias=to(lw.k_bias), v_bias=to(lw.v_bias))
             self.layers.append(DecoderLayer(i, moved, self.config))
         c = self.config
         self.rope = RotaryEmbedding(c.head_dim, c.rope_theta, max_positions, dtype, device)
@@ -183,6 +192,10 @@ class MoEDecoder:
             w = layer.w
             tensors += [w.q_proj, w.k_proj, w.v_proj, w.o_proj, w.q_norm, w.k_norm, w.input_layernorm,
                         w.post_attention_layernorm, w.moe.w_gate_up, w.moe.w_down, w.moe.router]
+            tensors += [w.q_bias, w.k_bias, w.v_bias]
+            if w.shared_expert is not None:
+                se = w.shared_expert
+                tensors += [se.gate_proj, se.up_proj, se.down_proj, se.gate]
         for t in tensors:
             if t is not None:
                 seen[t.data_ptr()] = t.numel() * t.element_size()

@@ -3,10 +3,11 @@ length, the eos tokens, the attention window and the RoPE type, from ``config.js
 ``generation_config.json`` for eos, as ``transformers``' ``generate`` reads it).
 
 Refused here, before any weight is read: a RoPE type other than "default" (scaled RoPE variants
-change the position encoding; the engine would serve wrong logits).
+change the position encoding; the engine would serve wrong logits); a Qwen2-MoE with
+``use_sliding_window`` (its window applies to some layers only, by ``layer_types``).
 
 The attention window follows transformers 5.17: Mixtral masks by ``sliding_window`` when set;
-Qwen3-MoE only with ``use_sliding_window``; OLMoE never (its mask is always plain causal).
+Qwen3-MoE and Qwen2-MoE only with ``use_sliding_window``; OLMoE never (its mask is always plain causal).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class ModelInfo:
 
         Raises:
             CheckpointFormatError, UnsupportedModelError: from ``read_model_config``; a RoPE type
-                other than "default".
+                other than "default"; a Qwen2-MoE with ``use_sliding_window``.
         """
         model_dir = Path(model_dir)
         config = read_model_config(model_dir)
@@ -63,8 +64,14 @@ class ModelInfo:
         if rope_type != "default":
             raise UnsupportedModelError(model_dir, "config.json rope_parameters.rope_type",
                                         "only the default RoPE is served", expected="'default'", found=repr(rope_type))
+        if config.model_type == "qwen2_moe" and raw.get("use_sliding_window"):
+            # Qwen2MoeConfig slides the window on some layers only (layer_types); the engine has one
+            # window for every layer.
+            raise UnsupportedModelError(model_dir, "config.json use_sliding_window", "Qwen2-MoE's per-layer "
+                                        "sliding window is not served", expected=False, found=True)
         window = raw.get("sliding_window")
-        if config.model_type == "olmoe" or (config.model_type == "qwen3_moe" and not raw.get("use_sliding_window")):
+        if config.model_type == "olmoe" or (config.model_type in ("qwen3_moe", "qwen2_moe")
+                                            and not raw.get("use_sliding_window")):
             window = None
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             window = None

@@ -6,6 +6,7 @@ supported families, adapter formats and refusals.
 - :class:`MoECheckpoint` / :func:`read_checkpoint`: config.json + safetensors (single, sharded, or
   several files), per-expert or fused 3-D experts → :class:`MoEModelConfig` + per-layer tensors
   (:class:`DecoderLayerWeights` with ``MoEBaseWeights``), embeddings, final norm, LM head.
+  Qwen2-MoE's shared expert is read into ``DecoderLayerWeights.shared_expert``.
 - :func:`read_adapter`: adapter_config.json + adapter_model.safetensors → :class:`AdapterWeights`
   (per layer, module → ``ModuleLoRA`` with its σ), cast to the compute dtype.
 - :func:`load_adapter_into_slot`: an adapter into one slot of every layer's ``LoRAWeights``,
@@ -33,7 +34,7 @@ from moelora_core.checkpoint.errors import (
     UnsupportedTargetError,
     VocabularyTargetError,
 )
-from moelora_core.checkpoint.families import FAMILIES, MIXTRAL, OLMOE, QWEN3_MOE, Family
+from moelora_core.checkpoint.families import FAMILIES, MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE, Family
 from moelora_core.checkpoint.layout import DecoderLayerWeights, ModelWeights
 from moelora_core.checkpoint.model_config import MoEModelConfig, read_model_config
 from moelora_core.checkpoint.peft_config import PeftAdapterConfig
@@ -44,6 +45,7 @@ __all__ = [
     "FAMILIES",
     "MIXTRAL",
     "OLMOE",
+    "QWEN2_MOE",
     "QWEN3_MOE",
     "AdapterFormatError",
     "AdapterRefusal",

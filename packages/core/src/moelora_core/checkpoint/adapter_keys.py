@@ -13,7 +13,13 @@ model.layers.l.mlp.experts.lora_{A,B}.weight               fused, outer ParamWra
                                                            targeted; else the one targeted)
 model.layers.l.mlp.experts.e.{gate,up,down}_proj.lora_..   legacy per-expert (Mixtral:
 model.layers.l.block_sparse_moe.experts.e.{w1,w3,w2}.lora  ``block_sparse_moe``, w1/w3/w2)
+model.layers.l.mlp.shared_expert.{gate,up,down}_proj.lora  Qwen2-MoE shared expert: dense LoRA on
+  _{A,B}.weight                                            modules shared_gate / shared_up /
+                                                           shared_down, A [r, in], B [out, r]
 =========================================================  =========================================
+
+LoRA on Qwen2-MoE's sigmoid gate ``mlp.shared_expert_gate`` is a real module moelora does not serve
+(``UnsupportedTargetError``).
 
 Everything else is refused, by kind (the first non-empty kind in this order wins, listing up to 5
 keys): a non-canonical index (``layers.00``, non-ASCII digits; see :mod:`.key_names`), an adapter
@@ -42,7 +48,13 @@ from moelora_core.checkpoint.errors import (
     UnsupportedTargetError,
     VocabularyTargetError,
 )
-from moelora_core.checkpoint.families import ALL_EXPERT_LEAVES, FAMILIES
+from moelora_core.checkpoint.families import (
+    ALL_EXPERT_LEAVES,
+    FAMILIES,
+    SHARED_EXPERT_BLOCK,
+    SHARED_EXPERT_GATE,
+    SHARED_EXPERT_LEAVES,
+)
 from moelora_core.checkpoint.key_names import canonical_key, describe_non_canonical
 from moelora_core.checkpoint.model_config import MoEModelConfig
 from moelora_core.checkpoint.peft_config import VOCABULARY_MODULES
@@ -63,8 +75,8 @@ class LoraKey:
         key: the key as stored.
         layer: decoder layer index.
         kind: "dense", "fused" or "expert".
-        target: dense: "q"/"k"/"v"/"o"; fused: "outer"/"inner" (ParamWrapper nesting); expert:
-            "gate"/"up"/"down".
+        target: dense: "q"/"k"/"v"/"o" or "shared_gate"/"shared_up"/"shared_down"; fused:
+            "outer"/"inner" (ParamWrapper nesting); expert: "gate"/"up"/"down".
         factor: "A" or "B".
         block: the MoE block name in the key ("mlp", "block_sparse_moe"); "" for dense.
         expert: expert index for "expert" keys, else None.
@@ -110,6 +122,10 @@ def _model_modules(model: MoEModelConfig) -> set[str]:
             for e in range(model.num_experts):
                 mods |= {f"{p}.{block}.experts.{e}"}
                 mods |= {f"{p}.{block}.experts.{e}.{leaf}" for leaf in fam.expert_leaves}
+        if fam.shared_expert:
+            shared = f"{p}.mlp.{SHARED_EXPERT_BLOCK}"
+            mods |= {shared, f"{p}.mlp.{SHARED_EXPERT_GATE}"}
+            mods |= {f"{shared}.{leaf}" for leaf in SHARED_EXPERT_LEAVES.values()}
     return mods
 
 
@@ -140,6 +156,9 @@ def classify_keys(keys: list[str], model: MoEModelConfig, adapter: str) -> list[
     fused_re = re.compile(rf"model\.layers\.{_IDX}\.({blocks})\.experts\.(base_layer\.)?lora_([AB])\.weight")
     expert_re = re.compile(
         rf"model\.layers\.{_IDX}\.({blocks})\.experts\.{_IDX}\.({leaves})\.lora_([AB])\.weight")
+    shared_module = {leaf: module for module, leaf in SHARED_EXPERT_LEAVES.items()}
+    shared_re = re.compile(rf"model\.layers\.{_IDX}\.mlp\.{SHARED_EXPERT_BLOCK}\.({_alt(shared_module)})"
+                           rf"\.lora_([AB])\.weight") if fam.shared_expert else None
     foreign_blocks = {b for f in FAMILIES.values() for b in f.expert_blocks} - set(fam.expert_blocks)
     foreign_leaves = ALL_EXPERT_LEAVES - set(fam.expert_leaves)
     foreign_forms = []
@@ -187,6 +206,10 @@ def classify_keys(keys: list[str], model: MoEModelConfig, adapter: str) -> list[
             layer, block = int(m[1]), m[2]
             rec = LoraKey(key, layer, "fused", "inner" if m[3] else "outer", m[4], block, None,
                           f"model.layers.{layer}.{block}.experts")
+        elif shared_re is not None and (m := shared_re.fullmatch(rest)):
+            layer, leaf, factor = int(m[1]), m[2], m[3]
+            rec = LoraKey(key, layer, "dense", shared_module[leaf], factor, "", None,
+                          f"model.layers.{layer}.mlp.{SHARED_EXPERT_BLOCK}.{leaf}")
         elif m := expert_re.fullmatch(rest):
             layer, block, expert, leaf = int(m[1]), m[2], int(m[3]), m[4]
             rec = LoraKey(key, layer, "expert", fam.expert_module(leaf), m[5], block, expert,
@@ -220,7 +243,8 @@ def classify_keys(keys: list[str], model: MoEModelConfig, adapter: str) -> list[
         "bias": (AdapterFormatError, "LoRA bias is not supported"),
         "dora": (DoRAError, "DoRA magnitude vectors are not supported"),
         "vocabulary": (VocabularyTargetError, "the adapter changes the embedding / LM head / token vocabulary"),
-        "unsupported": (UnsupportedTargetError, "LoRA on modules moelora does not serve (router, norms, ...)"),
+        "unsupported": (UnsupportedTargetError, "LoRA on modules moelora does not serve (router, norms, "
+                                                "the shared expert's sigmoid gate, ...)"),
         "other_model": (ModelMismatchError, f"keys made for another model (this is a {model.num_layers}-layer, "
                                             f"{model.num_experts}-expert {fam.display} model)"),
         "unmatched": (UnmatchedKeysError, "keys that match no module of the model"),

@@ -16,7 +16,10 @@ Formats (peft 0.21.2, transformers 5.17):
   and σ; a module (or an expert) absent from the file is zeros. peft 0.21.2 converts these on load
   to a fused adapter of rank 2r and α 2α, which changes σ under rsLoRA; moelora follows the file's
   own modules (DESIGN.md §1), so σ here is the per-module one.
-- **dense** ``self_attn.{q,k,v,o}_proj``: A ``[r, in]``, B ``[out, r]``.
+- **dense** ``self_attn.{q,k,v,o}_proj``: A ``[r, in]``, B ``[out, r]``; likewise Qwen2-MoE's shared
+  expert ``mlp.shared_expert.{gate,up,down}_proj`` (modules ``shared_gate``, ``shared_up``,
+  ``shared_down``: in/out H → Is, H → Is, Is → H), which peft wraps as plain ``nn.Linear`` modules
+  through ``target_modules``.
 
 σ = α/r or α/√r (rsLoRA) with the module's r and α from ``rank_pattern`` / ``alpha_pattern``
 (``moelora_core.AdapterConfig``, PEFT's matching; see :mod:`.peft_config` for the paths matched).
@@ -70,8 +73,8 @@ class AdapterWeights:
         formats: the expert formats found ("fused", "per_expert"; empty for attention-only).
         config: the validated adapter config.
         layers: ``layers[l]`` maps "gate", "up", "down" (A [E, r, in], B [E, out, r]) and "q", "k",
-            "v", "o" (A [r, in], B [out, r]) to factors in ``dtype``; a module absent from layer l is
-            absent from the mapping (it adds nothing).
+            "v", "o", "shared_gate", "shared_up", "shared_down" (A [r, in], B [out, r]) to factors in
+            ``dtype``; a module absent from layer l is absent from the mapping (it adds nothing).
         dtype: the compute dtype the factors were cast to.
         stored_dtypes: the dtypes found in the file.
     """
@@ -236,8 +239,8 @@ def _check_model_dims(plans: list[_Plan], src: TensorSource, model: MoEModelConf
             a, b = src.shape(plan.a_keys[e]), src.shape(plan.b_keys[e])
             if len(a) != 2 or len(b) != 2:
                 continue
-            if plan.kind == "dense":
-                hidden.append(b[0] if plan.module == "o" else a[1])
+            if plan.kind == "dense":  # o and the shared expert's down project onto H; the rest read H
+                hidden.append(b[0] if plan.module in ("o", "shared_down") else a[1])
             elif plan.module in ("gate", "up", "gate_up"):
                 hidden.append(a[1])
                 inter.append(b[0] // 2 if plan.kind == "gate_up" else b[0])

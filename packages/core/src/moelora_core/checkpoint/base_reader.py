@@ -5,12 +5,16 @@ Formats read (transformers 5.17; see :mod:`moelora_core.checkpoint.families`):
 - per-expert keys as ``save_pretrained`` writes them: ``mlp.experts.{e}.gate_proj/up_proj/
   down_proj.weight`` (Qwen3-MoE, OLMoE), ``block_sparse_moe.experts.{e}.w1/w3/w2.weight`` (Mixtral);
 - the fused 3-D form: ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows first) and
-  ``mlp.experts.down_proj`` [E, H, I].
+  ``mlp.experts.down_proj`` [E, H, I];
+- q/k/v biases ``self_attn.{q,k,v}_proj.bias`` where the config has ``qkv_bias`` (Qwen2-MoE);
+- Qwen2-MoE's shared expert beside either form: ``mlp.shared_expert.{gate,up,down}_proj.weight``
+  ([Is, H], [Is, H], [H, Is]) and its sigmoid gate ``mlp.shared_expert_gate.weight`` [1, H].
 
 The orientation comes from the format, never from the shapes: a tensor whose shape is not exactly
 the one the config implies is refused (with H != 2I a transposed expert stack fails loudly; with
 H == 2I the format alone decides). Every tensor of the checkpoint must be consumed: keys the layout
-has no place for (biases, shared experts, extra layers) are refused rather than ignored.
+has no place for (biases, a shared expert in a family without one, extra layers) are refused rather
+than ignored.
 
 Reading is lazy: :class:`MoECheckpoint` validates every header on open and reads tensor data one
 layer at a time.
@@ -33,6 +37,7 @@ from moelora_core.checkpoint.key_names import describe_non_canonical, non_canoni
 from moelora_core.checkpoint.layout import DecoderLayerWeights, ModelWeights
 from moelora_core.checkpoint.model_config import MoEModelConfig, read_model_config
 from moelora_core.checkpoint.tensor_source import TensorSource
+from moelora_core.shared_expert import SharedExpertWeights
 
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
@@ -107,6 +112,8 @@ class MoECheckpoint:
             for module, leaf in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj")):
                 fin, fout = dense[module]
                 self._expect(f"{p}.self_attn.{leaf}.weight", (fout, fin))
+                if c.qkv_bias and module != "o":
+                    self._expect(f"{p}.self_attn.{leaf}.bias", (fout,))
             if c.family.qk_norm == "per_head":
                 self._expect(f"{p}.self_attn.q_norm.weight", (c.head_dim,))
                 self._expect(f"{p}.self_attn.k_norm.weight", (c.head_dim,))
@@ -127,6 +134,9 @@ class MoECheckpoint:
                     self._expect(f"{p}.{block}.experts.{e}.{g}.weight", (I, H))
                     self._expect(f"{p}.{block}.experts.{e}.{u}.weight", (I, H))
                     self._expect(f"{p}.{block}.experts.{e}.{d}.weight", (H, I))
+            if c.family.shared_expert:
+                for key, shape in self._shared_keys(layer).values():
+                    self._expect(key, shape)
         extra = [k for k in self._src.keys() if k not in self._layout]
         if extra:
             shown = ", ".join(extra[:5]) + (f" (+{len(extra) - 5} more)" if len(extra) > 5 else "")
@@ -134,6 +144,16 @@ class MoECheckpoint:
                 self.path, shown, f"{len(extra)} tensor(s) that the {c.family.display} layout has no place for "
                 "(biases, shared experts, extra layers?)",
             )
+
+    def _shared_keys(self, layer: int) -> dict[str, tuple[str, tuple[int, int]]]:
+        """SharedExpertWeights field → (key, shape) of ``layer``'s shared expert (Qwen2-MoE)."""
+        c = self.config
+        H, si = c.hidden_size, c.shared_expert_intermediate_size
+        p = f"model.layers.{layer}.mlp"
+        return {"gate_proj": (f"{p}.shared_expert.gate_proj.weight", (si, H)),
+                "up_proj": (f"{p}.shared_expert.up_proj.weight", (si, H)),
+                "down_proj": (f"{p}.shared_expert.down_proj.weight", (H, si)),
+                "gate": (f"{p}.shared_expert_gate.weight", (1, H))}
 
     # --- reading ---------------------------------------------------------------------------------
 
@@ -173,6 +193,17 @@ class MoECheckpoint:
             norm_topk_prob=c.norm_topk_prob,
         )
 
+    def shared_expert(self, layer: int) -> SharedExpertWeights | None:
+        """Layer ``layer``'s shared expert (Qwen2-MoE), or None for a family without one.
+
+        Raises:
+            IndexError: ``layer`` outside ``[0, num_layers)``.
+        """
+        self._check_layer(layer)
+        if not self.config.family.shared_expert:
+            return None
+        return SharedExpertWeights(**{name: self.tensor(key) for name, (key, _) in self._shared_keys(layer).items()})
+
     def layer(self, layer: int) -> DecoderLayerWeights:
         """Every base tensor of decoder layer ``layer`` (see :mod:`moelora_core.checkpoint.layout`)."""
         self._check_layer(layer)
@@ -188,6 +219,8 @@ class MoECheckpoint:
             input_layernorm=self.tensor(f"model.layers.{layer}.input_layernorm.weight"),
             post_attention_layernorm=self.tensor(f"model.layers.{layer}.post_attention_layernorm.weight"),
             moe=self.moe(layer),
+            shared_expert=self.shared_expert(layer),
+            **{f"{m}_bias": self.tensor(f"{p}.{m}_proj.bias") if self.config.qkv_bias else None for m in "qkv"},
         )
 
     def embed_tokens(self) -> torch.Tensor:

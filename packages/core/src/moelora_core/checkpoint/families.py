@@ -15,7 +15,16 @@ mixtral        model.layers.l.block_sparse_moe.experts.e.     intermediate_size,
 olmoe          as qwen3_moe                                   intermediate_size, num_experts,
                                                               norm_topk_prob (default False),
                                                               q_norm [H], k_norm [kv_heads·head_dim]
+qwen2_moe      as qwen3_moe, plus the shared expert           moe_intermediate_size, num_experts,
+               model.layers.l.mlp.shared_expert.gate_proj /   shared_expert_intermediate_size,
+               up_proj / down_proj .weight and its sigmoid    norm_topk_prob (default False),
+               gate model.layers.l.mlp.shared_expert_gate.    qkv_bias (q/k/v biases, default
+               weight [1, H]; self_attn.{q,k,v}_proj.bias     true); no q/k norm
 =============  ===========================================  ====================================
+
+Qwen2-MoE's MoE block (transformers ``Qwen2MoeSparseMoeBlock``) adds a dense shared expert to the
+routed experts: ``y = routed(x) + sigmoid(w_sg · x) · W_down (silu(W_gate x) ⊙ W_up x)``, where
+``w_sg`` [1, H] is ``shared_expert_gate`` and W_gate / W_up / W_down the shared expert's (DESIGN.md §1).
 
 The fused 3-D form, as the in-memory modules hold it (and as transformers also loads it), is
 ``model.layers.l.mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows first) and
@@ -45,6 +54,8 @@ class Family:
         experts_keys: config fields that may hold E, first found wins.
         always_renormalize: the top-k router weights are renormalised whatever the config says.
         qk_norm: "per_head" (RMSNorm over head_dim), "full" (over heads·head_dim) or None.
+        shared_expert: the MoE block has a dense shared expert (``mlp.shared_expert`` and its
+            sigmoid gate ``mlp.shared_expert_gate``), with width ``shared_expert_intermediate_size``.
     """
 
     model_type: str
@@ -57,6 +68,7 @@ class Family:
     experts_keys: tuple[str, ...]
     always_renormalize: bool
     qk_norm: str | None
+    shared_expert: bool = False
 
     def expert_leaf(self, module: str) -> str:
         """The per-expert leaf name of moelora module ``module`` ("gate", "up", "down")."""
@@ -104,11 +116,32 @@ OLMOE = Family(
     qk_norm="full",
 )
 
+QWEN2_MOE = Family(
+    model_type="qwen2_moe",
+    display="Qwen2-MoE",
+    architecture="Qwen2MoeForCausalLM",
+    expert_block="mlp",
+    expert_blocks=("mlp",),
+    expert_leaves=("gate_proj", "up_proj", "down_proj"),
+    intermediate_key="moe_intermediate_size",
+    experts_keys=("num_experts",),
+    always_renormalize=False,
+    qk_norm=None,
+    shared_expert=True,
+)
+
 #: model_type → family.
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (QWEN3_MOE, MIXTRAL, OLMOE)}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (QWEN3_MOE, MIXTRAL, OLMOE, QWEN2_MOE)}
 
 #: Leaf names of every family's per-expert projections (to recognise another family's adapter).
 ALL_EXPERT_LEAVES: frozenset[str] = frozenset(leaf for f in FAMILIES.values() for leaf in f.expert_leaves)
 
 #: moelora dense module → the attention projection's leaf name.
 DENSE_LEAVES: dict[str, str] = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
+
+#: moelora shared-expert module → its leaf under ``model.layers.l.mlp.shared_expert`` (Qwen2-MoE).
+SHARED_EXPERT_LEAVES: dict[str, str] = {"shared_gate": "gate_proj", "shared_up": "up_proj",
+                                        "shared_down": "down_proj"}
+#: The shared expert's module and its sigmoid gate's, under ``model.layers.l.mlp``.
+SHARED_EXPERT_BLOCK = "shared_expert"
+SHARED_EXPERT_GATE = "shared_expert_gate"

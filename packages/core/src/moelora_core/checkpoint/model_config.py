@@ -36,6 +36,10 @@ class MoEModelConfig:
         tie_word_embeddings: the LM head is the embedding matrix.
         clip_qkv: OLMoE's clamp of q/k/v outputs (None = none).
         torch_dtype: the dtype config.json declares ("float32", ...), None when absent.
+        shared_expert_intermediate_size: Is, the width of the dense shared expert (Qwen2-MoE's
+            ``shared_expert_intermediate_size``); None for a family without one.
+        qkv_bias: the q, k and v projections have biases (Qwen2-MoE's ``qkv_bias``, true when the
+            key is absent, as in transformers); o never has one.
     """
 
     family: Family
@@ -55,6 +59,8 @@ class MoEModelConfig:
     tie_word_embeddings: bool
     clip_qkv: float | None = None
     torch_dtype: str | None = None
+    shared_expert_intermediate_size: int | None = None
+    qkv_bias: bool = False
 
     @property
     def model_type(self) -> str:
@@ -62,11 +68,16 @@ class MoEModelConfig:
 
     @property
     def dense_shapes(self) -> dict[str, tuple[int, int]]:
-        """moelora dense module → (in_features, out_features) of the attention projections."""
+        """moelora dense module → (in_features, out_features): the attention projections and, for a
+        model with a shared expert, its gate / up (H → Is) and down (Is → H) projections."""
         q_out = self.num_attention_heads * self.head_dim
         kv_out = self.num_key_value_heads * self.head_dim
         h = self.hidden_size
-        return {"q": (h, q_out), "k": (h, kv_out), "v": (h, kv_out), "o": (q_out, h)}
+        shapes = {"q": (h, q_out), "k": (h, kv_out), "v": (h, kv_out), "o": (q_out, h)}
+        if self.shared_expert_intermediate_size is not None:
+            si = self.shared_expert_intermediate_size
+            shapes.update({"shared_gate": (h, si), "shared_up": (h, si), "shared_down": (si, h)})
+        return shapes
 
     def layer_spec(
         self,
@@ -94,9 +105,10 @@ class MoEModelConfig:
         """Parse a transformers ``config.json`` dict.
 
         Raises:
-            UnsupportedModelError: unknown ``model_type``; a Qwen3-MoE with dense MLP layers
-                (``mlp_only_layers`` / ``decoder_sparse_step``); attention or MLP biases; an
-                activation other than SiLU.
+            UnsupportedModelError: unknown ``model_type``; a Qwen3-MoE or Qwen2-MoE with dense MLP
+                layers (``mlp_only_layers`` / ``decoder_sparse_step``); ``attention_bias`` (o too)
+                or MLP biases (Qwen2-MoE's q/k/v-only ``qkv_bias`` is read); an activation other
+                than SiLU.
             CheckpointFormatError: a required field is missing or not a positive int.
         """
         model_type = raw.get("model_type")
@@ -121,7 +133,7 @@ class MoEModelConfig:
             if hidden % heads:
                 raise CheckpointFormatError(path, "config.json head_dim", "absent and hidden_size % heads != 0")
             head_dim = hidden // heads
-        if model_type == "qwen3_moe":
+        if model_type in ("qwen3_moe", "qwen2_moe"):
             sparse_step = raw.get("decoder_sparse_step", 1)
             if raw.get("mlp_only_layers") or sparse_step != 1:
                 raise UnsupportedModelError(
@@ -132,6 +144,10 @@ class MoEModelConfig:
         for key in ("attention_bias", "mlp_bias"):
             if raw.get(key):
                 raise UnsupportedModelError(path, f"config.json {key}", "biases are not supported", found=True)
+        # Qwen2MoeConfig's qkv_bias defaults to True (q/k/v biases, as Qwen1.5-MoE ships them): an
+        # absent key means biases too.
+        qkv_bias = bool(raw.get("qkv_bias", True)) if model_type == "qwen2_moe" else False
+        shared_inter = positive("shared_expert_intermediate_size") if family.shared_expert else None
         act = raw.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(path, "config.json hidden_act", "experts must use SiLU",
@@ -166,6 +182,8 @@ class MoEModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             clip_qkv=None if clip is None else float(clip),
             torch_dtype=raw.get("dtype", raw.get("torch_dtype")),
+            shared_expert_intermediate_size=shared_inter,
+            qkv_bias=qkv_bias,
         )
 
 

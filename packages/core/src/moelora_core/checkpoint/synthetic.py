@@ -20,9 +20,10 @@ import torch
 from safetensors.torch import save_file
 
 from moelora_core.base_weights import MoEBaseWeights
-from moelora_core.checkpoint.families import DENSE_LEAVES, FAMILIES
+from moelora_core.checkpoint.families import DENSE_LEAVES, FAMILIES, SHARED_EXPERT_LEAVES
 from moelora_core.checkpoint.layout import DecoderLayerWeights, ModelWeights
 from moelora_core.checkpoint.model_config import MoEModelConfig
+from moelora_core.shared_expert import SharedExpertWeights
 
 _META = {"format": "pt"}
 
@@ -43,7 +44,9 @@ def model_config_dict(
     tie_word_embeddings: bool = False,
     **extra: object,
 ) -> dict:
-    """A ``config.json`` object as transformers writes it for ``family`` (field names per family)."""
+    """A ``config.json`` object as transformers writes it for ``family`` (field names per family).
+    A Qwen2-MoE gets ``shared_expert_intermediate_size`` 2·inter and ``qkv_bias`` false unless
+    ``extra`` says otherwise."""
     fam = FAMILIES[family]
     arch = fam.architecture
     raw = {
@@ -57,6 +60,8 @@ def model_config_dict(
         raw["head_dim"] = head_dim
     if family != "mixtral":
         raw["norm_topk_prob"] = norm_topk_prob
+    if fam.shared_expert:
+        raw.update(shared_expert_intermediate_size=2 * inter, qkv_bias=False)
     raw.update(extra)
     return raw
 
@@ -74,6 +79,7 @@ def random_model(config: MoEModelConfig, seed: int = 0) -> ModelWeights:
         return 1.0 + 0.1 * torch.randn(n, generator=gen)
 
     dense = c.dense_shapes
+    si = c.shared_expert_intermediate_size
     qk = {"per_head": (c.head_dim, c.head_dim), "full": (dense["q"][1], dense["k"][1])}.get(c.family.qk_norm)
     layers = []
     for _ in range(c.num_layers):
@@ -84,6 +90,8 @@ def random_model(config: MoEModelConfig, seed: int = 0) -> ModelWeights:
             input_layernorm=norm(H), post_attention_layernorm=norm(H),
             moe=MoEBaseWeights(w_gate_up=lin(E, 2 * I, H), w_down=lin(E, H, I), router=lin(E, H),
                                norm_topk_prob=c.norm_topk_prob),
+            shared_expert=None if si is None else SharedExpertWeights(lin(si, H), lin(si, H), lin(H, si), lin(1, H)),
+            **({f"{m}_bias": 0.5 * torch.randn(dense[m][1], generator=gen) for m in "qkv"} if c.qkv_bias else {}),
         ))
     embed = torch.randn(c.vocab_size, H, generator=gen)
     return ModelWeights(config=c, embed_tokens=embed, layers=layers, norm=norm(H),
@@ -102,11 +110,19 @@ def checkpoint_tensors(weights: ModelWeights, *, fused: bool = False) -> dict[st
         p = f"model.layers.{li}"
         for m in "qkvo":
             out[f"{p}.self_attn.{DENSE_LEAVES[m]}.weight"] = layer.dense(m)
+            if layer.bias(m) is not None:
+                out[f"{p}.self_attn.{DENSE_LEAVES[m]}.bias"] = layer.bias(m)
         if layer.q_norm is not None:
             out[f"{p}.self_attn.q_norm.weight"] = layer.q_norm
             out[f"{p}.self_attn.k_norm.weight"] = layer.k_norm
         out[f"{p}.input_layernorm.weight"] = layer.input_layernorm
         out[f"{p}.post_attention_layernorm.weight"] = layer.post_attention_layernorm
+        if layer.shared_expert is not None:
+            se = layer.shared_expert
+            out[f"{p}.mlp.shared_expert.gate_proj.weight"] = se.gate_proj
+            out[f"{p}.mlp.shared_expert.up_proj.weight"] = se.up_proj
+            out[f"{p}.mlp.shared_expert.down_proj.weight"] = se.down_proj
+            out[f"{p}.mlp.shared_expert_gate.weight"] = se.gate
         moe = layer.moe
         if fused:
             out[f"{p}.mlp.gate.weight"] = moe.router
@@ -184,8 +200,9 @@ def adapter_tensors(
 
     Args:
         model: the model.
-        layers: layer → module → (A, B); MoE modules A [E, r, in], B [E, out, r]; dense [r, in] /
-            [out, r]. For "fused", gate and up must be given together with the same A.
+        layers: layer → module → (A, B); MoE modules A [E, r, in], B [E, out, r]; dense (q/k/v/o,
+            shared_gate / shared_up / shared_down) [r, in] / [out, r]. For "fused", gate and up must
+            be given together with the same A.
         expert_format: "fused" (``target_parameters``) or "per_expert" (legacy module names).
 
     Returns:
@@ -209,6 +226,10 @@ def adapter_tensors(
                 key = f"{pre}.{li}.self_attn.{DENSE_LEAVES[m]}"
                 out[f"{key}.lora_A.weight"], out[f"{key}.lora_B.weight"] = A, B
                 target_modules.add(DENSE_LEAVES[m])
+            elif m in SHARED_EXPERT_LEAVES:  # Qwen2-MoE's shared expert: plain nn.Linear modules
+                key = f"{pre}.{li}.mlp.shared_expert.{SHARED_EXPERT_LEAVES[m]}"
+                out[f"{key}.lora_A.weight"], out[f"{key}.lora_B.weight"] = A, B
+                target_modules.add(f"shared_expert.{SHARED_EXPERT_LEAVES[m]}")
             elif expert_format == "per_expert":
                 leaf = fam.expert_leaf(m)
                 for e in range(A.shape[0]):
