@@ -51,9 +51,10 @@ def passes(engine) -> dict[tuple[str, str, str], int]:
 
 
 def assert_ran_on_graphs(engine, mode: str) -> None:
-    """Every prefill and decode pass of ``engine`` ran in ``mode``'s graph labels with reason ""
-    (the decode_graph mode runs prefills eagerly with reason "disabled"); at least one of each."""
-    counted = passes(engine)
+    """Every prefill and decode pass of ``engine`` (or a :func:`passes` dict of one) ran in ``mode``'s
+    graph labels with reason "" (the decode_graph mode runs prefills eagerly with reason "disabled");
+    at least one of each."""
+    counted = engine if isinstance(engine, dict) else passes(engine)
     want = PASS_MODES[mode]
     for (phase, got_mode, reason), n in counted.items():
         if phase == "idle":
@@ -64,15 +65,17 @@ def assert_ran_on_graphs(engine, mode: str) -> None:
         assert any(p == phase for p, _, _ in counted), f"no {phase} pass ran: {counted}"
 
 
-def compare_outputs(got, want, *, what: str, dtype: str = DTYPE, record: dict | None = None) -> tuple[float, float]:
+def compare_outputs(got, want, *, what: str, dtype: str = DTYPE, record: dict | None = None,
+                    comparison: str = "graph_vs_eager") -> tuple[float, float]:
     """``got`` (graph) against ``want`` (eager), request by request: prompt and output logprobs within
-    the ``graph_vs_eager`` row, greedy tokens equal up to the first near-tie of the eager run's top-2
-    margin (requests with ``logprobs >= 2``; the others must agree everywhere).
+    the ``comparison`` row (``graph_vs_eager``; the TP tests pass ``tp_vs_tp1``), greedy tokens equal up
+    to the first near-tie of the reference run's top-2 margin (requests with ``logprobs >= 2``; the
+    others must agree everywhere).
 
     The measurement (max and mean |Δlogprob| over every compared logprob) is appended to
-    ``$MOELORA_GPU_OUT/graph_vs_eager.jsonl`` with ``record``'s fields when that is set, before any
+    ``$MOELORA_GPU_OUT/<comparison>.jsonl`` with ``record``'s fields when that is set, before any
     assertion, so a run that fails still records what it measured. Returns (max, mean)."""
-    tol = logprob_tolerance("graph_vs_eager", dtype).max_abs
+    tol = logprob_tolerance(comparison, dtype).max_abs
     items = []
     for a, b in zip(got, want, strict=True):
         assert a.request_id == b.request_id and a.finish_reason == b.finish_reason, (what, a.request_id, a.error)
@@ -88,10 +91,10 @@ def compare_outputs(got, want, *, what: str, dtype: str = DTYPE, record: dict | 
     measured = (max(diffs, default=0.0), sum(diffs) / max(1, len(diffs)))
     out_dir = os.environ.get("MOELORA_GPU_OUT")
     if out_dir:
-        with open(os.path.join(out_dir, "graph_vs_eager.jsonl"), "a") as fh:
+        with open(os.path.join(out_dir, f"{comparison}.jsonl"), "a") as fh:
             fh.write(json.dumps({"what": what, "dtype": dtype, "device": rs.DEVICE, "count": len(diffs),
                                  "max_abs": measured[0], "mean_abs": measured[1], **(record or {})}) + "\n")
-    check = LogprobCheck("graph_vs_eager", dtype)
+    check = LogprobCheck(comparison, dtype)
     for mine, theirs, name in items:
         check.add(mine, theirs, what=f"{what} {name}")
     check.finish(what)

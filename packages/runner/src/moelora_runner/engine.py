@@ -125,11 +125,7 @@ class Engine:
                  max_num_requests: int | None = None, prefill_token_buckets=None, decode_batch_buckets=None,
                  graph_capture: str | None = None, tp: int = 1, ep: int = 1) -> None:
         self.model_dir = Path(model_dir)
-        self.parallel, comm = self._resolve_parallel(tp, ep)
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None and self.parallel.parallel:
-            device = torch.device("cuda", self.parallel.rank % torch.cuda.device_count())
-        self.device = device
+        layout = ParallelLayout(tp, ep)  # the sizes and their combination; the rank once the group is joined
         for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank),
                             ("max_num_batched_tokens", max_num_batched_tokens), ("kv_cache_tokens", kv_cache_tokens),
                             ("max_num_seqs", max_num_seqs)):
@@ -141,7 +137,12 @@ class Engine:
                                     "use more adapters than there are slots")
         self.info = ModelInfo.read(self.model_dir)
         config = self.info.config
-        self.parallel.check(config)
+        layout.check(config)
+        self.parallel, comm = self._join_group(layout)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None and self.parallel.parallel:
+            device = torch.device("cuda", self.parallel.rank % torch.cuda.device_count())
+        self.device = device
         self.dtype = self._resolve_dtype(dtype, config.torch_dtype)
         self.moe_impl = self._resolve_moe_impl(moe_impl)
         self.backend_name = backend
@@ -207,8 +208,9 @@ class Engine:
     # --- configuration -------------------------------------------------------------------------
 
     @staticmethod
-    def _resolve_parallel(tp: int, ep: int):
-        layout = ParallelLayout(tp, ep)  # checks the sizes and the combination, rank 0 for now
+    def _join_group(layout: ParallelLayout):
+        """(this rank's layout, its collectives) in the running process group; (layout, None) at one rank."""
+        tp, ep = layout.tp, layout.ep
         if not layout.parallel:
             return layout, None
         import torch.distributed as dist

@@ -16,7 +16,9 @@ before NCCL starts, whoever started it.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -57,7 +59,9 @@ def _worker(rank: int, fn: Callable[..., Any], world: int, port: int, device: st
         os.environ.update(NO_MULTICAST_ENV)
     init_group(rank=rank, world=world, device=dev, init_method=f"tcp://127.0.0.1:{port}", timeout_s=timeout_s)
     try:
-        results.put((rank, fn(rank, *args)))
+        # Plain pickle: torch.multiprocessing would share tensors through file descriptors that die
+        # with this process.
+        results.put(pickle.dumps((rank, fn(rank, *args))))
     finally:
         dist.destroy_process_group()
 
@@ -78,9 +82,21 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, device: str | torch.de
     """
     if torch.device(device).type == "cuda":
         os.environ.update(NO_MULTICAST_ENV)  # inherited by the spawned workers as well
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(fn, world, free_port(), str(device), args, results, timeout_s),
-                       nprocs=world, join=True, start_method="spawn")
-    out = dict(results.get() for _ in range(world))
+    results = mp.get_context("spawn").SimpleQueue()
+    out: dict[int, Any] = {}
+
+    def drain() -> None:
+        # Read while the workers run: a result larger than the pipe's buffer blocks its worker's put
+        # until someone reads, so reading only after join would deadlock.
+        for _ in range(world):
+            rank, value = pickle.loads(results.get())
+            out[rank] = value
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    context = mp.start_processes(_worker, args=(fn, world, free_port(), str(device), args, results, timeout_s),
+                                 nprocs=world, join=False, start_method="spawn")
+    while not context.join(timeout=1.0):  # raises as soon as a worker fails
+        pass
+    reader.join()
     return [out[r] for r in range(world)]
