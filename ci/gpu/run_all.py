@@ -15,6 +15,8 @@ runner-graphs   engine graph runners vs eager: real CUDA graphs, bf16, guard "er
                 (packages/runner/tests/test_graph_*.py; measurements in graph_vs_eager.jsonl)
 bench-engine    engine benchmark: eager vs decode graph / prefill full / breakable          4–6
                 (benchmarks/bench_engine.py; builds its 4-layer Qwen3-30B-A3B-shaped model)
+tp-ep           TP = 2 / EP = 2 with NCCL + real CUDA graphs vs TP = 1 (ci/gpu/run_tp.sh;     ?
+                needs 2 GPUs, prints SKIPPED otherwise; not in the default order)
 ==============  ==========================================================  ==========
 
     python ci/gpu/run_all.py --stage graphs --stage kernels --out-dir "$OUT"
@@ -58,6 +60,7 @@ def _stages(out: Path, examples: int) -> dict[str, list[str]]:
         "runner-graphs": [py, "-m", "pytest", *RUNNER_GRAPH_TESTS, "-q", "-p", "no:cacheprovider",
                           "--junitxml", str(out / "runner_graphs.xml")],
         "bench-engine": [py, "benchmarks/bench_engine.py", "--out", str(out / "bench_engine.json")],
+        "tp-ep": ["bash", "ci/gpu/run_tp.sh", str(out / "tp_ep")],
     }
 
 
@@ -75,8 +78,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stage", action="append",
                         choices=["graphs", "kernels", "reference", "backends", "bench", "runner-graphs",
-                                 "bench-engine"],
-                        help="stages to run (repeatable; default: all, in order)")
+                                 "bench-engine", "tp-ep"],
+                        help="stages to run (repeatable; default: all but tp-ep, in order)")
     parser.add_argument("--out-dir", type=Path, default=Path(os.environ.get("OUT", "gpu_run")))
     parser.add_argument("--max-examples", type=int, default=5,
                         help="examples per conformance property item (kernel property tests get 4x)")
@@ -86,7 +89,7 @@ def main() -> int:
     env.pop("TRITON_INTERPRET", None)  # real kernels on the GPU
     stages = _stages(args.out_dir, args.max_examples)
     rows = []
-    for name in args.stage or list(stages):
+    for name in args.stage or [n for n in stages if n != "tp-ep"]:  # tp-ep needs a two-GPU machine
         start = time.monotonic()
         with open(args.out_dir / f"{name}.log", "w") as log:
             print(f"== {name}: {' '.join(stages[name])}", flush=True)

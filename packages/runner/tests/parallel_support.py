@@ -50,6 +50,22 @@ ENGINE = dict(max_loras=2, max_num_batched_tokens=12, kv_cache_tokens=256, decod
               max_lora_rank=rs.POOL_RANK, check_host_sync=True)
 
 
+def other_models() -> list[str]:
+    """The fixture families besides the ones the CI-sized cases use."""
+    from moelora_conformance.fixtures.specs import MODELS
+
+    return [m.name for m in MODELS if m.name not in ("qwen3_moe", "olmoe", "mixtral")]
+
+
+def fits(model: str, tp: int, ep: int) -> bool:
+    """Whether the fixture model's dims split at (tp, ep) (its spec, without reading a checkpoint)."""
+    from moelora_conformance.fixtures.specs import model_spec
+
+    m = model_spec(model)
+    return (tp == 1 or (m.heads % tp == 0 and m.kv_heads % tp == 0 and (ep > 1 or m.inter % tp == 0))) and \
+        (ep == 1 or (m.experts % ep == 0 and m.experts // ep >= m.top_k))
+
+
 def requests(model: str) -> list[dict]:
     names = [f"{model}-{suffix}" for suffix, _ in rs.ENGINE_ADAPTERS]
     return rs.mixed_requests([*names[:3], None], 8, seed=7, prompt_len=(1, 12), max_new_tokens=3, logprobs=2)

@@ -5,7 +5,7 @@
   capture, chunked prefill mixed with decodes) with the tokens and logprobs of the same run at TP = 1
   (``tp_vs_tp1`` row), eagerly and on the prefill graph (``full``, ``breakable``) with the decode graph,
   the metrics proving every pass ran on a graph; every backend (reference in every layout × mode;
-  triton and csgmv CI-sized: one layout × mode each in the interpret profile); OLMoE (its q/k norm
+  triton and csgmv CI-sized in the interpret profile: triton at tp2+ep2 on `full`, csgmv at tp2 eagerly; every one in the dev profile); OLMoE (its q/k norm
   over all heads sums squares over the ranks) and Mixtral.
 - ``test_every_rank_samples_the_same_tokens``: both ranks' outputs are bitwise equal (the SPMD
   contract: every rank schedules and samples alike, or the collectives would deadlock).
@@ -57,7 +57,10 @@ CASES += [ps.Case("olmoe", "reference", 2, 1, "breakable"), ps.Case("mixtral", "
 # CI-sized: each kernel backend in one layout x mode under the interpreter (every one beyond it).
 CASES += [ps.Case("qwen3_moe", b, tp, ep, mode) for b in ("triton", "csgmv") for tp, ep in LAYOUTS
           for mode in ("eager", "full", "breakable")
-          if _FULL or (b, tp, ep, mode) in {("triton", 2, 2, "full"), ("csgmv", 2, 1, "breakable")}]
+          if _FULL or (b, tp, ep, mode) in {("triton", 2, 2, "full"), ("csgmv", 2, 1, "eager")}]
+# Beyond the interpret profile: every fixture family in every layout its dims allow (reference, eager).
+CASES += [ps.Case(m, "reference", tp, ep, "eager") for m in ps.other_models() for tp, ep in LAYOUTS
+          if _FULL and ps.fits(m, tp, ep)]
 FAULTY = ps.Case("qwen3_moe", "reference", 2, 1, "eager", faulty_sharding=True)
 
 
