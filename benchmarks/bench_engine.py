@@ -27,6 +27,14 @@ forward is checked to have run in its mode (no silent eager fallback).
 
     python benchmarks/bench_engine.py --out bench_engine.json        # ~5 min on an H200 (model build ~1-2)
 
+Tensor / expert parallel (``--tp N`` / ``--ep N``, under torchrun; NVLink multicast off): every rank holds
+its slice of the model and adapters (``Engine(tp=, ep=)``), rank 0 builds the checkpoint and writes the
+record; the decode-step regime of the multi-GPU issue:
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+        torchrun --nproc-per-node 2 benchmarks/bench_engine.py --tp 2 --decode-bs 1,64,256 --no-prefill \
+        --out bench_engine_tp2.json
+
 Targets (issue): decode graph >= 3x eager at bs 1; full and breakable >= 1.3x eager at 1 x 128; the
 LoRA decode step (4 adapters + base) <= 1.3x the base-only step at bs 256. On a CPU (tests) the same
 code runs a tiny shape on the graph emulator with wall-clock timing (``--shape tiny --device cpu``).
@@ -243,7 +251,7 @@ class Bench:
     """The engine (model, adapters) and the runners of each regime (module doc)."""
 
     def __init__(self, model_dir: Path, adapter_dirs: dict, *, backend: str, device: torch.device, runs: int,
-                 warmup: int, seed: int) -> None:
+                 warmup: int, seed: int, tp: int = 1, ep: int = 1) -> None:
         from moelora_core.backend import load_backend
         from moelora_runner import Engine
 
@@ -252,7 +260,7 @@ class Bench:
         # runner are not used (each regime gets its own KV and runners below).
         self.engine = Engine(model_dir, backend=backend, dtype=dtype, device=str(device), max_loras=4,
                              max_lora_rank=max(RANKS), kv_cache_tokens=16, max_num_seqs=1, graph="eager",
-                             decode_graph=False)
+                             decode_graph=False, tp=tp, ep=ep)
         for name in ADAPTER_NAMES:
             self.engine.load_adapter(name, adapter_dirs[int(name[1:3])])
             self.engine.pin(name)
@@ -268,7 +276,7 @@ class Bench:
         from moelora_runner.kv_cache import KVCache
 
         c = self.engine.model.config
-        return KVCache(num_layers=c.num_layers, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+        return KVCache(num_layers=c.num_layers, num_kv_heads=self.engine.parallel.heads(c)[1], head_dim=c.head_dim,
                        num_tokens=tokens, max_requests=requests, max_context=context, dtype=self.engine.dtype,
                        device=self.device)
 
@@ -432,19 +440,31 @@ def environment(device: torch.device, backend: str) -> dict:
 
 
 def run(*, shape: str, device: torch.device, backend: str, workdir: Path, runs: int, warmup: int, seed: int = 0,
-        **regimes) -> dict:
+        tp: int = 1, ep: int = 1, **regimes) -> dict:
     """Build the model and adapters under ``workdir``, run every regime of the shape (``regimes``
-    overrides ``REGIMES[shape]``); the JSON record."""
+    overrides ``REGIMES[shape]``); the JSON record. With ``tp`` / ``ep`` above 1 (a process group
+    running): rank 0 builds, every rank then loads its slice and runs the same regimes."""
     regimes = {**REGIMES[shape], **regimes}
     t0 = time.perf_counter()
-    dirs = build_checkpoint(MODELS[shape], workdir, device=device, seed=seed)
+    parallel = max(tp, ep) > 1
+    if parallel:
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            dirs = build_checkpoint(MODELS[shape], workdir, device=device, seed=seed)
+        dist.barrier()
+        dirs = {"model": workdir / "model", **{r: workdir / f"r{r}" for r in RANKS}}  # build_checkpoint's layout
+    else:
+        dirs = build_checkpoint(MODELS[shape], workdir, device=device, seed=seed)
     build_s = time.perf_counter() - t0
     print(f"built {shape} and adapters r{'/'.join(map(str, RANKS))} in {build_s:.1f} s", flush=True)
-    bench = Bench(dirs["model"], dirs, backend=backend, device=device, runs=runs, warmup=warmup, seed=seed)
+    bench = Bench(dirs["model"], dirs, backend=backend, device=device, runs=runs, warmup=warmup, seed=seed, tp=tp,
+                  ep=ep)
     load_s = time.perf_counter() - t0 - build_s
     bench.decode(regimes["decode_bs"], regimes["decode_context"])
     bench.prefill(regimes["prefill"])
-    record = {"environment": environment(device, backend), "shape": {"name": shape, **asdict(MODELS[shape])},
+    record = {"environment": {**environment(device, backend), "tp": tp, "ep": ep},
+              "shape": {"name": shape, **asdict(MODELS[shape])},
               "ranks": list(RANKS), "adapters": list(ADAPTER_NAMES), "regimes": regimes, "runs": runs,
               "warmup": warmup,
               "model_bytes": bench.engine.model.bytes(), "build_s": build_s, "load_s": load_s,
@@ -467,12 +487,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="decode bs 1 and 256, prefill 1 x 128, 10 runs")
+    parser.add_argument("--decode-bs", default=None, metavar="1,64,256",
+                        help="decode batch sizes (default: the shape's)")
+    parser.add_argument("--no-prefill", action="store_true", help="decode regimes only")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (under torchrun)")
     args = parser.parse_args(argv)
     regimes = REGIMES[args.shape]
     extra = dict(decode_bs=(regimes["decode_bs"][0], regimes["decode_bs"][-1]), prefill=regimes["prefill"][:1],
                  runs=10) if args.quick else dict(runs=args.runs)
-    record = run(shape=args.shape, device=torch.device(args.device), backend=args.backend, workdir=args.workdir,
-                 warmup=args.warmup, **extra)
+    if args.decode_bs:
+        extra["decode_bs"] = tuple(int(b) for b in args.decode_bs.split(","))
+    if args.no_prefill:
+        extra["prefill"] = ()
+    device = torch.device(args.device)
+    rank = 0
+    if max(args.tp, args.ep) > 1:
+        from moelora_runner.parallel.comm import init_group
+        from moelora_runner.parallel.launch import torchrun_rank, worker_device
+
+        launched = torchrun_rank()
+        if launched is None:
+            print("--tp / --ep above 1 run under torchrun (torchrun --nproc-per-node N ...)", file=sys.stderr)
+            return 2
+        rank, world, local = launched
+        device = worker_device(args.device, local)
+        init_group(rank=rank, world=world, device=device)
+    record = run(shape=args.shape, device=device, backend=args.backend, workdir=args.workdir,
+                 warmup=args.warmup, tp=args.tp, ep=args.ep, **extra)
+    if rank != 0:
+        return 1 if record["errors"] else 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
     print(f"wrote {args.out} ({record['total_s']:.0f} s, {len(record['errors'])} errors)")

@@ -43,9 +43,10 @@ passes = engine_checks.passes
 
 
 def assert_ran_on_graphs(engine, mode: str) -> None:
-    """Every prefill and decode pass of ``engine`` ran in ``mode``'s graph labels with reason ""
-    (the decode_graph mode runs prefills eagerly with reason "disabled"); at least one of each."""
-    counted = passes(engine)
+    """Every prefill and decode pass of ``engine`` (or a :func:`passes` dict of one) ran in ``mode``'s
+    graph labels with reason "" (the decode_graph mode runs prefills eagerly with reason "disabled");
+    at least one of each."""
+    counted = engine if isinstance(engine, dict) else passes(engine)
     want = PASS_MODES[mode]
     for (phase, got_mode, reason), n in counted.items():
         if phase == "idle":
@@ -56,13 +57,15 @@ def assert_ran_on_graphs(engine, mode: str) -> None:
         assert any(p == phase for p, _, _ in counted), f"no {phase} pass ran: {counted}"
 
 
-def compare_outputs(got, want, *, what: str, dtype: str = DTYPE, record: dict | None = None) -> tuple[float, float]:
-    """:func:`moelora_conformance.e2e.engine_checks.compare_outputs` with this run's dtype and device,
-    its measurement appended to ``$MOELORA_GPU_OUT/graph_vs_eager.jsonl`` when that is set."""
+def compare_outputs(got, want, *, what: str, dtype: str = DTYPE, record: dict | None = None,
+                    comparison: str = "graph_vs_eager") -> tuple[float, float]:
+    """:func:`moelora_conformance.e2e.engine_checks.compare_outputs` with this run's dtype and device, in
+    the ``comparison`` row (``graph_vs_eager``; the TP tests pass ``tp_vs_tp1``), its measurement appended
+    to ``$MOELORA_GPU_OUT/<comparison>.jsonl`` when that is set."""
     out_dir = os.environ.get("MOELORA_GPU_OUT")
-    path = os.path.join(out_dir, "graph_vs_eager.jsonl") if out_dir else None
+    path = os.path.join(out_dir, f"{comparison}.jsonl") if out_dir else None
     return engine_checks.compare_outputs(got, want, what=what, dtype=dtype, record_path=path, record=record,
-                                         device=rs.DEVICE)
+                                         device=rs.DEVICE, comparison=comparison)
 
 
 def assert_same_outputs(got, want, *, what: str) -> None:

@@ -36,9 +36,11 @@ def passes(engine) -> dict[tuple[str, str, str], int]:
 
 
 def compare_outputs(got, want, *, what: str, dtype: str = "float32", record_path: str | Path | None = None,
-                    record: dict | None = None, device: str = "cpu") -> tuple[float, float]:
+                    record: dict | None = None, device: str = "cpu",
+                    comparison: str = "graph_vs_eager") -> tuple[float, float]:
     """``got`` (graph) against ``want`` (eager), request by request: prompt and output logprobs within
-    the ``graph_vs_eager`` row, greedy tokens equal up to the first near-tie of the eager run's top-2
+    the ``comparison`` row (``graph_vs_eager``; the TP tests compare against TP = 1 in ``tp_vs_tp1``),
+    greedy tokens equal up to the first near-tie of the reference run's top-2
     margin (requests with ``logprobs >= 2``; the others must agree everywhere).
 
     Args:
@@ -55,7 +57,7 @@ def compare_outputs(got, want, *, what: str, dtype: str = "float32", record_path
         AssertionError: a request id, finish reason or greedy token differs, or a logprob is out of
             tolerance (the message names the request and the first differing position).
     """
-    tol = logprob_tolerance("graph_vs_eager", dtype).max_abs
+    tol = logprob_tolerance(comparison, dtype).max_abs
     items = []
     for a, b in zip(got, want, strict=True):
         assert a.request_id == b.request_id and a.finish_reason == b.finish_reason, \
@@ -77,7 +79,7 @@ def compare_outputs(got, want, *, what: str, dtype: str = "float32", record_path
         with open(record_path, "a") as fh:
             fh.write(json.dumps({"what": what, "dtype": dtype, "device": device, "count": len(diffs),
                                  "max_abs": measured[0], "mean_abs": measured[1], **(record or {})}) + "\n")
-    check = LogprobCheck("graph_vs_eager", dtype)
+    check = LogprobCheck(comparison, dtype)
     for mine, theirs, name in items:
         check.add(mine, theirs, what=f"{what} {name}")
     check.finish(what)

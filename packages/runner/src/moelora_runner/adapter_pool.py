@@ -58,11 +58,16 @@ class AdapterPool:
         backend: told about every slot load, reload and clear (more instances: :meth:`attach_backend`).
         model_config: the model adapters are read for.
         on_event: called with ("load" | "evict" | "refusal", detail) for the metrics.
+        shard: this rank's slice of an adapter read for the whole model (tensor / expert parallelism:
+            ``moelora_runner.parallel.sharding.shard_adapter``); None keeps it whole. Applied once at
+            registration, before the pools validate it.
     """
 
     def __init__(self, pools: Sequence[LoRAWeights], backend: object, model_config: MoEModelConfig,
-                 on_event: Callable[[str, str], None] | None = None) -> None:
+                 on_event: Callable[[str, str], None] | None = None,
+                 shard: Callable[[AdapterWeights], AdapterWeights] | None = None) -> None:
         self.pools = list(pools)
+        self._shard = shard or (lambda weights: weights)
         self.backend = backend
         self._backends: list[object] = [backend]
         self.model_config = model_config
@@ -143,7 +148,8 @@ class AdapterPool:
         self._check_name(name)
         self._refuse_if_in_use(name, "reload")
         try:
-            weights = read_adapter(path, self.model_config, name=name, dtype=self.dtype, max_rank=self.max_rank)
+            weights = self._shard(read_adapter(path, self.model_config, name=name, dtype=self.dtype,
+                                               max_rank=self.max_rank))
             self._validate_against_pools(weights)
         except MoeLoraError as exc:
             self._on_event("refusal", type(exc).__name__)
@@ -190,8 +196,8 @@ class AdapterPool:
                 (directory / "adapter_config.json").write_text(text)
                 save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()},
                           str(directory / "adapter_model.safetensors"))
-                weights = read_adapter(directory, self.model_config, name=name, dtype=self.dtype,
-                                       max_rank=self.max_rank)
+                weights = self._shard(read_adapter(directory, self.model_config, name=name, dtype=self.dtype,
+                                                   max_rank=self.max_rank))
             self._validate_against_pools(weights)
         except MoeLoraError as exc:
             self._on_event("refusal", type(exc).__name__)

@@ -6,7 +6,7 @@
                      [--max-num-batched-tokens N] [--kv-cache-tokens N] [--moe-impl torch|triton]
                      [--graph eager|full|breakable] [--decode-graph | --no-decode-graph]
                      [--max-num-requests N] [--prefill-token-buckets 16,32,...] [--decode-batch-buckets 1,2,...]
-                     [--metrics-file PATH] [--metrics-port PORT] [--no-progress]
+                     [--metrics-file PATH] [--metrics-port PORT] [--no-progress] [--tp N] [--ep N]
     moelora make-fixtures DIR      # tiny local HF MoE models + PEFT adapters to try it on
 
 ``generate`` reads and validates every ``--adapter`` against the model before any request runs (slots
@@ -14,6 +14,13 @@ are filled on demand), serves the requests, and writes one output line per reque
 Exit status: 0 when every request finished, 1 when any request failed (the others are still written),
 2 on a usage error — bad arguments, an unreadable request file or checkpoint, an adapter refused at
 start-up (its error class and message on stderr) — where nothing is served and no output is written.
+
+``--tp N`` / ``--ep N`` (:mod:`moelora_runner.parallel`): started as a plain command, ``generate``
+checks the layout against the model's config (a refusal exits 2 before any worker starts), then
+spawns ``max(tp, ep)`` workers with ``torch.multiprocessing`` (gloo on a CPU, NCCL and one GPU per
+rank on CUDA); under torchrun (``RANK`` / ``WORLD_SIZE`` set) it uses the launcher's ranks, which
+must number ``max(tp, ep)``. Every rank serves the same requests; rank 0 alone prints, writes
+``--output`` and the metrics file and serves ``--metrics-port``; the exit status is rank 0's.
 """
 
 from __future__ import annotations
@@ -73,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-file", type=Path, default=None, help="write the Prometheus text exposition here")
     g.add_argument("--metrics-port", type=int, default=None, help="serve the metrics over HTTP on this port")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size: attention heads and (without --ep) "
+                   "the MoE intermediate split over N ranks (default 1)")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel size: experts partitioned over N ranks "
+                   "(with --tp: over the TP group's ranks, so 1 or equal to --tp; default 1)")
     f = sub.add_parser("make-fixtures", help="build tiny local HF MoE models and PEFT adapters (needs "
                        "moelora-conformance with its fixtures extra)")
     f.add_argument("directory", type=Path)
@@ -104,16 +115,54 @@ def _read_requests(path: Path) -> list[dict] | str:
 
 
 def generate(args: argparse.Namespace) -> int:
+    """``moelora generate``: one engine here, or one per rank (the module doc)."""
+    if args.tp == 1 and args.ep == 1:
+        return serve(args)
+    from moelora_core.checkpoint import read_model_config
+    from moelora_runner.parallel import launch
+    from moelora_runner.parallel.layout import ParallelLayout
+
+    requests = _read_requests(args.requests)  # a bad file is refused here, once, before any worker starts
+    if isinstance(requests, str):
+        return _fail(requests)
+    try:
+        layout = ParallelLayout(args.tp, args.ep)
+        layout.check(read_model_config(args.model))
+    except MoeLoraError as exc:
+        return _fail(f"moelora: cannot start: {type(exc).__name__}: {exc}")
+    launched = launch.torchrun_rank()
+    if launched is None:
+        return launch.spawn(_serve_rank, layout.world, args, device=args.device)[0]
+    rank, world, local_rank = launched
+    if world != layout.world:
+        return _fail(f"moelora: torchrun started {world} ranks; --tp {args.tp} --ep {args.ep} needs {layout.world}")
+    from moelora_runner.parallel.comm import init_group
+
+    device = launch.worker_device(args.device, local_rank)
+    init_group(rank=rank, world=world, device=device)
+    return serve(args, rank)
+
+
+def _serve_rank(rank: int, args: argparse.Namespace) -> int:
+    return serve(args, rank)
+
+
+def serve(args: argparse.Namespace, rank: int = 0) -> int:
+    """One engine serving the request file; the exit status. On ranks other than 0 (a worker of a TP / EP
+    group, its process group already running) nothing is printed or written."""
     from rich.console import Console
 
     from moelora_runner import cli_report
     from moelora_runner.engine import Engine
+    from moelora_runner.parallel.launch import worker_device
 
+    lead = rank == 0
     requests = _read_requests(args.requests)
     if isinstance(requests, str):
         return _fail(requests)
+    device = worker_device(args.device, rank) if (args.tp > 1 or args.ep > 1) else args.device
     try:
-        engine = Engine(args.model, backend=args.backend, dtype=args.dtype, device=args.device,
+        engine = Engine(args.model, backend=args.backend, dtype=args.dtype, device=device, tp=args.tp, ep=args.ep,
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         max_loras_per_batch=args.max_loras_per_batch,
                         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens,
@@ -127,10 +176,10 @@ def generate(args: argparse.Namespace) -> int:
             engine.load_adapter(name, path)
         except MoeLoraError as exc:
             return _fail(f"moelora: adapter {name!r} refused: {type(exc).__name__}: {exc}")
-    console = Console(stderr=True)
+    console = Console(stderr=True, quiet=not lead)
     console.print(cli_report.sizing_line(engine), highlight=False, soft_wrap=True)
     server = None
-    if args.metrics_port is not None:
+    if args.metrics_port is not None and lead:
         try:
             server, _ = engine.metrics_.serve(args.metrics_port)
         except OSError as exc:
@@ -139,7 +188,7 @@ def generate(args: argparse.Namespace) -> int:
                       highlight=False)
     start = time.perf_counter()
     try:
-        with cli_report.progress(console, len(requests), enabled=not args.no_progress) as bar:
+        with cli_report.progress(console, len(requests), enabled=lead and not args.no_progress) as bar:
             task = bar.add_task("generate", total=len(requests))
             outputs = engine.generate(requests, on_output=lambda out: bar.advance(task))
     finally:
@@ -147,6 +196,9 @@ def generate(args: argparse.Namespace) -> int:
             server.shutdown()
             server.server_close()
     seconds = time.perf_counter() - start
+    failed = EXIT_FAILED_REQUESTS if any(o.finish_reason == "error" for o in outputs) else EXIT_OK
+    if not lead:
+        return failed
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with args.output.open("w") as fh:
         for out in outputs:
@@ -162,7 +214,7 @@ def generate(args: argparse.Namespace) -> int:
     if args.metrics_file is not None:
         args.metrics_file.parent.mkdir(parents=True, exist_ok=True)
         args.metrics_file.write_text(engine.metrics_.text())
-    return EXIT_FAILED_REQUESTS if any(o.finish_reason == "error" for o in outputs) else EXIT_OK
+    return failed
 
 
 def make_fixtures(args: argparse.Namespace) -> int:

@@ -29,7 +29,8 @@ def sizing_line(engine) -> str:
             f"({human_bytes(s['kv_cache_bytes'])}, {s['kv_bytes_per_token']} B/token); adapter slot "
             f"{human_bytes(s['adapter_slot_bytes'])} x {s['max_loras']} slots (R {s['max_lora_rank']}); "
             f"backend {engine.backend_name}, dtype {str(engine.dtype).removeprefix('torch.')}, "
-            f"device {engine.device}, moe-impl {engine.moe_impl}; {graphs_text(engine.graphs)}")
+            f"device {engine.device}, moe-impl {engine.moe_impl}; {graphs_text(engine.graphs)}"
+            + (f"; {engine.parallel.describe()} (sizes per rank)" if engine.parallel.parallel else ""))
 
 
 def _buckets(sizes) -> str:

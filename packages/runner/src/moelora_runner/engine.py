@@ -24,6 +24,12 @@ Decisions (DESIGN.md §6 leaves them open):
 - Graphs (``graph``, ``decode_graph`` and the bucket arguments, :mod:`.graph_config`): on CUDA the
   prefill ``full`` graph and the decode graph by default, every bucket captured at start-up; on the
   CPU everything eager unless asked, buckets captured on first use on the emulator.
+- Tensor / expert parallelism (``tp``, ``ep``; :mod:`.parallel`): one Engine per rank, in a running
+  ``torch.distributed`` group of ``max(tp, ep)`` ranks (torchrun's, or the workers of
+  :mod:`.parallel.launch`). Every rank runs the same scheduler on the same requests (SPMD) over its
+  slice of the model, its adapters' slices and its own KV heads; the all-reduces inside the model
+  leave every rank with the same hidden states, so every rank samples the same tokens. Each rank
+  captures its own graphs, with the collectives inside.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ from moelora_runner.model import MoEDecoder
 from moelora_runner.model_info import ModelInfo
 from moelora_runner.model_runner import PHASES, ModelRunner, StepPlan, plan_step
 from moelora_runner.moe_paths import MOE_IMPLS, base_moe_path
+from moelora_runner.parallel.layout import ParallelLayout
+from moelora_runner.parallel.sharding import local_layer_spec, shard_adapter
 from moelora_runner.requests import EngineRequest, RequestOutput
 from moelora_runner.sampler import sample_token, top_logprobs
 from moelora_runner.scheduler import Scheduler
@@ -92,6 +100,9 @@ class Engine:
             :mod:`.graph_config`).
         graph_capture: "startup" (every bucket when the engine starts; CUDA's default) or "lazy" (a
             bucket on its first use; the CPU's default).
+        tp, ep: tensor- and expert-parallel sizes (:mod:`.parallel.layout` lists the supported
+            combinations); above 1, ``torch.distributed`` must run ``max(tp, ep)`` ranks and this
+            engine is the one of this process's rank (device "cuda" then means ``cuda:<rank>``).
 
     Components: the adapter pool, the scheduler and the model runner are built from the class
     attributes :attr:`adapter_pool_class`, :attr:`scheduler_class` and :attr:`model_runner_class`, and
@@ -102,7 +113,9 @@ class Engine:
         EngineConfigError: an argument out of range, a dtype / device / rank the backend does not
             declare, the Triton path on a CPU without ``TRITON_INTERPRET=1``, bf16 Triton kernels on
             a CPU (the interpreter computes bf16 wrongly), a graph mode or family the backend does
-            not declare, bad buckets.
+            not declare, bad buckets; an unsupported (tp, ep), a size that does not divide the
+            model's heads / kv heads / I / experts (with the numbers), tp or ep above 1 without a
+            ``torch.distributed`` group of that size.
         GraphCaptureError: a start-up capture the backend answers with ``Fallback`` or
             ``has_active_lora`` False.
         CheckpointError (and subclasses): the checkpoint cannot be read.
@@ -119,9 +132,9 @@ class Engine:
                  kv_cache_tokens: int = 8192, moe_impl: str | None = None, max_num_seqs: int = 256,
                  check_host_sync: bool = False, graph: str | None = None, decode_graph: bool | None = None,
                  max_num_requests: int | None = None, prefill_token_buckets=None, decode_batch_buckets=None,
-                 graph_capture: str | None = None) -> None:
+                 graph_capture: str | None = None, tp: int = 1, ep: int = 1) -> None:
         self.model_dir = Path(model_dir)
-        self.device = torch.device(device)
+        layout = ParallelLayout(tp, ep)  # the sizes and their combination; the rank once the group is joined
         for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank),
                             ("max_num_batched_tokens", max_num_batched_tokens), ("kv_cache_tokens", kv_cache_tokens),
                             ("max_num_seqs", max_num_seqs)):
@@ -133,10 +146,19 @@ class Engine:
                                     "use more adapters than there are slots")
         self.info = ModelInfo.read(self.model_dir)
         config = self.info.config
+        layout.check(config)
+        self.parallel, comm = self._join_group(layout)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None and self.parallel.parallel:
+            device = torch.device("cuda", self.parallel.rank % torch.cuda.device_count())
+        self.device = device
         self.dtype = self._resolve_dtype(dtype, config.torch_dtype)
         self.moe_impl = self._resolve_moe_impl(moe_impl)
         self.backend_name = backend
-        spec = config.layer_spec(max_loras=max_loras, max_rank=max_lora_rank, dtype=self.dtype, device=self.device)
+        # At one rank the whole layer; else this rank's slice (local I, experts, q/k/v/o widths).
+        spec = local_layer_spec(config, self.parallel, max_loras=max_loras, max_rank=max_lora_rank,
+                                dtype=self.dtype, device=self.device) if self.parallel.parallel else \
+            config.layer_spec(max_loras=max_loras, max_rank=max_lora_rank, dtype=self.dtype, device=self.device)
         factory = load_backend(backend)
         self.backend = factory(spec)
         caps = self.backend.capabilities()
@@ -164,11 +186,15 @@ class Engine:
         self.metrics_ = EngineMetrics()
         weights = read_checkpoint(self.model_dir, dtype=self.dtype)
         self.model = MoEDecoder(weights, dtype=self.dtype, device=self.device, max_positions=self.info.max_context,
-                                sliding_window=self.info.sliding_window, moe_path=base_moe_path(self.moe_impl))
+                                sliding_window=self.info.sliding_window, moe_path=base_moe_path(self.moe_impl),
+                                parallel=self.parallel, comm=comm)
         del weights
         pools = [LoRAWeights(spec) for _ in range(config.num_layers)]
-        self.adapters = self.adapter_pool_class(pools, self.backend, config, on_event=self.metrics_.adapter_event)
-        self.kv = KVCache(num_layers=config.num_layers, num_kv_heads=config.num_key_value_heads,
+        layout = self.parallel
+        shard = (lambda w: shard_adapter(w, config, layout)) if layout.parallel else None
+        self.adapters = self.adapter_pool_class(pools, self.backend, config, on_event=self.metrics_.adapter_event,
+                                                shard=shard)
+        self.kv = KVCache(num_layers=config.num_layers, num_kv_heads=layout.heads(config)[1],
                           head_dim=config.head_dim, num_tokens=kv_cache_tokens, max_requests=max_num_seqs,
                           max_context=min(self.info.max_context, kv_cache_tokens), dtype=self.dtype,
                           device=self.device)
@@ -190,6 +216,24 @@ class Engine:
         self._unclaimed: list[RequestOutput] = []
 
     # --- configuration -------------------------------------------------------------------------
+
+    @staticmethod
+    def _join_group(layout: ParallelLayout):
+        """(this rank's layout, its collectives) in the running process group; (layout, None) at one rank."""
+        tp, ep = layout.tp, layout.ep
+        if not layout.parallel:
+            return layout, None
+        import torch.distributed as dist
+
+        from moelora_runner.parallel.comm import Collectives, register
+
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() != layout.world:
+            running = f"{dist.get_world_size()} ranks" if dist.is_available() and dist.is_initialized() else "none"
+            raise EngineConfigError("tp" if tp > 1 else "ep",
+                                    f"tp={tp} ep={ep} needs a torch.distributed group of {layout.world} ranks "
+                                    f"(running: {running}); start under torchrun, through `moelora generate "
+                                    f"--tp/--ep` or moelora_runner.parallel.launch")
+        return ParallelLayout(tp, ep, dist.get_rank()), Collectives(register("world", None), layout.world)
 
     def _resolve_dtype(self, dtype: str, stored: str | None) -> torch.dtype:
         if dtype == "auto":
@@ -217,7 +261,7 @@ class Engine:
         return {"model_bytes": self.model.bytes(), "kv_cache_tokens": self.kv.num_tokens,
                 "kv_cache_bytes": self.kv.bytes(), "kv_bytes_per_token": self.kv.bytes_per_token(),
                 "adapter_slot_bytes": self.adapters.slot_bytes(), "max_loras": self.max_loras,
-                "max_lora_rank": self.max_lora_rank}
+                "max_lora_rank": self.max_lora_rank, "tp": self.parallel.tp, "ep": self.parallel.ep}
 
     # --- adapters ------------------------------------------------------------------------------
 

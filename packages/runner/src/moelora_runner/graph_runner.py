@@ -161,10 +161,8 @@ class GraphBucket:
 
     def _capture_segments(self, fb: ForwardBatch, live: ForwardBatch) -> None:
         model, lora = self.model, self.lora
-        c = model.config
         # The static input of every post-attention segment: the eager attention's output lands here.
-        self._attn_in = torch.zeros(self.tokens, c.num_attention_heads * c.head_dim, dtype=model.dtype,
-                                    device=self.pool.device)
+        self._attn_in = torch.zeros(self.tokens, model.attention_width, dtype=model.dtype, device=self.pool.device)
         attn_in = self._attn_in
 
         def first():

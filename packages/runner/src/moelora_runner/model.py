@@ -19,6 +19,15 @@ Per decoder layer (as transformers 5.17 computes it; x rows are the step's token
 
 then ``logits = rms_norm(h, norm)[logits_indices] lm_headᵀ`` (the embedding when tied).
 
+Under TP / EP (:mod:`moelora_runner.parallel`) each rank holds its slice of the weights
+(:func:`~moelora_runner.parallel.sharding.shard_layer`) and the layer adds the collectives: o's
+partial output (base + LoRA delta) is summed by one all-reduce before the residual add when attention
+is split; under EP the routed ids are mapped to this rank's experts (others become
+``EXPERT_NOT_HERE``, which the MoE path gives nothing); the MoE block's partial output (base + deltas,
+router-weighted, top-k summed) is summed by one all-reduce before the residual add. OLMoE's q/k norm
+over all heads sums its squares over the ranks (:func:`rms_norm_split`). The router and the
+embedding / LM head stay whole on every rank. At one rank none of this runs.
+
 The forward is split where a graph runner needs seams: :meth:`MoEDecoder.embed`,
 :meth:`MoEDecoder.pre_attention`, :meth:`MoEDecoder.attention` (the KV write and read, the one step
 that reads per-request metadata), :meth:`MoEDecoder.post_attention`, :meth:`MoEDecoder.logits`; a
@@ -43,11 +52,15 @@ from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.checkpoint import DecoderLayerWeights, ModelWeights, MoEModelConfig
 from moelora_core.moe_deltas import BaseMoEPath, moe_layer_forward
 from moelora_core.shared_expert import shared_expert_forward
+from moelora_core.sentinels import EXPERT_NOT_HERE
 from moelora_core.weights import LoRAWeights
 from moelora_reference.base_moe import route_topk
 from moelora_runner.attention import paged_attention, write_kv
 from moelora_runner.forward_batch import ForwardBatch
 from moelora_runner.kv_cache import KVCache
+from moelora_runner.parallel.comm import Collectives
+from moelora_runner.parallel.layout import ParallelLayout
+from moelora_runner.parallel.sharding import shard_layer
 
 F32 = torch.float32
 
@@ -57,6 +70,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.to(F32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def rms_norm_split(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], eps: float,
+                   widths: Sequence[int], comm: Collectives) -> list[torch.Tensor]:
+    """:func:`rms_norm` of tensors whose last dim is split over the ranks (OLMoE's q/k norm under TP):
+    each rank's squared sums (fp32) are summed by one all-reduce for all of ``xs`` together, then
+    divided by the full ``widths``; each rank scales its own slice by its slice of the weight.
+
+    Args:
+        xs: [T, n_i] this rank's slices. weights: [n_i] their norm weights. widths: the full widths.
+    """
+    x32 = [x.to(F32) for x in xs]
+    sums = torch.stack([x.pow(2).sum(-1) for x in x32], dim=-1)  # [T, len(xs)]
+    comm.all_reduce_(sums)
+    return [w * (x * torch.rsqrt(sums[:, i:i + 1] / n + eps)).to(x0.dtype)
+            for i, (x, x0, w, n) in enumerate(zip(x32, xs, weights, widths))]
+
+
+def local_expert_ids(topk_ids: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """EP: global expert ids [T, k] → this rank's ids (``id - first``), ``EXPERT_NOT_HERE`` for the
+    experts of other ranks (device-side, no host read)."""
+    local = topk_ids - first
+    here = (local >= 0) & (local < count)
+    return torch.where(here, local, torch.full_like(local, EXPERT_NOT_HERE))
 
 
 class RotaryEmbedding:
@@ -92,13 +129,26 @@ class LoRAContext:
 
 
 class DecoderLayer:
-    """One decoder layer's weights and its pre-/post-attention steps (see the module doc)."""
+    """One decoder layer's weights and its pre-/post-attention steps (see the module doc).
 
-    def __init__(self, index: int, weights: DecoderLayerWeights, config: MoEModelConfig) -> None:
+    Args:
+        index: the layer's index. weights: this rank's weights (whole at one rank).
+        config: the model's (global) config. router: [E, H] the whole router.
+        parallel: the rank's layout (None = one rank). comm: its collectives (needed when parallel).
+    """
+
+    def __init__(self, index: int, weights: DecoderLayerWeights, config: MoEModelConfig,
+                 router: torch.Tensor | None = None, parallel: ParallelLayout | None = None,
+                 comm: Collectives | None = None) -> None:
         self.index = index
         self.w = weights
         self.config = config
         self.moe: MoEBaseWeights = weights.moe
+        self.router = weights.moe.router if router is None else router
+        self.parallel = parallel or ParallelLayout.single()
+        self.comm = comm
+        self.heads, self.kv_heads = self.parallel.heads(config)
+        self.experts = self.parallel.experts(config)
 
     def _dense(self, module: str, x: torch.Tensor, lora: LoRAContext, fb: ForwardBatch) -> torch.Tensor:
         out = F.linear(x, self.w.dense(module), self.w.bias(module))  # q/k/v bias: Qwen2-MoE qkv_bias
@@ -113,11 +163,14 @@ class DecoderLayer:
         a = rms_norm(h, self.w.input_layernorm, eps)
         q, k, v = (self._dense(m, a, lora, fb) for m in ("q", "k", "v"))
         T = h.shape[0]
-        if c.family.qk_norm == "full":
+        if c.family.qk_norm == "full" and self.parallel.tp > 1:
+            q, k = rms_norm_split((q, k), (self.w.q_norm, self.w.k_norm), eps,
+                                  (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim), self.comm)
+        elif c.family.qk_norm == "full":
             q, k = rms_norm(q, self.w.q_norm, eps), rms_norm(k, self.w.k_norm, eps)
-        q = q.view(T, c.num_attention_heads, c.head_dim)
-        k = k.view(T, c.num_key_value_heads, c.head_dim)
-        v = v.view(T, c.num_key_value_heads, c.head_dim)
+        q = q.view(T, self.heads, c.head_dim)
+        k = k.view(T, self.kv_heads, c.head_dim)
+        v = v.view(T, self.kv_heads, c.head_dim)
         if c.family.qk_norm == "per_head":
             q, k = rms_norm(q, self.w.q_norm, eps), rms_norm(k, self.w.k_norm, eps)
         if c.clip_qkv is not None:
@@ -128,14 +181,22 @@ class DecoderLayer:
     def post_attention(self, attn: torch.Tensor, h: torch.Tensor, fb: ForwardBatch, lora: LoRAContext,
                        moe_path: BaseMoEPath) -> torch.Tensor:
         """The layer's output hidden states [T, H] from the attention output [T, nh·d] and its input h."""
-        c = self.config
-        h = h + self._dense("o", attn, lora, fb)
+        c, par = self.config, self.parallel
+        o = self._dense("o", attn, lora, fb)
+        if par.tp > 1:
+            self.comm.all_reduce_(o)  # row-parallel o: base and LoRA partials summed together
+        h = h + o
         m = rms_norm(h, self.w.post_attention_layernorm, c.rms_norm_eps)
-        topk_weights, topk_ids = route_topk(F.linear(m, self.moe.router), c.top_k, c.norm_topk_prob)
+        topk_weights, topk_ids = route_topk(F.linear(m, self.router), c.top_k, c.norm_topk_prob)
+        if par.ep > 1:
+            topk_ids = local_expert_ids(topk_ids, *self.experts)
         y = moe_layer_forward(moe_path, m, topk_ids, topk_weights, self.moe, lora.backend,
                               lora.pools[self.index], fb.lora_info)
+        if par.parallel:
+            self.comm.all_reduce_(y)  # the MoE combine: every rank's partial (base + deltas) summed
         if self.w.shared_expert is not None:
-            # transformers adds the gated shared expert to the routed output before the residual.
+            # transformers adds the gated shared expert to the routed output before the residual
+            # (never on a split model: ParallelLayout.check refuses one with a shared expert).
             y = y + shared_expert_forward(m, self.w.shared_expert, lambda mod, x: self._dense(mod, x, lora, fb))
         return h + y
 
@@ -149,10 +210,17 @@ class MoEDecoder:
         max_positions: RoPE table length (the engine's context).
         sliding_window: attention window (None = full causal attention).
         moe_path: the base MoE path (:mod:`moelora_runner.moe_paths`).
+        parallel: this rank's layout (None = one rank: the weights are used whole); the weights
+            are the whole model's and each layer keeps its slice.
+        comm: the rank's collectives (required when ``parallel`` spans more than one rank).
     """
 
     def __init__(self, weights: ModelWeights, *, dtype: torch.dtype, device: torch.device, max_positions: int,
-                 sliding_window: int | None, moe_path: BaseMoEPath) -> None:
+                 sliding_window: int | None, moe_path: BaseMoEPath, parallel: ParallelLayout | None = None,
+                 comm: Collectives | None = None) -> None:
+        self.parallel = parallel or ParallelLayout.single()
+        if self.parallel.parallel and comm is None:
+            raise ValueError(f"a model split {self.parallel.describe()} needs its collectives (comm=)")
         self.config = weights.config
         self.dtype = dtype
         self.device = device
@@ -168,7 +236,11 @@ class MoEDecoder:
         self.lm_head = self.embed_tokens if weights.config.tie_word_embeddings else to(weights.lm_head)
         self.layers = []
         for i, lw in enumerate(weights.layers):
-            moe = MoEBaseWeights(w_gate_up=to(lw.moe.w_gate_up), w_down=to(lw.moe.w_down), router=to(lw.moe.router),
+            router = to(lw.moe.router)
+            if self.parallel.parallel:
+                lw = shard_layer(lw, self.config, self.parallel)
+            moe = MoEBaseWeights(w_gate_up=to(lw.moe.w_gate_up), w_down=to(lw.moe.w_down),
+                                 router=None if self.parallel.parallel else router,
                                  num_experts=lw.moe.num_experts, norm_topk_prob=lw.moe.norm_topk_prob)
             moved = DecoderLayerWeights(q_proj=to(lw.q_proj), k_proj=to(lw.k_proj), v_proj=to(lw.v_proj),
                                         o_proj=to(lw.o_proj), q_norm=to(lw.q_norm), k_norm=to(lw.k_norm),
@@ -176,13 +248,18 @@ class MoEDecoder:
                                         post_attention_layernorm=to(lw.post_attention_layernorm), moe=moe,
                                         shared_expert=None if lw.shared_expert is None else lw.shared_expert.map(to),
                                         q_bias=to(lw.q_bias), k_bias=to(lw.k_bias), v_bias=to(lw.v_bias))
-            self.layers.append(DecoderLayer(i, moved, self.config))
+            self.layers.append(DecoderLayer(i, moved, self.config, router, self.parallel, comm))
         c = self.config
         self.rope = RotaryEmbedding(c.head_dim, c.rope_theta, max_positions, dtype, device)
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def attention_width(self) -> int:
+        """Features of this rank's attention output (its heads · head_dim): o's input."""
+        return self.layers[0].heads * self.config.head_dim
 
     def bytes(self) -> int:
         """Bytes of the model's weights on the device."""
@@ -191,7 +268,7 @@ class MoEDecoder:
         for layer in self.layers:
             w = layer.w
             tensors += [w.q_proj, w.k_proj, w.v_proj, w.o_proj, w.q_norm, w.k_norm, w.input_layernorm,
-                        w.post_attention_layernorm, w.moe.w_gate_up, w.moe.w_down, w.moe.router]
+                        w.post_attention_layernorm, w.moe.w_gate_up, w.moe.w_down, layer.router]
             tensors += [w.q_bias, w.k_bias, w.v_bias]
             if w.shared_expert is not None:
                 se = w.shared_expert
