@@ -51,8 +51,8 @@ import torch.nn.functional as F
 from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.checkpoint import DecoderLayerWeights, ModelWeights, MoEModelConfig
 from moelora_core.moe_deltas import BaseMoEPath, moe_layer_forward
-from moelora_core.shared_expert import shared_expert_forward
 from moelora_core.sentinels import EXPERT_NOT_HERE
+from moelora_core.shared_expert import shared_expert_forward
 from moelora_core.weights import LoRAWeights
 from moelora_reference.base_moe import route_topk
 from moelora_runner.attention import paged_attention, write_kv
