@@ -28,11 +28,17 @@ Invariants:
 - at the end (teardown) every request has finished, all KV is free, no slot is held, and unloading
   every adapter leaves every slot free and zero.
 
-:func:`run_state_machine` runs the machine once per engine mode (eager, decode graph, prefill
-``full``, prefill ``breakable``; those the backend declares) and returns one
-:class:`~moelora_conformance.e2e.results.E2EResult` per mode. ``engine_class`` plugs an
-engine-level faulty variant in (``moelora_conformance.faulty.engine_mutants``). The engine is
-imported only when a machine runs (the conformance package does not depend on the runner).
+:func:`run_state_machine` runs the machine on one backend, model and adapter set and returns
+:class:`~moelora_conformance.e2e.results.E2EResult` records: by default one (mode ``"mixed"``) whose
+examples each draw their engine mode (eager, decode graph, prefill ``full``, prefill ``breakable``;
+those the backend declares) — the CI-sized run —, or one per mode asked for. ``engine_class`` plugs
+an engine-level faulty variant in (``moelora_conformance.faulty.engine_mutants``). The named
+histories of the public fault classes are :mod:`.stateful_histories`. The engine is imported only
+when a machine runs (the conformance package does not depend on the runner).
+
+Cost (reference backend, the ``qwen3_moe`` fixture, 5 adapters on 3 slots, 20 examples of up to 30
+rules): 15-50 s of CPU depending on the draws (a burst of 40 requests is 40 alone runs to compare
+with); Triton backends under the interpreter are far slower (run them on a GPU or with few examples).
 """
 
 from __future__ import annotations
@@ -494,7 +500,8 @@ class EngineStateMachine(RuleBasedStateMachine):
         if key not in alone:
             from moelora_runner import Engine
 
-            engine = self._engine(Engine, max_loras=1, max_num_batched_tokens=64, kv_cache_tokens=256)
+            engine = self._engine(Engine, max_loras=1, max_num_batched_tokens=64, kv_cache_tokens=256,
+                                  **MODE_ARGS["eager"])  # eager on CUDA too (its default captures graphs)
             if request["adapter"] is not None:
                 self.sources.load(engine, request["adapter"], tracked.version)
             alone[key] = engine.generate([request])[0]
