@@ -20,6 +20,7 @@ import importlib.util
 import os
 
 import pytest
+import runner_support as rs
 
 from moelora_conformance.e2e.stateful import run_state_machine
 from moelora_conformance.e2e.stateful_histories import HISTORIES, run_history
@@ -38,11 +39,19 @@ def _adapters(engine_adapters) -> dict:
     return {f"{MODEL}-{s}": by_suffix[s] for s in ORDER}
 
 
+#: Backends of the state machine: the reference in the interpret profile (CI); every backend beyond it.
+MACHINE_BACKENDS = ("reference",) if current_profile().name == "interpret" else ("reference", *KERNEL_BACKENDS)
+#: ``MOELORA_RUNNER_DTYPE`` (e.g. bfloat16 on the GPU); fp32 by default.
+DTYPE = os.environ.get("MOELORA_RUNNER_DTYPE", "float32")
+
+
 @pytest.mark.slow
-def test_engine_histories_keep_every_property(fixture_set, engine_adapters, record_property):
+@pytest.mark.parametrize("backend", MACHINE_BACKENDS)
+def test_engine_histories_keep_every_property(backend, fixture_set, engine_adapters, record_property):
     examples = int(os.environ.get("MOELORA_MAX_EXAMPLES", "20"))
-    results = run_state_machine(backend="reference", model_dir=fixture_set.model_dir(MODEL),
-                                adapters=_adapters(engine_adapters), max_examples=examples, max_loras=3)
+    results = run_state_machine(backend=backend, model_dir=fixture_set.model_dir(MODEL),
+                                adapters=_adapters(engine_adapters), max_examples=examples, max_loras=3,
+                                device=rs.DEVICE, dtype=DTYPE)
     (result,) = results
     record_property("details", {k: v for k, v in result.details.items() if k != "failing_steps"})
     assert result.outcome == "passed", f"{result.message}\n{result.details.get('failing_steps', '')}"
@@ -60,4 +69,5 @@ _CASES = [pytest.param("reference", name, marks=pytest.mark.xdist_group("graphs-
 def test_named_history(backend, name, fixture_set, engine_adapters):
     if backend != "reference":
         pytest.importorskip("triton")
-    run_history(name, backend=backend, model_dir=fixture_set.model_dir(MODEL), adapters=_adapters(engine_adapters))
+    run_history(name, backend=backend, model_dir=fixture_set.model_dir(MODEL), adapters=_adapters(engine_adapters),
+                device=rs.DEVICE, dtype=DTYPE)

@@ -28,17 +28,23 @@ Invariants:
 - at the end (teardown) every request has finished, all KV is free, no slot is held, and unloading
   every adapter leaves every slot free and zero.
 
-:func:`run_state_machine` runs the machine once per engine mode (eager, decode graph, prefill
-``full``, prefill ``breakable``; those the backend declares) and returns one
-:class:`~moelora_conformance.e2e.results.E2EResult` per mode. ``engine_class`` plugs an
-engine-level faulty variant in (``moelora_conformance.faulty.engine_mutants``). The engine is
-imported only when a machine runs (the conformance package does not depend on the runner).
+:func:`run_state_machine` runs the machine on one backend, model and adapter set and returns
+:class:`~moelora_conformance.e2e.results.E2EResult` records: by default one (mode ``"mixed"``) whose
+examples each draw their engine mode (eager, decode graph, prefill ``full``, prefill ``breakable``;
+those the backend declares) — the CI-sized run —, or one per mode asked for. ``engine_class`` plugs
+an engine-level faulty variant in (``moelora_conformance.faulty.engine_mutants``). The named
+histories of the public fault classes are :mod:`.stateful_histories`; what it compares is
+:mod:`.stateful_checks`. The engine is imported only
+when a machine runs (the conformance package does not depend on the runner).
+
+Cost (reference backend, the ``qwen3_moe`` fixture, 5 adapters on 3 slots, 20 examples of up to 30
+rules): 15-50 s of CPU depending on the draws (a burst of 40 requests is 40 alone runs to compare
+with); Triton backends under the interpreter are far slower (run them on a GPU or with few examples).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 import tempfile
 import time
@@ -52,7 +58,18 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from moelora_core import NO_ADAPTER, LogprobCheck, logprob_tolerance
+from moelora_conformance.e2e.stateful_checks import (
+    AdapterVersions,
+    assert_unchanged,
+    compare_with_alone,
+    expected_pass,
+    pass_counts,
+    pool_rank,
+    slot_tensors,
+    snapshot,
+    tolerance_row,
+)
+from moelora_core import NO_ADAPTER, LogprobCheck
 from moelora_core.errors import MoeLoraError
 
 try:
@@ -160,158 +177,6 @@ class _Tracked:
     version: int | None
 
 
-class AdapterVersions:
-    """The weights each (name, version) means: version 0 is the name's own directory; version v > 0 is
-    the files of the adapter v places further on in the list, with every ``lora_B`` multiplied by
-    (-1)^v · (1 + v/2) — other modules, ranks and σ, and other values, under the same name."""
-
-    def __init__(self, adapters: tuple[tuple[str, Path], ...]) -> None:
-        self.names = [n for n, _ in adapters]
-        self.paths = dict(adapters)
-        self._files: dict[str, tuple[dict[str, torch.Tensor], dict]] = {}
-
-    def files(self, name: str) -> tuple[dict[str, torch.Tensor], dict]:
-        """The tensors and config of adapter directory ``name`` (read once)."""
-        if name not in self._files:
-            from safetensors.torch import load_file
-
-            path = self.paths[name]
-            self._files[name] = (load_file(str(path / "adapter_model.safetensors")),
-                                 json.loads((path / "adapter_config.json").read_text()))
-        return self._files[name]
-
-    def version(self, name: str, v: int) -> tuple[dict[str, torch.Tensor], dict]:
-        """(tensors, config) of version ``v`` > 0 of ``name``."""
-        source = self.names[(self.names.index(name) + v) % len(self.names)]
-        tensors, config = self.files(source)
-        factor = (-1) ** v * (1 + v / 2)
-        return ({k: t * factor if ".lora_B." in k else t.clone() for k, t in tensors.items()}, dict(config))
-
-    def load(self, engine, name: str, v: int) -> None:
-        """Register version ``v`` of ``name`` on ``engine`` (a directory, or in-memory tensors)."""
-        if v == 0:
-            engine.load_adapter(name, self.paths[name])
-        else:
-            engine.load_adapter_from_tensors(name, *self.version(name, v))
-
-
-def adapter_max_rank(path: Path) -> int:
-    """The largest rank an adapter's ``adapter_config.json`` gives a module (``r``, ``rank_pattern``).
-
-    Raises:
-        ValueError: no readable ``adapter_config.json`` with an integer ``r`` (the message names the path).
-    """
-    file = Path(path) / "adapter_config.json"
-    try:
-        config = json.loads(file.read_text())
-        ranks = [int(config["r"]), *(int(r) for r in (config.get("rank_pattern") or {}).values())]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path} is not a PEFT LoRA adapter directory: {file.name} unreadable or without "
-                         f"an integer 'r' ({type(exc).__name__}: {exc})") from None
-    return max(ranks)
-
-
-def pool_rank(adapters: Mapping[str, Path]) -> int:
-    """R for the machine's engines: the adapters' largest rank, rounded up to a power of two."""
-    r = max(adapter_max_rank(p) for p in adapters.values())
-    return 1 << max(0, math.ceil(math.log2(r)))
-
-
-# --- what the machine compares ---------------------------------------------------------------------
-
-
-def _slot_tensors(pool, slot: int) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor of one slot of one layer's pool (factors, ranks, σ), by name."""
-    out = [("gate_up_A", pool.gate_up_A[:, slot]), ("gate_up_B", pool.gate_up_B[:, slot]),
-           ("down_A", pool.down_A[slot]), ("down_B", pool.down_B[slot]),
-           ("module_ranks", pool.module_ranks[:, slot]), ("module_scalings", pool.module_scalings[:, slot])]
-    out += [(f"dense_A.{m}", t[slot]) for m, t in pool.dense_A.items()]
-    out += [(f"dense_B.{m}", t[slot]) for m, t in pool.dense_B.items()]
-    return out
-
-
-def _snapshot(engine) -> dict:
-    """Everything a refused operation must leave unchanged."""
-    pool = engine.adapters
-    return {"registry": {n: id(pool.get(n).weights) for n in pool.names()}, "slots": pool.slots(),
-            "pinned": pool.pinned(), "kv_free": engine.kv.free_tokens, "waiting": len(engine.scheduler.waiting),
-            "running": len(engine.scheduler.running),
-            "tensors": [[t.clone() for _, t in _slot_tensors(p, s)] for p in pool.pools for s in range(pool.max_loras)]}
-
-
-def _assert_unchanged(before: dict, after: dict, what: str) -> None:
-    for key in ("registry", "slots", "pinned", "kv_free", "waiting", "running"):
-        assert before[key] == after[key], f"{what} changed {key}: {before[key]} -> {after[key]}"
-    for i, (b, a) in enumerate(zip(before["tensors"], after["tensors"])):
-        assert all(torch.equal(x, y) for x, y in zip(b, a)), f"{what} changed pool tensors (layer x slot {i})"
-
-
-def _pass_counts(engine) -> dict[tuple[str, str, str], float]:
-    out = {}
-    for metric in engine.metrics.collect():
-        if metric.name == "moelora_forward_passes":
-            for s in metric.samples:
-                if s.name.endswith("_total"):
-                    out[(s.labels["phase"], s.labels["mode"], s.labels["reason"])] = s.value
-    return out
-
-
-def expected_pass(graphs, forward_mode: str, requests: int, tokens: int) -> tuple[str, str, str]:
-    """(phase, mode, reason) a step must be counted with, from the engine's resolved ``GraphConfig``
-    alone (DESIGN.md §6: a prefill graph has ``max_num_requests`` request slots, no 32 cap)."""
-    if forward_mode == "idle":
-        return ("idle", "eager", "disabled")
-    if forward_mode == "decode":
-        if not graphs.decode_graph:
-            return ("decode", "eager", "disabled")
-        return ("decode", "eager", "over_requests") if requests > max(graphs.decode_buckets) else \
-            ("decode", "decode_graph", "")
-    if graphs.prefill == "eager":
-        return ("prefill", "eager", "disabled")
-    if requests > graphs.max_num_requests:
-        return ("prefill", "eager", "over_requests")
-    if tokens > max(graphs.prefill_buckets):
-        return ("prefill", "eager", "over_tokens")
-    return ("prefill", graphs.prefill, "")
-
-
-def compare_with_alone(got, want, check: LogprobCheck, request: dict, what: str) -> None:
-    """``got`` (batched) against ``want`` (the request alone): prompt logprobs; output tokens up to the
-    alone run's first top-2 margin of at most 2·max_abs (greedy; a flip there is within tolerance),
-    everywhere for sampled requests (their own generator); their logprobs; the finish reason once
-    every token agrees.
-
-    Raises:
-        AssertionError: naming the request and the first difference.
-    """
-    assert got.finish_reason in ("stop", "length"), f"{what}: finished with {got.finish_reason} {got.error}"
-    check.add(got.prompt_logprobs[1:], want.prompt_logprobs[1:], what=f"{what} prompt logprobs")
-    agree = len(want.output_token_ids)
-    if request["temperature"] == 0.0:
-        tol = check.tolerance.max_abs
-        margins = [t[0]["logprob"] - t[1]["logprob"] for t in want.top_logprobs]
-        agree = next((j for j, m in enumerate(margins) if m <= 2 * tol), agree)
-    assert got.output_token_ids[:agree] == want.output_token_ids[:agree], (
-        f"{what}: output tokens {got.output_token_ids} != alone {want.output_token_ids} (first {agree} compared)")
-    check.add(got.output_logprobs[:agree], want.output_logprobs[:agree], what=f"{what} output logprobs")
-    if agree == len(want.output_token_ids):
-        assert got.output_token_ids == want.output_token_ids and got.finish_reason == want.finish_reason, (
-            f"{what}: {got.output_token_ids} ({got.finish_reason}) != alone {want.output_token_ids} "
-            f"({want.finish_reason})")
-
-
-def _tolerance_row(dtype: str) -> str:
-    """The logprob row of a batched-and-replayed request against itself alone and eager: the
-    graph row's bound is batched_vs_alone's (same cause: other matmul shapes); bf16 has only the
-    graph row."""
-    for row in ("batched_vs_alone", "graph_vs_eager"):
-        try:
-            logprob_tolerance(row, dtype)
-            return row
-        except KeyError:
-            continue
-    raise KeyError(f"no batched_vs_alone or graph_vs_eager logprob tolerance for {dtype}")
-
 
 # --- the machine -----------------------------------------------------------------------------------
 
@@ -335,7 +200,7 @@ class EngineStateMachine(RuleBasedStateMachine):
         self.finished = 0
         self.steps = 0
         self.refusals = 0
-        self.row = _tolerance_row(cfg.dtype)
+        self.row = tolerance_row(cfg.dtype)
         self.check = LogprobCheck(self.row, cfg.dtype)
         self._fingerprints: dict[tuple[str, int], list] = {}
         self._ids = 0
@@ -387,7 +252,7 @@ class EngineStateMachine(RuleBasedStateMachine):
 
             pools = [LoRAWeights(replace(p.spec, max_loras=1)) for p in self.engine.adapters.pools]
             load_adapter_into_slot(pools, 0, self.engine.adapters.get(name).weights)
-            self._fingerprints[key] = [[t.clone() for _, t in _slot_tensors(p, 0)] for p in pools]
+            self._fingerprints[key] = [[t.clone() for _, t in slot_tensors(p, 0)] for p in pools]
         return self._fingerprints[key]
 
     def _check_plan(self, plan) -> None:
@@ -420,7 +285,7 @@ class EngineStateMachine(RuleBasedStateMachine):
         pool = self.engine.adapters
         for slot, name in enumerate(pool.slots()):
             for li, layer in enumerate(pool.pools):
-                tensors = _slot_tensors(layer, slot)
+                tensors = slot_tensors(layer, slot)
                 if name is None:
                     bad = [n for n, t in tensors if bool(t.any())]
                     assert not bad, f"free slot {slot} is not zero in layer {li}: {bad}"
@@ -432,11 +297,11 @@ class EngineStateMachine(RuleBasedStateMachine):
 
     def _refused(self, what: str, call, *errors: type[BaseException]) -> bool:
         """Run ``call``; when it raises one of ``errors``, everything must be as before. True if refused."""
-        before = _snapshot(self.engine)
+        before = snapshot(self.engine)
         try:
             call()
         except errors:
-            _assert_unchanged(before, _snapshot(self.engine), f"refused {what}")
+            assert_unchanged(before, snapshot(self.engine), f"refused {what}")
             self.refusals += 1
             return True
         return False
@@ -494,18 +359,19 @@ class EngineStateMachine(RuleBasedStateMachine):
         if key not in alone:
             from moelora_runner import Engine
 
-            engine = self._engine(Engine, max_loras=1, max_num_batched_tokens=64, kv_cache_tokens=256)
+            engine = self._engine(Engine, max_loras=1, max_num_batched_tokens=64, kv_cache_tokens=256,
+                                  **MODE_ARGS["eager"])  # eager on CUDA too (its default captures graphs)
             if request["adapter"] is not None:
                 self.sources.load(engine, request["adapter"], tracked.version)
             alone[key] = engine.generate([request])[0]
         return alone[key]
 
     def _one_step(self) -> None:
-        before = _pass_counts(self.engine)
+        before = pass_counts(self.engine)
         self._expected = None
         outputs = self.engine.step()
         self.steps += 1
-        after = _pass_counts(self.engine)
+        after = pass_counts(self.engine)
         diff = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
         expected = self._expected or ("idle", "eager", "disabled")
         assert diff == {expected: 1.0}, (
