@@ -47,9 +47,8 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +57,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from moelora_conformance.e2e.results import DTYPE_NAMES, E2EResult, checking
 from moelora_conformance.e2e.stateful_checks import (
     AdapterVersions,
     assert_unchanged,
@@ -71,41 +71,6 @@ from moelora_conformance.e2e.stateful_checks import (
 )
 from moelora_core import NO_ADAPTER, LogprobCheck
 from moelora_core.errors import MoeLoraError
-
-try:
-    from moelora_conformance.e2e.results import DTYPE_NAMES, E2EResult, checking
-except ImportError:  # pragma: no cover - part A's record type not merged yet: a stand-in of the same shape
-    import contextlib
-
-    DTYPE_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-
-    @dataclass
-    class E2EResult:  # type: ignore[no-redef]
-        property: str
-        backend: str
-        mode: str
-        dtype: str
-        model: str
-        outcome: str = "not_run"
-        message: str = ""
-        duration: float = 0.0
-        details: dict = field(default_factory=dict)
-        repro: str | None = None
-
-    @contextlib.contextmanager
-    def checking(result):  # type: ignore[no-redef]
-        start = time.perf_counter()
-        try:
-            yield result
-        except AssertionError as exc:
-            result.outcome, result.message = "failed", str(exc).strip().splitlines()[0] if str(exc) else "failed"
-        except Exception as exc:
-            result.outcome, result.message = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0]
-        else:
-            if result.outcome == "not_run" and not result.message:
-                result.outcome = "passed"
-        finally:
-            result.duration += time.perf_counter() - start
 
 #: The e2e property id of the state machine (``moelora_conformance.e2e.properties.STATEFUL``).
 STATEFUL = "E06"
