@@ -71,6 +71,8 @@ def _stage_env(name: str, env: dict[str, str], out: Path, examples: int) -> dict
     if name == "runner-graphs":
         return dict(env, MOELORA_RUNNER_DEVICE="cuda", MOELORA_RUNNER_DTYPE="bfloat16", MOELORA_PROFILE="gpu",
                     MOELORA_MAX_EXAMPLES=str(examples), MOELORA_GPU_OUT=str(out))
+    if name == "tp-ep":
+        return dict(env, PYTHON=sys.executable)  # run_tp.sh's interpreter: this one
     return env
 
 
