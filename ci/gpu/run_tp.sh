@@ -9,11 +9,12 @@ OUT_DIR="${1:-${OUT:-gpu_run}}"; shift || true
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 export PYTHONPATH=packages/core/src:packages/kernels/src:packages/backends/src:packages/runner/src:reference/src:conformance/src:packages/runner/tests
+PY="${PYTHON:-python3}"   # the interpreter with torch (python3 on the H200 image)
 mkdir -p "$OUT_DIR"
-GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 if [ "$GPUS" -lt 2 ]; then
-    exec python3 ci/gpu/tp_ep_gpu.py --out-dir "$OUT_DIR" "$@"   # prints SKIPPED with the reason
+    exec "$PY" ci/gpu/tp_ep_gpu.py --out-dir "$OUT_DIR" "$@"   # prints SKIPPED with the reason
 fi
 set -o pipefail
-python3 -m torch.distributed.run --nproc-per-node 2 ci/gpu/tp_ep_gpu.py --out-dir "$OUT_DIR" "$@" 2>&1 \
+"$PY" -m torch.distributed.run --nproc-per-node 2 ci/gpu/tp_ep_gpu.py --out-dir "$OUT_DIR" "$@" 2>&1 \
     | tee "$OUT_DIR/tp_ep_gpu.log"

@@ -15,7 +15,9 @@ the run; the exit status is non-zero when any case failed.
     conformance/src:packages/runner/tests torchrun --nproc-per-node 2 ci/gpu/tp_ep_gpu.py --out-dir "$OUT"
 
 With fewer than two GPUs it prints ``SKIPPED: <reason>``, writes ``tp_ep_gpu.json`` with status
-"skipped" and exits 0 (nothing was checked). Needs torch, triton, transformers + peft (the fixtures
+"skipped" and exits 0 (nothing was checked). ``--device cpu`` is a dry run of this script over gloo
+(fp32, the Triton backends under ``TRITON_INTERPRET=1``): ``torchrun --nproc-per-node 2 ci/gpu/tp_ep_gpu.py
+--device cpu --dtype float32 --backend reference``. Needs torch, triton, transformers + peft (the fixtures
 are built locally by rank 0), prometheus_client, rich.
 """
 
@@ -54,10 +56,11 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--backend", action="append", choices=BACKENDS, help="default: all")
     parser.add_argument("--model", default="qwen3_moe")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a gloo dry run")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     record = args.out_dir / "tp_ep_gpu.json"
-    if torch.cuda.device_count() < 2:
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
         reason = f"{torch.cuda.device_count()} CUDA device(s) visible; the TP = 2 / EP = 2 NCCL run needs 2"
         print(f"SKIPPED: {reason}")
         record.write_text(json.dumps({"status": "skipped", "reason": reason}) + "\n")
@@ -76,7 +79,7 @@ def main() -> int:
         print("run under torchrun --nproc-per-node 2 (RANK / WORLD_SIZE not set, or not 2 ranks)", file=sys.stderr)
         return 2
     rank, world, local = launched
-    device = torch.device("cuda", local)
+    device = torch.device("cuda", local) if args.device == "cuda" else torch.device("cpu")
     init_group(rank=rank, world=world, device=device)
     root = args.out_dir / "fixtures"
     if rank == 0 and not (root / "done").exists():
@@ -93,10 +96,10 @@ def main() -> int:
         for tp, ep in LAYOUTS:
             for mode in MODES:
                 case = ps.Case(args.model, backend, tp, ep, mode)
-                row = {"case": case.id, "dtype": args.dtype, "gpus": world,
-                       "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
+                row = {"case": case.id, "dtype": args.dtype, "ranks": world, "torch": torch.__version__,
+                       "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
                 try:
-                    got = ps.run_case(case, models, adapters, device="cuda", dtype=args.dtype)
+                    got = ps.run_case(case, models, adapters, device=args.device, dtype=args.dtype)
                     row["seconds"] = round(got["seconds"], 2)
                     if rank == 0:
                         key = case.single().id
@@ -108,7 +111,7 @@ def main() -> int:
                             gs.assert_ran_on_graphs(got["passes"], mode)
                         row["max_abs"], row["mean_abs"] = gs.compare_outputs(
                             got["outputs"], want["outputs"], what=case.id, dtype=args.dtype, comparison="tp_vs_tp1",
-                            record={"case": case.id, "gpus": world})
+                            record={"case": case.id, "ranks": world})
                     row["status"] = "passed"
                 except Exception as exc:
                     row["status"] = "failed"

@@ -64,9 +64,11 @@ CASES += [ps.Case(m, "reference", tp, ep, "eager") for m in ps.other_models() fo
 FAULTY = ps.Case("qwen3_moe", "reference", 2, 1, "eager", faulty_sharding=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def parallel_runs(fixture_set, engine_adapters):
-    """Both ranks' results of every case (one spawn of two gloo workers)."""
+    """Both ranks' results of every case (one spawn of two gloo workers). Session-scoped: under xdist a
+    worker may interleave other modules' tests with these, which would tear a module fixture down and
+    spawn again."""
     return spawn(ps.worker, 2, [*CASES, FAULTY], fixture_set.root / "models", engine_adapters, timeout_s=300)
 
 
