@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 
 import graph_support as gs
 import parallel_support as ps
@@ -65,11 +66,20 @@ FAULTY = ps.Case("qwen3_moe", "reference", 2, 1, "eager", faulty_sharding=True)
 
 
 @pytest.fixture(scope="session")
-def parallel_runs(fixture_set, engine_adapters):
-    """Both ranks' results of every case (one spawn of two gloo workers). Session-scoped: under xdist a
-    worker may interleave other modules' tests with these, which would tear a module fixture down and
-    spawn again."""
-    return spawn(ps.worker, 2, [*CASES, FAULTY], fixture_set.root / "models", engine_adapters, timeout_s=300)
+def parallel_runs(tmp_path_factory, fixture_set, engine_adapters):
+    """Both ranks' results of every case: one spawn of two gloo workers per test session, shared by the
+    xdist workers through a build-once directory (a second xdist worker that gets some of these tests
+    waits for the first one's results instead of spawning again)."""
+    from moelora_conformance.fixtures.cache import shared_directory
+
+    def build(directory):
+        runs = spawn(ps.worker, 2, [*CASES, FAULTY], fixture_set.root / "models", engine_adapters, timeout_s=300)
+        directory.mkdir(parents=True)
+        (directory / "runs.pkl").write_bytes(pickle.dumps(runs))
+        (directory / "done").write_text("ok\n")
+
+    return pickle.loads((shared_directory(tmp_path_factory, "moelora-parallel-runs", build, marker="done")
+                         / "runs.pkl").read_bytes())
 
 
 _SINGLE: dict = {}
