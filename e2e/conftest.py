@@ -19,8 +19,6 @@ def fixture_set(tmp_path_factory):
 @pytest.fixture(scope="session")
 def engine_adapters(tmp_path_factory, fixture_set):
     """model name → {adapter name: directory} of the engine adapters (five ranks and formats)."""
-    from moelora_conformance.e2e.adapters import DONE, build_engine_adapters, engine_adapter_dirs
-    from moelora_conformance.fixtures.cache import shared_directory
+    from moelora_conformance.e2e.adapters import session_engine_adapters
 
-    root = shared_directory(tmp_path_factory, "moelora-engine-adapters", build_engine_adapters, marker=DONE)
-    return {model: dict(dirs) for model, dirs in engine_adapter_dirs(root).items()}
+    return {model: dict(dirs) for model, dirs in session_engine_adapters(tmp_path_factory).items()}

@@ -26,10 +26,9 @@ def fixture_set(tmp_path_factory):
 @pytest.fixture(scope="session")
 def engine_adapters(tmp_path_factory, fixture_set):
     """model name → [(adapter name, directory)] of the engine adapters (:data:`runner_support.ENGINE_ADAPTERS`)."""
-    from moelora_conformance.fixtures.cache import shared_directory
+    from moelora_conformance.e2e.adapters import session_engine_adapters
 
-    root = shared_directory(tmp_path_factory, "moelora-engine-adapters", rs.build_engine_adapters, marker="done")
-    return rs.engine_adapter_dirs(root)
+    return session_engine_adapters(tmp_path_factory)
 
 
 @pytest.fixture

@@ -87,3 +87,13 @@ def engine_adapter_dirs(root: Path, models: list[str] | None = None) -> dict[str
     """model → [(adapter name, directory)] of the engine adapters under ``root``."""
     return {model: [(f"{model}-{suffix}", Path(root) / model / f"{model}-{suffix}")
                     for suffix, _ in engine_adapter_specs(model)] for model in models or model_names()}
+
+
+def session_engine_adapters(tmp_path_factory) -> dict[str, list[tuple[str, Path]]]:
+    """model → [(adapter name, directory)] of the engine adapters of every fixture model, built once
+    per test session in a directory every pytest worker shares (the runner's and the e2e tests'
+    ``engine_adapters`` fixture; ``moelora_conformance.fixtures.cache.shared_directory``)."""
+    from moelora_conformance.fixtures.cache import shared_directory
+
+    root = shared_directory(tmp_path_factory, "moelora-engine-adapters", build_engine_adapters, marker=DONE)
+    return engine_adapter_dirs(root)
