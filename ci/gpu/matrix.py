@@ -28,7 +28,8 @@ suite reports one, examples run, seconds, versions and commit, as Markdown and J
 
 Statuses: ``pass``; ``fail`` (the suite ran and something failed); ``error`` (the cell's process
 could not run its suite: exit 2-4, a crash); ``timeout`` (its own timeout fired); ``nothing-ran``
-(exit 5: no test ran, never a pass); ``not-run`` (no record).
+(exit 5: no test ran, never a pass); ``incomplete`` (exit 0, but the suite's report says a
+property of the cell did not run, e.g. no tolerance row for its dtype: never a pass); ``not-run`` (no record).
 
 Only the standard library is needed to list, select, run and report (Python 3.11+: ``tomllib``).
 """
@@ -58,7 +59,7 @@ SOURCES = ["packages/core/src", "packages/kernels/src", "packages/backends/src",
            "reference/src", "conformance/src"]
 AXES = ("suite", "backend", "mode", "dtype", "family", "profile")
 SUITES = ("kernels", "graphs", "conformance", "engine", "checkpoint-pass", "e2e", "benchmarks")
-FINISHED = ("pass", "fail", "error", "timeout", "nothing-ran")
+FINISHED = ("pass", "incomplete", "fail", "error", "timeout", "nothing-ran")
 #: Longest timeout of one cell: the device's 10-minute call less its start-up.
 MAX_TIMEOUT_S = 570
 RECORDS = "records.jsonl"
@@ -338,6 +339,18 @@ def summarize(cell: Cell, work: Path) -> dict:
             out["max_error"], out["tolerance"] = worst
         out["failures"] = [f"{r.get('test')}: {r.get('message', '')}"[:300] for r in records
                            if r.get("outcome") in ("failed", "error")][:5]
+        not_run = [f"{r.get('test')}: {r.get('message', '')}"[:300] for r in records if r.get("outcome") == "not_run"]
+        if not_run:
+            out["not_run"] = not_run[:5]
+    measured = work / "graph_vs_eager.jsonl"
+    if cell.axes["suite"] == "e2e" and measured.is_file():
+        # The e2e suite appends each graph-vs-eager measurement before asserting, so a failing cell
+        # still says what it measured (the GPU rows of the tolerance policy are set from these).
+        lines = [json.loads(line) for line in measured.read_text().splitlines() if line.strip()]
+        if lines:
+            out["graph_vs_eager"] = {"max_abs": max(x["max_abs"] for x in lines),
+                                     "mean_abs": max(x["mean_abs"] for x in lines),
+                                     "count": sum(int(x.get("count", 0)) for x in lines)}
     kernels = work / "kernels.json"
     if cell.axes["suite"] == "kernels" and kernels.is_file():
         data = json.loads(kernels.read_text())
@@ -396,6 +409,8 @@ def run_cell(cell: Cell, timeout_s: float, log, env: dict[str, str]) -> tuple[di
             fields.update(summarize(cell, work))
         except (OSError, ValueError, KeyError) as exc:
             fields["message"] = f"could not read the cell's report: {exc}"
+        if fields["status"] == "pass" and fields.get("not_run"):
+            fields["status"] = "incomplete"
         return fields, wall
 
 
@@ -466,12 +481,13 @@ def render_markdown(rows: Sequence[dict]) -> str:
         lines.append(f"| `{r['cell']}` | {r['status']} | {_fmt_error(rec)} | {rec.get('examples') or '–'} | "
                      f"{rec.get('seconds', '–')} | {rec.get('finished', '–')[:10]} | {ver} | "
                      f"{rec.get('commit', '–')[:12]} |")
-    fails = [r for r in rows if r["status"] in ("fail", "error", "timeout", "nothing-ran")]
+    fails = [r for r in rows if r["status"] in ("incomplete", "fail", "error", "timeout", "nothing-ran")]
     if fails:
         lines += ["", "## Not passing", ""]
         for r in fails:
             rec = r["record"] or {}
-            detail = "; ".join(rec.get("failures") or []) or rec.get("message", "") or f"exit {rec.get('exit_code')}"
+            detail = ("; ".join(rec.get("failures") or rec.get("not_run") or []) or rec.get("message", "")
+                      or f"exit {rec.get('exit_code')}")
             lines.append(f"- `{r['cell']}` ({r['status']}): {detail}")
     return "\n".join(lines) + "\n"
 
