@@ -69,6 +69,9 @@ TARGETS = {1: (40, 23, 32), 8: (129, 28, 50), 32: (261, 34, 67), 128: (310, 48, 
            2048: (465, 147, 294), 8192: (1285, 202, 351)}
 ALIGN_TARGET_US = 15.0
 DT = torch.bfloat16
+#: Where problems, pools and the torch paths live; a CPU dry run of sweep_configs.py (interpreter,
+#: tiny shapes) sets it, and DT, to "cpu" / fp32 before building anything.
+DEVICE = "cuda"
 
 
 def regime(M: int) -> str:
@@ -131,16 +134,16 @@ class Problem:
         H, E, k = shape["H"], shape["E"], shape["top_k"]
         self.M, self.k, self.E, self.H, self.I = M, k, E, H, shape["I"]
         self.lens, self.slots = request_lengths(M)
-        self.x = torch.randn(M, H, generator=gen, device="cuda").to(DT)
-        logits = torch.randn(M, E, generator=gen, device="cuda")
+        self.x = torch.randn(M, H, generator=gen, device=DEVICE).to(DT)
+        logits = torch.randn(M, E, generator=gen, device=DEVICE)
         w, ids = torch.topk(torch.softmax(logits, -1), k)
         self.topk_weights = (w / w.sum(-1, keepdim=True)).contiguous()
         self.topk_ids = ids.to(torch.int32).contiguous()
         indptr = [0]
         for n in self.lens:
             indptr.append(indptr[-1] + n)
-        self.seg_indptr = torch.tensor(indptr, dtype=torch.int32, device="cuda")
-        self.req_to_lora = torch.tensor(self.slots, dtype=torch.int32, device="cuda")
+        self.seg_indptr = torch.tensor(indptr, dtype=torch.int32, device=DEVICE)
+        self.req_to_lora = torch.tensor(self.slots, dtype=torch.int32, device=DEVICE)
         self.mapping, self.enabled = token_lora_mapping(self.seg_indptr, self.req_to_lora, max_loras=MAX_LORAS,
                                                         num_tokens=M)
         self.w_gu, self.w_d = base["w_gu"], base["w_d"]
@@ -173,14 +176,14 @@ class KeepBaseBuffers:
 def make_pool(shape: dict, R: int, gen: torch.Generator) -> LoRAWeights:
     H, I, E = shape["H"], shape["I"], shape["E"]  # noqa: E741
     spec = LoRALayerSpec(hidden_size=H, moe_intermediate_size=I, num_experts=E, top_k=shape["top_k"], dense_shapes={},
-                         max_loras=MAX_LORAS, max_rank=R, dtype=DT, device="cuda")
+                         max_loras=MAX_LORAS, max_rank=R, dtype=DT, device=DEVICE)
     w = LoRAWeights(spec)
     for slot in range(MAX_LORAS):
         adapter = {}
         for m in ("gate", "up", "down"):
             fin, fout = spec.module_shape(m)
-            A = torch.randn(E, R, fin, generator=gen, device="cuda") / math.sqrt(fin)
-            B = torch.randn(E, fout, R, generator=gen, device="cuda") / math.sqrt(R)
+            A = torch.randn(E, R, fin, generator=gen, device=DEVICE) / math.sqrt(fin)
+            B = torch.randn(E, fout, R, generator=gen, device=DEVICE) / math.sqrt(R)
             adapter[m] = ModuleLoRA(A, B, 2.0 / (1 + slot))
         w.load_slot(slot, adapter)
     return w
@@ -192,8 +195,8 @@ def torch_base(p: Problem) -> torch.Tensor:
     """The base MoE by expert buckets in fp32, rounded where the kernels round."""
     M, k = p.M, p.k
     ids = p.topk_ids.reshape(-1).long()
-    gate_up = torch.zeros(M * k, 2 * p.I, device="cuda")
-    down = torch.zeros(M * k, p.H, device="cuda")
+    gate_up = torch.zeros(M * k, 2 * p.I, device=DEVICE)
+    down = torch.zeros(M * k, p.H, device=DEVICE)
     for e in ids.unique().tolist():
         rows = (ids == e).nonzero().squeeze(1)
         gate_up[rows] = (p.x[rows // k].float() @ p.w_gu[e].float().T).to(DT).float()
