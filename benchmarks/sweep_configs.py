@@ -86,7 +86,7 @@ def main() -> int:
     parser.add_argument("--ops", nargs="*", default=["fused_moe_lora", "fused_moe_gemm"])
     parser.add_argument("--tokens", type=int, nargs="*", default=[1, 32, 128, 512])
     parser.add_argument("--ranks", type=int, nargs="*", default=[16, 64])
-    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--replays", type=int, default=None, help="graph replays per unit (20; --variants: 100)")
     parser.add_argument("--out", default="sweep.json")
     parser.add_argument("--variants", action="store_true", help="A/B the split-K shrink and the split alignment")
     parser.add_argument("--out-dir", default=".", help="--variants: where variants.json and log.txt go")
@@ -98,7 +98,9 @@ def main() -> int:
     if args.variants or args.dry_run:
         from variants import run_variants
 
+        args.replays = args.replays or 100
         return run_variants(args)
+    args.replays = args.replays or 20
     shape = MODELS["qwen3-30b-a3b-layer"]
     gen = torch.Generator("cuda").manual_seed(0)
     H, I, E = shape["H"], shape["I"], shape["E"]  # noqa: E741

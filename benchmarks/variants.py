@@ -34,7 +34,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import time
 from pathlib import Path
 
@@ -70,25 +69,6 @@ class _DryTimer:
         fn()
         us = (time.perf_counter() - t0) * 1e6
         return {"median_us": us, "p10_us": us, "p90_us": us}
-
-
-def plain_copy_ceiling() -> dict[str, float]:
-    """2 GiB eager ``copy_`` (no graph, no flush): bytes read + written over the median of 20."""
-    n = 2 * 2**30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        dst.copy_(src)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    del src, dst
-    med = statistics.median(times)
-    return {"median_us": med, "GBps": 2 * n / (med * 1e-6) / 1e9}
 
 
 def _pair_variants():
@@ -310,7 +290,7 @@ def run_variants(args) -> int:
         f"R {ranks}, align M {align_tokens}; budget {args.budget_s:.0f} s")
     if not dry:
         record["copy_in_graph"] = bench.copy_bandwidth(timer)
-        record["copy_plain"] = plain_copy_ceiling()
+        record["copy_plain"] = bench.plain_copy_ceiling()
         log(f"  ceilings: plain copy_ {record['copy_plain']['GBps']:.0f} GB/s (efficiencies use this), "
             f"in-graph copy {record['copy_in_graph']['GBps']:.0f} GB/s")
     gen = torch.Generator(bench.DEVICE).manual_seed(0)

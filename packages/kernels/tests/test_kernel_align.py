@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kernel_testing import DEVICE, cpu, launch_guard, poisoned_align
+from kernel_testing import DEVICE, ON_GPU, cpu, launch_guard, poisoned_align
 
 from moelora_conformance.strategies import align_problems
 from moelora_core import KernelPreconditionError, align_capacity, assert_exact
@@ -129,9 +129,14 @@ def test_split_alignment_equals_one_program_per_slot_exactly():
     enabled = torch.tensor([1, 1, 0], dtype=torch.int32)
     ids, mapping, enabled = ids.to(DEVICE), mapping.to(DEVICE), enabled.to(DEVICE)
     one = _run(ids, mapping, enabled, E, bm, L, split=1)
-    for split in (2, 8, 64):  # 64 programs for 100 pairs: most parts are empty
+    for split in (4, 32):  # 32 programs for 100 pairs of 4: the last 7 parts are empty
         out = _run(ids, mapping, enabled, E, bm, L, split=split)
-        for name, a, b in zip(AlignOutput._fields, out, one):
+        if ON_GPU:  # the GPU's atomics order each part's pairs freely
+            out = AlignOutput(_canonical(out, bm), out.expert_ids.cpu(), out.num_tokens_post_padded.cpu())
+            one_rows = AlignOutput(_canonical(one, bm), one.expert_ids.cpu(), one.num_tokens_post_padded.cpu())
+        else:
+            one_rows = one
+        for name, a, b in zip(AlignOutput._fields, out, one_rows):
             assert_exact(a, b, what=f"{name} ALIGN_SPLIT={split}", seed=4)
     _assert_same_as_twin(one, ids, mapping, enabled, E, bm, L, seed=4)
 
