@@ -35,7 +35,7 @@ from moelora_conformance.strategies.routing import RoutingPlan, routing_plans
 from moelora_conformance.strategies.shapes import DTYPE_NAMES, LayerShape, dtypes, layer_shapes
 from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.batch import BatchSpec
-from moelora_core.layer_spec import MOE_MODULES, LoRALayerSpec
+from moelora_core.layer_spec import EXPERT_FACTORS, MOE_MODULES, LoRALayerSpec
 from moelora_core.weights import LoRAWeights, ModuleLoRA
 
 #: Layouts of the dense projections' outputs (module docstring).
@@ -92,7 +92,9 @@ def _base_to(base: MoEBaseWeights, device: torch.device | str) -> MoEBaseWeights
 def _pool_to(src: LoRAWeights, device: torch.device | str) -> LoRAWeights:
     """A copy of pool ``src`` on ``device`` (tensors and host copies)."""
     lora = LoRAWeights(replace(src.spec, device=torch.device(device)))
-    for name in ("gate_up_A", "gate_up_B", "down_A", "down_B", "module_ranks", "module_scalings"):
+    for name in EXPERT_FACTORS:
+        lora.storage(name).copy_(src.storage(name))
+    for name in ("module_ranks", "module_scalings"):
         getattr(lora, name).copy_(getattr(src, name))
     for name in ("dense_A", "dense_B"):
         for m, t in getattr(src, name).items():

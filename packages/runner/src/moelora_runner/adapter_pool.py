@@ -129,11 +129,8 @@ class AdapterPool:
 
     def slot_bytes(self) -> int:
         """Device bytes one slot takes over every layer's pool."""
-        total = 0
-        for p in self.pools:
-            tensors = [p.gate_up_A, p.gate_up_B, p.down_A, p.down_B, *p.dense_A.values(), *p.dense_B.values()]
-            total += sum(t.numel() * t.element_size() for t in tensors)
-        return total // self.max_loras
+        # As stored: a factor the pools' expert layout shares is counted once per slot, not E times.
+        return sum(p.slot_bytes() for p in self.pools)
 
     # --- registration --------------------------------------------------------------------------
 
