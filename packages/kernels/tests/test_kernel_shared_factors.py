@@ -46,7 +46,7 @@ pytestmark = pytest.mark.interpreter
 SHARED_LAYOUTS = ("shared_outer", "fully_shared")
 
 
-def _pools(seed, layout, *, L=3, E=5, H=40, I=24, R=16, ranks=None):  # noqa: E741
+def _pools(seed, layout, *, L=3, E=5, H=40, I=24, R=16, ranks=None):
     """(pool in ``layout``, per-expert pool with the same factors broadcast): both from one draw."""
     gen = torch.Generator().manual_seed(seed)
     spec = LoRALayerSpec(hidden_size=H, moe_intermediate_size=I, num_experts=E, top_k=2, dense_shapes={}, max_loras=L,
@@ -74,7 +74,7 @@ def _problem(seed, spec, M=9, k=2):
 @pytest.mark.parametrize("layout", SHARED_LAYOUTS)
 def test_shared_factor_is_stored_once_and_read_with_expert_stride_zero(layout):
     w, _ = _pools(1, layout)
-    L, E, R, H, I = 3, 5, 16, 40, 24  # noqa: E741
+    E, R, H, I = 5, 16, 40, 24
     for f in EXPERT_FACTORS:
         store, view = w.storage(f), getattr(w, f)
         if f in EXPERT_LAYOUTS[layout]:

@@ -75,8 +75,9 @@ class LoRALayerSpec:
             expert. Anything but "per_expert" needs a backend declaring ``shared_expert_factors``.
 
     Raises:
-        InvalidFieldError: a non-positive size, ``top_k > num_experts``, an unknown ``expert_layout``, ``dense_shapes`` not a
-            mapping or an unknown dense module, an unsupported dtype, an unparsable device.
+        InvalidFieldError: a non-positive size, ``top_k > num_experts``, an unknown
+            ``expert_layout``, ``dense_shapes`` not a mapping or an unknown dense module, an
+            unsupported dtype, an unparsable device.
     """
 
     hidden_size: int
@@ -97,7 +98,8 @@ class LoRALayerSpec:
         if self.top_k > self.num_experts:
             raise InvalidFieldError("top_k", f"must be <= num_experts={self.num_experts}, got {self.top_k}")
         if self.expert_layout not in EXPERT_LAYOUTS:
-            raise InvalidFieldError("expert_layout", f"must be one of {tuple(EXPERT_LAYOUTS)}, got {self.expert_layout!r}")
+            raise InvalidFieldError("expert_layout",
+                                    f"must be one of {tuple(EXPERT_LAYOUTS)}, got {self.expert_layout!r}")
         if not isinstance(self.dense_shapes, Mapping):
             raise InvalidFieldError("dense_shapes", f"must be a mapping module -> (in, out), got {self.dense_shapes!r}")
         shapes = {}

@@ -305,7 +305,7 @@ class LoRAWeights:
         r = A.shape[-2]
         want_A, want_B = (*lead, r, fin), (*lead, fout, r)
         if moe:  # expert dim 1: one factor for every expert (shared-outer, fully shared)
-            for name, t, want, factor in (("lora_A", A, want_A, "A"), ("lora_B", B, want_B, "B")):
+            for name, t, factor in (("lora_A", A, "A"), ("lora_B", B, "B")):
                 pool_factor = expert_factor(module, factor)
                 if t.shape[0] == 1:
                     if name == "lora_A":

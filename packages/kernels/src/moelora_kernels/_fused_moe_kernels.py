@@ -73,7 +73,8 @@ def _fused_moe_gemm_kernel(
 
     # --- pointers --------------------------------------------------------------------------------
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    w_ptrs = w_ptr + (expert // experts_per_weight) * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    w_ptrs = (w_ptr + (expert // experts_per_weight) * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn
+              + offs_k[:, None] * stride_wk)
 
     # --- accumulate in fp32 ------------------------------------------------------------------------
     acc = accumulate_k(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), a_ptrs, w_ptrs, row_ok, n_ok, K,
