@@ -62,8 +62,8 @@ from moelora_core.checkpoint.errors import (
     RankTooLargeError,
     ShapeMismatchError,
 )
-from moelora_core.checkpoint.families import ALL_EXPERT_LEAVES, DENSE_LEAVES
 from moelora_core.checkpoint.expert_layout import StageCounts, detect_expert_layout, expert_count
+from moelora_core.checkpoint.families import ALL_EXPERT_LEAVES, DENSE_LEAVES
 from moelora_core.checkpoint.model_config import MoEModelConfig
 from moelora_core.checkpoint.peft_config import PeftAdapterConfig, read_adapter_config
 from moelora_core.checkpoint.peft_targets import refuse_untargeted, targets_module
