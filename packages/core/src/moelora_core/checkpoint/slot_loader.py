@@ -24,7 +24,7 @@ from moelora_core.checkpoint.errors import (
     ShapeMismatchError,
 )
 from moelora_core.errors import InvalidFieldError
-from moelora_core.layer_spec import MOE_MODULES, expert_factor
+from moelora_core.layer_spec import MOE_MODULES, LoRALayerSpec, expert_factor
 from moelora_core.weights import LoRAWeights, ModuleLoRA
 
 
@@ -85,15 +85,8 @@ def load_adapter_into_slot(
                     got_a[:-2] not in (lead, (1,)[:len(lead)]) else ShapeMismatchError
                 raise kind(name, where, "factors do not fit the pool's layer spec",
                            expected=f"A {want_a}, B {want_b}", found=f"A {got_a}, B {got_b}")
-            if lead and spec.E > 1:
-                for factor, got in (("A", got_a), ("B", got_b)):
-                    buffer = expert_factor(module, factor)
-                    if got[0] != 1 and buffer in spec.shared_factors:
-                        raise ExpertLayoutError(
-                            name, f"{where} lora_{factor}", f"a per-expert factor does not fit a pool that stores "
-                            f"{buffer} once per slot (expert_layout={spec.expert_layout!r})",
-                            expected=f"{buffer} with expert count 1 (adapter layout {adapter.expert_layout!r})",
-                            found=f"expert count {got[0]}")
+            if lead:
+                refuse_layout_mismatch(spec, adapter, layer, module, lora)
             try:
                 pool.validate(slot, {module: lora})  # the pool's own checks (finiteness, σ), still before any write
             except InvalidFieldError as exc:
@@ -110,6 +103,27 @@ def load_adapter_into_slot(
             pool.load_slot(slot, dict(modules), adapter_scaling=adapter_scaling)
         else:
             pool.clear_slot(slot)
+
+
+def refuse_layout_mismatch(spec: LoRALayerSpec, adapter: AdapterWeights, layer: int, module: str,
+                           lora: ModuleLoRA) -> None:
+    """Refuse a per-expert factor of MoE ``module`` for a buffer ``spec``'s expert layout stores once
+    per slot (a factor with expert count 1 fits either kind of buffer).
+
+    Raises:
+        ExpertLayoutError: naming the adapter, layer, module, factor, the pool's layout and the
+            adapter's.
+    """
+    if spec.E == 1:
+        return
+    for factor, t in (("A", lora.lora_A), ("B", lora.lora_B)):
+        buffer = expert_factor(module, factor)
+        if t.shape[0] != 1 and buffer in spec.shared_factors:
+            raise ExpertLayoutError(
+                adapter.name, f"layer {layer} {module} lora_{factor}", f"a per-expert factor does not fit a pool "
+                f"that stores {buffer} once per slot (expert_layout={spec.expert_layout!r})",
+                expected=f"{buffer} with expert count 1 (the adapter's layout is {adapter.expert_layout!r})",
+                found=f"expert count {t.shape[0]}")
 
 
 def _check_factor_dims(name: str, where: str, lora: object, dims: int) -> None:
