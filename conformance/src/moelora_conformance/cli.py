@@ -125,10 +125,11 @@ def _hf_check(parser: argparse.ArgumentParser) -> Handler:
                 if fixtures is None:
                     return 2
                 only = args.only_adapter
-                unknown = sorted(set(only or []) - set(fixtures.manifest["adapters"]))
+                known = set(fixtures.manifest["adapters"]) | set(fixtures.layout_adapters())
+                unknown = sorted(set(only or []) - known)
                 if unknown:
                     print(f"moelora-conformance hf-check: unknown --only-adapter {unknown}; fixture adapters: "
-                          f"{sorted(fixtures.manifest['adapters'])}", file=sys.stderr)
+                          f"{sorted(known)}", file=sys.stderr)
                     return 2
             rows = run_hf_check(fixtures, adapters=only)
         return 0 if render(rows) else 1
