@@ -90,8 +90,9 @@ def _make_fixtures(parser: argparse.ArgumentParser) -> Handler:
 
         fixtures = build_fixtures(args.directory)
         m = fixtures.manifest
-        print(f"built {len(m['models'])} models, {len(m['adapters'])} adapters, {len(m['bad_adapters'])} bad "
-              f"adapters in {args.directory} (manifest.json)")
+        print(f"built {len(m['models'])} models, {len(m['adapters'])} adapters, {len(m['layout_adapters'])} "
+              f"shared-outer / fully shared adapters, {len(m['bad_adapters'])} bad adapters in {args.directory} "
+              f"(manifest.json)")
         return 0
 
     return run
