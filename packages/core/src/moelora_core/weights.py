@@ -210,8 +210,10 @@ class LoRAWeights:
             return self.dense_A[module], self.dense_B[module]
         raise InvalidFieldError("module", f"{module!r} is not a module of this layer")
 
-    def _stored_factors(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A, B) of ``module`` as stored (writable; expert dim 1 where shared)."""
+    def stored_factors(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, B) of ``module`` as stored, for writers: MoE [L, E or 1, R, in] / [L, E or 1, out, R]
+        (expert dim 1 where the layout shares the factor; ``factors`` gives the expert-stride-0
+        views readers index), dense as ``factors``."""
         if module in MOE_MODULES:
             A, B = self._storage[expert_factor(module, "A")], self._storage[expert_factor(module, "B")]
             if module == "down":
@@ -371,7 +373,7 @@ class LoRAWeights:
         self.clear_slot(slot)
         with torch.no_grad():
             for module, (lora, cast_A, cast_B) in checked.items():
-                A, B = self._stored_factors(module)
+                A, B = self.stored_factors(module)
                 r = lora.rank
                 sigma = float(lora.scaling)
                 # [1, r, in] into an [E, R, in] buffer broadcasts (the per-expert layout has no
