@@ -24,13 +24,15 @@ expert stride 0 (``Tensor.expand``, no copy): every reader (kernels, twins, orac
 ``down_B`` once per slot; fully shared all four. A factor given with expert dim 1 (``[1, r, in]``)
 loads into either kind of buffer (a per-expert buffer gets it broadcast to every expert: the
 per-expert layout cannot hold it once); a per-expert factor ``[E, r, in]`` into a shared buffer is
-refused (it holds one value per slot). Writes go through ``storage``; the expanded views are
-read-only (torch refuses to write into a stride-0 view).
+refused (it holds one value per slot). Writes go through ``storage`` / ``stored_factors``; the
+expanded views are read-only (torch refuses to write into a stride-0 view).
+``slot_bytes()`` is what a slot takes as stored.
 
 Ranks below R are zero-padded (rows of A, columns of B past r are 0); absent modules are all
 zeros with rank 0 and σ 0, so they add exactly nothing. σ is never folded into B: kernels multiply
 by ``module_scalings`` at run time. ``gate_A``/``up_A`` etc. are views into the stacked buffers,
-and the ``[L, E, ...]`` buffers reshape to ``[L * E, ...]`` without a copy (virtual experts).
+and the per-expert ``[L, E, ...]`` buffers reshape to ``[L * E, ...]`` without a copy (virtual experts;
+a shared factor is read there as its ``[L, ...]`` storage with ``experts_per_weight = E``).
 
 Host copies of ranks and σ are kept so a scheduler can build a ``BatchSpec`` without reading the
 device.
