@@ -23,7 +23,12 @@ Before timing, every unit is checked against a torch path (bucketed per (slot, e
 fp32) and the alignment against the contract checker. Prints a table; writes JSON to ``--out``.
 
     PYTHONPATH=packages/core/src:packages/kernels/src:reference/src python benchmarks/bench_moe_lora.py \\
-        --out bench.json [--quick]
+        --out bench.json [--quick] [--expert-layout shared_outer]
+
+``--expert-layout`` picks the pool's expert layout (``moelora_core.EXPERT_LAYOUTS``): with
+"shared_outer" every slot's adapter shares gate_up A and down B by all experts, stored once per slot
+and read by the kernels with expert stride 0 (the stride-0 path); "fully_shared" shares all four.
+Rows then carry ``expert_layout`` and ``slot_bytes`` (the pool's bytes per slot as stored).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import triton  # noqa: E402
 
 from moelora_core import BatchSpec, ForwardMode, LoRALayerSpec, LoRAWeights, ModuleLoRA, Request  # noqa: E402
 from moelora_core.align import AlignOutput  # noqa: E402
+from moelora_core.layer_spec import EXPERT_LAYOUTS, expert_factor  # noqa: E402
 from moelora_kernels import (  # noqa: E402
     fused_moe,
     moe_align_block_size,
@@ -194,17 +200,19 @@ class KeepBaseBuffers:
         self.h, self.down_out = h.clone(), down_out.clone()
 
 
-def make_pool(shape: dict, R: int, gen: torch.Generator) -> LoRAWeights:
+def make_pool(shape: dict, R: int, gen: torch.Generator, layout: str = "per_expert") -> LoRAWeights:
     H, I, E = shape["H"], shape["I"], shape["E"]  # noqa: E741
     spec = LoRALayerSpec(hidden_size=H, moe_intermediate_size=I, num_experts=E, top_k=shape["top_k"], dense_shapes={},
-                         max_loras=MAX_LORAS, max_rank=R, dtype=DT, device=DEVICE)
+                         max_loras=MAX_LORAS, max_rank=R, dtype=DT, device=DEVICE, expert_layout=layout)
     w = LoRAWeights(spec)
     for slot in range(MAX_LORAS):
         adapter = {}
         for m in ("gate", "up", "down"):
             fin, fout = spec.module_shape(m)
-            A = torch.randn(E, R, fin, generator=gen, device=DEVICE) / math.sqrt(fin)
-            B = torch.randn(E, fout, R, generator=gen, device=DEVICE) / math.sqrt(R)
+            ea = 1 if expert_factor(m, "A") in spec.shared_factors else E
+            eb = 1 if expert_factor(m, "B") in spec.shared_factors else E
+            A = torch.randn(ea, R, fin, generator=gen, device=DEVICE) / math.sqrt(fin)
+            B = torch.randn(eb, fout, R, generator=gen, device=DEVICE) / math.sqrt(R)
             adapter[m] = ModuleLoRA(A, B, 2.0 / (1 + slot))
         w.load_slot(slot, adapter)
     return w
@@ -265,9 +273,10 @@ def close(actual, expected, what, tol=2e-2):
     return err
 
 
-def min_bytes_lora(p: Problem, R: int) -> int:
-    """Bytes the LoRA deltas must move: LoRA weights of the (slot, expert) pairs hit, activations in,
-    read + write of the touched output rows, router weights."""
+def min_bytes_lora(p: Problem, R: int, shared: frozenset = frozenset()) -> int:
+    """Bytes the LoRA deltas must move: LoRA weights of the (slot, expert) pairs hit (a factor of
+    ``shared`` once per slot hit), activations in, read + write of the touched output rows, router
+    weights."""
     k, H, I = p.k, p.H, p.I  # noqa: E741
     slot = p.mapping.long().repeat_interleave(k)
     ids = p.topk_ids.reshape(-1).long()
@@ -276,7 +285,9 @@ def min_bytes_lora(p: Problem, R: int) -> int:
     adapter_pairs = int(hit.sum())
     adapter_tokens = int((p.mapping >= 0).sum())
     el = 2  # bf16
-    weights = pairs_hit * (2 * (R * H + I * R) + R * I + H * R) * el
+    slots_hit = int(torch.unique(slot[hit]).numel())
+    sizes = {"gate_up_A": 2 * R * H, "gate_up_B": 2 * I * R, "down_A": R * I, "down_B": H * R}
+    weights = sum((slots_hit if f in shared else pairs_hit) * n for f, n in sizes.items()) * el
     acts = adapter_tokens * H * el + adapter_pairs * I * el + adapter_pairs * 4
     outs = adapter_pairs * (2 * I + H) * el * 2
     return weights + acts + outs
@@ -293,6 +304,8 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, nargs="*", default=list(RANKS))
     parser.add_argument("--quick", action="store_true", help="M in {1, 128, 2048}, 20 replays (a smoke run)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the reference backend's torch path")
+    parser.add_argument("--expert-layout", default="per_expert", choices=sorted(EXPERT_LAYOUTS),
+                        help="the pool's expert layout (shared_outer: the stride-0 path)")
     args = parser.parse_args()
     if args.quick:
         args.tokens, args.replays = [1, 128, 2048], 20
@@ -307,7 +320,7 @@ def main() -> int:
             "w_d": (torch.randn(E, H, I, generator=gen, device="cuda") / math.sqrt(I)).to(DT)}
     copy = copy_bandwidth(timer)
     copy_plain = plain_copy_ceiling()
-    pools = {R: make_pool(shape, R, gen) for R in args.ranks}
+    pools = {R: make_pool(shape, R, gen, args.expert_layout) for R in args.ranks}
     try:
         from moelora_reference.backend import make_backend
     except ImportError:
@@ -361,7 +374,8 @@ def main() -> int:
                 variants["reference"] = lambda gu, d, w=w, p=p, h=h, info=info, b=backend: (
                     b.moe_gate_up_delta(p.x, p.topk_ids, gu, w, info),
                     b.moe_down_delta(h, p.topk_ids, p.topk_weights, d, w, info))
-            row = {"model": args.model, "regime": regime(M), "M": M, "R": R, "block_m_lora": p.bm_lora,
+            row = {"model": args.model, "regime": regime(M), "M": M, "R": R, "expert_layout": args.expert_layout,
+                   "slot_bytes": w.slot_bytes(), "block_m_lora": p.bm_lora,
                    "block_m_base": p.bm_base, "a_us": t_a["median_us"], "a_p10_us": t_a["p10_us"],
                    "a_p90_us": t_a["p90_us"], "c_us": t_c["median_us"], "c_base_us": t_cb["median_us"],
                    "err_a": err_a}
@@ -378,7 +392,7 @@ def main() -> int:
                     row["b_p10_us"], row["b_p90_us"] = t["p10_us"], t["p90_us"]
             row["b_us"] = row["b_auto_us"]
             row["b_over_a"] = row["b_us"] / row["a_us"]
-            row["b_min_bytes"] = min_bytes_lora(p, R)
+            row["b_min_bytes"] = min_bytes_lora(p, R, w.spec.shared_factors)
             row["b_GBps"] = row["b_min_bytes"] / (row["b_us"] * 1e-6) / 1e9
             row["b_frac_copy"] = row["b_GBps"] / copy_plain["GBps"]
             row["b_frac_copy_in_graph"] = row["b_GBps"] / copy["GBps"]
@@ -394,8 +408,9 @@ def main() -> int:
 
     header = (f"{'regime':>16} {'R':>3} {'a µs':>8} {'b µs':>8} {'b tgt':>6} {'fused':>8} {'unfused':>8} "
               f"{'virtual':>8} {'ref':>9} {'c µs':>6} {'c base':>6} {'b/a':>5} {'b GB/s':>7} {'%copy':>6}")
-    print(f"\n{args.model} bf16, L={MAX_LORAS}, {args.replays} graph replays, L2 flushed; %copy against a plain "
-          f"copy_ of 2 GiB: {copy_plain['GBps']:.0f} GB/s (in the timer's graph after the flush: {copy['GBps']:.0f})")
+    print(f"\n{args.model} bf16, L={MAX_LORAS}, expert layout {args.expert_layout}, {args.replays} graph replays, "
+          f"L2 flushed; %copy against a plain copy_ of 2 GiB: {copy_plain['GBps']:.0f} GB/s (in the timer's graph "
+          f"after the flush: {copy['GBps']:.0f})")
     print(header)
     for r in rows:
         ref = f"{r['b_reference_us']:9.1f}" if "b_reference_us" in r else f"{'-':>9}"

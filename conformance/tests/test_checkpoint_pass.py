@@ -96,6 +96,24 @@ def test_the_qwen2_moe_shared_expert_passes_on_every_backend(fixture_set, tmp_pa
     assert {"qwen2_moe-pass-r8", "qwen2_moe-pass-rslora-r6", "qwen2_moe-shared-only"} <= shared_adapters
 
 
+def test_shared_expert_layout_adapters_pass_against_the_per_module_reference(fixture_set, tmp_path):
+    # The four shared-outer / fully shared fixture adapters (3-D and 2-D encodings) with one
+    # per-expert pass adapter in one pool (their shared factors broadcast), the reference backend in
+    # every mode, each adapter's rows against the per-module reference of its own tensors.
+    from moelora_conformance.checkpoint_pass.adapters import layout_pass_adapters
+
+    layout = layout_pass_adapters(fixture_set, "qwen3_moe")
+    assert len(layout) == 4
+    one = [a for a in build_pass_adapters(fixture_set, tmp_path, "qwen3_moe") if a.origin == "pass"][:1]
+    rows = run_model(fixture_set, tmp_path, "qwen3_moe", backends=["reference"], layers=[0], num_requests=36,
+                     adapters=one + layout)
+    bad = [r for r in rows if not r.ok]
+    assert not bad, bad[:5]
+    for mode in MODES:
+        subjects = {r.subject for r in rows if r.mode == mode and r.check == "hf" and r.part == "moe"}
+        assert {a.name for a in layout} <= subjects, (mode, subjects)
+
+
 def test_peft_does_not_convert_legacy_qwen2_moe_adapters():
     # Why the pass (and the engine tests) give Qwen2-MoE no legacy per-expert adapter: peft 0.21.2
     # converts legacy adapters only for the model types its table maps to qwen2_moe, not for qwen2_moe

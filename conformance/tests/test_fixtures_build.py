@@ -14,7 +14,7 @@ import pytest
 from safetensors import safe_open
 
 from moelora_conformance.cli import main
-from moelora_conformance.fixtures import ADAPTERS, BAD_ADAPTERS, MODELS
+from moelora_conformance.fixtures import ADAPTERS, BAD_ADAPTERS, LAYOUT_ADAPTERS, MODELS
 from moelora_conformance.fixtures.specs import SHARED
 
 
@@ -28,6 +28,11 @@ def test_manifest_lists_every_spec(fixture_set):
     assert sorted(m["models"]) == sorted(s.name for s in MODELS)
     assert sorted(m["adapters"]) == sorted(s.name for s in ADAPTERS)
     assert sorted(m["bad_adapters"]) == sorted(s.name for s in BAD_ADAPTERS)
+    assert sorted(m["layout_adapters"]) == sorted(s.name for s in LAYOUT_ADAPTERS)
+    for name, entry in m["layout_adapters"].items():  # peft cannot load these: listed apart
+        assert entry["peft_loadable"] is False and entry["layout"] in ("shared_outer", "fully_shared"), name
+        assert entry["encoding"] in ("packed", "fused") and set(entry["modules"]) == {"0", "1"}, name
+        assert (fixture_set.layout_adapter_dir(name) / "adapter_model.safetensors").is_file()
     assert {e["family"] for e in m["models"].values()} == {"qwen3_moe", "mixtral", "olmoe", "qwen2_moe"}
     for name, entry in m["adapters"].items():
         assert entry["modules"], name
@@ -116,7 +121,8 @@ def _digest(root):
 
 def test_make_fixtures_cli_is_deterministic(fixture_set, tmp_path, capsys):
     assert main(["make-fixtures", str(tmp_path / "again")]) == 0
-    assert "built 7 models, 20 adapters, 13 bad adapters" in capsys.readouterr().out
+    assert "built 7 models, 20 adapters, 4 shared-outer / fully shared adapters, 16 bad adapters" in \
+        capsys.readouterr().out
     first, second = _digest(fixture_set.root), _digest(tmp_path / "again")
     assert first.keys() == second.keys()
     differ = [k for k in first if first[k] != second[k]]

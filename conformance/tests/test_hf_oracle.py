@@ -12,6 +12,10 @@ fixture adapter, fp32, max and RMS relative error <= 1e-5 (DEFAULT_POLICY), topk
 - ``reference-backend``: the readers' pools through moelora_reference's backend on a mixed batch
   (adapter request + base request): adapter rows equal HF+PEFT, base rows equal HF without adapter.
 
+Shared-outer / fully shared adapters (3-D and 2-D encodings; peft cannot load them): the readers,
+in a pool of the adapter's expert layout (shared factors once per slot, read with expert stride 0),
+and the reference backend on it, against the per-module reference built from the file's own tensors.
+
 Qwen2-MoE: the MoE block is transformers' whole ``Qwen2MoeSparseMoeBlock`` (routed + gated shared
 expert) and the shared expert's projections are compared like q/k/v/o; an oracle that leaves out
 the shared expert, or its LoRA, fails (``test_the_block_needs_the_shared_expert_and_its_lora``).
@@ -23,9 +27,9 @@ asserted in test_hf_legacy_rslora.py.
 
 import pytest
 
-from moelora_conformance.fixtures import ADAPTERS, MODELS
+from moelora_conformance.fixtures import ADAPTERS, LAYOUT_ADAPTERS, MODELS
 from moelora_conformance.fixtures.specs import SHARED, model_spec
-from moelora_conformance.hf_check import check_adapter, check_model_base
+from moelora_conformance.hf_check import check_adapter, check_layout_adapter, check_model_base
 
 VISIBLE = 0.1
 
@@ -43,6 +47,17 @@ def test_oracle_without_adapter_equals_hf_base(fixture_set, model):
     assert {r.part for r in rows} == {"routing", "moe"} | dense
     assert len(rows) == 2 * 2 * (2 + len(dense))  # two sources × two layers × the parts
     assert all(r.ok for r in rows), _failures(rows)
+
+
+@pytest.mark.parametrize("spec", LAYOUT_ADAPTERS, ids=lambda s: s.name)
+def test_shared_expert_layouts_equal_the_per_module_reference(fixture_set, spec):
+    rows = check_layout_adapter(fixture_set, spec.name)
+    assert all(r.ok for r in rows), _failures(rows)
+    assert {r.source for r in rows} == {"readers", "per-module", "reference-backend"}
+    assert [r.part for r in rows if r.source == "readers"] == ["rank/σ", "layout"]
+    for r in rows:
+        if r.source == "per-module" and r.part in {"moe", *spec.dense}:
+            assert r.delta_rel is not None and r.delta_rel > VISIBLE, (r.layer, r.part, r.delta_rel)
 
 
 @pytest.mark.parametrize("spec", ADAPTERS, ids=lambda s: s.name)

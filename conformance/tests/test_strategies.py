@@ -72,6 +72,28 @@ def test_draw_mix_over_500_cases():
         assert s.max_rank <= caps.max_rank and s.max_loras <= caps.max_loras
 
 
+def test_expert_layouts_are_drawn_for_a_backend_that_declares_them():
+    # shared_expert_factors=True: pools storing factors once per slot, and shared adapters in every
+    # pool they fit (broadcast into per-expert pools); without it, per-expert pools only
+    drawn: list[MoELoRACase] = []
+
+    @settings(max_examples=60, phases=[Phase.generate], derandomize=True, database=None, deadline=None)
+    @given(case=moe_lora_cases(CAPS, shared_expert_factors=True), plain=moe_lora_cases(CAPS))
+    def collect(case, plain):
+        assert plain.expert_layout == "per_expert"
+        drawn.append(case)
+
+    collect()
+    pools = Counter(c.expert_layout for c in drawn)
+    assert pools["shared_outer"] and pools["fully_shared"] and pools["per_expert"], pools
+    pairs = {(c.expert_layout, a.expert_layout) for c in drawn for a in c.pool if a is not None}
+    assert {("per_expert", "shared_outer"), ("shared_outer", "shared_outer"), ("fully_shared", "fully_shared")} <= pairs
+    case = next(c for c in drawn if c.expert_layout == "shared_outer")
+    m = case.materialize()
+    assert m.lora.storage("gate_up_A").shape[2] == 1 and m.lora.gate_up_A.stride(2) == 0
+    assert "expert-layout=shared_outer" in case.describe()
+
+
 @given(case=moe_lora_cases(CAPS))
 def test_materialize_matches_the_structure(case):
     m = case.materialize()

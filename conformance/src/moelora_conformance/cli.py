@@ -90,8 +90,9 @@ def _make_fixtures(parser: argparse.ArgumentParser) -> Handler:
 
         fixtures = build_fixtures(args.directory)
         m = fixtures.manifest
-        print(f"built {len(m['models'])} models, {len(m['adapters'])} adapters, {len(m['bad_adapters'])} bad "
-              f"adapters in {args.directory} (manifest.json)")
+        print(f"built {len(m['models'])} models, {len(m['adapters'])} adapters, {len(m['layout_adapters'])} "
+              f"shared-outer / fully shared adapters, {len(m['bad_adapters'])} bad adapters in {args.directory} "
+              f"(manifest.json)")
         return 0
 
     return run
@@ -125,10 +126,11 @@ def _hf_check(parser: argparse.ArgumentParser) -> Handler:
                 if fixtures is None:
                     return 2
                 only = args.only_adapter
-                unknown = sorted(set(only or []) - set(fixtures.manifest["adapters"]))
+                known = set(fixtures.manifest["adapters"]) | set(fixtures.layout_adapters())
+                unknown = sorted(set(only or []) - known)
                 if unknown:
                     print(f"moelora-conformance hf-check: unknown --only-adapter {unknown}; fixture adapters: "
-                          f"{sorted(fixtures.manifest['adapters'])}", file=sys.stderr)
+                          f"{sorted(known)}", file=sys.stderr)
                     return 2
             rows = run_hf_check(fixtures, adapters=only)
         return 0 if render(rows) else 1

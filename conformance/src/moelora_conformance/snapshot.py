@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moelora_core.layer_spec import ALL_MODULES, MOE_MODULES, LoRALayerSpec
+from moelora_core.layer_spec import ALL_MODULES, EXPERT_FACTORS, MOE_MODULES, LoRALayerSpec
 from moelora_core.weights import LoRAWeights, ModuleLoRA
 
 F64 = torch.float64
@@ -150,8 +150,9 @@ class AdapterSnapshot:
 
 
 def _pool_tensors(pool: LoRAWeights) -> dict[str, torch.Tensor]:
-    named = {"gate_up_A": pool.gate_up_A, "gate_up_B": pool.gate_up_B, "down_A": pool.down_A,
-             "down_B": pool.down_B, "module_ranks": pool.module_ranks, "module_scalings": pool.module_scalings}
+    # As stored: a factor kept once per slot is compared once (its stride-0 view would be E copies).
+    named = {f: pool.storage(f) for f in EXPERT_FACTORS}
+    named.update({"module_ranks": pool.module_ranks, "module_scalings": pool.module_scalings})
     named.update({f"dense_A[{m}]": t for m, t in pool.dense_A.items()})
     named.update({f"dense_B[{m}]": t for m, t in pool.dense_B.items()})
     return named

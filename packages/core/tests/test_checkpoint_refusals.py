@@ -62,7 +62,7 @@ def _refused(tmp_path, cfg, tensors, config, kind, *fragments, **kwargs):
 
 
 def test_every_refusal_is_an_adapter_error():
-    assert len(set(ADAPTER_REFUSALS)) == 9
+    assert len(set(ADAPTER_REFUSALS)) == 10
     for kind in ADAPTER_REFUSALS:
         assert issubclass(kind, AdapterError) and issubclass(kind, ValueError)
 

@@ -4,11 +4,13 @@ stage inputs, the twin call and the delta check (tolerance on the output, bit-id
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from kernel_testing import DEVICE, assert_bitwise_equal, assert_close, launch_guard, randn
 
-from moelora_core import LoRALayerSpec, LoRAWeights, ModuleLoRA
+from moelora_core import EXPERT_FACTORS, EXPERT_LAYOUTS, LoRALayerSpec, LoRAWeights, ModuleLoRA
+from moelora_core.layer_spec import expert_factor
 from moelora_kernels import moe_lora_delta, stage_tensors
 from moelora_reference import moe_lora_ops as twin
 
@@ -16,10 +18,10 @@ from moelora_reference import moe_lora_ops as twin
 def cpu_weights(w: LoRAWeights) -> LoRAWeights:
     """A CPU copy of a pool (the oracle and twins run on the CPU)."""
     spec = w.spec
-    out = LoRAWeights(LoRALayerSpec(hidden_size=spec.H, moe_intermediate_size=spec.I, num_experts=spec.E,
-                                    top_k=spec.top_k, dense_shapes=dict(spec.dense_shapes), max_loras=spec.max_loras,
-                                    max_rank=spec.R, dtype=spec.dtype, device="cpu"))
-    for name in ("gate_up_A", "gate_up_B", "down_A", "down_B", "module_ranks", "module_scalings"):
+    out = LoRAWeights(replace(spec, device=torch.device("cpu")))
+    for name in EXPERT_FACTORS:
+        out.storage(name).copy_(w.storage(name).cpu())
+    for name in ("module_ranks", "module_scalings"):
         getattr(out, name).copy_(getattr(w, name).cpu())
     for m in w.dense_A:
         out.dense_A[m].copy_(w.dense_A[m].cpu())
@@ -78,18 +80,39 @@ def check_delta(stage, out, want, out0, mask, dtype, seed, what):
     assert_bitwise_equal(rows[untouched], before[untouched], what=f"{what}: rows the delta must not touch", seed=seed)
 
 
-def make_pool(seed, *, L=3, E=5, H=40, I=24, R=16, dtype=torch.float32, ranks=None, sigma=(0.5, 2.0, 1.0)):
-    """A pool whose slot s has module ranks ranks[s] = {module: r} (default: all modules rank R)."""
+def make_pool(seed, *, L=3, E=5, H=40, I=24, R=16, dtype=torch.float32, ranks=None, sigma=(0.5, 2.0, 1.0),
+              layout="per_expert", adapter_layout=None):
+    """A pool whose slot s has module ranks ranks[s] = {module: r} (default: all modules rank R).
+
+    ``layout`` is the pool's ``expert_layout``; ``adapter_layout`` (default: ``layout``) the one the
+    drawn factors follow: a factor it shares is drawn once, ``[1, r, in]`` / ``[1, out, r]``."""
     gen = torch.Generator().manual_seed(seed)
     spec = LoRALayerSpec(hidden_size=H, moe_intermediate_size=I, num_experts=E, top_k=2, dense_shapes={}, max_loras=L,
-                         max_rank=R, dtype=dtype, device=DEVICE)
+                         max_rank=R, dtype=dtype, device=DEVICE, expert_layout=layout)
     w = LoRAWeights(spec)
-    ranks = ranks or {s: {"gate": R, "up": R, "down": R} for s in range(L)}
+    load_slots(w, drawn_adapters(spec, gen, ranks, sigma, adapter_layout or layout))
+    return w
+
+
+def drawn_adapters(spec, gen, ranks=None, sigma=(0.5, 2.0, 1.0), layout="per_expert"):
+    """slot → adapter of random factors (fresh values, never zeros) in expert layout ``layout``."""
+    shared = EXPERT_LAYOUTS[layout]
+    E, R = spec.E, spec.R
+    ranks = ranks or {s: {"gate": R, "up": R, "down": R} for s in range(spec.max_loras)}
+    out = {}
     for slot, mods in ranks.items():
         adapter = {}
         for i, (m, r) in enumerate(mods.items()):
             fin, fout = spec.module_shape(m)
-            adapter[m] = ModuleLoRA(torch.randn(E, r, fin, generator=gen) / math.sqrt(fin),
-                                    torch.randn(E, fout, r, generator=gen) / math.sqrt(r), sigma[i % len(sigma)] + slot)
+            ea = 1 if expert_factor(m, "A") in shared else E
+            eb = 1 if expert_factor(m, "B") in shared else E
+            adapter[m] = ModuleLoRA(torch.randn(ea, r, fin, generator=gen) / math.sqrt(fin),
+                                    torch.randn(eb, fout, r, generator=gen) / math.sqrt(r), sigma[i % len(sigma)] + slot)
+        out[slot] = adapter
+    return out
+
+
+def load_slots(w, adapters):
+    for slot, adapter in adapters.items():
         w.load_slot(slot, adapter)
     return w

@@ -19,8 +19,9 @@ when its token maps to -1, its slot is disabled or has rank 0 for the module, or
 is rounded once (old value + delta in fp32).
 
 With ``spec.virtual_experts`` the MoE deltas go through virtual expert ids: (slot, expert) →
-``slot * E + expert`` (sentinels → -1) and the ``[L * E, ...]`` view of the weights, a second,
-independent indexing of the same math.
+``slot * E + expert`` (sentinels → -1), read back as ``(v // E, v % E)`` in the ``[L, E, ...]``
+views, a second, independent indexing of the same math (a factor the spec's ``expert_layout``
+stores once per slot is read with expert stride 0 either way, never copied E times).
 
 No host synchronisation in the delta calls: only host shapes and ``info``'s host fields steer
 Python; device values are only ever used by device ops.
@@ -75,6 +76,7 @@ class ReferenceBackend(BackendBase):
             max_rank=None,
             max_requests=None,
             fused_shared_experts=True,
+            shared_expert_factors=True,
         )
 
     # --- segmentation: one segment per request -------------------------------------------------
@@ -91,7 +93,7 @@ class ReferenceBackend(BackendBase):
     # --- the pair index: (slot, expert) or virtual expert -------------------------------------------
 
     def _pair_index(self, topk_ids: torch.Tensor, info: LoRABatchInfo):
-        """(valid [T, k] bool, index tuple into the [L, E, ...] or [L·E, ...] weights, slot [T, k] long)."""
+        """(valid [T, k] bool, index tuple into the [L, E, ...] weights, slot [T, k] long)."""
         L, E = self.spec.max_loras, self.spec.E
         slot = info.moe.token_lora_mapping.long()[:, None].expand_as(topk_ids)
         ids = topk_ids.long()
@@ -100,18 +102,16 @@ class ReferenceBackend(BackendBase):
                                   torch.full_like(ids, -1))
             valid = virtual >= 0
             v = torch.where(valid, virtual, torch.zeros_like(virtual))
-            return valid, (v,), v // E
+            # v → (v // E, v % E) into the [L, E, ...] views: a factor stored once per slot (expert
+            # stride 0) is read in place, where flattening it to [L·E, ...] would copy it E times.
+            return valid, (v // E, v % E), v // E
         valid = (slot >= 0) & (slot < L) & (ids >= 0) & (ids < E)
         s = torch.where(valid, slot, torch.zeros_like(slot))
         e = torch.where(valid, ids, torch.zeros_like(ids))
         return valid, (s, e), s
 
     def _moe_factors(self, weights: LoRAWeights, module: str) -> tuple[torch.Tensor, torch.Tensor]:
-        A, B = weights.factors(module)
-        if self.spec.virtual_experts:
-            L, E = self.spec.max_loras, self.spec.E
-            return A.reshape(L * E, *A.shape[2:]), B.reshape(L * E, *B.shape[2:])
-        return A, B
+        return weights.factors(module)
 
     def _active(self, valid: torch.Tensor, slot: torch.Tensor, weights: LoRAWeights, module: str,
                 info: LoRABatchInfo) -> torch.Tensor:

@@ -52,7 +52,7 @@ class PassAdapter:
     format: str
     r: int
     use_rslora: bool
-    origin: str  # "pass" (built here) or "fixture"
+    origin: str  # "pass" (built here), "fixture", or "layout" (shared-outer / fully shared: no peft)
 
 
 #: The shared-expert modules each pass adapter also targets on a model with a shared expert.
@@ -98,7 +98,17 @@ def build_pass_adapters(fixtures: FixtureSet, work_dir: Path, model: str) -> lis
             continue
         out.append(PassAdapter(name, fixtures.adapter_dir(name), entry["format"], int(entry["r"]),
                                bool(entry["use_rslora"]), "fixture"))
-    return out
+    return out + layout_pass_adapters(fixtures, model)
+
+
+def layout_pass_adapters(fixtures: FixtureSet, model: str) -> list[PassAdapter]:
+    """The model's shared-outer / fully shared fixture adapters (``layout_adapters``), compared with
+    the per-module reference built from their own tensors (peft cannot load them). In the pass's
+    one per-expert pool, beside per-expert adapters, their shared factors are broadcast; the
+    stride-0 storage is checked by ``hf-check``, the suite and the engine tests."""
+    return [PassAdapter(name, fixtures.layout_adapter_dir(name), f"{e['layout']}/{e['encoding']}", int(e["r"]),
+                        False, "layout")
+            for name, e in sorted(fixtures.layout_adapters().items()) if e["model"] == model]
 
 
 def describe(adapters: list[PassAdapter]) -> str:

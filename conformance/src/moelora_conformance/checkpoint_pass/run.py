@@ -17,7 +17,8 @@ and fused expert layouts):
    the graph API with capacities a little above the batch) and checks it against the oracle with the
    suite's standard checks (outputs, LoRA deltas, base rows and pad rows bit-identical to the
    LoRA-disabled run);
-4. the same run against HF + PEFT: for each adapter, the rows of its requests — the MoE output
+4. the same run against HF + PEFT (for the shared-outer / fully shared fixture adapters, which peft
+   cannot load, the per-module reference built from their own tensors): for each adapter, the rows of its requests — the MoE output
    against the PEFT-wrapped experts module fed the run's own MoE input and routing, each dense output
    against the PEFT-wrapped projection — and the base requests' rows against the model without
    adapter; fp32, the tolerance policy's bounds (max and RMS relative error <= 1e-5).
@@ -176,6 +177,7 @@ def run_model(fixtures: FixtureSet, work_dir: Path, model: str, *, backends: Seq
     """Every check of the pass on one model (module docstring): a fixture model with the pass's
     adapters, or the given ``adapters`` (a user's, :func:`user_pass_adapters`)."""
     from moelora_conformance.hf_check.hf_model import decoder_layers, load_hf
+    from moelora_conformance.hf_check.per_module import merged_reference_model
 
     adapters = build_pass_adapters(fixtures, work_dir, model) if adapters is None else list(adapters)
     max_rank = pool_max_rank(fixtures)
@@ -188,7 +190,8 @@ def run_model(fixtures: FixtureSet, work_dir: Path, model: str, *, backends: Seq
         for slot, a in enumerate(adapters):
             load_adapter_into_slot(pools, slot, read_adapter(a.path, cfg, name=a.name, max_rank=max_rank))
         hf_base = decoder_layers(load_hf(model_dir))
-        hf_adapters = [decoder_layers(load_hf(model_dir, a.path)) for a in adapters]
+        hf_adapters = [decoder_layers(merged_reference_model(load_hf(model_dir), a.path) if a.origin == "layout"
+                                      else load_hf(model_dir, a.path)) for a in adapters]
         chosen = range(cfg.num_layers) if layers is None else layers
         data = []
         for li in chosen:

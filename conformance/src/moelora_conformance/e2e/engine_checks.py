@@ -137,6 +137,25 @@ class HFReference:
         return self._cache[key]
 
 
+class PerModuleReference(HFReference):
+    """Like :class:`HFReference`, but each adapter is the transformers model with the file's own
+    per-module deltas merged into its weights (``hf_check.per_module.merged_reference_model``): the
+    reference for adapters peft cannot load (shared-outer / fully shared expert LoRA) or serves with
+    other σ. Same API; base requests run the plain model."""
+
+    def model(self, adapter: str | None):
+        if adapter not in self._models:
+            from moelora_conformance.hf_check.hf_model import load_hf
+            from moelora_conformance.hf_check.per_module import merged_reference_model
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                base = load_hf(self.model_dir, None)
+                self._models[adapter] = base if adapter is None else \
+                    merged_reference_model(base, Path(self.adapter_dirs[adapter])).eval()
+        return self._models[adapter]
+
+
 def greedy_agreement(tokens: list[int], ref: TeacherForced, tol: float) -> int:
     """Number of output tokens compared: tokens must equal the reference's argmax up to (excluding) the
     first step whose top-2 margin is at most ``2 * tol`` (there a flip is within tolerance; HF's greedy

@@ -258,7 +258,7 @@ class FoldsSigmaIntoPool(ReferenceBackend):
 
     def _fold(self, weights: LoRAWeights, modules: tuple[str, ...]) -> None:
         for module in modules:
-            _, B = weights.factors(module)
+            _, B = weights.stored_factors(module)  # as stored (a shared B is one tensor per slot)
             sigma = weights.scalings(module)  # a view of module_scalings
             live = sigma != 0
             factor = torch.where(live, sigma, torch.ones_like(sigma)).to(B.dtype)
@@ -282,12 +282,12 @@ def _load_slot_keeping_absent_modules(self: LoRAWeights, slot: int, adapter, *, 
     kept = {}
     for module in (*("gate", "up", "down"), *self.spec.dense_shapes):
         if module not in adapter and self.host_ranks[module][slot]:
-            A, B = self.factors(module)
+            A, B = self.stored_factors(module)  # as stored: a shared factor is written back once
             kept[module] = (A[slot].clone(), B[slot].clone(), self.host_ranks[module][slot],
                             self.host_scalings[module][slot])
     _POOL_LOAD_SLOT(self, slot, adapter, adapter_scaling=adapter_scaling)
     for module, (a, b, r, sigma) in kept.items():  # FAULT: the previous adapter's module is put back
-        A, B = self.factors(module)
+        A, B = self.stored_factors(module)
         A[slot].copy_(a)
         B[slot].copy_(b)
         self.module_ranks[module_index(module), slot] = r

@@ -11,7 +11,8 @@ Needs the ``fixtures`` extra. CLI: ``moelora-conformance hf-check [--fixtures DI
 """
 
 from moelora_conformance.hf_check.compare import CheckRow
-from moelora_conformance.hf_check.run import check_adapter, check_model_base, run_hf_check
+from moelora_conformance.hf_check.run import check_adapter, check_layout_adapter, check_model_base, run_hf_check
 from moelora_conformance.hf_check.table import render, summarize
 
-__all__ = ["CheckRow", "check_adapter", "check_model_base", "render", "run_hf_check", "summarize"]
+__all__ = ["CheckRow", "check_adapter", "check_layout_adapter", "check_model_base", "render", "run_hf_check",
+           "summarize"]

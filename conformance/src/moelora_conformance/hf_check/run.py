@@ -15,6 +15,11 @@ adapter:
 - Qwen2-MoE: the MoE block compared is transformers' whole ``Qwen2MoeSparseMoeBlock`` (routed
   experts + gated shared expert), the oracle's side the routed oracle plus its shared-expert twin;
   the shared expert's projections are compared one by one like the attention projections;
+- shared-outer / fully shared adapters (the manifest's ``layout_adapters``, which peft cannot load):
+  the readers, loaded into a pool of the adapter's expert layout (shared factors stored once per
+  slot, read with expert stride 0), equal the per-module reference built from the file's own
+  tensors (``per-module``), the detected layout equals the manifest's (a row ``layout``), and the
+  reference backend on that pool equals the same reference;
 - ``reference-backend``: the readers' pools run through the reference backend on a mixed batch
   (adapter request + base request) equal HF+PEFT on the adapter's rows (the per-module reference
   for the divergent case) and HF without adapter on the base rows.
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import replace
 
 from moelora_conformance.fixtures.manifest import FixtureSet
 from moelora_conformance.hf_check import hf_model
@@ -169,14 +175,52 @@ def backend_available() -> bool:
     return True
 
 
+def check_layout_adapter(fixtures: FixtureSet, adapter: str) -> list[CheckRow]:
+    """The checks of one shared-outer / fully shared fixture adapter (see the module doc)."""
+    entry = fixtures.layout_adapters()[adapter]
+    model = entry["model"]
+    model_dir, adapter_dir = fixtures.model_dir(model), fixtures.layout_adapter_dir(adapter)
+    max_rank = pool_max_rank(fixtures)
+    base = hf_model.load_hf(model_dir)
+    merged = merged_reference_layers(base, adapter_dir)
+    base_layers = hf_model.decoder_layers(base)
+    rows: list[CheckRow] = []
+    with MoECheckpoint(model_dir) as ckpt:
+        cfg = ckpt.config
+        read = read_adapter(adapter_dir, cfg, name=adapter, max_rank=max_rank)
+        rows.append(_rank_sigma_row(model, adapter, read, entry["modules"]))
+        ok = read.expert_layout == entry["layout"]
+        rows.append(CheckRow(model, adapter, "readers", -1, "layout", 0.0, 0.0, None, ok, "equal",
+                             "" if ok else f"read as {read.expert_layout}, manifest says {entry['layout']}"))
+        spec = replace(cfg.layer_spec(max_loras=SLOT + 1, max_rank=max_rank), expert_layout=entry["layout"])
+        pools = [LoRAWeights(spec) for _ in range(cfg.num_layers)]
+        load_adapter_into_slot(pools, SLOT, read)
+        disk_layers = [ckpt.layer(li) for li in range(cfg.num_layers)]
+        for li, layer in enumerate(merged):
+            disk = disk_layers[li]
+            rows += compare_layer(model=model, adapter=adapter, source="per-module", layer=li, moe=disk.moe,
+                                  dense=_dense(disk, cfg), pool=pools[li], top_k=cfg.top_k, seed=_seed(adapter, li),
+                                  shared=disk.shared_expert, dense_bias=_bias(disk), **_hf_side(layer))
+        if backend_available():
+            for li, disk in enumerate(disk_layers):
+                rows += compare_backend_layer(model=model, adapter=adapter, layer=li, moe=disk.moe,
+                                              dense=_dense(disk, cfg), shared=disk.shared_expert,
+                                              dense_bias=_bias(disk), pool=pools[li],
+                                              lora_side=_hf_side(merged[li]), base_side=_hf_side(base_layers[li]),
+                                              seed=_seed(adapter, "backend", li))
+    return rows
+
+
 def run_hf_check(fixtures: FixtureSet, *, adapters: list[str] | None = None) -> list[CheckRow]:
-    """Base checks of every model that an adapter in ``adapters`` (default: all) uses, then each adapter."""
-    names = adapters if adapters is not None else sorted(fixtures.manifest["adapters"])
-    models = sorted({fixtures.adapter(a)["model"] for a in names}) if adapters is not None else \
-        sorted(fixtures.manifest["models"])
+    """Base checks of every model that an adapter in ``adapters`` (default: all, the layout adapters
+    included) uses, then each adapter."""
+    layout = fixtures.layout_adapters()
+    names = adapters if adapters is not None else sorted(fixtures.manifest["adapters"]) + sorted(layout)
+    models = sorted({(layout[a] if a in layout else fixtures.adapter(a))["model"] for a in names}) \
+        if adapters is not None else sorted(fixtures.manifest["models"])
     rows: list[CheckRow] = []
     for model in models:
         rows += check_model_base(fixtures, model)
     for adapter in names:
-        rows += check_adapter(fixtures, adapter)
+        rows += check_layout_adapter(fixtures, adapter) if adapter in layout else check_adapter(fixtures, adapter)
     return rows

@@ -121,10 +121,12 @@ def draw_case(data: st.DataObject, suite: Suite, mode: str, dtype: torch.dtype, 
     Args:
         kwargs: passed to :func:`~moelora_conformance.strategies.suite.suite_cases` (kinds,
             adapter_modes, routing_modes, virtual_experts, extra_experts: by default drawn only where
-            the backend declares ``fused_shared_experts``).
+            the backend declares ``fused_shared_experts``; shared_expert_factors: pools storing expert
+            factors once per slot, by default where the backend declares ``shared_expert_factors``).
     """
     kwargs.setdefault("virtual_experts", suite.virtual_experts)
     kwargs.setdefault("extra_experts", suite.capabilities.fused_shared_experts)
+    kwargs.setdefault("shared_expert_factors", suite.capabilities.shared_expert_factors)
     case = data.draw(suite_cases(suite.caps, mode, dtype, **kwargs), label="case")
     trace(f"case: {case.describe()}")
     return case

@@ -10,6 +10,12 @@ one draw of six), so every combination keeps fp16 activations far from overflow,
 slots and modules, and σ is usually *not* a short binary fraction: α/r = 4/3, 6/5, 5/7... and α/√r
 are not exactly representable in bf16 or fp16, so a backend that rounds σ through the activation
 dtype is visible in an fp32 run (σ stays an fp32 number, as ``LoRAWeights`` stores it).
+
+Expert layouts (``moelora_core.EXPERT_LAYOUTS``): an adapter may share expert factors by every
+expert (shared-outer: gate_up A and down B; fully shared: all four), drawn once as ``[1, r, in]``.
+:func:`adapter_layouts` draws them to fit the pool's layout: a per-expert pool takes any adapter (a
+shared factor is broadcast), a shared-outer pool shared-outer and fully shared ones, a fully shared
+pool fully shared ones.
 """
 
 from __future__ import annotations
@@ -19,10 +25,10 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from moelora_conformance.strategies.choice import uniform
+from moelora_conformance.strategies.choice import uniform, weighted
 from moelora_conformance.strategies.shapes import LayerShape
 from moelora_core.adapter_config import lora_scaling
-from moelora_core.layer_spec import ALL_MODULES, MOE_MODULES
+from moelora_core.layer_spec import ALL_MODULES, EXPERT_LAYOUTS, MOE_MODULES
 
 #: Which modules an adapter targets.
 MODULE_LAYOUTS = ("all", "moe_only", "dense_only", "subset")
@@ -39,12 +45,14 @@ class SlotAdapter:
     Attributes:
         rank: the config's r. alpha: the config's α. use_rslora: σ = α / √r.
         modules: ((module, rank, alpha), ...) for each targeted module, rank <= R (pattern applied).
+        expert_layout: which expert factors are one tensor for every expert (``EXPERT_LAYOUTS``).
     """
 
     rank: int
     alpha: float
     use_rslora: bool
     modules: tuple[tuple[str, int, float], ...]
+    expert_layout: str = "per_expert"
 
     @property
     def slot_rank(self) -> int:
@@ -65,7 +73,23 @@ class SlotAdapter:
 
     def describe(self) -> str:
         mods = ",".join(f"{m}:r{r}" for m, r, _ in self.modules)
-        return f"r{self.rank}/a{self.alpha:g}{'/rs' if self.use_rslora else ''}[{mods}]"
+        layout = "" if self.expert_layout == "per_expert" else f"/{self.expert_layout}"
+        return f"r{self.rank}/a{self.alpha:g}{'/rs' if self.use_rslora else ''}{layout}[{mods}]"
+
+
+#: Pool layout → (adapter layout, weight) drawn for its slots: those whose shared factors cover
+#: the pool's (``fits_pool``).
+ADAPTER_LAYOUT_WEIGHTS: dict[str, tuple[tuple[str, int], ...]] = {
+    "per_expert": (("per_expert", 4), ("shared_outer", 1), ("fully_shared", 1)),
+    "shared_outer": (("shared_outer", 3), ("fully_shared", 1)),
+    "fully_shared": (("fully_shared", 1),),
+}
+
+
+def fits_pool(adapter_layout: str, pool_layout: str) -> bool:
+    """Whether an adapter in ``adapter_layout`` loads into a pool in ``pool_layout`` (it shares every
+    factor the pool stores once per slot)."""
+    return EXPERT_LAYOUTS[pool_layout] <= EXPERT_LAYOUTS[adapter_layout]
 
 
 def _alpha_for(sigma: float, rank: int, use_rslora: bool) -> float:
@@ -121,15 +145,24 @@ def slot_adapters(draw, shape: LayerShape, *, ranks: st.SearchStrategy[int] | No
 
 
 @st.composite
-def adapter_pools(draw, shape: LayerShape) -> tuple[SlotAdapter | None, ...]:
+def adapter_pools(draw, shape: LayerShape, *, expert_layout: str | None = None) -> tuple[SlotAdapter | None, ...]:
     """Per slot an adapter or None (an empty, rank-0 slot). At least one slot holds an adapter;
-    with two or more slots, some may be empty."""
+    with two or more slots, some may be empty. With ``expert_layout`` (the pool's), each adapter's
+    expert layout is drawn among those that fit it (:data:`ADAPTER_LAYOUT_WEIGHTS`); None keeps
+    every adapter per-expert (the draws of a suite run without the layouts)."""
     L = shape.max_loras
     empty: set[int] = set()
     if L >= 2:
         keep = draw(st.integers(0, L - 1))
         empty = {s for s in range(L) if s != keep and draw(st.integers(0, 3)) == 0}
-    return tuple(None if s in empty else draw(slot_adapters(shape)) for s in range(L))
+    out = []
+    for s in range(L):
+        adapter = None if s in empty else draw(slot_adapters(shape))
+        if adapter is not None and expert_layout is not None:
+            layout = draw(weighted(ADAPTER_LAYOUT_WEIGHTS[expert_layout]))
+            adapter = SlotAdapter(adapter.rank, adapter.alpha, adapter.use_rslora, adapter.modules, layout)
+        out.append(adapter)
+    return tuple(out)
 
 
 def pool_ranks(pool: tuple[SlotAdapter | None, ...]) -> tuple[int, ...]:

@@ -28,14 +28,14 @@ from hypothesis import strategies as st
 
 from moelora_conformance.profiles import SizeCaps, current_profile
 from moelora_conformance.snapshot import AdapterSnapshot
-from moelora_conformance.strategies.adapters import SlotAdapter, adapter_pools, pool_ranks, pool_scalings
+from moelora_conformance.strategies.adapters import SlotAdapter, adapter_pools, fits_pool, pool_ranks, pool_scalings
 from moelora_conformance.strategies.batches import BatchPlan, batch_plans
-from moelora_conformance.strategies.choice import uniform
+from moelora_conformance.strategies.choice import uniform, weighted
 from moelora_conformance.strategies.routing import RoutingPlan, routing_plans
 from moelora_conformance.strategies.shapes import DTYPE_NAMES, LayerShape, dtypes, layer_shapes
 from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.batch import BatchSpec
-from moelora_core.layer_spec import MOE_MODULES, LoRALayerSpec
+from moelora_core.layer_spec import EXPERT_FACTORS, EXPERT_LAYOUTS, MOE_MODULES, LoRALayerSpec, expert_factor
 from moelora_core.weights import LoRAWeights, ModuleLoRA
 
 #: Layouts of the dense projections' outputs (module docstring).
@@ -46,13 +46,20 @@ FUSED_MODULES = ("q", "k", "v")
 
 def adapter_modules(spec: LoRALayerSpec, adapter: SlotAdapter, gen: torch.Generator) -> dict[str, ModuleLoRA]:
     """Fresh factors for ``adapter``'s modules (``load_slot``'s argument), drawn from ``gen`` on the
-    spec's device in the spec's dtype: A ~ N(0, 1/fan_in), B ~ N(0, 1/r); σ per module."""
+    spec's device in the spec's dtype: A ~ N(0, 1/fan_in), B ~ N(0, 1/r); σ per module. An expert
+    factor the adapter's layout shares is drawn once, ``[1, r, in]`` / ``[1, out, r]``; an adapter
+    whose layout does not fit the pool's (one drawn without the pool in view, e.g. a reload) is drawn
+    in the pool's layout."""
+    layout = adapter.expert_layout if fits_pool(adapter.expert_layout, spec.expert_layout) else spec.expert_layout
+    shared = EXPERT_LAYOUTS[layout]
     modules = {}
     for m, r, _ in adapter.modules:
         fin, fout = spec.module_shape(m)
-        lead = (spec.E,) if m in MOE_MODULES else ()
-        A = (torch.randn(*lead, r, fin, generator=gen, device=spec.device) * (1 / math.sqrt(fin))).to(spec.dtype)
-        B = (torch.randn(*lead, fout, r, generator=gen, device=spec.device) * (1 / math.sqrt(r))).to(spec.dtype)
+        moe = m in MOE_MODULES
+        lead_a = ((1 if expert_factor(m, "A") in shared else spec.E),) if moe else ()
+        lead_b = ((1 if expert_factor(m, "B") in shared else spec.E),) if moe else ()
+        A = (torch.randn(*lead_a, r, fin, generator=gen, device=spec.device) * (1 / math.sqrt(fin))).to(spec.dtype)
+        B = (torch.randn(*lead_b, fout, r, generator=gen, device=spec.device) * (1 / math.sqrt(r))).to(spec.dtype)
         modules[m] = ModuleLoRA(A, B, adapter.scaling(m))
     return modules
 
@@ -92,7 +99,9 @@ def _base_to(base: MoEBaseWeights, device: torch.device | str) -> MoEBaseWeights
 def _pool_to(src: LoRAWeights, device: torch.device | str) -> LoRAWeights:
     """A copy of pool ``src`` on ``device`` (tensors and host copies)."""
     lora = LoRAWeights(replace(src.spec, device=torch.device(device)))
-    for name in ("gate_up_A", "gate_up_B", "down_A", "down_B", "module_ranks", "module_scalings"):
+    for name in EXPERT_FACTORS:
+        lora.storage(name).copy_(src.storage(name))
+    for name in ("module_ranks", "module_scalings"):
         getattr(lora, name).copy_(getattr(src, name))
     for name in ("dense_A", "dense_B"):
         for m, t in getattr(src, name).items():
@@ -170,6 +179,7 @@ class MoELoRACase:
     seed: int
     dense_layout: str = "contiguous"
     moe_layers: int = 1
+    expert_layout: str = "per_expert"
 
     @property
     def batch(self) -> BatchSpec:
@@ -188,13 +198,15 @@ class MoELoRACase:
         return self.routing.mode
 
     def spec(self, device: torch.device | str = "cpu") -> LoRALayerSpec:
-        return self.shape.spec(self.dtype, device, virtual_experts=self.virtual_experts)
+        return replace(self.shape.spec(self.dtype, device, virtual_experts=self.virtual_experts),
+                       expert_layout=self.expert_layout)
 
     def describe(self) -> str:
         """One line that names everything needed to rebuild the case."""
         pool = " ".join(f"{s}:{'empty' if a is None else a.describe()}" for s, a in enumerate(self.pool))
         extra = f" dense-out={self.dense_layout}" if self.dense_layout != "contiguous" else ""
         extra += f" moe-layers={self.moe_layers}" if self.moe_layers != 1 else ""
+        extra += f" expert-layout={self.expert_layout}" if self.expert_layout != "per_expert" else ""
         return (f"seed={self.seed} {DTYPE_NAMES[self.dtype]} virtual={self.virtual_experts}{extra} "
                 f"{self.shape.describe()} | {self.plan.describe()} | {self.routing.describe()} | pool {pool}")
 
@@ -258,6 +270,7 @@ def moe_lora_cases(
     dtype: torch.dtype | None = None,
     moe_layers: tuple[int, ...] = (1,),
     extra_experts: bool = True,
+    shared_expert_factors: bool = False,
 ) -> MoELoRACase:
     """A ``MoELoRACase`` within ``caps`` (default: the loaded profile's).
 
@@ -268,12 +281,17 @@ def moe_lora_cases(
         moe_layers: MoE layer counts to draw from (default: one layer).
         extra_experts: also draw extra fused base experts (ids in ``[E, E_base)``; False for a backend
             that does not declare ``fused_shared_experts``).
+        shared_expert_factors: also draw pools that store expert factors once per slot
+            ("shared_outer", "fully_shared"; for a backend declaring ``shared_expert_factors``). Either
+            way adapters may share factors (drawn to fit the pool: broadcast into a per-expert pool).
     """
     caps = caps if caps is not None else current_profile().caps
     shape = draw(layer_shapes(caps, extra_experts=extra_experts))
     dt = dtype if dtype is not None else draw(dtypes(caps))
     ve = virtual_experts if virtual_experts is not None else draw(st.booleans())
-    pool = draw(adapter_pools(shape))
+    pool_layout = draw(weighted([("per_expert", 2), ("shared_outer", 1), ("fully_shared", 1)])) \
+        if shared_expert_factors else "per_expert"
+    pool = draw(adapter_pools(shape, expert_layout=pool_layout))
     plan_kw = {k: v for k, v in (("kinds", kinds), ("adapter_modes", adapter_modes)) if v is not None}
     plan = draw(batch_plans(shape.max_loras, pool_ranks(pool), pool_scalings(pool), caps, **plan_kw))
     seed = draw(st.integers(0, 2**31 - 1))
@@ -281,4 +299,4 @@ def moe_lora_cases(
     routing = draw(routing_plans(shape.num_experts, shape.top_k, shape.num_base_experts, seed=seed, **route_kw))
     layout = draw(uniform(DENSE_LAYOUTS))
     layers = draw(uniform(moe_layers)) if len(moe_layers) > 1 else moe_layers[0]
-    return MoELoRACase(shape, dt, ve, pool, plan, routing, seed, layout, layers)
+    return MoELoRACase(shape, dt, ve, pool, plan, routing, seed, layout, layers, pool_layout)

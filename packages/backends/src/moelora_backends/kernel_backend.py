@@ -85,6 +85,7 @@ class KernelBackend(BackendBase):
             max_requests=None,
             fused_shared_experts=True,
             shared_moe_alignment=True,
+            shared_expert_factors=True,
         )
 
     def check_family_sizes(self, family: str, sizes: LaunchSizes) -> None:

@@ -38,6 +38,10 @@ class Capabilities:
         slot_load_hook: implements ``on_slot_loaded(slot, weights)``, called by the pool's owner
             after every load, reload or clear of a slot (``moelora_core.backend.notify_slot_loaded``),
             so a backend may keep its own re-packed copy of the pool (the pool itself is read-only).
+        shared_expert_factors: accepts a spec whose ``expert_layout`` stores expert factors once per
+            slot ("shared_outer", "fully_shared": ``LoRAWeights`` buffers with expert dim 1, exposed
+            with expert stride 0) and reads them through those views, without an expand-copy. The
+            suite draws such pools only for a backend declaring it.
     """
 
     dtypes: frozenset[torch.dtype]
@@ -51,6 +55,7 @@ class Capabilities:
     fused_shared_experts: bool = True
     shared_moe_alignment: bool = False
     slot_load_hook: bool = False
+    shared_expert_factors: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dtypes", "devices", "graph_families", "prefill_graph_modes"):
@@ -82,6 +87,7 @@ class Capabilities:
             "fused_shared_experts": self.fused_shared_experts,
             "shared_moe_alignment": self.shared_moe_alignment,
             "slot_load_hook": self.slot_load_hook,
+            "shared_expert_factors": self.shared_expert_factors,
         }
 
 

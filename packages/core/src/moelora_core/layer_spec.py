@@ -23,6 +23,25 @@ DENSE_LORA_MODULES: tuple[str, ...] = DENSE_MODULES + SHARED_EXPERT_MODULES
 #: Every module a ``LoRAWeights`` can hold, in the order of its per-module rank/σ tables (new
 #: modules go last: kernels address the MoE rows by index).
 ALL_MODULES: tuple[str, ...] = MOE_MODULES + DENSE_LORA_MODULES
+#: The four expert factor buffers of a pool, as ``LoRAWeights`` names them.
+EXPERT_FACTORS: tuple[str, ...] = ("gate_up_A", "gate_up_B", "down_A", "down_B")
+#: Expert layouts a pool may store (``LoRALayerSpec.expert_layout``) → the factors it keeps once per
+#: slot (expert dim 1, read with expert stride 0) instead of once per expert:
+#: ``shared_outer`` is SGLang's ``--experts-shared-outer-loras`` contract (gate_up A hidden → rank and
+#: down B rank → hidden shared by all experts); ``fully_shared`` Megatron-Bridge's
+#: ``collapse_shared_experts`` export (every factor ``[1, ...]``). conformance/docs/checkpoints.md.
+EXPERT_LAYOUTS: Mapping[str, frozenset[str]] = MappingProxyType({
+    "per_expert": frozenset(),
+    "shared_outer": frozenset({"gate_up_A", "down_B"}),
+    "fully_shared": frozenset(EXPERT_FACTORS),
+})
+
+
+def expert_factor(module: str, factor: str) -> str:
+    """The pool buffer (``EXPERT_FACTORS``) holding ``factor`` ("A"/"B") of MoE ``module``."""
+    return f"{'down' if module == 'down' else 'gate_up'}_{factor}"
+
+
 #: Dtypes a spec may ask for.
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -51,10 +70,14 @@ class LoRALayerSpec:
         virtual_experts: ask the backend to compute MoE deltas through virtual experts
             ((slot, expert) as expert ``slot * E + expert`` of a ``max_loras * E``-expert MoE).
             Only meaningful for backends whose capabilities declare ``virtual_experts``.
+        expert_layout: a key of ``EXPERT_LAYOUTS``: which expert factors the pool stores once per
+            slot (``[L, 1, ...]``, every expert reading them with expert stride 0) rather than per
+            expert. Anything but "per_expert" needs a backend declaring ``shared_expert_factors``.
 
     Raises:
-        InvalidFieldError: a non-positive size, ``top_k > num_experts``, ``dense_shapes`` not a
-            mapping or an unknown dense module, an unsupported dtype, an unparsable device.
+        InvalidFieldError: a non-positive size, ``top_k > num_experts``, an unknown
+            ``expert_layout``, ``dense_shapes`` not a mapping or an unknown dense module, an
+            unsupported dtype, an unparsable device.
     """
 
     hidden_size: int
@@ -67,12 +90,16 @@ class LoRALayerSpec:
     dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     virtual_experts: bool = False
+    expert_layout: str = "per_expert"
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k", "max_loras", "max_rank"):
             _positive(name, getattr(self, name))
         if self.top_k > self.num_experts:
             raise InvalidFieldError("top_k", f"must be <= num_experts={self.num_experts}, got {self.top_k}")
+        if self.expert_layout not in EXPERT_LAYOUTS:
+            raise InvalidFieldError("expert_layout",
+                                    f"must be one of {tuple(EXPERT_LAYOUTS)}, got {self.expert_layout!r}")
         if not isinstance(self.dense_shapes, Mapping):
             raise InvalidFieldError("dense_shapes", f"must be a mapping module -> (in, out), got {self.dense_shapes!r}")
         shapes = {}
@@ -111,6 +138,11 @@ class LoRALayerSpec:
     @property
     def R(self) -> int:
         return self.max_rank
+
+    @property
+    def shared_factors(self) -> frozenset[str]:
+        """The expert factors (``EXPERT_FACTORS``) this spec's pool stores once per slot."""
+        return EXPERT_LAYOUTS[self.expert_layout]
 
     def module_shape(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of ``module`` for one expert (MoE) or the projection (dense).

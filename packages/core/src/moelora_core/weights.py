@@ -16,10 +16,23 @@ module_ranks    [len(ALL_MODULES), L]    int32; rank of each module per slot (0 
 module_scalings [len(ALL_MODULES), L]    fp32; σ of each module per slot (0 where absent)
 ==============  =======================  =================================================
 
+**Expert layouts** (``spec.expert_layout``, DESIGN.md §1 with B[s,e] / A[s,e] independent of e for a
+shared factor): a factor of ``spec.shared_factors`` is *stored* once per slot, ``gate_up_A`` as
+``[2, L, 1, R, H]`` etc. (``storage(name)``), and exposed as the ``[.., L, E, ..]`` view above with
+expert stride 0 (``Tensor.expand``, no copy): every reader (kernels, twins, oracle) indexes
+``[slot, e]`` as for a per-expert pool and reads the one copy. Shared-outer keeps ``gate_up_A`` and
+``down_B`` once per slot; fully shared all four. A factor given with expert dim 1 (``[1, r, in]``)
+loads into either kind of buffer (a per-expert buffer gets it broadcast to every expert: the
+per-expert layout cannot hold it once); a per-expert factor ``[E, r, in]`` into a shared buffer is
+refused (it holds one value per slot). Writes go through ``storage`` / ``stored_factors``; the
+expanded views are read-only (torch refuses to write into a stride-0 view).
+``slot_bytes()`` is what a slot takes as stored.
+
 Ranks below R are zero-padded (rows of A, columns of B past r are 0); absent modules are all
 zeros with rank 0 and σ 0, so they add exactly nothing. σ is never folded into B: kernels multiply
 by ``module_scalings`` at run time. ``gate_A``/``up_A`` etc. are views into the stacked buffers,
-and the ``[L, E, ...]`` buffers reshape to ``[L * E, ...]`` without a copy (virtual experts).
+and the per-expert ``[L, E, ...]`` buffers reshape to ``[L * E, ...]`` without a copy (virtual experts;
+a shared factor is read there as its ``[L, ...]`` storage with ``experts_per_weight = E``).
 
 Host copies of ranks and σ are kept so a scheduler can build a ``BatchSpec`` without reading the
 device.
@@ -40,7 +53,14 @@ import torch
 
 from moelora_core.adapter_config import fp32_scaling
 from moelora_core.errors import InvalidFieldError, SlotError
-from moelora_core.layer_spec import ALL_MODULES, DENSE_LORA_MODULES, MOE_MODULES, LoRALayerSpec
+from moelora_core.layer_spec import (
+    ALL_MODULES,
+    DENSE_LORA_MODULES,
+    EXPERT_FACTORS,
+    MOE_MODULES,
+    LoRALayerSpec,
+    expert_factor,
+)
 
 
 @dataclass(frozen=True)
@@ -48,9 +68,11 @@ class ModuleLoRA:
     """One module's LoRA factors for one adapter, as the checkpoint readers produce them.
 
     Attributes:
-        lora_A: MoE modules: [E, r, in]; dense modules: [r, in]. Any floating dtype, any device
-            but ``meta``.
-        lora_B: MoE modules: [E, out, r]; dense modules: [out, r].
+        lora_A: MoE modules: [E, r, in], or [1, r, in] for a factor shared by every expert
+            (shared-outer gate/up, fully shared); dense modules: [r, in]. Any floating dtype, any
+            device but ``meta``.
+        lora_B: MoE modules: [E, out, r] or [1, out, r] (shared, e.g. shared-outer down); dense
+            modules: [out, r].
         scaling: the module's σ (α/r or α/√r with the module's own r and α): an int or float
             that fp32 holds (checked by ``LoRAWeights.validate``).
     """
@@ -62,6 +84,11 @@ class ModuleLoRA:
     @property
     def rank(self) -> int:
         return int(self.lora_A.shape[-2])
+
+    def shared(self, factor: str) -> bool:
+        """Whether MoE factor ``factor`` ("A"/"B") is one tensor for every expert (expert dim 1)."""
+        t = self.lora_A if factor == "A" else self.lora_B
+        return t.dim() == 3 and t.shape[0] == 1
 
 
 def module_index(module: str) -> int:
@@ -91,11 +118,17 @@ class LoRAWeights:
         kw = {"dtype": spec.dtype, "device": spec.device}
         # Inference tensors cannot be updated in place outside inference mode: a pool built inside
         # torch.inference_mode() must still accept load_slot later.
+        ex = {f: 1 if f in spec.shared_factors else E for f in EXPERT_FACTORS}
         with torch.inference_mode(False):
-            self.gate_up_A = torch.zeros(2, L, E, R, H, **kw)
-            self.gate_up_B = torch.zeros(2, L, E, I, R, **kw)
-            self.down_A = torch.zeros(L, E, R, I, **kw)
-            self.down_B = torch.zeros(L, E, H, R, **kw)
+            self._storage = {
+                "gate_up_A": torch.zeros(2, L, ex["gate_up_A"], R, H, **kw),
+                "gate_up_B": torch.zeros(2, L, ex["gate_up_B"], I, R, **kw),
+                "down_A": torch.zeros(L, ex["down_A"], R, I, **kw),
+                "down_B": torch.zeros(L, ex["down_B"], H, R, **kw),
+            }
+            # The [.., L, E, ..] views every reader indexes: expert stride 0 for a shared factor.
+            self._views = {f: t if t.shape[-3] == E else t.expand(*t.shape[:-3], E, *t.shape[-2:])
+                           for f, t in self._storage.items()}
             self.dense_A = {m: torch.zeros(L, R, fin, **kw) for m, (fin, _) in spec.dense_shapes.items()}
             self.dense_B = {m: torch.zeros(L, fout, R, **kw) for m, (_, fout) in spec.dense_shapes.items()}
             self.module_ranks = torch.zeros(len(ALL_MODULES), L, dtype=torch.int32, device=spec.device)
@@ -105,6 +138,47 @@ class LoRAWeights:
         self.host_adapter_scalings: list[float] = [0.0] * L
 
     # --- views -------------------------------------------------------------------------------
+
+    @property
+    def gate_up_A(self) -> torch.Tensor:
+        """[2, L, E, R, H]: A of gate (0) and up (1); expert stride 0 where stored once per slot."""
+        return self._views["gate_up_A"]
+
+    @property
+    def gate_up_B(self) -> torch.Tensor:
+        """[2, L, E, I, R]: B of gate and up; expert stride 0 where stored once per slot."""
+        return self._views["gate_up_B"]
+
+    @property
+    def down_A(self) -> torch.Tensor:
+        """[L, E, R, I]; expert stride 0 where stored once per slot."""
+        return self._views["down_A"]
+
+    @property
+    def down_B(self) -> torch.Tensor:
+        """[L, E, H, R]; expert stride 0 where stored once per slot (shared-outer, fully shared)."""
+        return self._views["down_B"]
+
+    def storage(self, factor: str) -> torch.Tensor:
+        """The buffer behind ``factor`` (``EXPERT_FACTORS``): expert dim 1 where the layout shares it
+        (``gate_up_A`` [2, L, 1, R, H] etc.), else the view itself. Writers use this.
+
+        Raises:
+            InvalidFieldError: unknown factor.
+        """
+        if factor not in self._storage:
+            raise InvalidFieldError("factor", f"unknown {factor!r}; expected one of {EXPERT_FACTORS}")
+        return self._storage[factor]
+
+    def is_shared(self, factor: str) -> bool:
+        """Whether the pool stores ``factor`` once per slot (read with expert stride 0)."""
+        self.storage(factor)
+        return factor in self.spec.shared_factors
+
+    def slot_bytes(self) -> int:
+        """Bytes of one slot over every buffer as stored (a shared factor counted once)."""
+        tensors = [*self._storage.values(), *self.dense_A.values(), *self.dense_B.values()]
+        return sum(t.numel() * t.element_size() for t in tensors) // self.spec.max_loras
 
     @property
     def gate_A(self) -> torch.Tensor:
@@ -137,6 +211,18 @@ class LoRAWeights:
         if module in self.dense_A:
             return self.dense_A[module], self.dense_B[module]
         raise InvalidFieldError("module", f"{module!r} is not a module of this layer")
+
+    def stored_factors(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, B) of ``module`` as stored, for writers: MoE [L, E or 1, R, in] / [L, E or 1, out, R]
+        (expert dim 1 where the layout shares the factor; ``factors`` gives the expert-stride-0
+        views readers index), dense as ``factors``."""
+        if module in MOE_MODULES:
+            A, B = self._storage[expert_factor(module, "A")], self._storage[expert_factor(module, "B")]
+            if module == "down":
+                return A, B
+            i = 0 if module == "gate" else 1
+            return A[i], B[i]
+        return self.factors(module)
 
     def scalings(self, module: str) -> torch.Tensor:
         """[L] fp32 σ of ``module`` per slot (a view)."""
@@ -222,6 +308,20 @@ class LoRAWeights:
                 )
         r = A.shape[-2]
         want_A, want_B = (*lead, r, fin), (*lead, fout, r)
+        if moe:  # expert dim 1: one factor for every expert (shared-outer, fully shared)
+            for name, t, factor in (("lora_A", A, "A"), ("lora_B", B, "B")):
+                pool_factor = expert_factor(module, factor)
+                if t.shape[0] == 1:
+                    if name == "lora_A":
+                        want_A = (1, *want_A[1:])
+                    else:
+                        want_B = (1, *want_B[1:])
+                elif pool_factor in spec.shared_factors and t.shape[0] == spec.E:
+                    raise InvalidFieldError(
+                        f"adapter[{module!r}].{name}",
+                        f"a per-expert factor {tuple(t.shape)} does not fit this pool, which stores {pool_factor} "
+                        f"once per slot (expert_layout={spec.expert_layout!r}); load the adapter into a pool whose "
+                        f"layout keeps {pool_factor} per expert")
         if tuple(A.shape) != want_A:
             raise InvalidFieldError(f"adapter[{module!r}].lora_A", f"expected shape {want_A}, got {tuple(A.shape)}")
         if tuple(B.shape) != want_B:
@@ -275,9 +375,11 @@ class LoRAWeights:
         self.clear_slot(slot)
         with torch.no_grad():
             for module, (lora, cast_A, cast_B) in checked.items():
-                A, B = self.factors(module)
+                A, B = self.stored_factors(module)
                 r = lora.rank
                 sigma = float(lora.scaling)
+                # [1, r, in] into an [E, R, in] buffer broadcasts (the per-expert layout has no
+                # single copy to keep); into a [1, R, in] buffer it is stored once.
                 A[slot, ..., :r, :].copy_(cast_A)
                 B[slot, ..., :, :r].copy_(cast_B)
                 idx = module_index(module)
@@ -295,9 +397,10 @@ class LoRAWeights:
         """
         self._check_slot(slot)
         with torch.no_grad():
-            for t in (self.gate_up_A, self.gate_up_B):
+            for t in (self._storage["gate_up_A"], self._storage["gate_up_B"]):
                 t[:, slot].zero_()
-            for t in (self.down_A, self.down_B, *self.dense_A.values(), *self.dense_B.values()):
+            for t in (self._storage["down_A"], self._storage["down_B"], *self.dense_A.values(),
+                      *self.dense_B.values()):
                 t[slot].zero_()
             self.module_ranks[:, slot] = 0
             self.module_scalings[:, slot] = 0.0

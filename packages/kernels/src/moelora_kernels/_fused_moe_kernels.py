@@ -14,7 +14,7 @@ from moelora_kernels._tiles import accumulate_k
 def _fused_moe_gemm_kernel(
     # pointers
     a_ptr,                        # [rows_in, K]
-    w_ptr,                        # [E_w, N, K]
+    w_ptr,                        # [E_w // experts_per_weight, N, K]
     c_ptr,                        # [num_pairs, N] (strided)
     sorted_token_ids_ptr,         # [P] int32
     expert_ids_ptr,               # [P // BLOCK_M] int32
@@ -27,6 +27,7 @@ def _fused_moe_gemm_kernel(
     num_pairs,                    # M * top_k; rows >= it are padding
     in_row_div,                   # top_k when a holds one row per token, else 1
     experts_per_scale,
+    experts_per_weight,           # consecutive expert ids reading one weight (stride 0 within)
     num_experts,                  # E_w: blocks of other experts are skipped
     # strides
     stride_am, stride_ak,
@@ -72,7 +73,8 @@ def _fused_moe_gemm_kernel(
 
     # --- pointers --------------------------------------------------------------------------------
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    w_ptrs = (w_ptr + (expert // experts_per_weight) * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn
+              + offs_k[:, None] * stride_wk)
 
     # --- accumulate in fp32 ------------------------------------------------------------------------
     acc = accumulate_k(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), a_ptrs, w_ptrs, row_ok, n_ok, K,

@@ -5,7 +5,7 @@ BLOCK_N columns; it gathers the block's input rows, multiplies them by the exper
 BLOCK_K steps (fp32 accumulation), then in the epilogue optionally multiplies by the router weight
 of each pair and by a per-expert scale, optionally adds the existing output, and stores once:
 
-    C[p, n] (+)= scale[e // experts_per_scale] · w_p · Σ_k A[p // in_row_div, k] · W[e, n, k]
+    C[p, n] (+)= scale[e // experts_per_scale] · w_p · Σ_k A[p // in_row_div, k] · W[e // experts_per_weight, n, k]
 
 for every pair p in the block (p < num_pairs; padding rows are skipped). Blocks at or past
 ``num_tokens_post_padded`` and blocks of expert -1 exit first, as do blocks of an expert >= E_w,
@@ -22,7 +22,9 @@ Tensors (P = alignment rows, E_w = experts of the weight):
 - ``a`` [rows_in, K] fp32/fp16/bf16, last stride 1: x [M, H] (``in_row_div = top_k``: row of a
   pair is its token) or h / a LoRA intermediate [M·top_k, K] (``in_row_div = 1``).
 - ``w`` [E_w, N, K] same dtype, any strides: base ``w_gate_up`` [E_base, 2I, H] / ``w_down``
-  [E_base, H, I]; virtual experts: LoRA A viewed as [L·E, R, H] or B as [L·E, I, R].
+  [E_base, H, I]; virtual experts: LoRA A viewed as [L·E, R, H] or B as [L·E, I, R], or a factor
+  stored once per slot as [L, R, H] with ``experts_per_weight = E`` (every expert of a slot reads
+  the one weight: expert stride 0, no copy). E_w counts expert ids: ``w.shape[0] · experts_per_weight``.
 - ``c`` [M·top_k, N] same dtype or fp32, any strides (a column slice of gate_up_out is fine).
 - ``sorted_token_ids`` [P] int32, ``expert_ids`` [P // BLOCK_M] int32, ``num_tokens_post_padded``
   [1] int32: one slot of an ``AlignOutput``.
@@ -77,6 +79,7 @@ def fused_moe_gemm(
     topk_weights: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
     experts_per_scale: int = 1,
+    experts_per_weight: int = 1,
     add_into: bool = False,
     tf32: bool = False,
     config: dict | None = None,
@@ -95,6 +98,8 @@ def fused_moe_gemm(
         slot: which slot row of ``align`` to read (0 for the base MoE and virtual experts).
         topk_weights: [num_pairs] (or [M, top_k], contiguous) router weights; multiplies rows.
         scale: fp32 vector; row scale is ``scale[e // experts_per_scale]`` (σ per slot).
+        experts_per_weight: expert e reads ``w[e // experts_per_weight]`` (virtual experts over a
+            factor stored once per slot: E); ``w`` then serves ``w.shape[0] · experts_per_weight`` ids.
         add_into: add to ``c`` instead of overwriting it.
         tf32: allow TF32 dots for fp32 (default IEEE).
         config: tile overrides (BLOCK_N, BLOCK_K, num_warps, num_stages).
@@ -109,7 +114,9 @@ def fused_moe_gemm(
     check_tensor("a", a, dtypes=FLOAT_DTYPES, dim=2, unit_last_stride=True)
     device, dtype = a.device, a.dtype
     check_tensor("w", w, dtypes=(dtype,), dim=3, device=device)
-    E_w, N, K = w.shape
+    check_positive_int("experts_per_weight", experts_per_weight)
+    E_stored, N, K = w.shape
+    E_w = E_stored * experts_per_weight
     if a.shape[1] != K:
         raise KernelPreconditionError(f"a: {a.shape[1]} columns, but w's reduction size K is {K}")
     # c in a's dtype or fp32: the epilogue works in fp32 and rounds once to c's dtype.
@@ -155,7 +162,7 @@ def fused_moe_gemm(
         align.sorted_token_ids[slot], align.expert_ids[slot], align.num_tokens_post_padded[slot:slot + 1],
         topk_weights if topk_weights is not None else dummy,
         scale if scale is not None else dummy,
-        N, K, num_pairs, in_row_div, experts_per_scale, E_w,
+        N, K, num_pairs, in_row_div, experts_per_scale, experts_per_weight, E_w,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         MUL_ROUTED_WEIGHT=topk_weights is not None, HAS_SCALE=scale is not None, ADD_INTO=add_into,

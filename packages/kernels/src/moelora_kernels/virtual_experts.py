@@ -121,7 +121,8 @@ def virtual_moe_lora_delta(
         stage: "gate_up" (x [M, H], out [M, top_k, 2I]) or "down" (x = h [M·top_k, I], out
             [M, top_k, H], topk_weights [M, top_k]).
             ``out`` in x's dtype or fp32.
-        weights: the pool; its [L, E, ...] buffers are viewed as [L·E, ...].
+        weights: the pool; its [L, E, ...] buffers are viewed as [L·E, ...] (a factor stored once
+            per slot is read as [L, ...] by every expert of its slot: expert stride 0).
         align: :func:`virtual_align`'s alignment.
 
     Returns:
@@ -153,9 +154,21 @@ def virtual_moe_lora_delta(
         raise KernelPreconditionError(f"out: strides {out.stride()} do not merge into [M*top_k, {S * N}]") from None
     inter = torch.empty(S, num_pairs, R, dtype=x.dtype, device=x.device)
     for s in range(S):
-        fused_moe_gemm(x, A[s].view(L * E, R, A.shape[4]), inter[s], align, top_k=top_k, num_pairs=num_pairs,
-                       in_row_div=in_row_div, tf32=tf32)
-        fused_moe_gemm(inter[s], B[s].view(L * E, N, R), out2[:, s * N:(s + 1) * N], align, top_k=top_k,
+        a, a_per = _virtual_weight(A[s], L, E)
+        b, b_per = _virtual_weight(B[s], L, E)
+        fused_moe_gemm(x, a, inter[s], align, top_k=top_k, num_pairs=num_pairs, in_row_div=in_row_div,
+                       experts_per_weight=a_per, tf32=tf32)
+        fused_moe_gemm(inter[s], b, out2[:, s * N:(s + 1) * N], align, top_k=top_k,
                        num_pairs=num_pairs, in_row_div=1, topk_weights=topk_weights, scale=scalings[s],
-                       experts_per_scale=E, add_into=True, tf32=tf32)
+                       experts_per_scale=E, experts_per_weight=b_per, add_into=True, tf32=tf32)
     return out
+
+
+def _virtual_weight(w: torch.Tensor, L: int, E: int) -> tuple[torch.Tensor, int]:
+    """One slice's [L, E, n, k] factor as the GEMM's expert weights: the [L·E, n, k] view of a
+    per-expert buffer (experts_per_weight 1), or, for a factor stored once per slot (expert stride
+    0), its [L, n, k] storage read by all E virtual experts of a slot (experts_per_weight E). Never
+    a copy: flattening a stride-0 view would materialise the factor E times."""
+    if E > 1 and w.stride(1) == 0:
+        return w[:, 0], E
+    return w.view(L * E, *w.shape[2:]), 1

@@ -35,8 +35,9 @@ import torch
 
 from moelora_core.backend import notify_slot_loaded
 from moelora_core.checkpoint import AdapterWeights, ModelMismatchError, MoEModelConfig, read_adapter
-from moelora_core.checkpoint.slot_loader import load_adapter_into_slot
+from moelora_core.checkpoint.slot_loader import load_adapter_into_slot, refuse_layout_mismatch
 from moelora_core.errors import MoeLoraError
+from moelora_core.layer_spec import MOE_MODULES
 from moelora_core.weights import LoRAWeights
 from moelora_runner.errors import AdapterInUseError, AdapterPinnedError, NoFreeSlotError, UnknownAdapterError
 
@@ -129,11 +130,8 @@ class AdapterPool:
 
     def slot_bytes(self) -> int:
         """Device bytes one slot takes over every layer's pool."""
-        total = 0
-        for p in self.pools:
-            tensors = [p.gate_up_A, p.gate_up_B, p.down_A, p.down_B, *p.dense_A.values(), *p.dense_B.values()]
-            total += sum(t.numel() * t.element_size() for t in tensors)
-        return total // self.max_loras
+        # As stored: a factor the pools' expert layout shares is counted once per slot, not E times.
+        return sum(p.slot_bytes() for p in self.pools)
 
     # --- registration --------------------------------------------------------------------------
 
@@ -237,7 +235,10 @@ class AdapterPool:
         if weights.num_layers != len(self.pools):
             raise ModelMismatchError(weights.name, "layers", "one set of modules per decoder layer is needed",
                                      expected=len(self.pools), found=weights.num_layers)
-        for pool, modules in zip(self.pools, weights.layers):
+        for layer, (pool, modules) in enumerate(zip(self.pools, weights.layers)):
+            for module, lora in modules.items():  # ExpertLayoutError before the pool's own checks
+                if module in MOE_MODULES:
+                    refuse_layout_mismatch(pool.spec, weights, layer, module, lora)
             pool.validate(0, dict(modules))
 
     def _install(self, entry: RegisteredAdapter) -> RegisteredAdapter:

@@ -38,6 +38,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ import torch
 from moelora_core.backend import load_backend
 from moelora_core.checkpoint import read_checkpoint
 from moelora_core.errors import MoeLoraError
+from moelora_core.layer_spec import EXPERT_LAYOUTS
 from moelora_core.weights import LoRAWeights
 from moelora_runner.adapter_pool import AdapterPool
 from moelora_runner.errors import EngineConfigError, InvalidRequestError, PromptTooLongError
@@ -100,6 +102,12 @@ class Engine:
             :mod:`.graph_config`).
         graph_capture: "startup" (every bucket when the engine starts; CUDA's default) or "lazy" (a
             bucket on its first use; the CPU's default).
+        expert_layout: which expert factors the adapter pool stores once per slot
+            (``moelora_core.EXPERT_LAYOUTS``): "per_expert" (default; any adapter fits, a shared factor
+            is broadcast), "shared_outer" (gate_up A and down B once per slot: shared-outer and fully
+            shared adapters fit, per-expert ones are refused with ``ExpertLayoutError``) or
+            "fully_shared" (every factor once per slot). Needs a backend declaring
+            ``shared_expert_factors`` unless "per_expert".
         tp, ep: tensor- and expert-parallel sizes (:mod:`.parallel.layout` lists the supported
             combinations); above 1, ``torch.distributed`` must run ``max(tp, ep)`` ranks and this
             engine is the one of this process's rank (device "cuda" then means ``cuda:<rank>``).
@@ -132,7 +140,8 @@ class Engine:
                  kv_cache_tokens: int = 8192, moe_impl: str | None = None, max_num_seqs: int = 256,
                  check_host_sync: bool = False, graph: str | None = None, decode_graph: bool | None = None,
                  max_num_requests: int | None = None, prefill_token_buckets=None, decode_batch_buckets=None,
-                 graph_capture: str | None = None, tp: int = 1, ep: int = 1) -> None:
+                 graph_capture: str | None = None, tp: int = 1, ep: int = 1,
+                 expert_layout: str = "per_expert") -> None:
         self.model_dir = Path(model_dir)
         layout = ParallelLayout(tp, ep)  # the sizes and their combination; the rank once the group is joined
         for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank),
@@ -159,9 +168,15 @@ class Engine:
         spec = local_layer_spec(config, self.parallel, max_loras=max_loras, max_rank=max_lora_rank,
                                 dtype=self.dtype, device=self.device) if self.parallel.parallel else \
             config.layer_spec(max_loras=max_loras, max_rank=max_lora_rank, dtype=self.dtype, device=self.device)
+        if expert_layout not in EXPERT_LAYOUTS:
+            raise EngineConfigError("expert_layout", f"must be one of {tuple(EXPERT_LAYOUTS)}, got {expert_layout!r}")
+        spec = replace(spec, expert_layout=expert_layout)
         factory = load_backend(backend)
         self.backend = factory(spec)
         caps = self.backend.capabilities()
+        if expert_layout != "per_expert" and not caps.shared_expert_factors:
+            raise EngineConfigError("expert_layout", f"backend {backend!r} does not declare shared_expert_factors: "
+                                    f"it cannot read expert factors stored once per slot ({expert_layout!r})")
         if self.dtype not in caps.dtypes:
             raise EngineConfigError("dtype", f"backend {backend!r} does not compute in {self.dtype} "
                                     f"(it declares {sorted(str(d) for d in caps.dtypes)})")

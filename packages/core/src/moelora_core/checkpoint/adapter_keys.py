@@ -11,6 +11,9 @@ model.layers.l.mlp.experts.base_layer.lora_{A,B}.weight    fused ``target_parame
                                                            ParamWrapper (gate_up when both targeted)
 model.layers.l.mlp.experts.lora_{A,B}.weight               fused, outer ParamWrapper (down when both
                                                            targeted; else the one targeted)
+model.layers.l.mlp.experts.{gate_up,down}_proj.lora_{A,B}  3-D expert tensors (SGLang / Megatron-
+  .weight                                                  Bridge export): A [E or 1, r, in],
+                                                           B [E or 1, out, r]
 model.layers.l.mlp.experts.e.{gate,up,down}_proj.lora_..   legacy per-expert (Mixtral:
 model.layers.l.block_sparse_moe.experts.e.{w1,w3,w2}.lora  ``block_sparse_moe``, w1/w3/w2)
 model.layers.l.mlp.shared_expert.{gate,up,down}_proj.lora  Qwen2-MoE shared expert: dense LoRA on
@@ -74,14 +77,16 @@ class LoraKey:
     Attributes:
         key: the key as stored.
         layer: decoder layer index.
-        kind: "dense", "fused" or "expert".
+        kind: "dense", "fused", "packed" (3-D expert tensors) or "expert".
         target: dense: "q"/"k"/"v"/"o" or "shared_gate"/"shared_up"/"shared_down"; fused:
-            "outer"/"inner" (ParamWrapper nesting); expert: "gate"/"up"/"down".
+            "outer"/"inner" (ParamWrapper nesting); packed: "gate_up"/"down"; expert:
+            "gate"/"up"/"down".
         factor: "A" or "B".
         block: the MoE block name in the key ("mlp", "block_sparse_moe"); "" for dense.
         expert: expert index for "expert" keys, else None.
         module_path: PEFT's module path (``model.layers.0.self_attn.q_proj``,
-            ``model.layers.0.mlp.experts``, ``model.layers.0.mlp.experts.3.gate_proj``).
+            ``model.layers.0.mlp.experts``, ``model.layers.0.mlp.experts.3.gate_proj``; packed: the
+            parameter path ``model.layers.0.mlp.experts.gate_up_proj``).
     """
 
     key: str
@@ -154,6 +159,7 @@ def classify_keys(keys: list[str], model: MoEModelConfig, adapter: str) -> list[
     blocks, leaves = _alt(fam.expert_blocks), _alt(fam.expert_leaves)
     dense_re = re.compile(rf"model\.layers\.{_IDX}\.self_attn\.([qkvo])_proj\.lora_([AB])\.weight")
     fused_re = re.compile(rf"model\.layers\.{_IDX}\.({blocks})\.experts\.(base_layer\.)?lora_([AB])\.weight")
+    packed_re = re.compile(rf"model\.layers\.{_IDX}\.({blocks})\.experts\.(gate_up|down)_proj\.lora_([AB])\.weight")
     expert_re = re.compile(
         rf"model\.layers\.{_IDX}\.({blocks})\.experts\.{_IDX}\.({leaves})\.lora_([AB])\.weight")
     shared_module = {leaf: module for module, leaf in SHARED_EXPERT_LEAVES.items()}
@@ -206,6 +212,10 @@ def classify_keys(keys: list[str], model: MoEModelConfig, adapter: str) -> list[
             layer, block = int(m[1]), m[2]
             rec = LoraKey(key, layer, "fused", "inner" if m[3] else "outer", m[4], block, None,
                           f"model.layers.{layer}.{block}.experts")
+        elif m := packed_re.fullmatch(rest):
+            layer, block = int(m[1]), m[2]
+            rec = LoraKey(key, layer, "packed", m[3], m[4], block, None,
+                          f"model.layers.{layer}.{block}.experts.{m[3]}_proj")
         elif shared_re is not None and (m := shared_re.fullmatch(rest)):
             layer, leaf, factor = int(m[1]), m[2], m[3]
             rec = LoraKey(key, layer, "dense", shared_module[leaf], factor, "", None,

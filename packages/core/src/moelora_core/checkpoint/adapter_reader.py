@@ -11,6 +11,17 @@ Formats (peft 0.21.2, transformers 5.17):
   (``experts.base_layer``) is gate_up and the outer one (bare ``experts``) is down, whatever order the
   config lists them in (PEFT wraps parameters in the order the experts module registers them,
   ``gate_up_proj`` first); with one targeted, bare ``experts`` is that one.
+- **3-D expert tensors** (SGLang's MoE-LoRA contract, Megatron-Bridge / Miles / SkyRL / NeMo RL
+  exports): ``mlp.experts.gate_up_proj.lora_A.weight`` ``[E_A, r, H]``, ``...lora_B.weight``
+  ``[E_B, 2I, r]`` (gate rows first), ``mlp.experts.down_proj.lora_A.weight`` ``[E_A, r, I]``,
+  ``...lora_B.weight`` ``[E_B, H, r]``; the config targets them through ``target_parameters`` or
+  ``target_modules``. peft cannot load these.
+- **Expert layouts** (:mod:`.expert_layout`): in both the 3-D and the 2-D fused encodings a factor
+  may have expert count 1, shared by every expert: shared-outer (gate_up A and down B) or fully
+  shared (all four). The layout is read from the factors' expert counts, never from hidden or
+  intermediate sizes; shared factors are returned as ``[1, r, in]`` / ``[1, out, r]`` (stored once
+  per slot by a pool whose ``expert_layout`` shares them). A file mixing encodings, sharing a factor
+  on some layers only, or sharing the wrong side is refused (``ExpertLayoutError``).
 - **per-expert** (legacy, transformers v4 module names): ``mlp.experts.{e}.gate_proj/up_proj/
   down_proj`` (Mixtral ``block_sparse_moe.experts.{e}.w1/w3/w2``), each with its own A and B, rank
   and σ; a module (or an expert) absent from the file is zeros. peft 0.21.2 converts these on load
@@ -45,15 +56,17 @@ from moelora_core.adapter_config import AdapterConfig
 from moelora_core.checkpoint.adapter_keys import LoraKey, classify_keys
 from moelora_core.checkpoint.errors import (
     AdapterFormatError,
+    ExpertLayoutError,
     ModelMismatchError,
     NonFiniteWeightError,
     RankTooLargeError,
     ShapeMismatchError,
 )
+from moelora_core.checkpoint.expert_layout import StageCounts, detect_expert_layout, expert_count
 from moelora_core.checkpoint.families import ALL_EXPERT_LEAVES, DENSE_LEAVES
 from moelora_core.checkpoint.model_config import MoEModelConfig
 from moelora_core.checkpoint.peft_config import PeftAdapterConfig, read_adapter_config
-from moelora_core.checkpoint.peft_targets import refuse_untargeted
+from moelora_core.checkpoint.peft_targets import refuse_untargeted, targets_module
 from moelora_core.checkpoint.tensor_source import TensorSource
 from moelora_core.errors import InvalidFieldError
 from moelora_core.layer_spec import ALL_MODULES, SUPPORTED_DTYPES
@@ -70,13 +83,17 @@ class AdapterWeights:
         name: the adapter's name.
         path: its directory.
         model_type: the family it was read for.
-        formats: the expert formats found ("fused", "per_expert"; empty for attention-only).
+        formats: the expert formats found ("fused", "packed" for 3-D expert tensors, "per_expert";
+            empty for attention-only).
         config: the validated adapter config.
-        layers: ``layers[l]`` maps "gate", "up", "down" (A [E, r, in], B [E, out, r]) and "q", "k",
+        layers: ``layers[l]`` maps "gate", "up", "down" (A [E, r, in], B [E, out, r]; expert dim 1
+            for a factor shared by all experts, see ``expert_layout``) and "q", "k",
             "v", "o", "shared_gate", "shared_up", "shared_down" (A [r, in], B [out, r]) to factors in
             ``dtype``; a module absent from layer l is absent from the mapping (it adds nothing).
         dtype: the compute dtype the factors were cast to.
         stored_dtypes: the dtypes found in the file.
+        expert_layout: "per_expert", "shared_outer" or "fully_shared" (``EXPERT_LAYOUTS``), read
+            from the factors' expert counts; "per_expert" for an adapter without expert factors.
     """
 
     name: str
@@ -87,6 +104,7 @@ class AdapterWeights:
     layers: tuple[Mapping[str, ModuleLoRA], ...]
     dtype: torch.dtype
     stored_dtypes: tuple[str, ...] = field(default=())
+    expert_layout: str = "per_expert"
 
     @property
     def num_layers(self) -> int:
@@ -121,6 +139,8 @@ class _Plan:
     b_keys: dict[int | None, str] = field(default_factory=dict)
     ranks: dict[int | None, int] = field(default_factory=dict)
     scalings: dict[int | None, float] = field(default_factory=dict)
+    experts: dict[str, int] = field(default_factory=dict)  # gate_up / down: factor → expert count (1 or E)
+    encoding: str = ""  # gate_up / down: "fused" (PEFT 2-D) | "packed" (3-D)
 
     def describe(self) -> str:
         return f"layer {self.layer} {self.module} ({self.path})"
@@ -176,8 +196,17 @@ def _plan(keys: list[LoraKey], cfg: PeftAdapterConfig, model: MoEModelConfig, na
             fused_wrappers.setdefault((layer, block), set()).add(target)
     expert_layers = {}
     for (layer, kind, _target, _block, _expert) in groups:
-        if kind in ("fused", "expert"):
+        if kind in ("fused", "expert", "packed"):
             expert_layers.setdefault(layer, set()).add(kind)
+    encodings = {kind: sorted(layer for layer, kinds in expert_layers.items() if kind in kinds)
+                 for kind in ("fused", "expert", "packed")}
+    if encodings["packed"] and (encodings["fused"] or encodings["expert"]):
+        other = "fused" if encodings["fused"] else "expert"
+        raise ExpertLayoutError(name, "expert keys", "mixes two encodings of the expert factors: 3-D "
+                                "experts.{gate_up,down}_proj tensors and PEFT's "
+                                + ("2-D fused experts.lora_* keys" if other == "fused" else "per-expert keys"),
+                                found=f"3-D on layers {encodings['packed'][:4]}, {other} on layers "
+                                      f"{encodings[other][:4]}")
     for layer, kinds in expert_layers.items():
         if len(kinds) > 1:
             raise AdapterFormatError(name, f"model.layers.{layer}", "mixes fused and per-expert expert keys")
@@ -190,11 +219,20 @@ def _plan(keys: list[LoraKey], cfg: PeftAdapterConfig, model: MoEModelConfig, na
             plan = plans.setdefault((layer, target), _Plan(layer, "dense", target, path))
             plan.a_keys[None], plan.b_keys[None] = a, b
             plan.ranks[None], plan.scalings[None] = _rank_and_scaling(lora, path, plan, name)
+        elif kind == "packed":
+            path = factors["A"].module_path  # the parameter path, model.layers.L.mlp.experts.gate_up_proj
+            if not (cfg.targets_parameter(path) or targets_module(cfg, path)):
+                raise AdapterFormatError(name, f"{a}, {b}", "3-D expert keys of a parameter the config does not "
+                                         "target", expected=f"target_parameters or target_modules naming {path}",
+                                         found=f"target_parameters={list(cfg.target_parameters)}")
+            plan = plans.setdefault((layer, target), _Plan(layer, target, target, path, encoding="packed"))
+            plan.a_keys[None], plan.b_keys[None] = a, b
+            plan.ranks[None], plan.scalings[None] = _rank_and_scaling(lora, path, plan, name)
         elif kind == "fused":
             param = resolved[(layer, block)][target]
             path = f"{factors['A'].module_path}.{param}"
             module = "gate_up" if param == "gate_up_proj" else "down"
-            plan = plans.setdefault((layer, module), _Plan(layer, module, module, path))
+            plan = plans.setdefault((layer, module), _Plan(layer, module, module, path, encoding="fused"))
             plan.a_keys[None], plan.b_keys[None] = a, b
             plan.ranks[None], plan.scalings[None] = _rank_and_scaling(lora, path, plan, name)
         else:
@@ -216,10 +254,12 @@ def _expected_shapes(plan: _Plan, model: MoEModelConfig, expert: int | None) -> 
     if plan.kind == "dense":
         fin, fout = model.dense_shapes[plan.module]
         return (r, fin), (fout, r)
-    if plan.kind == "gate_up":
-        return (E * r, H), (2 * I, r * E)
-    if plan.kind == "down":
-        return (E * r, I), (H, r * E)
+    if plan.kind in ("gate_up", "down"):
+        ea, eb = plan.experts.get("A", E), plan.experts.get("B", E)
+        fin, fout = (H, 2 * I) if plan.kind == "gate_up" else (I, H)
+        if plan.encoding == "packed":
+            return (ea, r, fin), (eb, fout, r)
+        return (ea * r, fin), (fout, r * eb)
     fin, fout = (I, H) if plan.module == "down" else (H, I)
     return (r, fin), (fout, r)
 
@@ -247,7 +287,10 @@ def _check_model_dims(plans: list[_Plan], src: TensorSource, model: MoEModelConf
             else:  # down
                 hidden.append(b[0])
                 inter.append(a[1])
-            if plan.kind in ("gate_up", "down") and plan.ranks[e] and a[0] % plan.ranks[e] == 0:
+            # an expert count of 1 is a factor shared by every expert (shared-outer, fully shared),
+            # not another model's expert count
+            if plan.kind in ("gate_up", "down") and plan.ranks[e] and a[0] % plan.ranks[e] == 0 \
+                    and a[0] != plan.ranks[e]:
                 experts.append(a[0] // plan.ranks[e])
                 fused_rows.append((a[0], plan.ranks[e]))
     for what, found, want in (("hidden size", hidden, model.hidden_size),
@@ -303,10 +346,14 @@ def _assemble(plan: _Plan, src: TensorSource, model: MoEModelConfig, dtype: torc
                                         _read(src, plan.b_keys[None], dtype, name), sigma)}
     if plan.kind in ("gate_up", "down"):
         r = plan.ranks[None]
-        a = _read(src, plan.a_keys[None], dtype, name)  # [E·r, in], expert-major
-        b = _read(src, plan.b_keys[None], dtype, name)  # [out, r·E], rank-major, expert-minor
-        A = a.reshape(E, r, a.shape[1]).contiguous()  # [E, r, in]
-        B = b.reshape(b.shape[0], r, E).permute(2, 0, 1).contiguous()  # [E, out, r]
+        ea, eb = plan.experts["A"], plan.experts["B"]  # 1 = shared by every expert, kept once
+        a = _read(src, plan.a_keys[None], dtype, name)
+        b = _read(src, plan.b_keys[None], dtype, name)
+        if plan.encoding == "packed":  # [E_A, r, in], [E_B, out, r] as stored
+            A, B = a.contiguous(), b.contiguous()
+        else:  # PEFT 2-D: A [E_A·r, in] expert-major; B [out, r·E_B] rank-major, expert-minor
+            A = a.reshape(ea, r, a.shape[1]).contiguous()  # [E_A, r, in]
+            B = b.reshape(b.shape[0], r, eb).permute(2, 0, 1).contiguous()  # [E_B, out, r]
         if plan.kind == "down":
             return {"down": ModuleLoRA(A, B, sigma)}
         return {"gate": ModuleLoRA(A, B[:, :I].contiguous(), sigma),
@@ -373,6 +420,7 @@ def read_adapter(
                 raise AdapterFormatError(name, k.key, "not a floating-point tensor", found=src.dtype_name(k.key))
         plans = _plan(keys, cfg, model, name)
         _check_model_dims(plans, src, model, name)
+        layout = _expert_layout(plans, src, model, name)
         for plan in plans:
             for e in plan.a_keys:
                 want_a, want_b = _expected_shapes(plan, model, e)
@@ -391,9 +439,28 @@ def read_adapter(
         for plan in plans:
             layers[plan.layer].update(_assemble(plan, src, model, dtype, name))
         stored = tuple(sorted({src.dtype_name(k.key) for k in keys}))
-    formats = tuple(f for f, kinds in (("fused", ("gate_up", "down")), ("per_expert", ("expert",)))
-                    if any(p.kind in kinds for p in plans))
+    formats = tuple(f for f, found in (("fused", any(p.encoding == "fused" for p in plans)),
+                                       ("packed", any(p.encoding == "packed" for p in plans)),
+                                       ("per_expert", any(p.kind == "expert" for p in plans))) if found)
     return AdapterWeights(
         name=name, path=str(directory), model_type=model.model_type, formats=formats, config=cfg,
-        layers=tuple(layers), dtype=dtype, stored_dtypes=stored,
+        layers=tuple(layers), dtype=dtype, stored_dtypes=stored, expert_layout=layout,
     )
+
+
+def _expert_layout(plans: list[_Plan], src: TensorSource, model: MoEModelConfig, name: str) -> str:
+    """Set each gate_up / down plan's factor expert counts from the stored shapes and return the
+    adapter's one expert layout (:mod:`.expert_layout`; refusals there)."""
+    E = model.num_experts
+    stages = []
+    for plan in plans:
+        if plan.kind in ("gate_up", "down"):
+            r = plan.ranks[None]
+            plan.experts = {f: expert_count(plan.encoding, f, src.shape(keys[None]), r, E)
+                            for f, keys in (("A", plan.a_keys), ("B", plan.b_keys))}
+            stages.append(StageCounts(plan.layer, plan.kind, plan.experts["A"], plan.experts["B"],
+                                      f"{plan.a_keys[None]}, {plan.b_keys[None]}"))
+        elif plan.kind == "expert":
+            stages.append(StageCounts(plan.layer, "down" if plan.module == "down" else "gate_up", E, E,
+                                      plan.describe()))
+    return detect_expert_layout(stages, E, name)

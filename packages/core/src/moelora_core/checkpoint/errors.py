@@ -123,6 +123,14 @@ class ModelMismatchError(AdapterRefusal):
     experts, layers, attention widths)."""
 
 
+class ExpertLayoutError(AdapterRefusal):
+    """The expert factors do not form one expert layout (per-expert, shared-outer, fully shared),
+    read from each factor's expert count: a factor shared (expert count 1) on some layers only, the
+    shared side on the wrong factor (gate_up B or down A shared while its partner is per expert),
+    or two encodings of the expert factors (3-D ``experts.gate_up_proj`` tensors and PEFT's 2-D
+    fused or per-expert keys) in one file."""
+
+
 #: Every adapter refusal kind, in the order a reader checks them.
 ADAPTER_REFUSALS: tuple[type[AdapterRefusal], ...] = (
     AdapterFormatError,
@@ -131,6 +139,7 @@ ADAPTER_REFUSALS: tuple[type[AdapterRefusal], ...] = (
     UnsupportedTargetError,
     ModelMismatchError,
     UnmatchedKeysError,
+    ExpertLayoutError,
     ShapeMismatchError,
     RankTooLargeError,
     NonFiniteWeightError,

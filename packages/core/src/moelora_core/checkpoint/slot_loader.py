@@ -17,13 +17,14 @@ import torch
 from moelora_core.adapter_config import fp32_scaling
 from moelora_core.checkpoint.adapter_reader import AdapterWeights
 from moelora_core.checkpoint.errors import (
+    ExpertLayoutError,
     ModelMismatchError,
     NonFiniteWeightError,
     RankTooLargeError,
     ShapeMismatchError,
 )
 from moelora_core.errors import InvalidFieldError
-from moelora_core.layer_spec import MOE_MODULES
+from moelora_core.layer_spec import MOE_MODULES, LoRALayerSpec, expert_factor
 from moelora_core.weights import LoRAWeights, ModuleLoRA
 
 
@@ -45,6 +46,8 @@ def load_adapter_into_slot(
             pool's spec, other dims).
         RankTooLargeError: a module's rank above a pool's max rank R.
         ShapeMismatchError: a factor's shape the pool refuses.
+        ExpertLayoutError: a per-expert factor for a buffer the pool's ``expert_layout`` stores once
+            per slot (a factor with expert count 1 fits every pool: broadcast where kept per expert).
         NonFiniteWeightError: NaN or Inf in a factor, as given or after the cast to a pool's dtype
             (the class the reader raises for the same fault).
         InvalidFieldError: a bad ``adapter_scaling`` (field ``adapter_scaling``); factors that are not
@@ -74,11 +77,16 @@ def load_adapter_into_slot(
                 raise RankTooLargeError(name, where, "rank above the pool's max rank", expected=f"<= {spec.R}", found=r)
             want_a, want_b = (*lead, r, fin), (*lead, fout, r)
             got_a, got_b = tuple(lora.lora_A.shape), tuple(lora.lora_B.shape)
+            if lead:  # expert count 1: a factor shared by every expert (the pool checks where it fits)
+                want_a = (1, *want_a[1:]) if got_a[:1] == (1,) else want_a
+                want_b = (1, *want_b[1:]) if got_b[:1] == (1,) else want_b
             if (got_a, got_b) != (want_a, want_b):
-                kind = ModelMismatchError if (got_a[:-2], got_a[-1], got_b[-2]) != (lead, fin, fout) else \
-                    ShapeMismatchError
+                kind = ModelMismatchError if (got_a[-1], got_b[-2]) != (fin, fout) or \
+                    got_a[:-2] not in (lead, (1,)[:len(lead)]) else ShapeMismatchError
                 raise kind(name, where, "factors do not fit the pool's layer spec",
                            expected=f"A {want_a}, B {want_b}", found=f"A {got_a}, B {got_b}")
+            if lead:
+                refuse_layout_mismatch(spec, adapter, layer, module, lora)
             try:
                 pool.validate(slot, {module: lora})  # the pool's own checks (finiteness, σ), still before any write
             except InvalidFieldError as exc:
@@ -95,6 +103,27 @@ def load_adapter_into_slot(
             pool.load_slot(slot, dict(modules), adapter_scaling=adapter_scaling)
         else:
             pool.clear_slot(slot)
+
+
+def refuse_layout_mismatch(spec: LoRALayerSpec, adapter: AdapterWeights, layer: int, module: str,
+                           lora: ModuleLoRA) -> None:
+    """Refuse a per-expert factor of MoE ``module`` for a buffer ``spec``'s expert layout stores once
+    per slot (a factor with expert count 1 fits either kind of buffer).
+
+    Raises:
+        ExpertLayoutError: naming the adapter, layer, module, factor, the pool's layout and the
+            adapter's.
+    """
+    if spec.E == 1:
+        return
+    for factor, t in (("A", lora.lora_A), ("B", lora.lora_B)):
+        buffer = expert_factor(module, factor)
+        if t.shape[0] != 1 and buffer in spec.shared_factors:
+            raise ExpertLayoutError(
+                adapter.name, f"layer {layer} {module} lora_{factor}", f"a per-expert factor does not fit a pool "
+                f"that stores {buffer} once per slot (expert_layout={spec.expert_layout!r})",
+                expected=f"{buffer} with expert count 1 (the adapter's layout is {adapter.expert_layout!r})",
+                found=f"expert count {t.shape[0]}")
 
 
 def _check_factor_dims(name: str, where: str, lora: object, dims: int) -> None:

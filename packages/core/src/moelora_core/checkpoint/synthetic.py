@@ -200,10 +200,13 @@ def adapter_tensors(
 
     Args:
         model: the model.
-        layers: layer → module → (A, B); MoE modules A [E, r, in], B [E, out, r]; dense (q/k/v/o,
-            shared_gate / shared_up / shared_down) [r, in] / [out, r]. For "fused", gate and up must
-            be given together with the same A.
-        expert_format: "fused" (``target_parameters``) or "per_expert" (legacy module names).
+        layers: layer → module → (A, B); MoE modules A [E, r, in], B [E, out, r] (expert dim 1 for a
+            factor shared by every expert: shared-outer, fully shared); dense (q/k/v/o,
+            shared_gate / shared_up / shared_down) [r, in] / [out, r]. For "fused" and "packed",
+            gate and up must be given together with the same A.
+        expert_format: "fused" (``target_parameters``, PEFT 2-D: A [E_A·r, in], B [out, r·E_B]),
+            "packed" (3-D ``experts.gate_up_proj.lora_A.weight`` [E_A, r, H] etc., the SGLang /
+            Megatron-Bridge export) or "per_expert" (legacy module names).
 
     Returns:
         (key → tensor, {"target_modules": [...], "target_parameters": [...]}) for the config.
@@ -236,12 +239,21 @@ def adapter_tensors(
                     key = f"{pre}.{li}.{fam.expert_block}.experts.{e}.{leaf}"
                     out[f"{key}.lora_A.weight"], out[f"{key}.lora_B.weight"] = A[e], B[e]
                 target_modules.add(leaf)
-        if expert_format != "fused":
+        if expert_format not in ("fused", "packed"):
             continue
         has_gu = "gate" in modules or "up" in modules
+        if has_gu and ("gate" not in modules or "up" not in modules
+                       or not torch.equal(modules["gate"][0], modules["up"][0])):
+            raise ValueError("fused gate_up needs gate and up with one shared A")
+        if expert_format == "packed":
+            for stage, pair in (("gate_up", ("gate", "up")), ("down", ("down",))):
+                if pair[0] in modules:
+                    key = f"{pre}.{li}.mlp.experts.{stage}_proj"
+                    out[f"{key}.lora_A.weight"] = modules[pair[0]][0].clone()  # [E_A, r, in]
+                    out[f"{key}.lora_B.weight"] = torch.cat([modules[m][1] for m in pair], dim=1)  # [E_B, out, r]
+                    target_parameters.add(f"mlp.experts.{stage}_proj")
+            continue
         if has_gu:
-            if "gate" not in modules or "up" not in modules or not torch.equal(modules["gate"][0], modules["up"][0]):
-                raise ValueError("fused gate_up needs gate and up with one shared A")
             key = f"{pre}.{li}.mlp.experts" + (".base_layer" if fused_both else "")
             out[f"{key}.lora_A.weight"] = fused_lora_A(modules["gate"][0])
             out[f"{key}.lora_B.weight"] = fused_lora_B(torch.cat([modules["gate"][1], modules["up"][1]], dim=1))

@@ -102,7 +102,10 @@ def shard_module(module: str, lora: ModuleLoRA, config: MoEModelConfig, layout: 
     if module in ("gate", "up", "down"):
         if layout.ep > 1:
             first, count = layout.experts(config)
-            A, B = _rows(A, first, count, 0), _rows(B, first, count, 0)
+            # a factor shared by every expert ([1, ...]: shared-outer, fully shared) is replicated on
+            # every expert-parallel rank, not split
+            A = A if A.shape[0] == 1 else _rows(A, first, count, 0)
+            B = B if B.shape[0] == 1 else _rows(B, first, count, 0)
         if layout.moe_tp > 1:
             start, size = layout.intermediate(config)
             if module == "down":
