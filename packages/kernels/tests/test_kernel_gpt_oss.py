@@ -63,7 +63,7 @@ def _clamping(gate_up: torch.Tensor) -> torch.Tensor:
 def test_swiglu_oai_epilogue_matches_twin(case, layout):
     c = case.materialize(DEVICE)
     M, k = c.topk_ids.shape
-    I = c.base.w_down.shape[2]  # noqa: E741
+    I = c.base.w_down.shape[2]
     gen = torch.Generator().manual_seed(case.seed)
     gate_up = _clamping(randn(gen, M * k, 2 * I, dtype=c.x.dtype))
     h = poisoned(M * k, I, dtype=c.x.dtype)
@@ -188,7 +188,7 @@ def test_gpt_oss_layer_with_lora_interleaved_matches_oracle(case):
 # --- named cases -----------------------------------------------------------------------------------
 
 
-def _named(seed=3, M=9, k=2, E=4, H=40, I=24, R=8, dtype=torch.float32):  # noqa: E741
+def _named(seed=3, M=9, k=2, E=4, H=40, I=24, R=8, dtype=torch.float32):
     from moe_lora_testing import make_pool
 
     gen = torch.Generator().manual_seed(seed)
@@ -204,7 +204,7 @@ def _named(seed=3, M=9, k=2, E=4, H=40, I=24, R=8, dtype=torch.float32):  # noqa
 @pytest.mark.parametrize("fused", [True, False])
 def test_interleaved_delta_is_the_halves_delta_permuted(fused):
     # the layout changes the store address only: the same value must land in the other column
-    gen, ids, mapping, pool, enabled, align = _named()
+    gen, ids, _, pool, enabled, align = _named()
     M, k = ids.shape
     x, out0, _ = stage_inputs(gen, "gate_up", M, k, 40, 24, torch.float32, None)
     halves, inter = out0.clone(), interleave(out0).contiguous()

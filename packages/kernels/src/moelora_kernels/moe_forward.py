@@ -10,7 +10,8 @@ Steps (each a kernel of this package; no host sync; every intermediate allocated
 1. base alignment of ``topk_ids`` over E_base experts (:func:`.align.moe_align_block_size`);
 2. gate_up GEMM over aligned pairs → ``gate_up_out`` [M, top_k, 2I] (:func:`.fused_moe.fused_moe_gemm`);
 3. optional ``deltas.gate_up``: the MoE-LoRA gate_up delta added before the activation;
-4. SiLU-gated (or non-gated, or GPT-OSS's clamped swiglu_oai) activation → h [M·top_k, I] (:func:`.moe_epilogue.moe_activation`);
+4. SiLU-gated (or non-gated, or GPT-OSS's swiglu_oai)
+   activation → h [M·top_k, I] (:func:`.moe_epilogue.moe_activation`);
 5. down GEMM with the router weight → ``down_out`` [M, top_k, H];
 6. optional ``deltas.down``: the MoE-LoRA down delta (router-weighted);
 7. top-k sum over pairs with an expert id >= 0 → y [M, H] (:func:`.moe_epilogue.moe_sum`).
