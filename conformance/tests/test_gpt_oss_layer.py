@@ -225,3 +225,41 @@ def test_reading_b_halves_fails(layers):
     pool = _pool(lora_mlp, halves_b=True)
     y, _ = _oracle(base, pool, x, torch.ones(T, dtype=torch.int32))
     assert not DEFAULT_POLICY.check(y, y_lora, dtype=F32).ok
+
+
+# --- the same through moelora's readers, from files save_pretrained wrote ------------------------
+
+
+@pytest.fixture(scope="module")
+def on_disk(tmp_path_factory):
+    from moelora_core.checkpoint import read_adapter, read_checkpoint
+
+    root = tmp_path_factory.mktemp("gpt_oss")
+    model = _model(seed=3)
+    model.save_pretrained(root / "model")
+    wrapped = _peft(model)
+    wrapped.save_pretrained(root / "adapter")
+    weights = read_checkpoint(root / "model")
+    adapter = read_adapter(root / "adapter", weights.config)
+    return wrapped.base_model.model, weights, adapter
+
+
+def test_readers_equal_hf_peft(on_disk):
+    hf, weights, adapter = on_disk
+    spec = weights.config.layer_spec(max_loras=2, max_rank=R + 2)
+    x = _inputs()
+    assert weights.config.layer_types == ("sliding_attention", "full_attention")
+    for layer in range(2):
+        mlp = hf.model.layers[layer].mlp
+        base = weights.layers[layer].moe
+        assert base.activation == SWIGLU_OAI
+        assert set(adapter.layers[layer]) == {"gate", "up", "down"}
+        pool = LoRAWeights(spec)
+        pool.load_slot(1, adapter.layers[layer])
+        y, (w, ids) = _oracle(base, pool, x, torch.ones(T, dtype=torch.int32))
+        _, hf_w, hf_ids = mlp.router(x)
+        assert_exact(ids.to(torch.int64), hf_ids.to(torch.int64), what=f"L{layer} topk_ids")
+        DEFAULT_POLICY.assert_close(y, _hf(mlp, x), dtype=F32, what=f"L{layer} GPT-OSS MoE + LoRA (readers)")
+        sinks = hf.model.layers[layer].self_attn.sinks.detach()
+        assert torch.equal(weights.layers[layer].sinks, sinks)
+        assert torch.equal(weights.layers[layer].o_bias, hf.model.layers[layer].self_attn.o_proj.bias.detach())
