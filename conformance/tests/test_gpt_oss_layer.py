@@ -256,8 +256,8 @@ def test_readers_equal_hf_peft(on_disk):
         assert set(adapter.layers[layer]) == {"gate", "up", "down"}
         pool = LoRAWeights(spec)
         pool.load_slot(1, adapter.layers[layer])
-        y, (w, ids) = _oracle(base, pool, x, torch.ones(T, dtype=torch.int32))
-        _, hf_w, hf_ids = mlp.router(x)
+        y, (_, ids) = _oracle(base, pool, x, torch.ones(T, dtype=torch.int32))
+        _, _, hf_ids = mlp.router(x)
         assert_exact(ids.to(torch.int64), hf_ids.to(torch.int64), what=f"L{layer} topk_ids")
         DEFAULT_POLICY.assert_close(y, _hf(mlp, x), dtype=F32, what=f"L{layer} GPT-OSS MoE + LoRA (readers)")
         sinks = hf.model.layers[layer].self_attn.sinks.detach()

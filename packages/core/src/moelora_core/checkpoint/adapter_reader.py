@@ -7,7 +7,8 @@ Formats (peft 0.21.2, transformers 5.17):
   lora_A ``[E·r, in]`` is expert-major (``reshape(E, r, in)``); lora_B ``[out, r·E]`` is rank-major,
   expert-minor (``reshape(out, r, E)``; see ``ParamWrapper.get_delta_weight``). gate_up's out is
   2I with gate rows first, and gate and up share one A: ``A_gate = A_up = A_e``,
-  ``B_gate = B_e[:I]``, ``B_up = B_e[I:]`` (GPT-OSS, interleaved: ``B_e[0::2]`` / ``B_e[1::2]``). With both parameters targeted the inner wrapper
+  ``B_gate = B_e[:I]``, ``B_up = B_e[I:]`` (GPT-OSS, interleaved: ``B_e[0::2]`` / ``B_e[1::2]``).
+  With both parameters targeted the inner wrapper
   (``experts.base_layer``) is gate_up and the outer one (bare ``experts``) is down, whatever order the
   config lists them in (PEFT wraps parameters in the order the experts module registers them,
   ``gate_up_proj`` first); with one targeted, bare ``experts`` is that one.

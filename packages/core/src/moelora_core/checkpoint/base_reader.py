@@ -31,13 +31,13 @@ from pathlib import Path
 import torch
 
 from moelora_core.base_weights import MoEBaseWeights
-from moelora_core.checkpoint.gpt_oss import gpt_oss_experts
 from moelora_core.checkpoint.errors import (
     CheckpointFormatError,
     CheckpointShapeError,
     MissingTensorError,
     UnsupportedModelError,
 )
+from moelora_core.checkpoint.gpt_oss import gpt_oss_experts
 from moelora_core.checkpoint.key_names import describe_non_canonical, non_canonical
 from moelora_core.checkpoint.layout import DecoderLayerWeights, ModelWeights
 from moelora_core.checkpoint.model_config import MoEModelConfig, read_model_config
