@@ -65,6 +65,17 @@ class MoEBaseWeights:
             if value is not None and tuple(value.shape) != shape:
                 raise InvalidFieldError(name, f"expected {shape}, got {tuple(value.shape)}")
 
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] → [T, E] router logits ``x W_rᵀ (+ b_r)``, in x's dtype (GPT-OSS's router has a bias).
+
+        Raises:
+            InvalidFieldError: no router weight.
+        """
+        if self.router is None:
+            raise InvalidFieldError("router", "this MoE block holds no router weight")
+        logits = x @ self.router.to(x.dtype).T
+        return logits if self.router_bias is None else logits + self.router_bias.to(x.dtype)
+
     @property
     def hidden_size(self) -> int:
         return self.w_gate_up.shape[2]
