@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import torch
 
+from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.errors import InvalidFieldError
 from moelora_core.moe_activation import SILU, MoEActivation
 from moelora_core.sentinels import NO_ADAPTER
@@ -164,6 +165,20 @@ def moe_lora_forward(
                 out = out + lora_delta(lora.down_A[slot, e], lora.down_B[slot, e], lora.scalings("down")[slot], h)
             y[t] += float(topk_weights[t, j]) * out
     return y
+
+
+def moe_block_forward(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    base: MoEBaseWeights,
+    lora: LoRAWeights | None,
+    token_lora_mapping: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`moe_lora_forward` of a whole ``MoEBaseWeights`` block: its weights, its expert biases
+    (GPT-OSS) and its activation, so no caller drops one of them. Returns y [T, H] float64."""
+    return moe_lora_forward(x, topk_ids, topk_weights, base.w_gate_up, base.w_down, lora, token_lora_mapping,
+                            b_gate_up=base.b_gate_up, b_down=base.b_down, activation=base.activation)
 
 
 def dense_lora_forward(
