@@ -242,7 +242,14 @@ def test_the_clamp_binds_in_the_kernel():
         (lambda gu, w, a: moe_activation(gu, activation="swiglu_oai", limit=0.0), "limit"),
         (
             lambda gu, w, a: fused_moe_gemm(
-                gu[:, :40], w, torch.empty(4, 48), a, top_k=1, num_pairs=4, in_row_div=1, bias=torch.zeros(3, 47)
+                gu[:, :40],
+                w,
+                torch.empty(4, 48, device=DEVICE),
+                a,
+                top_k=1,
+                num_pairs=4,
+                in_row_div=1,
+                bias=torch.zeros(3, 47, device=DEVICE),
             ),
             "bias",
         ),

@@ -48,8 +48,7 @@ def _engine(model_dir, adapters, **kwargs):
 
 
 def _requests(adapters, n=9, prompt_len=(5, 12), new=3):
-    return rs.mixed_requests([None, *adapters], n, seed=5, prompt_len=prompt_len, max_new_tokens=new,
-                             ignore_eos=True)
+    return rs.mixed_requests([None, *adapters], n, seed=5, prompt_len=prompt_len, max_new_tokens=new, ignore_eos=True)
 
 
 def test_mixed_batch_matches_hf_peft(gpt_oss):
