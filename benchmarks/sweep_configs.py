@@ -8,6 +8,13 @@ skipped.
 
     PYTHONPATH=packages/core/src:packages/kernels/src:reference/src python benchmarks/sweep_configs.py \\
         [--ops fused_moe_lora fused_moe_gemm] [--tokens 1 32 128 512] [--ranks 16 64] [--out sweep.json]
+
+``--variants`` A/Bs the selectable kernel variants instead (``variants.py`` beside this file): the
+split-K shrink of the shrink/expand pair against the product path, and the alignment's programs per
+slot (``ALIGN_SPLIT``), by the same method with 100 replays, writing JSON and a progress log into
+``--out-dir`` (``$OUT`` on the GPU machine). ``--dry-run`` runs the whole script on the CPU under
+``TRITON_INTERPRET=1`` at tiny shapes (fp32, one timed call per unit) so it cannot crash on the GPU
+for a reason a CPU would show.
 """
 
 from __future__ import annotations
@@ -79,9 +86,21 @@ def main() -> int:
     parser.add_argument("--ops", nargs="*", default=["fused_moe_lora", "fused_moe_gemm"])
     parser.add_argument("--tokens", type=int, nargs="*", default=[1, 32, 128, 512])
     parser.add_argument("--ranks", type=int, nargs="*", default=[16, 64])
-    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--replays", type=int, default=None, help="graph replays per unit (20; --variants: 100)")
     parser.add_argument("--out", default="sweep.json")
+    parser.add_argument("--variants", action="store_true", help="A/B the split-K shrink and the split alignment")
+    parser.add_argument("--out-dir", default=".", help="--variants: where variants.json and log.txt go")
+    parser.add_argument("--dry-run", action="store_true", help="--variants on the CPU (interpreter, tiny shapes)")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="--variants: stop timing new units after this")
+    parser.add_argument("--lora-tokens", type=int, nargs="*", default=[8, 32, 128, 512], help="--variants: M of (b)")
+    parser.add_argument("--align-tokens", type=int, nargs="*", default=[128, 512, 2048], help="--variants: M of (c)")
     args = parser.parse_args()
+    if args.variants or args.dry_run:
+        from variants import run_variants
+
+        args.replays = args.replays or 100
+        return run_variants(args)
+    args.replays = args.replays or 20
     shape = MODELS["qwen3-30b-a3b-layer"]
     gen = torch.Generator("cuda").manual_seed(0)
     H, I, E = shape["H"], shape["I"], shape["E"]  # noqa: E741

@@ -215,3 +215,57 @@ def test_e2e_cells_run_eager_and_their_engine_mode_on_cuda_in_their_dtype(tmp_pa
     assert args["--state-machine-examples"] == "0" and args["--json"] == str(tmp_path / "report.json")
     stateful = dict(zip(*[iter(matrix.command(cells["e2e/csgmv/-/fp16/qwen3_moe/-"], tmp_path)[4:])] * 2))
     assert stateful["--modes"] == "eager" and stateful["--state-machine-examples"] == "20"
+
+
+def test_an_e2e_cell_with_a_property_not_run_is_incomplete_not_a_pass(tmp_path, monkeypatch):
+    """The fp16 e2e cells of 2026-12-02 exited 0 with E01 not run (no graph_vs_eager row for fp16)
+    and were recorded as passes; such a cell is "incomplete" and its measurement is kept."""
+    cell = {c.id: c for c in matrix.load_matrix()}["e2e/triton/decode/fp16/qwen3_moe/-"]
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "report.json").write_text(json.dumps({"records": [
+        {"test": "E01[triton-decode_graph-fp16-qwen3_moe]", "outcome": "not_run", "message": "no logprob tolerance"},
+        {"test": "E03[triton-decode_graph-fp16-qwen3_moe]", "outcome": "passed"}]}))
+    (work / "graph_vs_eager.jsonl").write_text(
+        json.dumps({"max_abs": 3e-3, "mean_abs": 1e-4, "count": 10}) + "\n"
+        + json.dumps({"max_abs": 1e-3, "mean_abs": 2e-4, "count": 5}) + "\n")
+    summary = matrix.summarize(cell, work)
+    assert summary["not_run"] == ["E01[triton-decode_graph-fp16-qwen3_moe]: no logprob tolerance"]
+    assert summary["graph_vs_eager"] == {"max_abs": 3e-3, "mean_abs": 2e-4, "count": 15}
+
+    class Done:
+        returncode = 0
+        pid = 0
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(matrix.subprocess, "Popen", lambda *a, **k: Done())
+    monkeypatch.setattr(matrix, "summarize", lambda c, w: summary)
+    fields, _ = matrix.run_cell(cell, 10.0, open(tmp_path / "log", "w"), {})
+    assert fields["status"] == "incomplete"
+    rows = matrix.report_rows([cell], {cell.id: {"cell": cell.id, **fields}})
+    assert "E01[triton-decode_graph-fp16-qwen3_moe]" in matrix.render_markdown(rows).split("## Not passing")[1]
+
+
+def test_the_readme_block_is_generated_from_the_records_and_a_file_without_it_is_refused(small, tmp_path):
+    cells = small
+    records = {cells[0].id: {"cell": cells[0].id, "status": "pass", "finished": "2026-12-02T10:00", "commit": "abcdef9"},
+               cells[1].id: {"cell": cells[1].id, "status": "incomplete", "finished": "2026-12-01T10:00", "commit": "1234567"}}
+    rows = matrix.report_rows(cells, records)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{matrix.README_BEGIN}\nstale\n{matrix.README_END}\nafter\n")
+    matrix.update_readme(readme, rows)
+    text = readme.read_text()
+    assert "stale" not in text and text.endswith(f"{matrix.README_END}\nafter\n")
+    line = {ln.split("|")[1].strip(): ln for ln in text.splitlines() if ln.startswith("| ")}
+    kernels = [c.strip() for c in line["kernels"].split("|")[1:-1]]
+    assert kernels[:3] == ["kernels", "1", "1"] and kernels[-2:] == ["2026-12-02", "abcdef9"]
+    conformance = [c.strip() for c in line["conformance"].split("|")[1:-1]]
+    assert conformance[1] == str(len(cells) - 1) and conformance[3] == "1"  # one incomplete
+    assert conformance[2 + matrix.STATUS_ORDER.index("not-run")] == str(len(cells) - 2)
+    bare = tmp_path / "bare.md"
+    bare.write_text("no block\n")
+    with pytest.raises(matrix.MatrixError, match="gpu-matrix"):
+        matrix.update_readme(bare, rows)
+    assert bare.read_text() == "no block\n"

@@ -54,10 +54,10 @@ def stage_inputs(gen, stage, M, k, H, I, dtype, topk_weights):
     return randn(gen, M * k, I, dtype=dtype), randn(gen, M, k, H, dtype=dtype, scale=0.1), topk_weights
 
 
-def run_delta(stage, x, out, weights, align, k, topk_weights, enabled, fused, max_rank=None):
+def run_delta(stage, x, out, weights, align, k, topk_weights, enabled, fused, max_rank=None, split_k=None):
     with launch_guard():
         moe_lora_delta(stage, x, out, weights, align, top_k=k, topk_weights=topk_weights, adapter_enabled=enabled,
-                       fused=fused, max_rank=max_rank)
+                       fused=fused, max_rank=max_rank, split_k=split_k)
     return out
 
 

@@ -230,9 +230,11 @@ _LOGPROB_ROWS: tuple[LogprobTolerance, ...] = (
     LogprobTolerance("engine_vs_hf", "float16", 2.5, 3e-2, "measured",
                      "engine fp16 vs HF+PEFT fp32 on the CPU (HF fp16 on the CPU fails on some fixtures): max 1.81, "
                      "mean 1.5e-2 (qwen3_moe_h2i); the max is a top-k routing flip, so only the mean bites"),
-    LogprobTolerance("engine_vs_hf", "bfloat16", 2.5, 1.5e-1, "measured",
-                     "engine bf16 vs HF+PEFT fp32 on the CPU: max 1.65, mean 7.0e-2 (qwen3_moe_h2i); routing flips "
-                     "as for fp16; bf16 against HF+PEFT bf16 on a GPU is the GPU run's to measure"),
+    LogprobTolerance("engine_vs_hf", "bfloat16", 5.0, 1.5e-1, "measured",
+                     "engine bf16 vs HF+PEFT fp32: max 4.38 (H200, reference/triton/csgmv alike, and 4.32 on the "
+                     "CPU: qwen3_moe_h2i, a token of fp32 logprob -54.87, where HF+PEFT itself in bf16 is off by "
+                     "4.26), mean 7.0e-2; bf16's own rounding of logits near 50, so only the mean bites "
+                     "(test_bf16_row_covers_a_token_where_hf_peft_bf16_itself_deviates)"),
     LogprobTolerance("batched_vs_alone", "float32", 1e-4, 1e-5, "measured",
                      "a request in a mixed batch (chunked prefill, budget 7 tokens) vs the same request alone, "
                      "fp32 CPU: max 1.5e-5 (qwen3_moe_h2i), 2.1e-6 elsewhere (matmuls of other row counts round "
@@ -253,6 +255,11 @@ _LOGPROB_ROWS: tuple[LogprobTolerance, ...] = (
                      "test_graph_*.py with MOELORA_RUNNER_DTYPE=bfloat16). The bound leaves room for another "
                      "GEMM blocking of a padded bucket shape (a few bf16 ULPs of a logprob) and still fails a "
                      "wrong adapter or a stale row, which move logprobs by 1e-1 and more"),
+    LogprobTolerance("graph_vs_eager", "float16", 2e-2, 2e-3, "target",
+                     "real CUDA graphs vs eager, fp16: bf16's bound (fp16 rounds 8x finer than bf16, so another "
+                     "GEMM blocking of a padded bucket moves a logprob less; a wrong adapter or a stale row still "
+                     "moves it by 1e-1 and more); to be measured by the fp16 e2e cells of ci/matrix.toml "
+                     "(their records keep the measured max in graph_vs_eager)"),
     LogprobTolerance("tp_vs_tp1", "float32", 1e-4, 1e-5, "measured",
                      "TP = 2, EP = 2 and TP = 2 + EP = 2 (2 gloo processes on the CPU) vs the same workload at TP = 1, "
                      "fp32, 2026-12-02: 36 comparisons, 2664 logprobs (reference, triton, csgmv x eager / full / "

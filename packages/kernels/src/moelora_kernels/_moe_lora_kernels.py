@@ -3,7 +3,10 @@
 Every program owns one alignment block (BLOCK_M rows of one (slot, expert)) of one slice:
 
 - shrink:  t[s, p, :]  = A[s, slot, e] · in[p // in_row_div]                  (rank-wide, rounded to dtype)
+  or, split over K (``SPLIT_K`` programs per block and slice, each a contiguous K range):
+           part[j, s, p, :] = Σ over k in range j of A[s, slot, e][:, k] · in[p][k]  (fp32, unrounded)
 - expand:  out[p, s·N + n] += σ[s, slot] · w_p · (B[s, slot, e] · t[s, p])[n]
+  (from split partials: t[s, p] = Σ_j part[j, s, p] in j order, in fp32, rounded once to dtype)
 - fused:   both in one program: the rank-wide t stays in registers, then the program walks its
   share of the N columns (``N_SPLIT`` programs share one block's columns and each recompute t).
 
@@ -31,14 +34,17 @@ N output width per slice, num_pairs = M · top_k):
 - ``lora_a`` [S, L, E, R, K], ``lora_b`` [S, L, E, N, R]: last stride 1, same dtype as x.
 - ``ranks`` [S, L] int32, ``scalings`` [S, L] fp32: the per-module rank and σ per slot
   (``LoRAWeights.module_ranks`` / ``module_scalings`` rows), strided views are fine.
-- ``intermediate`` [S, num_pairs, R] in x's dtype: rows of handled pairs only.
+- ``intermediate`` [S, num_pairs, R] in x's dtype, or ``SPLIT_K > 1``: [SPLIT_K, S, num_pairs, R] fp32
+  partial sums (stride ``stride_ik`` between parts); rows of handled pairs only.
 - ``out`` [num_pairs, S·N] (a view of [M, top_k, S·N]), last stride 1: added into in place.
 - ``topk_weights`` [num_pairs] fp32 (or x's dtype): router weights (down only).
 - alignment: ``sorted_token_ids`` [L, P], ``expert_ids`` [L, P // BLOCK_M], ``num_tokens_post_padded`` [L].
 - ``adapter_enabled`` [L] int32.
 
 Rounding: dots accumulate in fp32 (IEEE for fp32 unless TF32 is asked for); t is rounded once to
-the activation dtype (as the public kernels store it); the expand epilogue multiplies by σ and
+the activation dtype (as the public kernels store it; after the split-K partials are summed, in a
+fixed order, so the split path is deterministic and differs from the unsplit one only by the fp32
+summation order before that rounding); the expand epilogue multiplies by σ and
 w_p in fp32, adds the old output value in fp32 and rounds once. Offsets of rows, slots, experts
 and columns are 64-bit (products like pair · 2I or slot · E · R · H can pass 2^31).
 
@@ -85,13 +91,13 @@ def _block_pairs(sorted_token_ids_ptr, pid_m, slot, num_pairs, stride_sorted, BL
 
 
 @triton.jit
-def _shrink_block(x_ptr, a_ptr, pairs, row_ok, offs_r, r_ok, s, slot, expert, K, in_row_div,
+def _shrink_block(x_ptr, a_ptr, pairs, row_ok, offs_r, r_ok, s, slot, expert, k_lo, K, in_row_div,
                   stride_xm, stride_as, stride_al, stride_ae, stride_ar,
                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                   DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """[BLOCK_M, BLOCK_R] fp32: in[pair // in_row_div] · A[s, slot, expert]ᵀ over K for the block's
-    pairs (rows not ok and rank columns not ok read 0)."""
-    offs_k = tl.arange(0, BLOCK_K)
+    """[BLOCK_M, BLOCK_R] fp32: in[pair // in_row_div] · A[s, slot, expert]ᵀ over the K columns
+    [k_lo, k_lo + K) for the block's pairs (rows not ok and rank columns not ok read 0)."""
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (pairs // in_row_div)[:, None] * stride_xm + offs_k[None, :]
     a_ptrs = (a_ptr + s.to(tl.int64) * stride_as + slot.to(tl.int64) * stride_al + expert * stride_ae
               + offs_r[None, :] * stride_ar + offs_k[:, None])
@@ -109,15 +115,16 @@ def _moe_lora_shrink_kernel(
     # strides
     stride_xm,
     stride_as, stride_al, stride_ae, stride_ar,
-    stride_is, stride_im,
+    stride_ik, stride_is, stride_im,
     stride_sorted, stride_expert_ids, stride_rank_s,
     # meta-parameters
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_ENABLED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     slot = tl.program_id(1)
-    s = tl.program_id(2)
+    s = tl.program_id(2) // SPLIT_K
+    part = tl.program_id(2) % SPLIT_K
     # --- early exits ---------------------------------------------------------------------------
     rank, expert = _block_work(pid_m, slot, s, expert_ids_ptr, num_tokens_post_padded_ptr, adapter_enabled_ptr,
                                ranks_ptr, rank_bound, num_experts, stride_expert_ids, stride_rank_s,
@@ -129,12 +136,19 @@ def _moe_lora_shrink_kernel(
     pairs, row_ok = _block_pairs(sorted_token_ids_ptr, pid_m, slot, num_pairs, stride_sorted, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
+    # this program's K range: whole BLOCK_K steps, the last part possibly short or empty
+    k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    # (the hint keeps the row loads vectorised: every part starts on a BLOCK_K boundary)
+    k_lo = tl.multiple_of(part * k_span, BLOCK_K)
+    k_len = tl.maximum(tl.minimum(K - k_lo, k_span), 0)
     # --- accumulate in fp32 ----------------------------------------------------------------------
-    acc = _shrink_block(x_ptr, a_ptr, pairs, row_ok, offs_r, r_ok, s, slot, expert, K, in_row_div,
+    acc = _shrink_block(x_ptr, a_ptr, pairs, row_ok, offs_r, r_ok, s, slot, expert, k_lo, k_len, in_row_div,
                         stride_xm, stride_as, stride_al, stride_ae, stride_ar,
                         BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, UPCAST)
-    # --- epilogue: one rounding to the activation dtype ----------------------------------------------
-    i_ptrs = inter_ptr + s.to(tl.int64) * stride_is + pairs[:, None] * stride_im + offs_r[None, :]
+    # --- epilogue: the activation dtype (one rounding), or an fp32 partial (SPLIT_K > 1; an empty
+    # K range stores zeros: the expand sums every part) ---------------------------------------------
+    i_ptrs = (inter_ptr + part.to(tl.int64) * stride_ik + s.to(tl.int64) * stride_is + pairs[:, None] * stride_im
+              + offs_r[None, :])
     tl.store(i_ptrs, acc.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_r < R)[None, :])
 
 
@@ -146,12 +160,12 @@ def _moe_lora_expand_kernel(
     # sizes
     N, rank_bound, num_pairs, num_experts, num_n_tiles,
     # strides
-    stride_is, stride_im,
+    stride_ik, stride_is, stride_im,
     stride_bs, stride_bl, stride_be, stride_bn,
     stride_om, stride_os, stride_on,   # out column of (slice s, n): s·stride_os + n·stride_on
     stride_sorted, stride_expert_ids, stride_rank_s, stride_scaling_s,
     # meta-parameters
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_ENABLED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -172,8 +186,16 @@ def _moe_lora_expand_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     # --- the rank-wide input and the B tile --------------------------------------------------------
-    t = tl.load(inter_ptr + s.to(tl.int64) * stride_is + pairs[:, None] * stride_im + offs_r[None, :],
-                mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    t_ptrs = inter_ptr + s.to(tl.int64) * stride_is + pairs[:, None] * stride_im + offs_r[None, :]
+    t_mask = row_ok[:, None] & r_ok[None, :]
+    if SPLIT_K == 1:
+        t = tl.load(t_ptrs, mask=t_mask, other=0.0)
+    else:
+        # the split shrink's fp32 partials, summed in part order, then the one rounding point
+        t = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        for j in tl.static_range(SPLIT_K):
+            t += tl.load(t_ptrs + j * stride_ik, mask=t_mask, other=0.0)
+        t = t.to(b_ptr.dtype.element_ty)
     b = tl.load(b_ptr + s.to(tl.int64) * stride_bs + slot.to(tl.int64) * stride_bl + expert * stride_be
                 + offs_n.to(tl.int64)[None, :] * stride_bn + offs_r[:, None],
                 mask=r_ok[:, None] & n_ok[None, :], other=0.0)
@@ -226,7 +248,7 @@ def _fused_moe_lora_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     # --- shrink: t = in · Aᵀ over K, fp32 accumulation ---------------------------------------------
-    acc = _shrink_block(x_ptr, a_ptr, pairs, row_ok, offs_r, r_ok, s, slot, expert, K, in_row_div,
+    acc = _shrink_block(x_ptr, a_ptr, pairs, row_ok, offs_r, r_ok, s, slot, expert, 0, K, in_row_div,
                         stride_xm, stride_as, stride_al, stride_ae, stride_ar,
                         BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, UPCAST)
     # rounding point: t in the activation dtype, as the unfused path stores it

@@ -1,19 +1,27 @@
 """``moe_lora_align_block_size``: group each adapter slot's (token, k) pairs by expert, pad to BLOCK_M.
 
-Algorithm (one program per slot; no host sync; grid ``(max_loras,)``):
+Algorithm (``SPLIT`` programs per slot, each over a contiguous share of the pairs; no host sync;
+grid ``(max_loras, SPLIT)``; ``SPLIT`` is the config key ``ALIGN_SPLIT`` of the row bucket):
 
-1. count: stream the M·top_k pairs in chunks; a pair belongs to this slot when
+1. count: stream the pairs in chunks; a pair belongs to this slot when
    ``token_lora_mapping[pair // top_k] == slot``, the slot is enabled and ``0 <= expert < E``;
-   ``tl.histogram`` counts them per expert.
+   ``tl.histogram`` counts them per expert. With ``SPLIT == 1`` the one program counts all of its
+   slot's pairs itself; with ``SPLIT > 1`` a first kernel writes one histogram per program into the
+   workspace, and each program of the second kernel sums its slot's histograms and takes the
+   counts of the parts before it as its offset within each expert (an exclusive prefix over parts).
 2. layout: each expert's count is rounded up to BLOCK_M; an exclusive prefix sum gives each
    expert's first row. The program writes ``num_tokens_post_padded``, the expert of every block
    (``NO_EXPERT_BLOCK`` past the last used block) and the padding sentinel into every row that no
-   pair will take (the tail of each expert's last block and every row past the last block).
-3. place: a per-expert cursor (scratch, starts at the expert's first row) hands each pair its row
-   with an atomic add; the pair index is stored there. Rows written in 2 and 3 are disjoint.
+   pair will take (the tail of each expert's last block and every row past the last block). With
+   ``SPLIT > 1`` every program derives the same layout and writes a strided share of it.
+3. place: a per-(program, expert) cursor (scratch, starts at the expert's first row plus the
+   earlier parts' counts) hands each pair of the program's share its row with an atomic add; the
+   pair index is stored there. Rows written in 2 and 3, and rows of different parts, are disjoint.
 
-Order within an expert is therefore free (the contract allows it): on a GPU it follows the atomic
-order, under the interpreter it is pair order.
+Order within an expert is therefore free (the contract allows it): parts in order, within a part
+the atomic order on a GPU, pair order under the interpreter. Why split: one program per slot
+scans all M·top_k pairs twice and lays out every block alone, so at M·top_k in the thousands the
+alignment is a serial chain on ``max_loras`` SMs (benchmarks/RESULTS.md, "What limits the misses").
 
 Tensors (L = max_loras, P = capacity per slot, see :func:`moelora_core.align_capacity`):
 
@@ -25,7 +33,8 @@ Tensors (L = max_loras, P = capacity per slot, see :func:`moelora_core.align_cap
   ``M * top_k``.
 - ``expert_ids`` [L, P // BLOCK_M] int32 (out): expert per block, -1 past the last used block.
 - ``num_tokens_post_padded`` [L] int32 (out): rows used per slot (multiple of BLOCK_M).
-- ``cursor`` [L, E_PAD] int32 (scratch): next free row per expert.
+- ``workspace`` [L, 2, SPLIT, E_PAD] int32 (scratch): ``[:, 0]`` one histogram per program
+  (``SPLIT > 1``), ``[:, 1]`` the next free row per (program, expert).
 
 No rounding (integers only). Source: the alignment of vLLM's fused MoE (``moe_align_block_size``)
 and its per-LoRA variant (vllm-project/vllm#21229); SGLang MoE-LoRA (sgl-project/sglang#14105).
@@ -37,8 +46,13 @@ import torch
 
 from moelora_core.align import AlignOutput, align_capacity
 from moelora_core.errors import KernelPreconditionError
-from moelora_kernels._align_kernels import _moe_lora_align_block_size_kernel
+from moelora_kernels._align_kernels import _moe_lora_align_block_size_kernel, _moe_lora_align_count_kernel
 from moelora_kernels._common import INDEX_DTYPES, check_positive_int, check_tensor, next_pow2
+from moelora_kernels.configs import kernel_config
+
+#: Most programs per slot the alignment takes (``ALIGN_SPLIT``): past a few dozen, each program's
+#: share is a chunk or less and the per-program layout work dominates.
+MAX_ALIGN_SPLIT = 64
 
 
 def _check_outputs(out: AlignOutput, num_slots: int, capacity: int, block_m: int, device: torch.device) -> None:
@@ -60,33 +74,65 @@ def _check_outputs(out: AlignOutput, num_slots: int, capacity: int, block_m: int
                  shape=(num_slots,), contiguous=True, device=device)
 
 
-def _launch(topk_ids, token_lora_mapping, adapter_enabled, num_experts, block_m, num_slots, out, workspace):
+def align_split(num_pairs: int, config: dict | None = None, *, base: bool = False) -> int:
+    """Programs per slot (``ALIGN_SPLIT``) of the alignment at ``num_pairs`` pairs, from the config
+    table (op ``moe_lora_align_block_size``, or ``moe_align_block_size`` for the base alignment).
+
+    Raises:
+        KernelPreconditionError: a split that is not a power of two in [1, MAX_ALIGN_SPLIT].
+    """
+    op = "moe_align_block_size" if base else "moe_lora_align_block_size"
+    split = kernel_config(op, rows=num_pairs, overrides=config)["ALIGN_SPLIT"]
+    if not isinstance(split, int) or split < 1 or split > MAX_ALIGN_SPLIT or split & (split - 1):
+        raise KernelPreconditionError(f"ALIGN_SPLIT: must be a power of two in [1, {MAX_ALIGN_SPLIT}], got {split!r}")
+    return split
+
+
+def align_workspace_shape(num_slots: int, num_experts: int, split: int) -> tuple[int, int, int, int]:
+    """Shape of the alignment's int32 scratch: [L, 2, SPLIT, next_pow2(max(E, 16))]."""
+    return (num_slots, 2, split, next_pow2(num_experts, 16))
+
+
+def _launch(topk_ids, token_lora_mapping, adapter_enabled, num_experts, block_m, num_slots, out, workspace, config,
+            base):
     M, top_k = topk_ids.shape
     capacity = align_capacity(M, top_k, num_experts, block_m)
     if out is None:
         out = AlignOutput.empty(num_slots, M, top_k, num_experts, block_m, device=topk_ids.device)
     _check_outputs(out, num_slots, capacity, block_m, topk_ids.device)
     rows = out.sorted_token_ids.shape[1]
-    e_pad = next_pow2(num_experts, 16)
-    if workspace is None:
-        workspace = torch.empty(num_slots, e_pad, dtype=torch.int32, device=topk_ids.device)
-    else:
-        check_tensor("workspace", workspace, dtypes=(torch.int32,), shape=(num_slots, e_pad), contiguous=True,
-                     device=topk_ids.device)
     num_pairs = M * top_k
-    # Chunks of pairs: large enough that a decode batch is one step, bounded so the [rows, E_PAD]
-    # comparison of the layout phase stays in registers.
-    block_pairs = min(2048, next_pow2(num_pairs, 64))
+    split = align_split(num_pairs, config, base=base)
+    ws_shape = align_workspace_shape(num_slots, num_experts, split)
+    e_pad = ws_shape[-1]
+    if workspace is None:
+        workspace = torch.empty(ws_shape, dtype=torch.int32, device=topk_ids.device)
+    else:
+        check_tensor("workspace", workspace, dtypes=(torch.int32,), shape=ws_shape, contiguous=True,
+                     device=topk_ids.device)
+    # Each of the slot's programs scans a contiguous share; chunks of pairs large enough that a
+    # decode batch is one step, bounded so the [rows, E_PAD] comparison of the layout phase stays
+    # in registers.
+    pairs_per_part = max(1, -(-num_pairs // split))
+    block_pairs = min(2048, next_pow2(pairs_per_part, 64))
     block_rows = max(16, min(256, 8192 // e_pad))
     dummy = out.num_tokens_post_padded
-    _moe_lora_align_block_size_kernel[(num_slots,)](
-        topk_ids, token_lora_mapping if token_lora_mapping is not None else dummy,
-        adapter_enabled if adapter_enabled is not None else dummy,
+    mapping = token_lora_mapping if token_lora_mapping is not None else dummy
+    enabled = adapter_enabled if adapter_enabled is not None else dummy
+    flags = {"HAS_MAPPING": token_lora_mapping is not None, "HAS_ENABLED": adapter_enabled is not None}
+    grid = (num_slots, split)
+    if split > 1:
+        _moe_lora_align_count_kernel[grid](
+            topk_ids, mapping, enabled, workspace,
+            num_pairs, top_k, num_experts, pairs_per_part,
+            E_PAD=e_pad, SPLIT=split, BLOCK_PAIRS=block_pairs, **flags, num_warps=4,
+        )
+    _moe_lora_align_block_size_kernel[grid](
+        topk_ids, mapping, enabled,
         out.sorted_token_ids, out.expert_ids, out.num_tokens_post_padded, workspace,
-        num_pairs, top_k, num_experts, rows, rows // block_m,
+        num_pairs, top_k, num_experts, rows, rows // block_m, pairs_per_part,
         out.sorted_token_ids.stride(0), out.expert_ids.stride(0),
-        BLOCK_M=block_m, E_PAD=e_pad, BLOCK_PAIRS=block_pairs, BLOCK_ROWS=block_rows,
-        HAS_MAPPING=token_lora_mapping is not None, HAS_ENABLED=adapter_enabled is not None,
+        BLOCK_M=block_m, E_PAD=e_pad, SPLIT=split, BLOCK_PAIRS=block_pairs, BLOCK_ROWS=block_rows, **flags,
         num_warps=8 if e_pad >= 128 else 4,
     )
     # In place on the caller's buffers: a static AlignOutput reused for a smaller batch says what
@@ -111,6 +157,7 @@ def moe_lora_align_block_size(
     *,
     out: AlignOutput | None = None,
     workspace: torch.Tensor | None = None,
+    config: dict | None = None,
 ) -> AlignOutput:
     """Align every slot's (token, k) pairs by expert into BLOCK_M-row blocks (contract in
     :mod:`moelora_core.align`). Writes every element of ``out``; no host sync.
@@ -125,7 +172,8 @@ def moe_lora_align_block_size(
         adapter_enabled: [L] int32 or None; 0 = skip the slot.
         out: caller-provided worst-case buffers (``AlignOutput.empty(L, M, top_k, E, block_m)``);
             allocated when None. Rows per slot may exceed the capacity (a larger graph bucket).
-        workspace: [L, next_pow2(max(E, 16))] int32 scratch, allocated when None.
+        workspace: int32 scratch of :func:`align_workspace_shape` (L, E, the split), allocated when None.
+        config: overrides of the table entry (``{"ALIGN_SPLIT": n}``: programs per slot).
 
     Returns:
         ``out``, recording ``num_pairs = M * top_k`` (the padding sentinel) and ``num_experts``
@@ -133,7 +181,8 @@ def moe_lora_align_block_size(
 
     Raises:
         KernelPreconditionError: wrong dtypes, shapes, devices or non-contiguous inputs; buffers
-            below capacity; block_m not a power of two >= 16; bad sizes.
+            below capacity; block_m not a power of two >= 16; bad sizes; an ``ALIGN_SPLIT`` that is
+            not a power of two in [1, MAX_ALIGN_SPLIT]; a workspace of another shape.
     """
     check_positive_int("num_experts", num_experts)
     check_positive_int("max_loras", max_loras)
@@ -145,7 +194,8 @@ def moe_lora_align_block_size(
     if adapter_enabled is not None:
         check_tensor("adapter_enabled", adapter_enabled, dtypes=(torch.int32,), shape=(max_loras,),
                      contiguous=True, device=device)
-    return _launch(topk_ids, token_lora_mapping, adapter_enabled, num_experts, block_m, max_loras, out, workspace)
+    return _launch(topk_ids, token_lora_mapping, adapter_enabled, num_experts, block_m, max_loras, out, workspace,
+                   config, base=False)
 
 
 def moe_align_block_size(
@@ -155,6 +205,7 @@ def moe_align_block_size(
     *,
     out: AlignOutput | None = None,
     workspace: torch.Tensor | None = None,
+    config: dict | None = None,
 ) -> AlignOutput:
     """The base MoE's alignment: every pair in one "slot" (index 0), grouped by expert.
 
@@ -171,4 +222,4 @@ def moe_align_block_size(
     check_positive_int("num_experts", num_experts)
     _check_block_m(block_m)
     check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, dim=2, contiguous=True)
-    return _launch(topk_ids, None, None, num_experts, block_m, 1, out, workspace)
+    return _launch(topk_ids, None, None, num_experts, block_m, 1, out, workspace, config, base=True)

@@ -2,7 +2,8 @@
 
 Three entry points with the stage ("gate_up" or "down") an explicit argument:
 
-- :func:`fused_moe_lora_shrink` → the rank-wide intermediate [S, M·top_k, R];
+- :func:`fused_moe_lora_shrink` → the rank-wide intermediate [S, M·top_k, R] (or, split over K by
+  the config key ``SPLIT_K``, its fp32 partial sums [SPLIT_K, S, M·top_k, R]);
 - :func:`fused_moe_lora_expand` adds σ·B·t (router-weighted for "down") into the output;
 - :func:`fused_moe_lora` does both in one kernel (the fast path: one launch per stage, t never
   leaves registers).
@@ -38,6 +39,8 @@ from moelora_kernels.configs import kernel_config
 from moelora_kernels.fused_moe import used_blocks_bound
 
 STAGES: tuple[str, ...] = ("gate_up", "down")
+#: Most split-K parts of the shrink: past K / BLOCK_K parts the extra programs have no K to reduce.
+MAX_SPLIT_K = 16
 #: LoRAWeights modules of each stage.
 STAGE_MODULES: dict[str, tuple[str, ...]] = {"gate_up": ("gate", "up"), "down": ("down",)}
 
@@ -110,6 +113,13 @@ class _Stage:
         return self.adapter_enabled if self.adapter_enabled is not None else self.align.num_tokens_post_padded
 
 
+def _split_k(cfg: dict) -> int:
+    split_k = cfg["SPLIT_K"]
+    if not isinstance(split_k, int) or not 1 <= split_k <= MAX_SPLIT_K:
+        raise KernelPreconditionError(f"SPLIT_K: must be an int in [1, {MAX_SPLIT_K}], got {split_k!r}")
+    return split_k
+
+
 def _per_slice(name, t, stage, L, dtypes, device):
     """ranks / scalings as [S, L] with unit last stride."""
     want = (2, L) if stage == "gate_up" else (L,)
@@ -166,6 +176,12 @@ def fused_moe_lora_shrink(
 ) -> torch.Tensor:
     """t[s, p] = A[s, slot(p), e(p)] · in[p] for every aligned pair, rank-wide, in x's dtype.
 
+    With ``SPLIT_K`` > 1 (config table ``moe_lora_shrink`` per row bucket, or ``config``) each block
+    and slice is shrunk by SPLIT_K programs over contiguous K ranges, and the result is their fp32
+    partial sums, which :func:`fused_moe_lora_expand` adds in part order and rounds once. Why: at a
+    few rows per (slot, expert) block the shrink is one serial K loop per block on few SMs; the
+    split runs that loop in parallel (benchmarks/RESULTS.md, "What limits the misses").
+
     Args:
         x: gate_up: [M, H] tokens; down: [M·top_k, I] activated intermediate per pair. Last stride 1.
         lora_a: gate_up: [2, L, E, R, H] (``LoRAWeights.gate_up_A``); down: [L, E, R, I] (``down_A``).
@@ -174,16 +190,17 @@ def fused_moe_lora_shrink(
         top_k: experts per token.
         ranks: gate_up: [2, L] int32 (``module_ranks[0:2]``); down: [L] (``module_ranks[2]``).
         adapter_enabled: [L] int32 or None.
-        out: [S, M·top_k, R] intermediate (allocated, uninitialised, when None); only rows of aligned
-            pairs are written.
+        out: [S, M·top_k, R] intermediate in x's dtype, or [SPLIT_K, S, M·top_k, R] fp32 when split
+            (allocated, uninitialised, when None); only rows of aligned pairs are written.
         max_rank: host bound on every active slot's rank (<= R); tiles are sized for it.
         tf32, config: dot precision for fp32; tile overrides.
 
     Returns:
-        The intermediate [S, M·top_k, R].
+        The intermediate [S, M·top_k, R], or the partials [SPLIT_K, S, M·top_k, R] fp32.
 
     Raises:
-        KernelPreconditionError: dtype, shape, stride, device, capacity mismatches; max_rank > R.
+        KernelPreconditionError: dtype, shape, stride, device, capacity mismatches; max_rank > R;
+            ``SPLIT_K`` not an int in [1, MAX_SPLIT_K].
     """
     device, dtype = _check_x(x, stage)
     st = _Stage(stage, x.shape[0], lora_a, ranks, None, align, top_k, None, adapter_enabled, max_rank,
@@ -191,24 +208,29 @@ def fused_moe_lora_shrink(
     K, R = st.lora.shape[4], st.lora.shape[3]
     if x.shape[1] != K:
         raise KernelPreconditionError(f"x: {x.shape[1]} columns, but lora_a's input width is {K}")
+    cfg = kernel_config("moe_lora_shrink", rows=st.num_pairs, K=K, R=st.rank_bound, overrides=config)
+    split_k = _split_k(cfg)
+    if split_k == 1:
+        shape, inter_dtype = (st.slices, st.num_pairs, R), dtype
+    else:
+        shape, inter_dtype = (split_k, st.slices, st.num_pairs, R), torch.float32
     if out is None:
-        out = torch.empty(st.slices, st.num_pairs, R, dtype=dtype, device=device)
-    check_tensor("out", out, dtypes=(dtype,), shape=(st.slices, st.num_pairs, R), unit_last_stride=True,
-                 device=device)
+        out = torch.empty(shape, dtype=inter_dtype, device=device)
+    check_tensor("out", out, dtypes=(inter_dtype,), shape=shape, unit_last_stride=True, device=device)
     if st.num_pairs == 0:
         return out
-    cfg = kernel_config("moe_lora_shrink", rows=st.num_pairs, K=K, R=st.rank_bound, overrides=config)
-    grid = check_grid("fused_moe_lora_shrink", (st.grid_m, st.L, st.slices))
+    grid = check_grid("fused_moe_lora_shrink", (st.grid_m, st.L, st.slices * split_k))
     a = st.lora
+    o3 = out if split_k > 1 else out.unsqueeze(0)
     _moe_lora_shrink_kernel[grid](
         x, a, out,
         align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded, st.enabled_arg(), st.ranks,
         K, R, st.rank_bound, st.num_pairs, st.in_row_div, st.E,
         x.stride(0),
         a.stride(0), a.stride(1), a.stride(2), a.stride(3),
-        out.stride(0), out.stride(1),
+        o3.stride(0) if split_k > 1 else 0, o3.stride(1), o3.stride(2),
         align.sorted_token_ids.stride(0), align.expert_ids.stride(0), st.ranks.stride(0),
-        BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_K=cfg["BLOCK_K"],
+        BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split_k,
         HAS_ENABLED=adapter_enabled is not None, **gemm_launch_options(dtype, tf32, cfg),
     )
     return out
@@ -243,11 +265,13 @@ def fused_moe_lora_expand(
     """out[p, s·N:(s+1)·N] += σ[s, slot] · w_p · B[s, slot, e] · t[s, p] for every aligned pair.
 
     Args:
-        intermediate: [S, M·top_k, R] from :func:`fused_moe_lora_shrink`.
+        intermediate: from :func:`fused_moe_lora_shrink`: [S, M·top_k, R] in lora_b's dtype, or the
+            split shrink's fp32 partials [SPLIT_K, S, M·top_k, R] (summed in part order, rounded
+            once to lora_b's dtype: the unsplit shrink's rounding point).
         lora_b: gate_up: [2, L, E, I, R] (``gate_up_B``); down: [L, E, H, R] (``down_B``).
         align: as for the shrink.
         out: gate_up: [M, top_k, 2I] (or [M·top_k, 2I]); down: [M, top_k, H]; added into in place;
-            in the intermediate's dtype or fp32.
+            in lora_b's dtype or fp32.
         stage, top_k, ranks, adapter_enabled, max_rank: as for the shrink.
         scalings: gate_up: [2, L] fp32 (``module_scalings[0:2]``); down: [L] (``module_scalings[2]``).
         topk_weights: down only: [M, top_k] router weights (fp32 or the activation dtype).
@@ -261,13 +285,26 @@ def fused_moe_lora_expand(
         KernelPreconditionError: as the shrink; a missing (down) or extra (gate_up) topk_weights; an
             unknown layout.
     """
-    check_tensor("intermediate", intermediate, dtypes=FLOAT_DTYPES, dim=3, unit_last_stride=True)
-    device, dtype = intermediate.device, intermediate.dtype
-    st = _Stage(stage, intermediate.shape[1] // top_k if stage == "gate_up" else intermediate.shape[1],
+    check_tensor("intermediate", intermediate, dtypes=FLOAT_DTYPES, unit_last_stride=True)
+    if intermediate.dim() == 4:
+        check_tensor("intermediate", intermediate, dtypes=(torch.float32,))
+        split_k = intermediate.shape[0]
+        if not 1 <= split_k <= MAX_SPLIT_K:
+            raise KernelPreconditionError(f"intermediate: {split_k} split-K parts, not in [1, {MAX_SPLIT_K}]")
+        parts = intermediate
+        check_tensor("lora_b", lora_b, dtypes=FLOAT_DTYPES)
+        dtype = lora_b.dtype
+    elif intermediate.dim() == 3:
+        split_k, parts, dtype = 1, intermediate.unsqueeze(0), intermediate.dtype
+    else:
+        raise KernelPreconditionError(f"intermediate: expected [S, M*top_k, R] or [SPLIT_K, S, M*top_k, R], got "
+                                      f"{list(intermediate.shape)}")
+    device = intermediate.device
+    st = _Stage(stage, parts.shape[2] // top_k if stage == "gate_up" else parts.shape[2],
                 lora_b, ranks, scalings, align, top_k, None, adapter_enabled, max_rank, "lora_b", device, dtype)
     N, R = st.lora.shape[3], st.lora.shape[4]
     cols = _column_strides(stage, layout, N)
-    check_tensor("intermediate", intermediate, shape=(st.slices, st.num_pairs, R))
+    check_tensor("intermediate", parts, shape=(split_k, st.slices, st.num_pairs, R))
     out2 = _out_2d(out, st, st.slices * N, dtype, device)
     weights = _routed(topk_weights, st, dtype, device)
     if st.num_pairs == 0:
@@ -277,15 +314,15 @@ def fused_moe_lora_expand(
     grid = check_grid("fused_moe_lora_expand", (st.grid_m, st.L, st.slices * n_tiles))
     b = st.lora
     _moe_lora_expand_kernel[grid](
-        intermediate, b, out2, weights if weights is not None else st.scalings,
+        parts, b, out2, weights if weights is not None else st.scalings,
         align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded, st.enabled_arg(), st.ranks,
         st.scalings,
         N, st.rank_bound, st.num_pairs, st.E, n_tiles,
-        intermediate.stride(0), intermediate.stride(1),
+        parts.stride(0) if split_k > 1 else 0, parts.stride(1), parts.stride(2),
         b.stride(0), b.stride(1), b.stride(2), b.stride(3),
         out2.stride(0), *cols,
         align.sorted_token_ids.stride(0), align.expert_ids.stride(0), st.ranks.stride(0), st.scalings.stride(0),
-        BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_N=cfg["BLOCK_N"], SPLIT_K=split_k,
         HAS_ENABLED=adapter_enabled is not None, MUL_ROUTED_WEIGHT=weights is not None,
         **gemm_launch_options(dtype, tf32, cfg),
     )
@@ -389,6 +426,7 @@ def moe_lora_delta(
     adapter_enabled: torch.Tensor | None = None,
     max_rank: int | None = None,
     fused: bool | None = None,
+    split_k: int | None = None,
     tf32: bool = False,
     layout: str = "halves",
 ) -> torch.Tensor:
@@ -398,7 +436,9 @@ def moe_lora_delta(
     expand (two launches, an intermediate in memory); ``None`` picks by size from the config
     table (``moe_lora_path``: on the H200 the pair wins at a few rows per bucket, where its
     column-parallel expand grid keeps more SMs busy). Both give the same result up to the fp32
-    rounding order of σ·w.
+    rounding order of σ·w. The pair's shrink may be split over K (``split_k``, or the table's
+    ``moe_lora_shrink`` ``SPLIT_K`` of the bucket when None); that changes only the fp32 summation
+    order before t's rounding.
 
     Args:
         stage: "gate_up" (x [M, H], out [M, top_k, 2I]) or "down" (x = h [M·top_k, I], out
@@ -406,6 +446,7 @@ def moe_lora_delta(
         weights: the pool (σ and ranks per module are read on the device at run time).
         max_rank: host rank bound; must cover every loaded slot's rank of the stage's modules
             (``weights.host_ranks``), None = the pool's R.
+        split_k: split-K parts of the pair's shrink (1 = unsplit); None = the config table's.
         align, top_k, adapter_enabled, tf32, layout: as the launchers (layout: gate_up's columns in
             ``out``, "halves" or GPT-OSS's "interleaved").
 
@@ -414,7 +455,7 @@ def moe_lora_delta(
 
     Raises:
         KernelPreconditionError: as the launchers; ``max_rank`` below a loaded slot's rank of the
-            stage's modules.
+            stage's modules; ``split_k`` with the fused kernel (it has no split).
     """
     t = stage_tensors(weights, stage)
     check_rank_covers(max_rank, weights, STAGE_MODULES[stage])
@@ -422,12 +463,16 @@ def moe_lora_delta(
         pairs = x.shape[0] * top_k if stage == "gate_up" else x.shape[0]
         rank = max_rank if max_rank is not None else weights.spec.R
         fused = bool(kernel_config("moe_lora_path", rows=pairs, R=rank)["FUSED"])
+    if fused and split_k not in (None, 1):
+        raise KernelPreconditionError(f"split_k: {split_k} parts asked of the fused kernel, which does not split K; "
+                                      "pass fused=False")
     if fused:
         return fused_moe_lora(x, t["lora_a"], t["lora_b"], align, out, stage=stage, top_k=top_k, ranks=t["ranks"],
                               scalings=t["scalings"], topk_weights=topk_weights, adapter_enabled=adapter_enabled,
                               max_rank=max_rank, tf32=tf32, layout=layout)
     inter = fused_moe_lora_shrink(x, t["lora_a"], align, stage=stage, top_k=top_k, ranks=t["ranks"],
-                                  adapter_enabled=adapter_enabled, max_rank=max_rank, tf32=tf32)
+                                  adapter_enabled=adapter_enabled, max_rank=max_rank, tf32=tf32,
+                                  config=None if split_k is None else {"SPLIT_K": split_k})
     return fused_moe_lora_expand(inter, t["lora_b"], align, out, stage=stage, top_k=top_k, ranks=t["ranks"],
                                  scalings=t["scalings"], topk_weights=topk_weights,
                                  adapter_enabled=adapter_enabled, max_rank=max_rank, tf32=tf32, layout=layout)
