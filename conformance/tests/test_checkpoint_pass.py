@@ -146,3 +146,17 @@ def test_an_unknown_backend_is_a_usage_error(fixture_set, tmp_path, capsys):
                        "--backends", "no_such_module:make_backend"])
     assert status == 2
     assert "cannot import" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend", ["reference", *KERNEL_BACKENDS[:1]])
+def test_the_pass_on_gpt_oss_equals_hf_peft(fixture_set, tmp_path, backend):
+    # GPT-OSS: interleaved gate/up read, expert and router biases and swiglu_oai in the harness's base
+    # path and expected values, routing by the layer's own mlp.router; two pass adapters (no legacy form)
+    # plus the fixture's two. The kernel backend runs eager only (the interpreter is slow).
+    modes = MODES if backend == "reference" else ["eager"]
+    rows = run_model(fixture_set, tmp_path, "gpt_oss", backends=[backend], modes=modes, layers=[0])
+    bad = [r for r in rows if not r.ok]
+    assert not bad, [(r.mode, r.subject, r.part, r.note) for r in bad[:5]]
+    hf = {(r.subject, r.part) for r in rows if r.check == "hf"}
+    assert {("gpt_oss-pass-r8", "moe"), ("gpt_oss-pass-rslora-r6", "moe"), ("gpt_oss-r8", "o"), ("(base)", "moe")} <= hf
+    assert {r.mode for r in rows} == set(modes)

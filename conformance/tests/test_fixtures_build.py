@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from moelora_conformance.cli import main
 from moelora_conformance.fixtures import ADAPTERS, BAD_ADAPTERS, LAYOUT_ADAPTERS, MODELS
-from moelora_conformance.fixtures.specs import SHARED
+from moelora_conformance.fixtures.specs import ALL_ADAPTERS, ALL_MODELS, GPT_OSS, SHARED
 
 
 def _keys(path):
@@ -25,15 +25,17 @@ def _keys(path):
 
 def test_manifest_lists_every_spec(fixture_set):
     m = fixture_set.manifest
-    assert sorted(m["models"]) == sorted(s.name for s in MODELS)
-    assert sorted(m["adapters"]) == sorted(s.name for s in ADAPTERS)
+    assert sorted(m["models"]) == sorted(s.name for s in ALL_MODELS)  # MODELS and GPT-OSS
+    assert sorted(m["adapters"]) == sorted(s.name for s in ALL_ADAPTERS)
+    assert [s for s in ALL_MODELS if s not in MODELS] == [GPT_OSS]
+    assert all(s in ALL_ADAPTERS for s in ADAPTERS)
     assert sorted(m["bad_adapters"]) == sorted(s.name for s in BAD_ADAPTERS)
     assert sorted(m["layout_adapters"]) == sorted(s.name for s in LAYOUT_ADAPTERS)
     for name, entry in m["layout_adapters"].items():  # peft cannot load these: listed apart
         assert entry["peft_loadable"] is False and entry["layout"] in ("shared_outer", "fully_shared"), name
         assert entry["encoding"] in ("packed", "fused") and set(entry["modules"]) == {"0", "1"}, name
         assert (fixture_set.layout_adapter_dir(name) / "adapter_model.safetensors").is_file()
-    assert {e["family"] for e in m["models"].values()} == {"qwen3_moe", "mixtral", "olmoe", "qwen2_moe"}
+    assert {e["family"] for e in m["models"].values()} == {"qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss"}
     for name, entry in m["adapters"].items():
         assert entry["modules"], name
         assert set(entry["modules"]) == {"0", "1"}, name
@@ -42,6 +44,24 @@ def test_manifest_lists_every_spec(fixture_set):
                 assert info["rank"] >= 1 and info["scaling"] > 0, name
     for name in m["adapters"]:
         assert (fixture_set.adapter_dir(name) / "adapter_config.json").is_file()
+
+
+def test_gpt_oss_on_disk(fixture_set):
+    # save_pretrained's GPT-OSS keys: x @ W stacks with interleaved gate/up columns, biases, sinks
+    keys = _keys(fixture_set.model_dir(GPT_OSS.name) / "model.safetensors")
+    H, I, E = GPT_OSS.hidden, GPT_OSS.inter, GPT_OSS.experts  # noqa: E741
+    assert H not in (I, 2 * I)
+    p = "model.layers.1"
+    assert keys[f"{p}.mlp.experts.gate_up_proj"][0] == (E, H, 2 * I)
+    assert keys[f"{p}.mlp.experts.gate_up_proj_bias"][0] == (E, 2 * I)
+    assert keys[f"{p}.mlp.experts.down_proj"][0] == (E, I, H)
+    assert keys[f"{p}.mlp.experts.down_proj_bias"][0] == (E, H)
+    assert keys[f"{p}.mlp.router.bias"][0] == (E,)
+    assert keys[f"{p}.self_attn.sinks"][0] == (GPT_OSS.heads,)
+    assert keys[f"{p}.self_attn.o_proj.bias"][0] == (H,)
+    config = json.loads((fixture_set.model_dir(GPT_OSS.name) / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    assert config["rope_parameters"]["rope_type"] == "default"
 
 
 @pytest.mark.parametrize("spec", MODELS, ids=lambda s: s.name)
@@ -121,7 +141,7 @@ def _digest(root):
 
 def test_make_fixtures_cli_is_deterministic(fixture_set, tmp_path, capsys):
     assert main(["make-fixtures", str(tmp_path / "again")]) == 0
-    assert "built 7 models, 20 adapters, 4 shared-outer / fully shared adapters, 16 bad adapters" in \
+    assert "built 8 models, 22 adapters, 4 shared-outer / fully shared adapters, 16 bad adapters" in \
         capsys.readouterr().out
     first, second = _digest(fixture_set.root), _digest(tmp_path / "again")
     assert first.keys() == second.keys()

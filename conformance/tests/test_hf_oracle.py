@@ -112,3 +112,29 @@ def test_the_block_needs_the_shared_expert_and_its_lora(fixture_set):
     no_shared_lora.load_slot(SLOT, {m: ModuleLoRA(*((0.0 * t) for t in (lo.lora_A, lo.lora_B)), lo.scaling)
                                     for m, lo in read.layers[0].items()})
     assert not moe_ok(no_shared_lora, disk.shared_expert)  # the shared expert without its LoRA
+
+
+# --- GPT-OSS: in the fixture set and its manifest, beside MODELS (fixtures.specs.GPT_OSS) --------------
+
+
+def test_gpt_oss_oracle_without_adapter_equals_hf_base(fixture_set):
+    from moelora_conformance.fixtures.specs import GPT_OSS
+
+    rows = check_model_base(fixture_set, GPT_OSS.name)
+    assert {r.source for r in rows} == {"hf-memory", "readers"}
+    assert {r.part for r in rows} == {"routing", "moe", "q", "k", "v", "o"}
+    assert all(r.ok for r in rows), _failures(rows)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss-r8", "gpt_oss-rslora"])
+def test_gpt_oss_oracle_with_adapter_equals_hf_peft(fixture_set, name):
+    # interleaved gate/up B read 0::2 / 1::2, expert and router biases, swiglu_oai, o's bias
+    from moelora_conformance.fixtures.specs import GPT_OSS_ADAPTERS
+
+    spec = next(s for s in GPT_OSS_ADAPTERS if s.name == name)
+    rows = check_adapter(fixture_set, name)
+    assert all(r.ok for r in rows), _failures(rows)
+    assert {"hf-memory", "readers", "reference-backend"} <= {r.source for r in rows}
+    for r in rows:
+        if r.source in ("hf-memory", "readers") and r.part in {"moe", *spec.dense}:
+            assert r.delta_rel is not None and r.delta_rel > VISIBLE, (r.source, r.layer, r.part, r.delta_rel)

@@ -33,7 +33,7 @@ from moelora_core import (
     load_backend,
 )
 from moelora_reference.backend import ReferenceBackend, make_backend
-from moelora_reference.oracle import dense_lora_forward, moe_lora_forward
+from moelora_reference.oracle import dense_lora_forward, moe_block_forward
 
 F32, F16 = torch.float32, torch.float16
 
@@ -45,7 +45,7 @@ CAPS = capped(current_profile().caps, PROFILES["dev"].caps)
 def oracle(m, mapping=None, rows=None):
     rows = slice(None) if rows is None else slice(0, rows)
     mapping = m.token_lora_mapping if mapping is None else mapping
-    return moe_lora_forward(m.x[rows], m.topk_ids[rows], m.topk_weights[rows], m.base.w_gate_up, m.base.w_down,
+    return moe_block_forward(m.x[rows], m.topk_ids[rows], m.topk_weights[rows], m.base,
                             m.lora, mapping)
 
 

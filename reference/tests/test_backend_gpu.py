@@ -18,7 +18,7 @@ from moelora_conformance.profiles import PROFILES
 from moelora_conformance.strategies import moe_lora_cases
 from moelora_core import DEFAULT_POLICY
 from moelora_reference.backend import make_backend
-from moelora_reference.oracle import dense_lora_forward, moe_lora_forward
+from moelora_reference.oracle import dense_lora_forward, moe_block_forward
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CAPS = PROFILES["dev"].caps
@@ -37,7 +37,7 @@ def sync_debug_error():
 
 def oracle_on_cpu(m, rows):
     c = m.to("cpu")
-    return moe_lora_forward(c.x[:rows], c.topk_ids[:rows], c.topk_weights[:rows], c.base.w_gate_up, c.base.w_down,
+    return moe_block_forward(c.x[:rows], c.topk_ids[:rows], c.topk_weights[:rows], c.base,
                             c.lora, c.token_lora_mapping[:rows])
 
 

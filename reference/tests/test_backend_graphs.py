@@ -18,7 +18,7 @@ from moelora_conformance.strategies import capped, moe_lora_cases
 from moelora_core import DEFAULT_POLICY, BatchSpec, Fallback, ForwardMode
 from moelora_core.graphs import graph_pools, host_sync_guard
 from moelora_reference.backend import make_backend
-from moelora_reference.oracle import dense_lora_forward, moe_lora_forward
+from moelora_reference.oracle import dense_lora_forward, moe_block_forward
 
 # The float64 loop oracle runs on the CPU: bound the sizes whatever the profile.
 CAPS = capped(current_profile().caps, PROFILES["dev"].caps)
@@ -36,7 +36,7 @@ def draw_dtype(data, device):
 
 def oracle(m, rows):
     c = m.to("cpu")
-    return moe_lora_forward(c.x[:rows], c.topk_ids[:rows], c.topk_weights[:rows], c.base.w_gate_up, c.base.w_down,
+    return moe_block_forward(c.x[:rows], c.topk_ids[:rows], c.topk_weights[:rows], c.base,
                             c.lora, c.token_lora_mapping[:rows])
 
 

@@ -14,7 +14,7 @@ from moelora_conformance.profiles import PROFILES, current_profile
 from moelora_conformance.strategies import capped, moe_lora_cases
 from moelora_core import DEFAULT_POLICY, InvalidFieldError, MoEBaseWeights, assert_exact
 from moelora_reference import base_moe
-from moelora_reference.oracle import moe_lora_forward
+from moelora_reference.oracle import moe_block_forward, moe_lora_forward
 from moelora_reference.oracle import route_topk as oracle_route_topk
 
 # The float64 loop oracle and the loop twins run on the CPU: bound the sizes whatever the profile.
@@ -26,7 +26,7 @@ def test_base_layer_equals_oracle_without_adapters(case, guard):
     m = case.materialize()
     with guard():
         y = base_moe.moe_forward(m.x, m.topk_ids, m.topk_weights, m.base)
-    expected = moe_lora_forward(m.x, m.topk_ids, m.topk_weights, m.base.w_gate_up, m.base.w_down, None, None)
+    expected = moe_block_forward(m.x, m.topk_ids, m.topk_weights, m.base, None, None)
     DEFAULT_POLICY.assert_close(y, expected, dtype=case.dtype, what=case.describe(), seed=case.seed)
     assert y.dtype == case.dtype
 

@@ -16,9 +16,10 @@ What the suite's layer harness runs around a backend's delta calls (DESIGN.md §
 
 Per pair (t, j) with expert e = topk_ids[t, j]:
 
-    gate_up_out[t, j] = W_gate_up[e] x[t]
-    h[t·k + j]        = silu(gate_up_out[t, j, :I]) ⊙ gate_up_out[t, j, I:]
-    down_out[t, j]    = w[t, j] · W_down[e] h[t·k + j]
+    gate_up_out[t, j] = W_gate_up[e] x[t] (+ b_gate_up[e])
+    h[t·k + j]        = act(gate_up_out[t, j, :I], gate_up_out[t, j, I:])   (silu(g) ⊙ u, or GPT-OSS's
+                                                                            clamped swiglu_oai)
+    down_out[t, j]    = w[t, j] · (W_down[e] h[t·k + j] (+ b_down[e]))
     y[t]              = Σ_j down_out[t, j]
 
 Sentinels: a pair with e < 0 (``EXPERT_NOT_HERE``) gets zeros in ``gate_up_out`` and ``down_out``
@@ -49,6 +50,7 @@ import torch
 
 from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.errors import InvalidFieldError
+from moelora_core.moe_activation import SILU, MoEActivation, check_layout
 from moelora_core.moe_deltas import MoEDeltas
 
 F32 = torch.float32
@@ -124,15 +126,42 @@ def gate_up(x: torch.Tensor, topk_ids: torch.Tensor, base: MoEBaseWeights, *,
     T, k = topk_ids.shape
     valid, ids = _base_index(topk_ids, base.w_gate_up.shape[0])
     out = gather_matvec(x[:, None, :].expand(T, k, x.shape[1]), base.w_gate_up, (ids,))
+    if base.b_gate_up is not None:  # GPT-OSS: the bias belongs to the base GEMM (DESIGN.md §1)
+        out = out + base.b_gate_up.to(F32)[ids]
     return torch.where(valid[..., None], out, torch.zeros_like(out)).to(out_dtype or x.dtype)
 
 
-def activation(gate_up_out: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """h = silu(gate) ⊙ up, computed in fp32 and rounded once: [T·k, I] in ``out_dtype`` (default
-    gate_up_out's)."""
+def gated_activation(g: torch.Tensor, u: torch.Tensor, act: MoEActivation = SILU) -> torch.Tensor:
+    """h = silu(g) ⊙ u, or GPT-OSS's ``swiglu_oai``: min(g, L) · sigmoid(α min(g, L)) ⊙ (clamp(u, ±L) + 1),
+    elementwise in g's dtype (moelora_core.moe_activation; transformers ``GptOssExperts._apply_gate``)."""
+    if act.kind == "silu":
+        return torch.nn.functional.silu(g) * u
+    g = g.clamp(max=act.limit)
+    u = u.clamp(min=-act.limit, max=act.limit)
+    return g * torch.sigmoid(act.alpha * g) * (u + 1)
+
+
+def split_gate_up(gate_up_out: torch.Tensor, layout: str = "halves") -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) views of [.., 2I] rows in ``layout`` ("halves": [:I], [I:]; "interleaved": 0::2, 1::2)."""
+    if check_layout(layout) == "interleaved":
+        return gate_up_out[..., 0::2], gate_up_out[..., 1::2]
+    return gate_up_out.split(gate_up_out.shape[-1] // 2, dim=-1)
+
+
+def activation(gate_up_out: torch.Tensor, *, act: MoEActivation = SILU, layout: str = "halves",
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """h = act(gate, up) (:func:`gated_activation`), computed in fp32 and rounded once: [T·k, I] in
+    ``out_dtype`` (default gate_up_out's).
+
+    Args:
+        gate_up_out: [T, k, 2I]. act: the block's activation. layout: "halves" or "interleaved".
+
+    Raises:
+        InvalidFieldError: an unknown layout.
+    """
     T, k, two_i = gate_up_out.shape
-    g, u = gate_up_out.to(F32).split(two_i // 2, dim=-1)
-    return (torch.nn.functional.silu(g) * u).to(out_dtype or gate_up_out.dtype).reshape(T * k, two_i // 2)
+    g, u = split_gate_up(gate_up_out.to(F32), layout)
+    return gated_activation(g, u, act).to(out_dtype or gate_up_out.dtype).reshape(T * k, two_i // 2)
 
 
 def down(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, base: MoEBaseWeights, *,
@@ -153,7 +182,10 @@ def down(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, ba
     if tuple(topk_weights.shape) != (T, k):
         raise InvalidFieldError("topk_weights", f"expected [{T}, {k}], got {tuple(topk_weights.shape)}")
     valid, ids = _base_index(topk_ids, base.w_down.shape[0])
-    out = gather_matvec(h.reshape(T, k, base.intermediate_size), base.w_down, (ids,)) * topk_weights.to(F32)[..., None]
+    out = gather_matvec(h.reshape(T, k, base.intermediate_size), base.w_down, (ids,))
+    if base.b_down is not None:  # GPT-OSS: (W_down h + b_down) · w, the bias router-weighted too
+        out = out + base.b_down.to(F32)[ids]
+    out = out * topk_weights.to(F32)[..., None]
     return torch.where(valid[..., None], out, torch.zeros_like(out)).to(out_dtype or h.dtype)
 
 
@@ -191,7 +223,7 @@ def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     gate_up_out = gate_up(x, topk_ids, base, out_dtype=intermediate_dtype)
     if deltas is not None:
         deltas.gate_up(x, topk_ids, gate_up_out)
-    h = activation(gate_up_out)
+    h = activation(gate_up_out, act=base.activation)
     down_out = down(h, topk_ids, topk_weights, base)
     if deltas is not None:
         deltas.down(h, topk_ids, topk_weights, down_out)

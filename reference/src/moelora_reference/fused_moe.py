@@ -5,9 +5,11 @@ rounded to the output dtype at the kernels' rounding points (any device: the loo
 copies of the alignment, the math where the data lives):
 
 - :func:`fused_moe_gemm`: for every block b of the slot with expert e >= 0 and every pair p in it
-  (p < num_pairs): ``c[p] (+)= scale[e // experts_per_scale] · w_p · W[e] @ a[p // in_row_div]``,
+  (p < num_pairs): ``c[p] (+)= scale[e // experts_per_scale] · w_p · (W[e] @ a[p // in_row_div] + bias[e])``,
   rounded once (the old value of c joins the sum before rounding when ``add_into``).
-- :func:`moe_activation`: ``h = silu(g) ⊙ u`` (gated) or ``act(g)``, rounded once.
+- :func:`moe_activation`: ``h = silu(g) ⊙ u`` (gated), ``act(g)``, or GPT-OSS's clamped
+  ``swiglu_oai`` (:func:`moelora_reference.oracle.gated_activation`), gate/up in either layout,
+  rounded once.
 - :func:`moe_sum`: ``y[t] = Σ_j [topk_ids[t, j] >= 0] · down_out[t, j]``, rounded once.
 - :func:`fused_moe`: the base MoE layer through those steps (the rounding points of the Triton
   path: gate_up output, h, the router-weighted down output per pair, y).
@@ -23,6 +25,9 @@ import math
 import torch
 
 from moelora_core.align import AlignOutput
+from moelora_core.moe_activation import MoEActivation
+from moelora_reference.base_moe import split_gate_up
+from moelora_reference.oracle import gated_activation
 
 F64 = torch.float64
 
@@ -41,8 +46,9 @@ def fused_moe_gemm(
     scale: torch.Tensor | None = None,
     experts_per_scale: int = 1,
     add_into: bool = False,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """c[p] (+)= scale · w_p · W[e(p)] @ a[p // in_row_div] over the aligned pairs of ``slot``.
+    """c[p] (+)= scale · w_p · (W[e(p)] @ a[p // in_row_div] + bias[e(p)]) over the aligned pairs of ``slot``.
 
     Args:
         a: [rows_in, K]; w: [E_w, N, K]; c: [num_pairs, N] (written in place at aligned pairs only).
@@ -53,6 +59,7 @@ def fused_moe_gemm(
         topk_weights: [num_pairs] (any shape with that many elements) router weights, or None.
         scale: per-scale-group factor (σ per slot for virtual experts), or None.
         add_into: add to c rather than overwrite.
+        bias: [E_w, N] per-expert bias (GPT-OSS), or None.
 
     Returns:
         ``c``.
@@ -71,6 +78,8 @@ def fused_moe_gemm(
             continue
         p = torch.tensor(rows, device=c.device)
         v = a[p // in_row_div].to(F64) @ w[e].to(F64).T  # [rows, N]
+        if bias is not None:
+            v = v + bias[e].to(F64)
         if weights is not None:
             v = v * weights[p][:, None]
         if scale is not None:
@@ -90,18 +99,26 @@ def _act(x: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 def moe_activation(
-    gate_up: torch.Tensor, *, activation: str = "silu", gated: bool = True, out: torch.Tensor | None = None
+    gate_up: torch.Tensor, *, activation: str = "silu", gated: bool = True, out: torch.Tensor | None = None,
+    layout: str = "halves", alpha: float = 1.702, limit: float = 7.0,
 ) -> torch.Tensor:
-    """h = act(gate_up[:, :I]) ⊙ gate_up[:, I:] (gated) or act(gate_up) (non-gated), rounded once.
+    """h = act(gate) ⊙ up (gated; gate/up per ``layout``), act(gate_up) (non-gated), or GPT-OSS's
+    ``swiglu_oai`` ``min(g, L) · sigmoid(α min(g, L)) ⊙ (clamp(u, ±L) + 1)``; rounded once.
 
     Args:
         gate_up: [rows, 2I] or [rows, I]. out: [rows, I] or None.
+        layout: "halves" (gate [:I], up [I:]) or "interleaved" (gate 0::2, up 1::2).
+        alpha, limit: swiglu_oai's α and clamp bound.
     """
     g = gate_up.to(F64)
-    inter = g.shape[1] // 2 if gated else g.shape[1]
-    h = _act(g[:, :inter], activation)  # [rows, I]
-    if gated:
-        h = h * g[:, inter:]
+    if not gated:
+        h = _act(g, activation)
+    else:
+        gate, up = split_gate_up(g, layout)  # [rows, I] each
+        if activation == "swiglu_oai":
+            h = gated_activation(gate, up, MoEActivation("swiglu_oai", alpha=alpha, limit=limit))
+        else:
+            h = _act(gate, activation) * up
     h = h.to(gate_up.dtype)
     if out is None:
         return h
@@ -135,8 +152,14 @@ def fused_moe(
     *,
     activation: str = "silu",
     gated: bool = True,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    layout: str = "halves",
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
-    """The base MoE layer at the Triton path's rounding points.
+    """The base MoE layer at the Triton path's rounding points (biases and GPT-OSS's activation and
+    layout as ``moelora_kernels.fused_moe``).
 
     Args:
         x: [M, H]; topk_ids: [M, top_k] (< 0 = not here; any id < E_base is a base expert);
@@ -149,9 +172,10 @@ def fused_moe(
     M, top_k = topk_ids.shape
     num_pairs = M * top_k
     gate_up = torch.full((num_pairs, w_gate_up.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
-    fused_moe_gemm(x, w_gate_up, gate_up, align, top_k=top_k, num_pairs=num_pairs, in_row_div=top_k)
-    h = moe_activation(gate_up, activation=activation, gated=gated)  # [num_pairs, I]
+    fused_moe_gemm(x, w_gate_up, gate_up, align, top_k=top_k, num_pairs=num_pairs, in_row_div=top_k, bias=b_gate_up)
+    h = moe_activation(gate_up, activation=activation, gated=gated, layout=layout, alpha=alpha,
+                       limit=limit)  # [num_pairs, I]
     down = torch.full((num_pairs, w_down.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
     fused_moe_gemm(h, w_down, down, align, top_k=top_k, num_pairs=num_pairs, in_row_div=1,
-                   topk_weights=topk_weights)
+                   topk_weights=topk_weights, bias=b_down)
     return moe_sum(down.view(M, top_k, -1), topk_ids)

@@ -16,6 +16,13 @@ Qwen2-MoE adds a dense shared expert to every token (:func:`shared_expert_forwar
 with each Δ the dense LoRA delta σ·B(A ·) of that projection (modules shared_gate / shared_up /
 shared_down).
 
+GPT-OSS (transformers ``GptOssExperts``) adds expert biases and its clamped activation
+(``activation=SWIGLU_OAI``; :func:`gated_activation`), the delta entering with the bias before the clamp:
+
+    g_j = W_gate[e_j] x + b_gate[e_j] + Δ_gate,   u_j = W_up[e_j] x + b_up[e_j] + Δ_up
+    h_j = min(g_j, L) · sigmoid(α · min(g_j, L)) ⊙ (clamp(u_j, -L, L) + 1)
+    y   = Σ_j w_j · ( W_down[e_j] h_j + b_down[e_j] + Δ_down )
+
 Sources: LoRA (Hu et al., arXiv:2106.09685); SwiGLU experts as in Mixtral / Qwen3-MoE
 (transformers ``Qwen3MoeExperts``); the multi-LoRA MoE layout of SGLang's MoE-LoRA PR
 (sgl-project/sglang#14105) and vLLM's fused MoE-LoRA.
@@ -35,7 +42,9 @@ from __future__ import annotations
 
 import torch
 
+from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.errors import InvalidFieldError
+from moelora_core.moe_activation import SILU, MoEActivation
 from moelora_core.sentinels import NO_ADAPTER
 from moelora_core.shared_expert import SharedExpertWeights
 from moelora_core.weights import LoRAWeights
@@ -46,6 +55,16 @@ F64 = torch.float64
 def silu(x: torch.Tensor) -> torch.Tensor:
     """silu(x) = x · sigmoid(x)."""
     return x * torch.sigmoid(x)
+
+
+def gated_activation(g: torch.Tensor, u: torch.Tensor, act: MoEActivation = SILU) -> torch.Tensor:
+    """silu(g) ⊙ u, or ``swiglu_oai``: g' = min(g, L), u' = clamp(u, -L, L), g' · sigmoid(α g') ⊙ (u' + 1)
+    (transformers 5.17 ``GptOssExperts._apply_gate``), elementwise."""
+    if act.kind == "silu":
+        return silu(g) * u
+    g = torch.clamp(g, max=act.limit)
+    u = torch.clamp(u, min=-act.limit, max=act.limit)
+    return g * torch.sigmoid(act.alpha * g) * (u + 1)
 
 
 def route_topk(
@@ -86,6 +105,10 @@ def moe_lora_forward(
     w_down: torch.Tensor,
     lora: LoRAWeights | None,
     token_lora_mapping: torch.Tensor | None,
+    *,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    activation: MoEActivation = SILU,
 ) -> torch.Tensor:
     """The MoE block with per-token LoRA adapters, one token and one routed expert at a time.
 
@@ -97,6 +120,9 @@ def moe_lora_forward(
         w_down: [E_base, H, I] base down weights.
         lora: the adapter pool's weights (E_lora = ``lora.spec.E`` <= E_base), or None for base only.
         token_lora_mapping: [T] int slot per token, ``NO_ADAPTER`` = none (ignored if lora is None).
+        b_gate_up: [E_base, 2I] expert biases (gate [:I], up [I:]) or None (GPT-OSS has them).
+        b_down: [E_base, H] expert biases of down, or None; router-weighted with the projection.
+        activation: the gated activation (GPT-OSS: ``SWIGLU_OAI``).
 
     Returns:
         y [T, H] float64.
@@ -124,16 +150,35 @@ def moe_lora_forward(
                 raise InvalidFieldError(f"topk_ids[{t}, {j}]", f"expert {e} >= number of base experts {E_base}")
             g = w_gate_up[e, :inter].to(F64) @ xt  # [I]
             u = w_gate_up[e, inter:].to(F64) @ xt  # [I]
+            if b_gate_up is not None:
+                g = g + b_gate_up[e, :inter].to(F64)
+                u = u + b_gate_up[e, inter:].to(F64)
             has_lora = slot != NO_ADAPTER and e < lora.spec.E
             if has_lora:
                 g = g + lora_delta(lora.gate_A[slot, e], lora.gate_B[slot, e], lora.scalings("gate")[slot], xt)
                 u = u + lora_delta(lora.up_A[slot, e], lora.up_B[slot, e], lora.scalings("up")[slot], xt)
-            h = silu(g) * u  # [I]
+            h = gated_activation(g, u, activation)  # [I]; the delta and bias came before the clamp
             out = w_down[e].to(F64) @ h  # [H]
+            if b_down is not None:
+                out = out + b_down[e].to(F64)
             if has_lora:
                 out = out + lora_delta(lora.down_A[slot, e], lora.down_B[slot, e], lora.scalings("down")[slot], h)
             y[t] += float(topk_weights[t, j]) * out
     return y
+
+
+def moe_block_forward(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    base: MoEBaseWeights,
+    lora: LoRAWeights | None,
+    token_lora_mapping: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`moe_lora_forward` of a whole ``MoEBaseWeights`` block: its weights, its expert biases
+    (GPT-OSS) and its activation, so no caller drops one of them. Returns y [T, H] float64."""
+    return moe_lora_forward(x, topk_ids, topk_weights, base.w_gate_up, base.w_down, lora, token_lora_mapping,
+                            b_gate_up=base.b_gate_up, b_down=base.b_down, activation=base.activation)
 
 
 def dense_lora_forward(

@@ -59,13 +59,16 @@ class PassAdapter:
 SHARED_EXTRA: dict[str, tuple[str, ...]] = {"pass-r8": SHARED, "pass-rslora-r6": ("shared_down",)}
 #: Families whose legacy per-expert adapters peft 0.21.2 does not convert on load (module docstring).
 PEFT_UNCONVERTED_LEGACY: frozenset[str] = frozenset({"qwen2_moe"})
+#: Families without a legacy per-expert adapter in the pass: those above, and GPT-OSS, whose experts
+#: transformers never held as per-expert modules (no legacy adapter of it exists).
+NO_LEGACY_PASS: frozenset[str] = PEFT_UNCONVERTED_LEGACY | {"gpt_oss"}
 
 
 def pass_adapter_specs(model: str) -> list[AdapterSpec]:
     """The adapters the pass builds for fixture model ``model`` (three; two for a family in
-    :data:`PEFT_UNCONVERTED_LEGACY`, without the legacy one)."""
+    :data:`NO_LEGACY_PASS`, without the legacy one)."""
     mspec = model_spec(model)
-    legacy = mspec.family not in PEFT_UNCONVERTED_LEGACY
+    legacy = mspec.family not in NO_LEGACY_PASS
     specs = []
     for suffix, fields in PASS_ADAPTERS:
         if fields["format"] == "per_expert" and not legacy:

@@ -110,16 +110,18 @@ def _seed(*parts: object) -> int:
 
 def _inputs(layer: _LayerData, batch: BatchSpec, seed: int) -> tuple[MaterializedCase, BatchInputs]:
     """Fresh activations and dense inputs for ``batch``; routing by the checkpoint's router."""
+    from moelora_conformance.hf_check.hf_model import hf_route
+
     spec = layer.pool.spec
     gen = torch.Generator().manual_seed(seed)
     T = batch.num_tokens
     x = torch.randn(T, spec.H, generator=gen)
     with torch.no_grad():
-        _, weights, ids = layer.hf_base.mlp.gate(x)
+        weights, ids = hf_route(layer.hf_base, x)
     ids, weights = ids.to(torch.int32).contiguous(), weights.to(F32).contiguous()
     dense_x = {m: torch.randn(T, fin, generator=gen) for m, (fin, _) in spec.dense_shapes.items()}
     mapping = torch.tensor(batch.token_lora_mapping, dtype=torch.int32)
-    logits = x @ layer.base.router.T.to(F32)
+    logits = layer.base.router_logits(x)
     m = MaterializedCase(spec=spec, x=x, router_logits=logits, topk_ids=ids, topk_weights=weights, base=layer.base,
                          dense_weights=dict(layer.dense), dense_x=dense_x, lora=layer.pool, token_lora_mapping=mapping)
     return m, BatchInputs(batch, x, ids, weights, dense_x)

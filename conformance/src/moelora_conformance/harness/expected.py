@@ -144,8 +144,10 @@ class Oracle:
     def _moe(self, moe_in, ids, w, base, lora, mapping, rows) -> MoEExpected:
         """The oracle values of one MoE layer on its run input ``moe_in``."""
         x, ids, w = self._take(moe_in, rows), self._take(ids, rows), self._take(w, rows)
-        y = moe_lora_forward(x, ids, w, base.w_gate_up, base.w_down, lora, mapping)
-        delta = y - moe_lora_forward(x, ids, w, base.w_gate_up, base.w_down, None, None)
+        # GPT-OSS's expert biases and activation; None / SiLU for the other families (DESIGN.md §1)
+        block = dict(b_gate_up=base.b_gate_up, b_down=base.b_down, activation=base.activation)
+        y = moe_lora_forward(x, ids, w, base.w_gate_up, base.w_down, lora, mapping, **block)
+        delta = y - moe_lora_forward(x, ids, w, base.w_gate_up, base.w_down, None, None, **block)
         layer = self.layer
         # a fused moe_forward may store its intermediates in the model dtype, as an engine does
         stored = layer.spec.dtype if layer.moe_path == "fused" else layer.intermediate_dtype

@@ -67,7 +67,7 @@ def compare_backend_layer(
                              rep.ok, "equal", "" if rep.ok else rep.message()))
 
     x = torch.randn(TOKENS, moe.hidden_size, generator=gen)
-    weights, ids = route_topk(x @ moe.router.T, pool.spec.top_k, moe.norm_topk_prob)
+    weights, ids = route_topk(moe.router_logits(x), pool.spec.top_k, moe.norm_topk_prob)
     y = backend.moe_forward(x, ids, weights, moe, pool, info)
     if shared is not None:
         def project(module: str, xm: torch.Tensor) -> torch.Tensor:

@@ -107,7 +107,7 @@ def compare_layer(
 
     # Routing: the oracle's softmax/top-k on the same logits picks the same experts (exactly).
     hf_w, hf_ids = hf_route(x)
-    w, ids = route_topk(x @ moe.router.T, top_k, moe.norm_topk_prob)
+    w, ids = route_topk(moe.router_logits(x), top_k, moe.norm_topk_prob)
     same_ids = torch.equal(ids, hf_ids.to(ids.dtype))
     wrep = DEFAULT_POLICY.check(hf_w, w, dtype=torch.float32, what="topk_weights")
     rows.append(CheckRow(model, adapter, source, layer, "routing", wrep.max_rel, wrep.rms_rel, None,
@@ -115,7 +115,8 @@ def compare_layer(
                          "" if same_ids else f"topk_ids differ in {int((ids != hf_ids).sum())} places"))
 
     def block(lora: LoRAWeights | None) -> torch.Tensor:
-        y = moe_lora_forward(x, ids, w, moe.w_gate_up, moe.w_down, lora, mapping)
+        y = moe_lora_forward(x, ids, w, moe.w_gate_up, moe.w_down, lora, mapping, b_gate_up=moe.b_gate_up,
+                             b_down=moe.b_down, activation=moe.activation)
         return y if shared is None else y + shared_expert_forward(x, shared, lora, mapping)
 
     y = block(pool)

@@ -13,6 +13,8 @@ import torch
 from moelora_conformance.hf_check.hf_model import dense_module
 from moelora_core import ModuleLoRA, MoEBaseWeights, SharedExpertWeights
 from moelora_core.checkpoint.families import SHARED_EXPERT_LEAVES
+from moelora_core.checkpoint.gpt_oss import gpt_oss_experts, split_gate_up_lora
+from moelora_core.moe_activation import SWIGLU_OAI
 
 _ADAPTER = "default"
 
@@ -30,12 +32,20 @@ def base_from_hf(layer, *, norm_topk_prob: bool) -> tuple[
     [out]) of a decoder layer; the dense weights are "q".."o" and, with a shared expert,
     "shared_gate" / "shared_up" / "shared_down"; the biases those projections have (Qwen2-MoE's q/k/v)."""
     experts = _unwrap(layer.mlp.experts)
-    moe = MoEBaseWeights(
-        w_gate_up=experts.gate_up_proj.detach().clone(),  # [E, 2I, H], gate rows first
-        w_down=experts.down_proj.detach().clone(),  # [E, H, I]
-        router=_unwrap(layer.mlp.gate).weight.detach().clone(),  # [E, H]
-        norm_topk_prob=norm_topk_prob,
-    )
+    if hasattr(experts, "gate_up_proj_bias"):  # GPT-OSS: [E, H, 2I] interleaved, biases, router with bias
+        w_gu, b_gu, w_d, b_d = gpt_oss_experts(experts.gate_up_proj.detach(), experts.gate_up_proj_bias.detach(),
+                                               experts.down_proj.detach(), experts.down_proj_bias.detach())
+        router = _unwrap(layer.mlp.router)
+        moe = MoEBaseWeights(w_gate_up=w_gu, w_down=w_d, router=router.weight.detach().clone(),
+                             norm_topk_prob=norm_topk_prob, b_gate_up=b_gu, b_down=b_d,
+                             router_bias=router.bias.detach().clone(), activation=SWIGLU_OAI)
+    else:
+        moe = MoEBaseWeights(
+            w_gate_up=experts.gate_up_proj.detach().clone(),  # [E, 2I, H], gate rows first
+            w_down=experts.down_proj.detach().clone(),  # [E, H, I]
+            router=_unwrap(layer.mlp.gate).weight.detach().clone(),  # [E, H]
+            norm_topk_prob=norm_topk_prob,
+        )
     dense = {m: _unwrap(getattr(layer.self_attn, f"{m}_proj")).weight.detach().clone() for m in "qkvo"}
     shared = None
     if hasattr(layer.mlp, "shared_expert"):
@@ -62,6 +72,8 @@ def _expert_factors(wrapper) -> tuple[torch.Tensor, torch.Tensor, float]:
     theirs = wrapper.get_delta_weight(_ADAPTER).double()  # [E, out, in] for [E, out, in] parameters
     if E == 1 and theirs.dim() == 2:  # peft 0.21.2 returns a one-expert delta without its expert axis
         theirs = theirs[None]
+    if getattr(_unwrap(wrapper), "is_transposed", False):  # GPT-OSS's [E, in, out] parameters
+        theirs = theirs.transpose(1, 2)
     # peft multiplies in the factors' dtype (fp16 / bf16 when stored so): a wrong reshape is off by O(1)
     rtol = {torch.float16: 4e-3, torch.bfloat16: 3e-2}.get(wrapper.lora_A[_ADAPTER].weight.dtype, 1e-5)
     if ours.shape != theirs.shape or not torch.allclose(ours, theirs, rtol=rtol, atol=rtol * float(ours.abs().max())):
@@ -74,14 +86,17 @@ def lora_from_peft(layer, *, intermediate: int) -> dict[str, ModuleLoRA]:
     expert's projections, where peft wrapped them, as the dense modules shared_gate / up / down).
 
     gate and up share the fused A (one ParamWrapper on ``gate_up_proj``): A_gate = A_up = A_e,
-    B_gate = B_e[:I], B_up = B_e[I:].
+    B_gate = B_e[:I], B_up = B_e[I:] (GPT-OSS, interleaved: B_e[0::2], B_e[1::2]).
     """
     out: dict[str, ModuleLoRA] = {}
     wrapper = layer.mlp.experts
     while hasattr(wrapper, "parameter_name"):  # nested peft ParamWrappers, outermost first
         if _ADAPTER in wrapper.lora_A:
             A, B, sigma = _expert_factors(wrapper)
-            if wrapper.parameter_name == "gate_up_proj":
+            if wrapper.parameter_name == "gate_up_proj" and getattr(_unwrap(wrapper), "is_transposed", False):
+                # GPT-OSS: B's out axis interleaves gate (2i) and up (2i + 1)
+                out.update({m: ModuleLoRA(a, b, sigma) for m, (a, b) in split_gate_up_lora(A, B).items()})
+            elif wrapper.parameter_name == "gate_up_proj":
                 out["gate"] = ModuleLoRA(A, B[:, :intermediate], sigma)
                 out["up"] = ModuleLoRA(A.clone(), B[:, intermediate:], sigma)
             elif wrapper.parameter_name == "down_proj":

@@ -38,8 +38,10 @@ def decoder_layers(model) -> list:
 
 @torch.no_grad()
 def hf_route(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights [T, k], topk_ids [T, k]) from the layer's own router module."""
-    _, weights, ids = layer.mlp.gate(x)
+    """(topk_weights [T, k], topk_ids [T, k]) from the layer's own router module (``mlp.gate``;
+    GPT-OSS ``mlp.router``)."""
+    router = layer.mlp.router if hasattr(layer.mlp, "router") else layer.mlp.gate
+    _, weights, ids = router(x)
     return weights, ids
 
 
@@ -47,7 +49,10 @@ def hf_route(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def hf_moe(layer, x: torch.Tensor) -> torch.Tensor:
     """The layer's sparse MoE block on x [T, H] → [T, H] (with peft's expert LoRA when wrapped; for
     Qwen2-MoE the routed experts plus the gated shared expert, with its LoRA)."""
-    return layer.mlp(x[None]).reshape(x.shape[0], -1)
+    out = layer.mlp(x[None])
+    if isinstance(out, tuple):  # GptOssMLP returns (hidden_states, router_scores)
+        out = out[0]
+    return out.reshape(x.shape[0], -1)
 
 
 def dense_module(layer, module: str):

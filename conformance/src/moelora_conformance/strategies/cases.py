@@ -36,6 +36,7 @@ from moelora_conformance.strategies.shapes import DTYPE_NAMES, LayerShape, dtype
 from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.batch import BatchSpec
 from moelora_core.layer_spec import EXPERT_FACTORS, EXPERT_LAYOUTS, MOE_MODULES, LoRALayerSpec, expert_factor
+from moelora_core.moe_activation import SWIGLU_OAI, MoEActivation
 from moelora_core.weights import LoRAWeights, ModuleLoRA
 
 #: Layouts of the dense projections' outputs (module docstring).
@@ -92,8 +93,27 @@ class MoELayer:
 
 
 def _base_to(base: MoEBaseWeights, device: torch.device | str) -> MoEBaseWeights:
-    return replace(base, w_gate_up=base.w_gate_up.to(device), w_down=base.w_down.to(device),
-                   router=None if base.router is None else base.router.to(device))
+    def to(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device)
+
+    return replace(base, w_gate_up=base.w_gate_up.to(device), w_down=base.w_down.to(device), router=to(base.router),
+                   b_gate_up=to(base.b_gate_up), b_down=to(base.b_down), router_bias=to(base.router_bias))
+
+
+#: MoE blocks a case draws: the SwiGLU of DESIGN.md §1, or GPT-OSS's (expert biases, swiglu_oai).
+BLOCKS: tuple[str, ...] = ("swiglu", "gpt_oss")
+
+
+def _gpt_oss_block(base: MoEBaseWeights, seed: int, device: torch.device, dtype: torch.dtype) -> MoEBaseWeights:
+    """``base`` with GPT-OSS's expert biases (N(0, 0.5²), the size of W x) and its clamped activation, from
+    a generator of their own (the other tensors of the case stay what they were). The clamp bound is
+    GPT-OSS's 7.0 for odd seeds and 0.75 for even ones, where it binds for many gate and up values."""
+    g = torch.Generator(device).manual_seed((seed * 7_000_003 + 17) % 2**63)
+    e_base, two_i, h = base.w_gate_up.shape
+    b_gate_up = (torch.randn(e_base, two_i, generator=g, device=device) * 0.5).to(dtype)
+    b_down = (torch.randn(e_base, h, generator=g, device=device) * 0.5).to(dtype)
+    act = MoEActivation("swiglu_oai", alpha=SWIGLU_OAI.alpha, limit=SWIGLU_OAI.limit if seed % 2 else 0.75)
+    return replace(base, b_gate_up=b_gate_up, b_down=b_down, activation=act)
 
 
 def _pool_to(src: LoRAWeights, device: torch.device | str) -> LoRAWeights:
@@ -180,6 +200,7 @@ class MoELoRACase:
     dense_layout: str = "contiguous"
     moe_layers: int = 1
     expert_layout: str = "per_expert"
+    block: str = "swiglu"
 
     @property
     def batch(self) -> BatchSpec:
@@ -207,6 +228,7 @@ class MoELoRACase:
         extra = f" dense-out={self.dense_layout}" if self.dense_layout != "contiguous" else ""
         extra += f" moe-layers={self.moe_layers}" if self.moe_layers != 1 else ""
         extra += f" expert-layout={self.expert_layout}" if self.expert_layout != "per_expert" else ""
+        extra += f" block={self.block}" if self.block != "swiglu" else ""
         return (f"seed={self.seed} {DTYPE_NAMES[self.dtype]} virtual={self.virtual_experts}{extra} "
                 f"{self.shape.describe()} | {self.plan.describe()} | {self.routing.describe()} | pool {pool}")
 
@@ -252,6 +274,10 @@ class MoELoRACase:
             ids, w, _ = self.routing.materialize(T, device, g)
             layers.append(MoELayer(layer_base, layer_lora))
             extra_routing.append((ids, w))
+        if self.block == "gpt_oss":  # drawn last: the other tensors are those of the SwiGLU case
+            base = _gpt_oss_block(base, self.seed, device, dt)
+            layers = [MoELayer(_gpt_oss_block(ly.base, self.seed + n + 1, device, dt), ly.lora)
+                      for n, ly in enumerate(layers)]
         return MaterializedCase(spec=spec, x=x, router_logits=logits, topk_ids=topk_ids, topk_weights=topk_weights,
                                 base=base, dense_weights=dense_weights, dense_x=dense_x, lora=lora,
                                 token_lora_mapping=mapping, layers=layers, extra_routing=extra_routing,
@@ -271,6 +297,7 @@ def moe_lora_cases(
     moe_layers: tuple[int, ...] = (1,),
     extra_experts: bool = True,
     shared_expert_factors: bool = False,
+    blocks: tuple[str, ...] = BLOCKS,
 ) -> MoELoRACase:
     """A ``MoELoRACase`` within ``caps`` (default: the loaded profile's).
 
@@ -284,6 +311,8 @@ def moe_lora_cases(
         shared_expert_factors: also draw pools that store expert factors once per slot
             ("shared_outer", "fully_shared"; for a backend declaring ``shared_expert_factors``). Either
             way adapters may share factors (drawn to fit the pool: broadcast into a per-expert pool).
+        blocks: MoE blocks to draw from (:data:`BLOCKS`: SwiGLU, GPT-OSS's with expert biases and
+            swiglu_oai; drawn last, so the other draws are those of a SwiGLU-only search).
     """
     caps = caps if caps is not None else current_profile().caps
     shape = draw(layer_shapes(caps, extra_experts=extra_experts))
@@ -299,4 +328,5 @@ def moe_lora_cases(
     routing = draw(routing_plans(shape.num_experts, shape.top_k, shape.num_base_experts, seed=seed, **route_kw))
     layout = draw(uniform(DENSE_LAYOUTS))
     layers = draw(uniform(moe_layers)) if len(moe_layers) > 1 else moe_layers[0]
-    return MoELoRACase(shape, dt, ve, pool, plan, routing, seed, layout, layers, pool_layout)
+    block = draw(uniform(blocks)) if len(blocks) > 1 else blocks[0]
+    return MoELoRACase(shape, dt, ve, pool, plan, routing, seed, layout, layers, pool_layout, block)

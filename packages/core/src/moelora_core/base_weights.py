@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from moelora_core.errors import InvalidFieldError
+from moelora_core.moe_activation import SILU, MoEActivation
 
 
 @dataclass
@@ -25,6 +26,12 @@ class MoEBaseWeights:
         num_experts: E, the routed experts LoRA applies to. ``E_base >= E``; ids in
             ``[E, E_base)`` are extra fused experts (e.g. a shared expert) without LoRA.
         norm_topk_prob: renormalise the top-k router weights to sum to 1.
+        b_gate_up: [E_base, 2I] expert biases of the gate/up projection (halves layout, like
+            ``w_gate_up``), or None (GPT-OSS has them; DESIGN.md §1).
+        b_down: [E_base, H] expert biases of the down projection (router-weighted with it), or None.
+        router_bias: [E] the router's bias (GPT-OSS), or None.
+        activation: the expert activation (:data:`~moelora_core.moe_activation.SILU` unless the
+            family says otherwise, e.g. GPT-OSS's ``SWIGLU_OAI``).
 
     Raises:
         InvalidFieldError: inconsistent shapes.
@@ -35,6 +42,10 @@ class MoEBaseWeights:
     router: torch.Tensor | None = None
     num_experts: int | None = None
     norm_topk_prob: bool = True
+    b_gate_up: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
+    router_bias: torch.Tensor | None = None
+    activation: MoEActivation = SILU
 
     def __post_init__(self) -> None:
         if self.w_gate_up.dim() != 3 or self.w_gate_up.shape[1] % 2:
@@ -48,6 +59,22 @@ class MoEBaseWeights:
             raise InvalidFieldError("num_experts", f"must be in [1, {e_base}], got {self.num_experts}")
         if self.router is not None and tuple(self.router.shape) != (self.num_experts, h):
             raise InvalidFieldError("router", f"expected {(self.num_experts, h)}, got {tuple(self.router.shape)}")
+        for name, shape in (("b_gate_up", (e_base, two_i)), ("b_down", (e_base, h)),
+                            ("router_bias", (self.num_experts,))):
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != shape:
+                raise InvalidFieldError(name, f"expected {shape}, got {tuple(value.shape)}")
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] → [T, E] router logits ``x W_rᵀ (+ b_r)``, in x's dtype (GPT-OSS's router has a bias).
+
+        Raises:
+            InvalidFieldError: no router weight.
+        """
+        if self.router is None:
+            raise InvalidFieldError("router", "this MoE block holds no router weight")
+        logits = x @ self.router.to(x.dtype).T
+        return logits if self.router_bias is None else logits + self.router_bias.to(x.dtype)
 
     @property
     def hidden_size(self) -> int:

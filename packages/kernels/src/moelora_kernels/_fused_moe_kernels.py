@@ -21,6 +21,7 @@ def _fused_moe_gemm_kernel(
     num_tokens_post_padded_ptr,   # [1] int32
     topk_weights_ptr,             # [num_pairs] (MUL_ROUTED_WEIGHT)
     scale_ptr,                    # [E_w // experts_per_scale] fp32 (HAS_SCALE)
+    bias_ptr,                     # [E_w, N] per-expert bias (HAS_BIAS; GPT-OSS)
     # sizes
     N,
     K,
@@ -33,12 +34,14 @@ def _fused_moe_gemm_kernel(
     stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,
     stride_cm, stride_cn,
+    stride_bias_e,
     # meta-parameters
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     ADD_INTO: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,         # interpreter + bf16: widen tiles before tl.dot
@@ -80,7 +83,11 @@ def _fused_moe_gemm_kernel(
     acc = accumulate_k(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), a_ptrs, w_ptrs, row_ok, n_ok, K,
                        BLOCK_K * stride_ak, BLOCK_K * stride_wk, BLOCK_K, DOT_PRECISION, UPCAST)
 
-    # --- epilogue: router weight, scale, add, one rounding ------------------------------------------
+    # --- epilogue: bias, router weight, scale, add, one rounding ------------------------------------
+    if HAS_BIAS:
+        # the expert's bias joins the GEMM before the router weight: (W h + b) · w (DESIGN.md §1)
+        bias = tl.load(bias_ptr + expert * stride_bias_e + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        acc += bias[None, :]
     if MUL_ROUTED_WEIGHT:
         rw = tl.load(topk_weights_ptr + pairs64, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * rw[:, None]

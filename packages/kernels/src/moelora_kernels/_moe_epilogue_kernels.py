@@ -26,6 +26,8 @@ def _moe_activation_kernel(
     topk_ids_ptr,    # [rows] expert id per pair (HAS_IDS)
     # sizes
     inter,           # I
+    alpha,           # swiglu_oai: the sigmoid's slope α (fp32)
+    limit,           # swiglu_oai: the clamp bound (fp32)
     # strides
     stride_gm, stride_hm,
     # meta-parameters
@@ -33,6 +35,7 @@ def _moe_activation_kernel(
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
     HAS_IDS: tl.constexpr,
+    INTERLEAVED: tl.constexpr,   # gate column 2i, up 2i + 1 (GPT-OSS) instead of i and I + i
 ):
     row = tl.program_id(0).to(tl.int64)
     if HAS_IDS:
@@ -40,11 +43,24 @@ def _moe_activation_kernel(
             return
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
-    g = tl.load(gate_up_ptr + row * stride_gm + cols, mask=ok, other=0.0).to(tl.float32)
-    h = _act(g, ACTIVATION)
-    if GATED:
-        u = tl.load(gate_up_ptr + row * stride_gm + inter + cols, mask=ok, other=0.0).to(tl.float32)
-        h = h * u
+    if INTERLEAVED:
+        g_cols = 2 * cols
+        u_cols = 2 * cols + 1
+    else:
+        g_cols = cols
+        u_cols = inter + cols
+    g = tl.load(gate_up_ptr + row * stride_gm + g_cols, mask=ok, other=0.0).to(tl.float32)
+    if ACTIVATION == "swiglu_oai":
+        # GPT-OSS (transformers GptOssExperts._apply_gate): min(g, L) · σ(α min(g, L)) · (clamp(u, ±L) + 1)
+        u = tl.load(gate_up_ptr + row * stride_gm + u_cols, mask=ok, other=0.0).to(tl.float32)
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        h = g * tl.sigmoid(alpha * g) * (u + 1.0)
+    else:
+        h = _act(g, ACTIVATION)
+        if GATED:
+            u = tl.load(gate_up_ptr + row * stride_gm + u_cols, mask=ok, other=0.0).to(tl.float32)
+            h = h * u
     tl.store(h_ptr + row * stride_hm + cols, h.to(h_ptr.dtype.element_ty), mask=ok)
 
 

@@ -10,8 +10,10 @@ Every program owns one alignment block (BLOCK_M rows of one (slot, expert)) of o
 - fused:   both in one program: the rank-wide t stays in registers, then the program walks its
   share of the N columns (``N_SPLIT`` programs share one block's columns and each recompute t).
 
-Slices: stage "gate_up" has two (s = 0 gate, 1 up), each with its own A and B, writing columns
-[s·I, (s+1)·I) of gate_up_out; stage "down" has one, router-weighted (w_p), writing down_out.
+Slices: stage "gate_up" has two (s = 0 gate, 1 up), each with its own A and B, writing column
+``s·stride_os + n·stride_on`` of gate_up_out: (I, 1) for the "halves" layout (columns [s·I, (s+1)·I)),
+(1, 2) for GPT-OSS's "interleaved" one (gate 2n, up 2n + 1; DESIGN.md §1); stage "down" has one,
+router-weighted (w_p), writing down_out (stride_on = 1).
 
 Early exits, before any load of activations or weights, in this order: a disabled slot, a module
 rank of 0, a block at or past the slot's ``num_tokens_post_padded``, a block of expert -1 (or an id
@@ -160,7 +162,7 @@ def _moe_lora_expand_kernel(
     # strides
     stride_ik, stride_is, stride_im,
     stride_bs, stride_bl, stride_be, stride_bn,
-    stride_om, stride_os,
+    stride_om, stride_os, stride_on,   # out column of (slice s, n): s·stride_os + n·stride_on
     stride_sorted, stride_expert_ids, stride_rank_s, stride_scaling_s,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -205,7 +207,8 @@ def _moe_lora_expand_kernel(
     delta = delta * tl.load(scalings_ptr + s * stride_scaling_s + slot)
     if MUL_ROUTED_WEIGHT:
         delta = delta * tl.load(topk_weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    o_ptrs = out_ptr + pairs[:, None] * stride_om + s.to(tl.int64) * stride_os + offs_n.to(tl.int64)[None, :]
+    o_ptrs = (out_ptr + pairs[:, None] * stride_om + s.to(tl.int64) * stride_os
+              + offs_n.to(tl.int64)[None, :] * stride_on)
     o_mask = row_ok[:, None] & n_ok[None, :]
     old = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
     tl.store(o_ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -222,7 +225,7 @@ def _fused_moe_lora_kernel(
     stride_xm,
     stride_as, stride_al, stride_ae, stride_ar,
     stride_bs, stride_bl, stride_be, stride_bn,
-    stride_om, stride_os,
+    stride_om, stride_os, stride_on,   # out column of (slice s, n): s·stride_os + n·stride_on
     stride_sorted, stride_expert_ids, stride_rank_s, stride_scaling_s,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -270,7 +273,7 @@ def _fused_moe_lora_kernel(
         if UPCAST:
             b = b.to(tl.float32)
         delta = tl.dot(t, b, input_precision=DOT_PRECISION) * row_scale[:, None]
-        o_ptrs = o_base + offs_n.to(tl.int64)[None, :]
+        o_ptrs = o_base + offs_n.to(tl.int64)[None, :] * stride_on
         o_mask = row_ok[:, None] & n_ok[None, :]
         old = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
         tl.store(o_ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=o_mask)

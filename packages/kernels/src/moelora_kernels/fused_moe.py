@@ -5,7 +5,9 @@ BLOCK_N columns; it gathers the block's input rows, multiplies them by the exper
 BLOCK_K steps (fp32 accumulation), then in the epilogue optionally multiplies by the router weight
 of each pair and by a per-expert scale, optionally adds the existing output, and stores once:
 
-    C[p, n] (+)= scale[e // experts_per_scale] · w_p · Σ_k A[p // in_row_div, k] · W[e // experts_per_weight, n, k]
+    C[p, n] (+)= scale[e // experts_per_scale] · w_p · (Σ_k A[p // in_row_div, k] · W[e // experts_per_weight, n, k] + bias[e, n])
+
+(``bias`` [E_w, N]: GPT-OSS's expert biases, in the base GEMMs only; DESIGN.md §1)
 
 for every pair p in the block (p < num_pairs; padding rows are skipped). Blocks at or past
 ``num_tokens_post_padded`` and blocks of expert -1 exit first, as do blocks of an expert >= E_w,
@@ -83,8 +85,10 @@ def fused_moe_gemm(
     add_into: bool = False,
     tf32: bool = False,
     config: dict | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """C[p] (+)= scale · w_p · A[p // in_row_div] @ W[e(p)]ᵀ for every aligned pair p (module docstring).
+    """C[p] (+)= scale · w_p · (A[p // in_row_div] @ W[e(p)]ᵀ + bias[e(p)]) for every aligned pair p
+    (module docstring).
 
     Args:
         a: [rows_in, K], last stride 1; ``rows_in * in_row_div >= num_pairs``.
@@ -103,6 +107,8 @@ def fused_moe_gemm(
         add_into: add to ``c`` instead of overwriting it.
         tf32: allow TF32 dots for fp32 (default IEEE).
         config: tile overrides (BLOCK_N, BLOCK_K, num_warps, num_stages).
+        bias: [E_w, N] per-expert bias (GPT-OSS's ``gate_up_proj_bias`` / ``down_proj_bias``), last
+            stride 1, same dtype as ``a`` or fp32; added in fp32 before the router weight and scale.
 
     Returns:
         ``c``.
@@ -151,6 +157,9 @@ def fused_moe_gemm(
         if scale.shape[0] * experts_per_scale < E_w:
             raise KernelPreconditionError(
                 f"scale: {scale.shape[0]} entries × experts_per_scale={experts_per_scale} < {E_w} experts")
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=(dtype, torch.float32), shape=(E_w, N), unit_last_stride=True,
+                     device=device)
     if num_pairs == 0:
         return c
     cfg = kernel_config("fused_moe_gemm", rows=num_pairs, N=N, K=K, overrides=config)
@@ -162,10 +171,13 @@ def fused_moe_gemm(
         align.sorted_token_ids[slot], align.expert_ids[slot], align.num_tokens_post_padded[slot:slot + 1],
         topk_weights if topk_weights is not None else dummy,
         scale if scale is not None else dummy,
+        bias if bias is not None else dummy,
         N, K, num_pairs, in_row_div, experts_per_scale, experts_per_weight, E_w,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
+        bias.stride(0) if bias is not None else 0,
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        MUL_ROUTED_WEIGHT=topk_weights is not None, HAS_SCALE=scale is not None, ADD_INTO=add_into,
+        MUL_ROUTED_WEIGHT=topk_weights is not None, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
+        ADD_INTO=add_into,
         **gemm_launch_options(dtype, tf32, cfg),
     )
     return c

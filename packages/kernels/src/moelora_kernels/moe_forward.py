@@ -10,7 +10,8 @@ Steps (each a kernel of this package; no host sync; every intermediate allocated
 1. base alignment of ``topk_ids`` over E_base experts (:func:`.align.moe_align_block_size`);
 2. gate_up GEMM over aligned pairs → ``gate_up_out`` [M, top_k, 2I] (:func:`.fused_moe.fused_moe_gemm`);
 3. optional ``deltas.gate_up``: the MoE-LoRA gate_up delta added before the activation;
-4. SiLU-gated (or non-gated) activation → h [M·top_k, I] (:func:`.moe_epilogue.moe_activation`);
+4. SiLU-gated (or non-gated, or GPT-OSS's swiglu_oai)
+   activation → h [M·top_k, I] (:func:`.moe_epilogue.moe_activation`);
 5. down GEMM with the router weight → ``down_out`` [M, top_k, H];
 6. optional ``deltas.down``: the MoE-LoRA down delta (router-weighted);
 7. top-k sum over pairs with an expert id >= 0 → y [M, H] (:func:`.moe_epilogue.moe_sum`).
@@ -52,6 +53,8 @@ class MoELoRAInputs:
         fused: shrink+expand in one kernel per stage (True), two (False), or by size (None:
             the config table's choice).
         tf32: TF32 dots for fp32.
+        layout: gate_up_out's columns, "halves" or GPT-OSS's "interleaved" (the expand epilogue's
+            column strides, :func:`.moe_lora.fused_moe_lora_expand`).
     """
 
     weights: LoRAWeights
@@ -60,12 +63,13 @@ class MoELoRAInputs:
     max_rank: int | None = None
     fused: bool | None = None
     tf32: bool = False
+    layout: str = "halves"
 
     def gate_up(self, x: torch.Tensor, topk_ids: torch.Tensor, gate_up_out: torch.Tensor) -> None:
         """gate_up_out [M, top_k, 2I] += the gate and up deltas of x [M, H]."""
         moe_lora_delta("gate_up", x, gate_up_out, self.weights, self.align, top_k=topk_ids.shape[1],
                        adapter_enabled=self.adapter_enabled, max_rank=self.max_rank, fused=self.fused,
-                       tf32=self.tf32)
+                       tf32=self.tf32, layout=self.layout)
 
     def down(self, h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              down_out: torch.Tensor) -> None:
@@ -89,8 +93,14 @@ def fused_moe(
     lora: MoELoRAInputs | None = None,
     tf32: bool = False,
     deltas: MoEDeltas | None = None,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    layout: str = "halves",
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
-    """y = Σ_k w_k · W_down[e_k] act(W_gate_up[e_k] x) (+ the MoE-LoRA deltas of ``deltas``).
+    """y = Σ_k w_k · (W_down[e_k] act(W_gate_up[e_k] x + b_gate_up[e_k]) + b_down[e_k]) (+ the MoE-LoRA
+    deltas of ``deltas``; biases only where given).
 
     Args:
         x: [M, H] activations (fp32/fp16/bf16), last stride 1.
@@ -98,13 +108,18 @@ def fused_moe(
         topk_weights: [M, top_k] router weights (fp32 or x's dtype), contiguous.
         w_gate_up: [E_base, 2I, H] (gated: rows [:I] gate, [I:] up) or [E_base, I, H] (non-gated).
         w_down: [E_base, H, I].
-        activation: "silu" or "gelu_tanh". gated: SwiGLU gating.
+        activation: "silu", "gelu_tanh" or "swiglu_oai" (GPT-OSS, with ``alpha`` and ``limit``).
+        gated: SwiGLU gating.
         block_m: alignment block rows (default :func:`.configs.moe_block_m`).
         align: a precomputed base alignment (graph mode: static buffers), else computed here.
         lora: the raw kernels' deltas (kept for existing callers: the same as ``deltas=lora``,
             with ``tf32`` applied to them too).
         tf32: TF32 dots for fp32.
         deltas: who adds the LoRA deltas (any ``MoEDeltas``), or None for the base MoE alone.
+        b_gate_up: [E_base, 2I] expert biases in ``layout`` (GPT-OSS), or None. b_down: [E_base, H].
+        layout: gate/up columns of ``w_gate_up`` rows and of gate_up_out: "halves" or "interleaved"
+            (the activation reads them so; a ``deltas`` must write them so, e.g.
+            ``MoELoRAInputs(layout=...)``).
 
     Returns:
         y [M, H] in x's dtype.
@@ -132,13 +147,14 @@ def fused_moe(
     num_pairs = M * top_k
     gate_up = torch.empty(M, top_k, width, dtype=x.dtype, device=x.device)
     fused_moe_gemm(x, w_gate_up, gate_up.view(num_pairs, width), align, top_k=top_k, num_pairs=num_pairs,
-                   in_row_div=top_k, tf32=tf32)
+                   in_row_div=top_k, tf32=tf32, bias=b_gate_up)
     if deltas is not None:
         deltas.gate_up(x, topk_ids, gate_up)
-    h = moe_activation(gate_up.view(num_pairs, width), activation=activation, gated=gated, topk_ids=topk_ids)
+    h = moe_activation(gate_up.view(num_pairs, width), activation=activation, gated=gated, topk_ids=topk_ids,
+                       layout=layout, alpha=alpha, limit=limit)
     down = torch.empty(M, top_k, H, dtype=x.dtype, device=x.device)
     fused_moe_gemm(h, w_down, down.view(num_pairs, H), align, top_k=top_k, num_pairs=num_pairs, in_row_div=1,
-                   topk_weights=topk_weights, tf32=tf32)
+                   topk_weights=topk_weights, tf32=tf32, bias=b_down)
     if deltas is not None:
         deltas.down(h, topk_ids, topk_weights, down)
     return moe_sum(down, topk_ids)

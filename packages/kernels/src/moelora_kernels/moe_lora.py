@@ -21,6 +21,7 @@ import triton
 
 from moelora_core.align import AlignOutput, align_capacity
 from moelora_core.errors import KernelPreconditionError
+from moelora_core.moe_activation import GATE_UP_LAYOUTS
 from moelora_core.weights import LoRAWeights, module_index
 from moelora_kernels._common import (
     FLOAT_DTYPES,
@@ -235,6 +236,15 @@ def fused_moe_lora_shrink(
     return out
 
 
+def _column_strides(stage: str, layout: str, n: int) -> tuple[int, int]:
+    """(stride_os, stride_on) of the output columns: slice s, column n → s·stride_os + n·stride_on."""
+    if layout not in GATE_UP_LAYOUTS:
+        raise KernelPreconditionError(f"layout: {layout!r} not in {GATE_UP_LAYOUTS}")
+    if layout == "interleaved" and stage == "gate_up":
+        return 1, 2  # GPT-OSS: gate column 2n, up column 2n + 1 (DESIGN.md §1)
+    return n, 1
+
+
 def fused_moe_lora_expand(
     intermediate: torch.Tensor,
     lora_b: torch.Tensor,
@@ -249,6 +259,7 @@ def fused_moe_lora_expand(
     adapter_enabled: torch.Tensor | None = None,
     max_rank: int | None = None,
     tf32: bool = False,
+    layout: str = "halves",
     config: dict | None = None,
 ) -> torch.Tensor:
     """out[p, s·N:(s+1)·N] += σ[s, slot] · w_p · B[s, slot, e] · t[s, p] for every aligned pair.
@@ -264,12 +275,15 @@ def fused_moe_lora_expand(
         stage, top_k, ranks, adapter_enabled, max_rank: as for the shrink.
         scalings: gate_up: [2, L] fp32 (``module_scalings[0:2]``); down: [L] (``module_scalings[2]``).
         topk_weights: down only: [M, top_k] router weights (fp32 or the activation dtype).
+        layout: gate_up's columns in ``out``: "halves" (gate [:I], up [I:]) or "interleaved"
+            (GPT-OSS: gate 2i, up 2i + 1); ignored by "down".
 
     Returns:
         ``out``.
 
     Raises:
-        KernelPreconditionError: as the shrink; a missing (down) or extra (gate_up) topk_weights.
+        KernelPreconditionError: as the shrink; a missing (down) or extra (gate_up) topk_weights; an
+            unknown layout.
     """
     check_tensor("intermediate", intermediate, dtypes=FLOAT_DTYPES, unit_last_stride=True)
     if intermediate.dim() == 4:
@@ -289,6 +303,7 @@ def fused_moe_lora_expand(
     st = _Stage(stage, parts.shape[2] // top_k if stage == "gate_up" else parts.shape[2],
                 lora_b, ranks, scalings, align, top_k, None, adapter_enabled, max_rank, "lora_b", device, dtype)
     N, R = st.lora.shape[3], st.lora.shape[4]
+    cols = _column_strides(stage, layout, N)
     check_tensor("intermediate", parts, shape=(split_k, st.slices, st.num_pairs, R))
     out2 = _out_2d(out, st, st.slices * N, dtype, device)
     weights = _routed(topk_weights, st, dtype, device)
@@ -305,7 +320,7 @@ def fused_moe_lora_expand(
         N, st.rank_bound, st.num_pairs, st.E, n_tiles,
         parts.stride(0) if split_k > 1 else 0, parts.stride(1), parts.stride(2),
         b.stride(0), b.stride(1), b.stride(2), b.stride(3),
-        out2.stride(0), N,
+        out2.stride(0), *cols,
         align.sorted_token_ids.stride(0), align.expert_ids.stride(0), st.ranks.stride(0), st.scalings.stride(0),
         BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_N=cfg["BLOCK_N"], SPLIT_K=split_k,
         HAS_ENABLED=adapter_enabled is not None, MUL_ROUTED_WEIGHT=weights is not None,
@@ -329,12 +344,13 @@ def fused_moe_lora(
     adapter_enabled: torch.Tensor | None = None,
     max_rank: int | None = None,
     tf32: bool = False,
+    layout: str = "halves",
     config: dict | None = None,
 ) -> torch.Tensor:
     """Shrink and expand in one kernel: out += σ · w · B (A in) per aligned pair (module docstring).
 
     Args: as :func:`fused_moe_lora_shrink` (x, lora_a) and :func:`fused_moe_lora_expand` (lora_b,
-    out, scalings, topk_weights). The rank bound of both factors is ``max_rank`` (or R).
+    out, scalings, topk_weights, layout). The rank bound of both factors is ``max_rank`` (or R).
 
     Returns:
         ``out``.
@@ -349,6 +365,7 @@ def fused_moe_lora(
                 "lora_b", device, dtype)
     a, b = st.lora, sb.lora
     K, R, N = a.shape[4], a.shape[3], b.shape[3]
+    cols = _column_strides(stage, layout, N)
     if x.shape[1] != K:
         raise KernelPreconditionError(f"x: {x.shape[1]} columns, but lora_a's input width is {K}")
     if b.shape[:3] != a.shape[:3] or b.shape[4] != R:
@@ -368,7 +385,7 @@ def fused_moe_lora(
         x.stride(0),
         a.stride(0), a.stride(1), a.stride(2), a.stride(3),
         b.stride(0), b.stride(1), b.stride(2), b.stride(3),
-        out2.stride(0), N,
+        out2.stride(0), *cols,
         align.sorted_token_ids.stride(0), align.expert_ids.stride(0), st.ranks.stride(0), st.scalings.stride(0),
         BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"],
         N_SPLIT=cfg["N_SPLIT"],
@@ -411,6 +428,7 @@ def moe_lora_delta(
     fused: bool | None = None,
     split_k: int | None = None,
     tf32: bool = False,
+    layout: str = "halves",
 ) -> torch.Tensor:
     """Add the MoE-LoRA delta of ``stage`` from a ``LoRAWeights`` pool into ``out`` in place.
 
@@ -429,7 +447,8 @@ def moe_lora_delta(
         max_rank: host rank bound; must cover every loaded slot's rank of the stage's modules
             (``weights.host_ranks``), None = the pool's R.
         split_k: split-K parts of the pair's shrink (1 = unsplit); None = the config table's.
-        align, top_k, adapter_enabled, tf32: as the launchers.
+        align, top_k, adapter_enabled, tf32, layout: as the launchers (layout: gate_up's columns in
+            ``out``, "halves" or GPT-OSS's "interleaved").
 
     Returns:
         ``out``.
@@ -450,10 +469,10 @@ def moe_lora_delta(
     if fused:
         return fused_moe_lora(x, t["lora_a"], t["lora_b"], align, out, stage=stage, top_k=top_k, ranks=t["ranks"],
                               scalings=t["scalings"], topk_weights=topk_weights, adapter_enabled=adapter_enabled,
-                              max_rank=max_rank, tf32=tf32)
+                              max_rank=max_rank, tf32=tf32, layout=layout)
     inter = fused_moe_lora_shrink(x, t["lora_a"], align, stage=stage, top_k=top_k, ranks=t["ranks"],
                                   adapter_enabled=adapter_enabled, max_rank=max_rank, tf32=tf32,
                                   config=None if split_k is None else {"SPLIT_K": split_k})
     return fused_moe_lora_expand(inter, t["lora_b"], align, out, stage=stage, top_k=top_k, ranks=t["ranks"],
                                  scalings=t["scalings"], topk_weights=topk_weights,
-                                 adapter_enabled=adapter_enabled, max_rank=max_rank, tf32=tf32)
+                                 adapter_enabled=adapter_enabled, max_rank=max_rank, tf32=tf32, layout=layout)

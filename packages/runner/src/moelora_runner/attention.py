@@ -38,7 +38,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
-                    fb: ForwardBatch, *, sliding_window: int | None = None) -> torch.Tensor:
+                    fb: ForwardBatch, *, sliding_window: int | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the step's queries over the cache (see the module doc).
 
     Args:
@@ -47,6 +48,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         req_to_token: [R, W] int32 request table (W >= ``fb.max_context``).
         fb: the step.
         sliding_window: keys at positions <= p - window are masked (None: full causal attention).
+        sinks: [nh] GPT-OSS's per-head sink logits (model dtype), or None: one extra logit per head
+            joins the softmax and its probability is dropped (it has no value), as transformers'
+            ``GptOssAttention`` (``eager_attention_forward``: concatenate, softmax, drop the last column).
 
     Returns:
         [T, nh · d] in q's dtype.
@@ -73,6 +77,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if sliding_window is not None:
             allowed = allowed & (key_pos[None, :] > pos - sliding_window)
         scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if sinks is not None:
+            sink = sinks.to(scores.dtype).view(1, nkv, g, 1).expand(n, nkv, g, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+            probs = probs.to(q.dtype)
+        else:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out[start:stop] = torch.einsum("tkgc,tckd->tkgd", probs, values).reshape(n, nh, d)
     return out.reshape(T, nh * d)

@@ -1,18 +1,21 @@
-"""The decoder: Qwen3-MoE, Mixtral, OLMoE and Qwen2-MoE from ``moelora_core.checkpoint`` weights, with
+"""The decoder: Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE and GPT-OSS from ``moelora_core.checkpoint`` weights, with
 LoRA from one backend and one ``LoRAWeights`` pool per layer.
 
 Per decoder layer (as transformers 5.17 computes it; x rows are the step's tokens):
 
     a = rms_norm(h, input_layernorm)
     q, k, v = a W_qᵀ, a W_kᵀ, a W_vᵀ        + backend.dense_delta("q"/"k"/"v", ...)    (PEFT: base + σ·B(A a))
-               (+ b_q, b_k, b_v with Qwen2-MoE's qkv_bias, in the base GEMM, before the delta)
+               (+ b_q, b_k, b_v with Qwen2-MoE's qkv_bias / GPT-OSS's attention_bias, in the base GEMM,
+                before the delta; GPT-OSS's o has a bias too)
     OLMoE:     q, k = rms_norm(q, q_norm), rms_norm(k, k_norm)   over heads·head_dim, then clip_qkv
     Qwen3-MoE: q, k = rms_norm per head over head_dim
     q, k = rope(q, k, positions)               (θ of the config; rotate-half, transformers' default RoPE)
     o = attention(q, k, v) W_oᵀ                + backend.dense_delta("o", ...)
+               (GPT-OSS: per-head sink logits in the softmax; the window of "sliding_attention" layers)
     h = h + o
     m = rms_norm(h, post_attention_layernorm)
-    topk_weights, topk_ids = route_topk(m W_routerᵀ, top_k, norm_topk_prob)   (fp32 softmax → top-k)
+    topk_weights, topk_ids = route_topk(m W_routerᵀ (+ b_router), top_k, norm_topk_prob)   (fp32 softmax → top-k)
+               (GPT-OSS: router bias, expert biases and swiglu_oai in the base MoE path; DESIGN.md §1)
     h = h + moe_layer_forward(base path, m, topk_ids, topk_weights, base, backend, pool, info)
     Qwen2-MoE: h += shared_expert_forward(m, shared, dense path)   (sigmoid-gated SwiGLU; its gate / up /
                down are dense projections: base GEMM + backend.dense_delta("shared_gate"/"shared_up"/"shared_down"))
@@ -145,6 +148,7 @@ class DecoderLayer:
         self.config = config
         self.moe: MoEBaseWeights = weights.moe
         self.router = weights.moe.router if router is None else router
+        self.router_bias = weights.moe.router_bias  # GPT-OSS
         self.parallel = parallel or ParallelLayout.single()
         self.comm = comm
         self.heads, self.kv_heads = self.parallel.heads(config)
@@ -187,7 +191,7 @@ class DecoderLayer:
             self.comm.all_reduce_(o)  # row-parallel o: base and LoRA partials summed together
         h = h + o
         m = rms_norm(h, self.w.post_attention_layernorm, c.rms_norm_eps)
-        topk_weights, topk_ids = route_topk(F.linear(m, self.router), c.top_k, c.norm_topk_prob)
+        topk_weights, topk_ids = route_topk(F.linear(m, self.router, self.router_bias), c.top_k, c.norm_topk_prob)
         if par.ep > 1:
             topk_ids = local_expert_ids(topk_ids, *self.experts)
         y = moe_layer_forward(moe_path, m, topk_ids, topk_weights, self.moe, lora.backend,
@@ -208,7 +212,8 @@ class MoEDecoder:
         weights: from ``moelora_core.checkpoint.read_checkpoint`` (moved to ``device`` / ``dtype`` here).
         dtype, device: compute dtype and device.
         max_positions: RoPE table length (the engine's context).
-        sliding_window: attention window (None = full causal attention).
+        sliding_window: attention window of every layer (None = full causal attention); a config
+            with ``layer_types`` (GPT-OSS) sets its own per layer.
         moe_path: the base MoE path (:mod:`moelora_runner.moe_paths`).
         parallel: this rank's layout (None = one rank: the weights are used whole); the weights
             are the whole model's and each layer keeps its slice.
@@ -241,15 +246,22 @@ class MoEDecoder:
                 lw = shard_layer(lw, self.config, self.parallel)
             moe = MoEBaseWeights(w_gate_up=to(lw.moe.w_gate_up), w_down=to(lw.moe.w_down),
                                  router=None if self.parallel.parallel else router,
-                                 num_experts=lw.moe.num_experts, norm_topk_prob=lw.moe.norm_topk_prob)
+                                 num_experts=lw.moe.num_experts, norm_topk_prob=lw.moe.norm_topk_prob,
+                                 b_gate_up=to(lw.moe.b_gate_up), b_down=to(lw.moe.b_down),
+                                 router_bias=to(lw.moe.router_bias), activation=lw.moe.activation)
             moved = DecoderLayerWeights(q_proj=to(lw.q_proj), k_proj=to(lw.k_proj), v_proj=to(lw.v_proj),
                                         o_proj=to(lw.o_proj), q_norm=to(lw.q_norm), k_norm=to(lw.k_norm),
                                         input_layernorm=to(lw.input_layernorm),
                                         post_attention_layernorm=to(lw.post_attention_layernorm), moe=moe,
                                         shared_expert=None if lw.shared_expert is None else lw.shared_expert.map(to),
-                                        q_bias=to(lw.q_bias), k_bias=to(lw.k_bias), v_bias=to(lw.v_bias))
+                                        q_bias=to(lw.q_bias), k_bias=to(lw.k_bias), v_bias=to(lw.v_bias),
+                                        o_bias=to(lw.o_bias), sinks=to(lw.sinks))
             self.layers.append(DecoderLayer(i, moved, self.config, router, self.parallel, comm))
         c = self.config
+        # GPT-OSS: the window applies to its "sliding_attention" layers only (config.layer_types)
+        self.windows: list[int | None] = (
+            [c.sliding_window if t == "sliding_attention" else None for t in c.layer_types]
+            if c.layer_types is not None else [sliding_window] * len(self.layers))
         self.rope = RotaryEmbedding(c.head_dim, c.rope_theta, max_positions, dtype, device)
 
     @property
@@ -269,7 +281,8 @@ class MoEDecoder:
             w = layer.w
             tensors += [w.q_proj, w.k_proj, w.v_proj, w.o_proj, w.q_norm, w.k_norm, w.input_layernorm,
                         w.post_attention_layernorm, w.moe.w_gate_up, w.moe.w_down, layer.router]
-            tensors += [w.q_bias, w.k_bias, w.v_bias]
+            tensors += [w.q_bias, w.k_bias, w.v_bias, w.o_bias, w.sinks, w.moe.b_gate_up, w.moe.b_down,
+                        w.moe.router_bias]
             if w.shared_expert is not None:
                 se = w.shared_expert
                 tensors += [se.gate_proj, se.up_proj, se.down_proj, se.gate]
@@ -291,7 +304,8 @@ class MoEDecoder:
                   kv: KVCache) -> torch.Tensor:
         """Write the step's K/V into layer ``i``'s cache, then attend: [T, nh·d]."""
         write_kv(kv.k[i], kv.v[i], k, v, fb)
-        return paged_attention(q, kv.k[i], kv.v[i], kv.req_to_token, fb, sliding_window=self.sliding_window)
+        return paged_attention(q, kv.k[i], kv.v[i], kv.req_to_token, fb, sliding_window=self.windows[i],
+                               sinks=self.layers[i].w.sinks)
 
     def post_attention(self, i: int, attn: torch.Tensor, h: torch.Tensor, fb: ForwardBatch,
                        lora: LoRAContext) -> torch.Tensor:

@@ -7,7 +7,10 @@ change the position encoding; the engine would serve wrong logits); a Qwen2-MoE 
 ``use_sliding_window`` (its window applies to some layers only, by ``layer_types``).
 
 The attention window follows transformers 5.17: Mixtral masks by ``sliding_window`` when set;
-Qwen3-MoE and Qwen2-MoE only with ``use_sliding_window``; OLMoE never (its mask is always plain causal).
+Qwen3-MoE and Qwen2-MoE only with ``use_sliding_window``; OLMoE never (its mask is always plain causal);
+GPT-OSS per layer (``MoEModelConfig.layer_types`` / ``sliding_window``, applied by the model itself, so
+``ModelInfo.sliding_window`` is None for it). GPT-OSS checkpoints as released use YaRN RoPE and are
+refused by the RoPE rule above; the fixtures use the default RoPE.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ class ModelInfo:
             raise UnsupportedModelError(model_dir, "config.json use_sliding_window", "Qwen2-MoE's per-layer "
                                         "sliding window is not served", expected=False, found=True)
         window = raw.get("sliding_window")
-        if config.model_type == "olmoe" or (config.model_type in ("qwen3_moe", "qwen2_moe")
+        if config.model_type in ("olmoe", "gpt_oss") or (config.model_type in ("qwen3_moe", "qwen2_moe")
                                             and not raw.get("use_sliding_window")):
             window = None
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):

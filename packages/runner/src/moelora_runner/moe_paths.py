@@ -34,7 +34,10 @@ def triton_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     """
     from moelora_kernels import fused_moe
 
-    return fused_moe(x, topk_ids.contiguous(), topk_weights.contiguous(), base.w_gate_up, base.w_down, deltas=deltas)
+    act = base.activation  # GPT-OSS: swiglu_oai and expert biases, in the halves layout the readers give
+    return fused_moe(x, topk_ids.contiguous(), topk_weights.contiguous(), base.w_gate_up, base.w_down, deltas=deltas,
+                     activation=act.kind, alpha=act.alpha, limit=act.limit, b_gate_up=base.b_gate_up,
+                     b_down=base.b_down)
 
 
 def base_moe_path(impl: str) -> BaseMoEPath:

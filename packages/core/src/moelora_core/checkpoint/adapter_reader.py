@@ -7,7 +7,8 @@ Formats (peft 0.21.2, transformers 5.17):
   lora_A ``[E·r, in]`` is expert-major (``reshape(E, r, in)``); lora_B ``[out, r·E]`` is rank-major,
   expert-minor (``reshape(out, r, E)``; see ``ParamWrapper.get_delta_weight``). gate_up's out is
   2I with gate rows first, and gate and up share one A: ``A_gate = A_up = A_e``,
-  ``B_gate = B_e[:I]``, ``B_up = B_e[I:]``. With both parameters targeted the inner wrapper
+  ``B_gate = B_e[:I]``, ``B_up = B_e[I:]`` (GPT-OSS, interleaved: ``B_e[0::2]`` / ``B_e[1::2]``).
+  With both parameters targeted the inner wrapper
   (``experts.base_layer``) is gate_up and the outer one (bare ``experts``) is down, whatever order the
   config lists them in (PEFT wraps parameters in the order the experts module registers them,
   ``gate_up_proj`` first); with one targeted, bare ``experts`` is that one.
@@ -356,8 +357,12 @@ def _assemble(plan: _Plan, src: TensorSource, model: MoEModelConfig, dtype: torc
             B = b.reshape(b.shape[0], r, eb).permute(2, 0, 1).contiguous()  # [E_B, out, r]
         if plan.kind == "down":
             return {"down": ModuleLoRA(A, B, sigma)}
-        return {"gate": ModuleLoRA(A, B[:, :I].contiguous(), sigma),
-                "up": ModuleLoRA(A.clone(), B[:, I:].contiguous(), sigma)}
+        if model.family.gate_up_layout == "interleaved":  # GPT-OSS: gate column 2i, up 2i + 1
+            gate_b, up_b = B[:, 0::2], B[:, 1::2]
+        else:
+            gate_b, up_b = B[:, :I], B[:, I:]
+        return {"gate": ModuleLoRA(A, gate_b.contiguous(), sigma),
+                "up": ModuleLoRA(A.clone(), up_b.contiguous(), sigma)}
     r_max = max(plan.ranks.values())
     (_, fin), (fout, _) = _expected_shapes(plan, model, next(iter(plan.ranks)))
     A = torch.zeros(E, r_max, fin, dtype=dtype)  # experts absent from the file stay zero

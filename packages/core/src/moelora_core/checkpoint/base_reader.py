@@ -7,6 +7,10 @@ Formats read (transformers 5.17; see :mod:`moelora_core.checkpoint.families`):
 - the fused 3-D form: ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows first) and
   ``mlp.experts.down_proj`` [E, H, I];
 - q/k/v biases ``self_attn.{q,k,v}_proj.bias`` where the config has ``qkv_bias`` (Qwen2-MoE);
+- GPT-OSS (:mod:`.gpt_oss`): ``mlp.experts.gate_up_proj`` [E, H, 2I] (gate/up columns interleaved)
+  with ``gate_up_proj_bias`` [E, 2I], ``down_proj`` [E, I, H] with ``down_proj_bias`` [E, H],
+  ``mlp.router.weight`` / ``.bias``, q/k/v/o biases and ``self_attn.sinks`` [heads]; converted to
+  the halves layout with the biases in ``MoEBaseWeights``;
 - Qwen2-MoE's shared expert beside either form: ``mlp.shared_expert.{gate,up,down}_proj.weight``
   ([Is, H], [Is, H], [H, Is]) and its sigmoid gate ``mlp.shared_expert_gate.weight`` [1, H].
 
@@ -33,6 +37,7 @@ from moelora_core.checkpoint.errors import (
     MissingTensorError,
     UnsupportedModelError,
 )
+from moelora_core.checkpoint.gpt_oss import gpt_oss_experts
 from moelora_core.checkpoint.key_names import describe_non_canonical, non_canonical
 from moelora_core.checkpoint.layout import DecoderLayerWeights, ModelWeights
 from moelora_core.checkpoint.model_config import MoEModelConfig, read_model_config
@@ -91,6 +96,8 @@ class MoECheckpoint:
         """(block name, "per_expert" | "fused") of ``layer``'s MoE block, as stored."""
         fam = self.config.family
         prefix = f"model.layers.{layer}"
+        if fam.expert_biases:  # GPT-OSS ships the fused form only
+            return "mlp", "fused"
         if f"{prefix}.mlp.experts.gate_up_proj" in self._src or f"{prefix}.mlp.experts.down_proj" in self._src:
             return "mlp", "fused"
         return fam.expert_block, "per_expert"
@@ -112,8 +119,10 @@ class MoECheckpoint:
             for module, leaf in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj")):
                 fin, fout = dense[module]
                 self._expect(f"{p}.self_attn.{leaf}.weight", (fout, fin))
-                if c.qkv_bias and module != "o":
+                if c.qkv_bias and (module != "o" or c.o_bias):
                     self._expect(f"{p}.self_attn.{leaf}.bias", (fout,))
+            if c.family.attention_sinks:
+                self._expect(f"{p}.self_attn.sinks", (c.num_attention_heads,))
             if c.family.qk_norm == "per_head":
                 self._expect(f"{p}.self_attn.q_norm.weight", (c.head_dim,))
                 self._expect(f"{p}.self_attn.k_norm.weight", (c.head_dim,))
@@ -124,8 +133,14 @@ class MoECheckpoint:
             self._expect(f"{p}.post_attention_layernorm.weight", (H,))
             block, form = self._moe_block(layer)
             self.expert_format.append(form)
-            self._expect(f"{p}.{block}.gate.weight", (E, H))
-            if form == "fused":
+            self._expect(f"{p}.{block}.{c.family.router_leaf}.weight", (E, H))
+            if c.family.expert_biases:  # GPT-OSS: x @ W layout, interleaved gate/up, biases
+                self._expect(f"{p}.{block}.{c.family.router_leaf}.bias", (E,))
+                self._expect(f"{p}.mlp.experts.gate_up_proj", (E, H, 2 * I))
+                self._expect(f"{p}.mlp.experts.gate_up_proj_bias", (E, 2 * I))
+                self._expect(f"{p}.mlp.experts.down_proj", (E, I, H))
+                self._expect(f"{p}.mlp.experts.down_proj_bias", (E, H))
+            elif form == "fused":
                 self._expect(f"{p}.mlp.experts.gate_up_proj", (E, 2 * I, H))
                 self._expect(f"{p}.mlp.experts.down_proj", (E, H, I))
             else:
@@ -166,7 +181,8 @@ class MoECheckpoint:
 
     def moe(self, layer: int) -> MoEBaseWeights:
         """Layer ``layer``'s MoE block: w_gate_up [E, 2I, H] (gate rows first), w_down [E, H, I],
-        router [E, H].
+        router [E, H]; GPT-OSS also b_gate_up [E, 2I] (halves), b_down [E, H], router_bias [E] and
+        its activation.
 
         Raises:
             IndexError: ``layer`` outside ``[0, num_layers)``.
@@ -175,6 +191,17 @@ class MoECheckpoint:
         c = self.config
         p = f"model.layers.{layer}"
         block, form = self._moe_block(layer)
+        fam = c.family
+        router = self.tensor(f"{p}.{block}.{fam.router_leaf}.weight")
+        if fam.expert_biases:
+            ex = f"{p}.mlp.experts"
+            w_gate_up, b_gate_up, w_down, b_down = gpt_oss_experts(
+                self.tensor(f"{ex}.gate_up_proj"), self.tensor(f"{ex}.gate_up_proj_bias"),
+                self.tensor(f"{ex}.down_proj"), self.tensor(f"{ex}.down_proj_bias"))
+            return MoEBaseWeights(w_gate_up=w_gate_up, w_down=w_down, router=router, num_experts=c.num_experts,
+                                  norm_topk_prob=c.norm_topk_prob, b_gate_up=b_gate_up, b_down=b_down,
+                                  router_bias=self.tensor(f"{p}.{block}.{fam.router_leaf}.bias"),
+                                  activation=fam.activation)
         if form == "fused":
             w_gate_up = self.tensor(f"{p}.mlp.experts.gate_up_proj")
             w_down = self.tensor(f"{p}.mlp.experts.down_proj")
@@ -188,7 +215,7 @@ class MoECheckpoint:
         return MoEBaseWeights(
             w_gate_up=w_gate_up.contiguous(),
             w_down=w_down.contiguous(),
-            router=self.tensor(f"{p}.{block}.gate.weight"),
+            router=router,
             num_experts=c.num_experts,
             norm_topk_prob=c.norm_topk_prob,
         )
@@ -221,6 +248,8 @@ class MoECheckpoint:
             moe=self.moe(layer),
             shared_expert=self.shared_expert(layer),
             **{f"{m}_bias": self.tensor(f"{p}.{m}_proj.bias") if self.config.qkv_bias else None for m in "qkv"},
+            o_bias=self.tensor(f"{p}.o_proj.bias") if self.config.o_bias else None,
+            sinks=self.tensor(f"{p}.sinks") if self.config.family.attention_sinks else None,
         )
 
     def embed_tokens(self) -> torch.Tensor:

@@ -15,6 +15,12 @@ mixtral        model.layers.l.block_sparse_moe.experts.e.     intermediate_size,
 olmoe          as qwen3_moe                                   intermediate_size, num_experts,
                                                               norm_topk_prob (default False),
                                                               q_norm [H], k_norm [kv_heads·head_dim]
+gpt_oss        fused only (no per-expert form):                intermediate_size, num_local_experts;
+               model.layers.l.mlp.experts.gate_up_proj        top-k softmax (= renormalised);
+               [E, H, 2I] gate/up interleaved, _bias [E, 2I], layer_types + sliding_window;
+               down_proj [E, I, H], _bias [E, H]; router      attention_bias (q/k/v/o);
+               mlp.router.weight [E, H], .bias [E];           self_attn.sinks [heads]
+               (:mod:`.gpt_oss`)
 qwen2_moe      as qwen3_moe, plus the shared expert           moe_intermediate_size, num_experts,
                model.layers.l.mlp.shared_expert.gate_proj /   shared_expert_intermediate_size,
                up_proj / down_proj .weight and its sigmoid    norm_topk_prob (default False),
@@ -36,6 +42,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moelora_core.moe_activation import SILU, SWIGLU_OAI, MoEActivation
+
 
 @dataclass(frozen=True)
 class Family:
@@ -56,6 +64,12 @@ class Family:
         qk_norm: "per_head" (RMSNorm over head_dim), "full" (over heads·head_dim) or None.
         shared_expert: the MoE block has a dense shared expert (``mlp.shared_expert`` and its
             sigmoid gate ``mlp.shared_expert_gate``), with width ``shared_expert_intermediate_size``.
+        router_leaf: the router's module under the MoE block ("gate"; GPT-OSS "router").
+        gate_up_layout: the checkpoint's (and PEFT's) gate/up columns: "halves" or GPT-OSS's
+            "interleaved" (the readers convert to halves; DESIGN.md §1).
+        expert_biases: the experts and the router have biases (GPT-OSS).
+        activation: the experts' activation (SiLU; GPT-OSS's clamped ``swiglu_oai``).
+        attention_sinks: per-head learned sink logits ``self_attn.sinks`` (GPT-OSS).
     """
 
     model_type: str
@@ -69,6 +83,11 @@ class Family:
     always_renormalize: bool
     qk_norm: str | None
     shared_expert: bool = False
+    router_leaf: str = "gate"
+    gate_up_layout: str = "halves"
+    expert_biases: bool = False
+    activation: MoEActivation = SILU
+    attention_sinks: bool = False
 
     def expert_leaf(self, module: str) -> str:
         """The per-expert leaf name of moelora module ``module`` ("gate", "up", "down")."""
@@ -130,8 +149,26 @@ QWEN2_MOE = Family(
     shared_expert=True,
 )
 
+GPT_OSS = Family(
+    model_type="gpt_oss",
+    display="GPT-OSS",
+    architecture="GptOssForCausalLM",
+    expert_block="mlp",
+    expert_blocks=("mlp",),
+    expert_leaves=("gate_proj", "up_proj", "down_proj"),  # never on disk: GPT-OSS stores the fused form only
+    intermediate_key="intermediate_size",
+    experts_keys=("num_local_experts",),
+    always_renormalize=True,  # softmax over the top-k logits == softmax, top-k, renormalise
+    qk_norm=None,
+    router_leaf="router",
+    gate_up_layout="interleaved",
+    expert_biases=True,
+    activation=SWIGLU_OAI,
+    attention_sinks=True,
+)
+
 #: model_type → family.
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (QWEN3_MOE, MIXTRAL, OLMOE, QWEN2_MOE)}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (QWEN3_MOE, MIXTRAL, OLMOE, QWEN2_MOE, GPT_OSS)}
 
 #: Leaf names of every family's per-expert projections (to recognise another family's adapter).
 ALL_EXPERT_LEAVES: frozenset[str] = frozenset(leaf for f in FAMILIES.values() for leaf in f.expert_leaves)

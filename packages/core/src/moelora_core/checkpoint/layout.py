@@ -7,12 +7,15 @@ field                      shape                  meaning
 =========================  =====================  ==========================================
 q_proj / k_proj / v_proj   [nh·d, H] / [nkv·d, H] attention projections, ``y = W x``
 o_proj                     [H, nh·d]
-q_bias / k_bias / v_bias   [nh·d] / [nkv·d]       Qwen2-MoE ``qkv_bias``: ``y = W x + b``; else None
+q_bias / k_bias / v_bias   [nh·d] / [nkv·d]       Qwen2-MoE ``qkv_bias``, GPT-OSS: ``y = W x + b``; else None
+o_bias                     [H]                    GPT-OSS ``attention_bias``; else None
+sinks                      [nh]                   GPT-OSS per-head sink logits; else None
 q_norm / k_norm            [d] or [nh·d]/[nkv·d]  Qwen3-MoE: per head; OLMoE: full width; else None
 input_layernorm            [H]                    RMSNorm before attention
 post_attention_layernorm   [H]                    RMSNorm before the MoE block
 moe                        MoEBaseWeights         w_gate_up [E, 2I, H] (gate rows first),
-                                                  w_down [E, H, I], router [E, H], norm_topk_prob
+                                                  w_down [E, H, I], router [E, H], norm_topk_prob;
+                                                  GPT-OSS: b_gate_up, b_down, router_bias, swiglu_oai
 shared_expert              SharedExpertWeights    Qwen2-MoE: gate_proj / up_proj [Is, H],
                                                   down_proj [H, Is], gate [1, H]; else None
 embed_tokens               [V, H]
@@ -50,10 +53,13 @@ class DecoderLayerWeights:
     q_bias: torch.Tensor | None = None
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
 
     def bias(self, module: str) -> torch.Tensor | None:
-        """The [out] bias of dense module ``module`` (q, k, v of a model with ``qkv_bias``), else None."""
-        return {"q": self.q_bias, "k": self.k_bias, "v": self.v_bias}.get(module)
+        """The [out] bias of dense module ``module`` (q, k, v of a model with ``qkv_bias``; o too on
+        GPT-OSS), else None."""
+        return {"q": self.q_bias, "k": self.k_bias, "v": self.v_bias, "o": self.o_bias}.get(module)
 
     def dense(self, module: str) -> torch.Tensor:
         """The [out, in] weight of dense module "q", "k", "v", "o", or of a shared-expert module

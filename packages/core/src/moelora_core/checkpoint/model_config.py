@@ -39,7 +39,10 @@ class MoEModelConfig:
         shared_expert_intermediate_size: Is, the width of the dense shared expert (Qwen2-MoE's
             ``shared_expert_intermediate_size``); None for a family without one.
         qkv_bias: the q, k and v projections have biases (Qwen2-MoE's ``qkv_bias``, true when the
-            key is absent, as in transformers); o never has one.
+            key is absent, as in transformers; GPT-OSS's ``attention_bias``).
+        o_bias: the o projection has a bias too (GPT-OSS's ``attention_bias``).
+        layer_types: per layer "full_attention" or "sliding_attention" (GPT-OSS), else None.
+        sliding_window: the window of the "sliding_attention" layers (GPT-OSS), else None.
     """
 
     family: Family
@@ -61,6 +64,9 @@ class MoEModelConfig:
     torch_dtype: str | None = None
     shared_expert_intermediate_size: int | None = None
     qkv_bias: bool = False
+    o_bias: bool = False
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
 
     @property
     def model_type(self) -> str:
@@ -141,15 +147,23 @@ class MoEModelConfig:
                     "dense MLP layers are not supported (every layer must be an MoE layer)",
                     expected="[] and 1", found=f"{raw.get('mlp_only_layers')!r} and {sparse_step!r}",
                 )
-        for key in ("attention_bias", "mlp_bias"):
+        gpt_oss = model_type == "gpt_oss"
+        for key in ("mlp_bias",) if gpt_oss else ("attention_bias", "mlp_bias"):
             if raw.get(key):
                 raise UnsupportedModelError(path, f"config.json {key}", "biases are not supported", found=True)
         # Qwen2MoeConfig's qkv_bias defaults to True (q/k/v biases, as Qwen1.5-MoE ships them): an
         # absent key means biases too.
         qkv_bias = bool(raw.get("qkv_bias", True)) if model_type == "qwen2_moe" else False
+        # GptOssConfig's attention_bias defaults to True: q, k, v and o all have biases.
+        o_bias = gpt_oss and bool(raw.get("attention_bias", True))
+        qkv_bias = qkv_bias or o_bias
+        layer_types, window = None, None
+        if gpt_oss:
+            layer_types, window = _gpt_oss_attention(raw, path, positive("num_hidden_layers"))
         shared_inter = positive("shared_expert_intermediate_size") if family.shared_expert else None
         act = raw.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
+        # GPT-OSS's experts ignore hidden_act (GptOssExperts hard-codes its clamped SwiGLU)
+        if not gpt_oss and act not in ("silu", "swish"):
             raise UnsupportedModelError(path, "config.json hidden_act", "experts must use SiLU",
                                         expected="'silu'", found=repr(act))
         rope = raw.get("rope_parameters") or {}
@@ -184,7 +198,29 @@ class MoEModelConfig:
             torch_dtype=raw.get("dtype", raw.get("torch_dtype")),
             shared_expert_intermediate_size=shared_inter,
             qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            layer_types=layer_types,
+            sliding_window=window,
         )
+
+
+def _gpt_oss_attention(raw: Mapping[str, object], path: object, layers: int) -> tuple[tuple[str, ...], int]:
+    """(layer_types, sliding_window) of a GPT-OSS config (GptOssConfig's default: sliding on even layers).
+
+    Raises:
+        CheckpointFormatError: a layer type other than the two, a list of the wrong length, a window < 1.
+    """
+    types = raw.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    kinds = ("full_attention", "sliding_attention")
+    if not isinstance(types, list) or len(types) != layers or any(t not in kinds for t in types):
+        raise CheckpointFormatError(path, "config.json layer_types", f"must list one of {kinds} per layer",
+                                    expected=layers, found=repr(types))
+    window = raw.get("sliding_window", 128)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise CheckpointFormatError(path, "config.json sliding_window", "must be an int >= 1", found=repr(window))
+    return tuple(types), window
 
 
 def read_model_config(path: str | Path) -> MoEModelConfig:
