@@ -5,7 +5,8 @@ BLOCK_N columns; it gathers the block's input rows, multiplies them by the exper
 BLOCK_K steps (fp32 accumulation), then in the epilogue optionally multiplies by the router weight
 of each pair and by a per-expert scale, optionally adds the existing output, and stores once:
 
-    C[p, n] (+)= scale[e // experts_per_scale] · w_p · (Σ_k A[p // in_row_div, k] · W[e // experts_per_weight, n, k] + bias[e, n])
+    C[p, n] (+)= scale[e // experts_per_scale] · w_p
+                 · (Σ_k A[p // in_row_div, k] · W[e // experts_per_weight, n, k] + bias[e, n])
 
 (``bias`` [E_w, N]: GPT-OSS's expert biases, in the base GEMMs only; DESIGN.md §1)
 
