@@ -21,7 +21,8 @@ and fused expert layouts):
    cannot load, the per-module reference built from their own tensors): for each adapter, the rows
    of its requests — the MoE output against the PEFT-wrapped experts module fed the run's own MoE
    input and routing, each dense output against the PEFT-wrapped projection — and the base
-   requests' rows against the model without adapter; fp32, the tolerance policy's bounds (max and RMS relative error <= 1e-5).
+   requests' rows against the model without adapter; fp32, the tolerance policy's bounds (max and
+   RMS relative error <= 1e-5).
 
 Qwen2-MoE's shared expert enters the layer spec as three more dense modules (shared_gate, shared_up,
 shared_down): the harness runs them in its projection step like q/k/v/o, on every backend and mode,
