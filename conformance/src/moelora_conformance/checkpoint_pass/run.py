@@ -18,10 +18,11 @@ and fused expert layouts):
    suite's standard checks (outputs, LoRA deltas, base rows and pad rows bit-identical to the
    LoRA-disabled run);
 4. the same run against HF + PEFT (for the shared-outer / fully shared fixture adapters, which peft
-   cannot load, the per-module reference built from their own tensors): for each adapter, the rows of its requests — the MoE output
-   against the PEFT-wrapped experts module fed the run's own MoE input and routing, each dense output
-   against the PEFT-wrapped projection — and the base requests' rows against the model without
-   adapter; fp32, the tolerance policy's bounds (max and RMS relative error <= 1e-5).
+   cannot load, the per-module reference built from their own tensors): for each adapter, the rows
+   of its requests — the MoE output against the PEFT-wrapped experts module fed the run's own MoE
+   input and routing, each dense output against the PEFT-wrapped projection — and the base
+   requests' rows against the model without adapter; fp32, the tolerance policy's bounds (max and
+   RMS relative error <= 1e-5).
 
 Qwen2-MoE's shared expert enters the layer spec as three more dense modules (shared_gate, shared_up,
 shared_down): the harness runs them in its projection step like q/k/v/o, on every backend and mode,

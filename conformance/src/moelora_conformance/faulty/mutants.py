@@ -123,7 +123,7 @@ class SentinelToOtherAdapter(ReferenceBackend):
         virtual = torch.where((slot >= 0) & (slot < L) & (ids < E), slot * E + ids, torch.full_like(ids, -1))
         valid = virtual >= 0
         v = torch.where(valid, virtual, torch.zeros_like(virtual))
-        return valid, (v,), v // E
+        return valid, (v // E, v % E), v // E  # the reference's (slot, expert) read-back of v
 
 
 class HostSync(ReferenceBackend):

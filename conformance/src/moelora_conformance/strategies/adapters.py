@@ -145,24 +145,33 @@ def slot_adapters(draw, shape: LayerShape, *, ranks: st.SearchStrategy[int] | No
 
 
 @st.composite
-def adapter_pools(draw, shape: LayerShape, *, expert_layout: str | None = None) -> tuple[SlotAdapter | None, ...]:
+def adapter_pools(draw, shape: LayerShape) -> tuple[SlotAdapter | None, ...]:
     """Per slot an adapter or None (an empty, rank-0 slot). At least one slot holds an adapter;
-    with two or more slots, some may be empty. With ``expert_layout`` (the pool's), each adapter's
-    expert layout is drawn among those that fit it (:data:`ADAPTER_LAYOUT_WEIGHTS`); None keeps
-    every adapter per-expert (the draws of a suite run without the layouts)."""
+    with two or more slots, some may be empty."""
     L = shape.max_loras
     empty: set[int] = set()
     if L >= 2:
         keep = draw(st.integers(0, L - 1))
         empty = {s for s in range(L) if s != keep and draw(st.integers(0, 3)) == 0}
+    return tuple(None if s in empty else draw(slot_adapters(shape)) for s in range(L))
+
+
+@st.composite
+def expert_layouts(draw, pool: tuple[SlotAdapter | None, ...], *, shared_pools: bool
+                   ) -> tuple[str, tuple[SlotAdapter | None, ...]]:
+    """(the pool's expert layout, ``pool`` with each adapter's layout drawn among those that fit it,
+    :data:`ADAPTER_LAYOUT_WEIGHTS`). The pool's layout is "per_expert" unless ``shared_pools`` (a
+    backend declaring ``shared_expert_factors``). Drawn after the rest of a case, so the draws before
+    it (and the examples a derandomized run makes of them) are those of a run without layouts."""
+    layout = draw(weighted([("per_expert", 2), ("shared_outer", 1), ("fully_shared", 1)])) if shared_pools \
+        else "per_expert"
     out = []
-    for s in range(L):
-        adapter = None if s in empty else draw(slot_adapters(shape))
-        if adapter is not None and expert_layout is not None:
-            layout = draw(weighted(ADAPTER_LAYOUT_WEIGHTS[expert_layout]))
-            adapter = SlotAdapter(adapter.rank, adapter.alpha, adapter.use_rslora, adapter.modules, layout)
+    for adapter in pool:
+        if adapter is not None:
+            own = draw(weighted(ADAPTER_LAYOUT_WEIGHTS[layout]))
+            adapter = SlotAdapter(adapter.rank, adapter.alpha, adapter.use_rslora, adapter.modules, own)
         out.append(adapter)
-    return tuple(out)
+    return layout, tuple(out)
 
 
 def pool_ranks(pool: tuple[SlotAdapter | None, ...]) -> tuple[int, ...]:

@@ -28,9 +28,16 @@ from hypothesis import strategies as st
 
 from moelora_conformance.profiles import SizeCaps, current_profile
 from moelora_conformance.snapshot import AdapterSnapshot
-from moelora_conformance.strategies.adapters import SlotAdapter, adapter_pools, fits_pool, pool_ranks, pool_scalings
+from moelora_conformance.strategies.adapters import (
+    SlotAdapter,
+    adapter_pools,
+    expert_layouts,
+    fits_pool,
+    pool_ranks,
+    pool_scalings,
+)
 from moelora_conformance.strategies.batches import BatchPlan, batch_plans
-from moelora_conformance.strategies.choice import uniform, weighted
+from moelora_conformance.strategies.choice import uniform
 from moelora_conformance.strategies.routing import RoutingPlan, routing_plans
 from moelora_conformance.strategies.shapes import DTYPE_NAMES, LayerShape, dtypes, layer_shapes
 from moelora_core.base_weights import MoEBaseWeights
@@ -318,9 +325,7 @@ def moe_lora_cases(
     shape = draw(layer_shapes(caps, extra_experts=extra_experts))
     dt = dtype if dtype is not None else draw(dtypes(caps))
     ve = virtual_experts if virtual_experts is not None else draw(st.booleans())
-    pool_layout = draw(weighted([("per_expert", 2), ("shared_outer", 1), ("fully_shared", 1)])) \
-        if shared_expert_factors else "per_expert"
-    pool = draw(adapter_pools(shape, expert_layout=pool_layout))
+    pool = draw(adapter_pools(shape))
     plan_kw = {k: v for k, v in (("kinds", kinds), ("adapter_modes", adapter_modes)) if v is not None}
     plan = draw(batch_plans(shape.max_loras, pool_ranks(pool), pool_scalings(pool), caps, **plan_kw))
     seed = draw(st.integers(0, 2**31 - 1))
@@ -328,5 +333,6 @@ def moe_lora_cases(
     routing = draw(routing_plans(shape.num_experts, shape.top_k, shape.num_base_experts, seed=seed, **route_kw))
     layout = draw(uniform(DENSE_LAYOUTS))
     layers = draw(uniform(moe_layers)) if len(moe_layers) > 1 else moe_layers[0]
+    pool_layout, pool = draw(expert_layouts(pool, shared_pools=shared_expert_factors))
     block = draw(uniform(blocks)) if len(blocks) > 1 else blocks[0]
     return MoELoRACase(shape, dt, ve, pool, plan, routing, seed, layout, layers, pool_layout, block)
