@@ -81,7 +81,10 @@ def test_the_kernel_backends_pass_the_one_token_fp16_case(backend):
 def _drawn(caps, dtype, n):
     return settings(max_examples=n, phases=[Phase.generate], derandomize=True, database=None, deadline=None,
                     suppress_health_check=list(HealthCheck))(
-        given(case=moe_lora_cases(caps, kinds=("extend", "decode", "mixed"), dtype=dtype, virtual_experts=False)))
+        # The allowance is derived for the SwiGLU block (harness/moe_rounding.py); GPT-OSS's expert
+        # biases and clamped activation are not in it yet, so its cases are not drawn here.
+        given(case=moe_lora_cases(caps, kinds=("extend", "decode", "mixed"), dtype=dtype, virtual_experts=False,
+                                  blocks=("swiglu",))))
 
 
 @pytest.mark.parametrize("path", ["deltas", "deltas-model"])
