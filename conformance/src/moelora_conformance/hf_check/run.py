@@ -148,21 +148,37 @@ def check_adapter(fixtures: FixtureSet, adapter: str) -> list[CheckRow]:
         lora_layers = hf_layers
         if entry["format"] == "per_expert":
             merged = merged_reference_layers(hf_model.load_hf(model_dir), adapter_dir)
-            for li, layer in enumerate(merged):
-                disk = disk_layers[li]
-                rows += compare_layer(model=model, adapter=adapter, source="per-module", layer=li, moe=disk.moe,
-                                      dense=_dense(disk, cfg), pool=pools[li], top_k=cfg.top_k,
-                                      seed=_seed(adapter, li), shared=disk.shared_expert, dense_bias=_bias(disk),
-                                      **_hf_side(layer))
+            rows += _per_module_rows(model, adapter, cfg, disk_layers, pools, merged)
             if divergent:
                 lora_layers = merged  # moelora serves the file's modules, not peft's converted σ
-        if backend_available():
-            for li, disk in enumerate(disk_layers):
-                rows += compare_backend_layer(model=model, adapter=adapter, layer=li, moe=disk.moe,
-                                              dense=_dense(disk, cfg), shared=disk.shared_expert,
-                                              dense_bias=_bias(disk), pool=pools[li],
-                                              lora_side=_hf_side(lora_layers[li]), base_side=_hf_side(base_layers[li]),
-                                              seed=_seed(adapter, "backend", li))
+        rows += _backend_rows(model, adapter, cfg, disk_layers, pools, lora_layers, base_layers)
+    return rows
+
+
+def _per_module_rows(model: str, adapter: str, cfg, disk_layers: list, pools: list, merged: list) -> list[CheckRow]:
+    """Every layer read from disk (``disk_layers``, adapter loaded into ``pools``) against the
+    per-module reference ``merged`` built from the adapter file's own tensors."""
+    rows: list[CheckRow] = []
+    for li, layer in enumerate(merged):
+        disk = disk_layers[li]
+        rows += compare_layer(model=model, adapter=adapter, source="per-module", layer=li, moe=disk.moe,
+                              dense=_dense(disk, cfg), pool=pools[li], top_k=cfg.top_k, seed=_seed(adapter, li),
+                              shared=disk.shared_expert, dense_bias=_bias(disk), **_hf_side(layer))
+    return rows
+
+
+def _backend_rows(model: str, adapter: str, cfg, disk_layers: list, pools: list, lora_layers: list,
+                  base_layers: list) -> list[CheckRow]:
+    """The reference backend on every layer against ``lora_layers`` (adapter rows) and ``base_layers``
+    (base rows); no rows when the backend is not installed (:func:`backend_available`)."""
+    if not backend_available():
+        return []
+    rows: list[CheckRow] = []
+    for li, disk in enumerate(disk_layers):
+        rows += compare_backend_layer(model=model, adapter=adapter, layer=li, moe=disk.moe, dense=_dense(disk, cfg),
+                                      shared=disk.shared_expert, dense_bias=_bias(disk), pool=pools[li],
+                                      lora_side=_hf_side(lora_layers[li]), base_side=_hf_side(base_layers[li]),
+                                      seed=_seed(adapter, "backend", li))
     return rows
 
 
@@ -196,18 +212,8 @@ def check_layout_adapter(fixtures: FixtureSet, adapter: str) -> list[CheckRow]:
         pools = [LoRAWeights(spec) for _ in range(cfg.num_layers)]
         load_adapter_into_slot(pools, SLOT, read)
         disk_layers = [ckpt.layer(li) for li in range(cfg.num_layers)]
-        for li, layer in enumerate(merged):
-            disk = disk_layers[li]
-            rows += compare_layer(model=model, adapter=adapter, source="per-module", layer=li, moe=disk.moe,
-                                  dense=_dense(disk, cfg), pool=pools[li], top_k=cfg.top_k, seed=_seed(adapter, li),
-                                  shared=disk.shared_expert, dense_bias=_bias(disk), **_hf_side(layer))
-        if backend_available():
-            for li, disk in enumerate(disk_layers):
-                rows += compare_backend_layer(model=model, adapter=adapter, layer=li, moe=disk.moe,
-                                              dense=_dense(disk, cfg), shared=disk.shared_expert,
-                                              dense_bias=_bias(disk), pool=pools[li],
-                                              lora_side=_hf_side(merged[li]), base_side=_hf_side(base_layers[li]),
-                                              seed=_seed(adapter, "backend", li))
+        rows += _per_module_rows(model, adapter, cfg, disk_layers, pools, merged)
+        rows += _backend_rows(model, adapter, cfg, disk_layers, pools, merged, base_layers)
     return rows
 
 
