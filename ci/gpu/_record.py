@@ -81,12 +81,16 @@ def hypothesis_examples(output: str) -> dict[str, dict[str, int]]:
 
 
 def run_timed(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], note: str = "",
-              log: Path | None = None, budget_s: float | None = None) -> tuple[subprocess.CompletedProcess, float, str]:
+              log: Path | None = None, budget_s: float | None = None,
+              echo: bool = False) -> tuple[subprocess.CompletedProcess, float, str]:
     """Print and run ``cmd``, streaming its output line by line to ``log`` (flushed, so a run cut
     short by the device's call limit still leaves what it printed) and keeping it for the caller.
 
     ``budget_s``: after that many seconds the command gets SIGINT (pytest then stops at the current
-    test and still writes its JUnit / JSON reports), and SIGKILL 60 s later.
+    test and still writes its JUnit / JSON reports), and SIGKILL 60 s later. ``echo``: also print each
+    line the moment it arrives (a caller whose own stdout is the log, as a GPU matrix cell's is).
+    A SIGINT to this process (the matrix's cell timeout interrupts the whole process group) does not
+    stop the reading: the command got it too, and what it prints while it stops is kept.
 
     Returns:
         (the finished process, with ``stdout`` = the whole output; wall seconds; the output).
@@ -105,12 +109,20 @@ def run_timed(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], note: str =
     if timer:
         timer.daemon = True
         timer.start()
-    try:
+    def _pump() -> None:
         for line in proc.stdout:
             lines.append(line)
+            if echo:
+                print(line, end="", flush=True)
             if sink:
                 sink.write(line)
                 sink.flush()
+
+    try:
+        try:
+            _pump()
+        except KeyboardInterrupt:
+            _pump()  # the rest: the command's summary as it stops (a second SIGINT ends this too)
         proc.wait()
     finally:
         if timer:

@@ -29,15 +29,18 @@ def main() -> int:
     parser.add_argument("--out", default="kernels_gpu.json", help="where to write the JSON record")
     parser.add_argument("--tests", action="append", default=None,
                         help="test files under packages/kernels/tests to run (repeatable; default: all)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="interrupt pytest after this many seconds (it still reports what ran)")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args()
 
     env = dict(source_env(SOURCES), MOELORA_PROFILE=args.profile)
     tests = [f"packages/kernels/tests/{t}" for t in args.tests] if args.tests else ["packages/kernels/tests"]
-    cmd = [sys.executable, "-m", "pytest", *tests, "-p", "no:cacheprovider", "-q", "-rfEs",
+    # -v and --durations: a run cut short (budget, the matrix's timeout) still says which test ran how long
+    cmd = [sys.executable, "-m", "pytest", *tests, "-p", "no:cacheprovider", "-v", "-rfEs", "--durations=25",
            "--hypothesis-show-statistics", *args.pytest_args]
-    proc, wall, output = run_timed(cmd, cwd=ROOT, env=env, note=f"(MOELORA_PROFILE={args.profile})")
-    print(output)
+    proc, wall, _ = run_timed(cmd, cwd=ROOT, env=env, note=f"(MOELORA_PROFILE={args.profile})",
+                              budget_s=args.budget_s, echo=True)
     record = {**environment(), "profile": args.profile, "exit_code": proc.returncode, "wall_s": round(wall, 1),
               "summary": pytest_summary(proc.stdout), "examples": hypothesis_examples(proc.stdout)}
     write_record(args.out, record)

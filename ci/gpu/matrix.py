@@ -231,6 +231,10 @@ def _mode_filter(cell: Cell) -> str:
     return " or ".join(terms)
 
 
+#: Seconds a kernels cell leaves pytest, between its interrupt and the cell's timeout, to report.
+KERNELS_REPORT_S = 40.0
+
+
 def command(cell: Cell, work: Path) -> list[str]:
     """The command line of ``cell``, writing its suite's own report under ``work``.
 
@@ -239,7 +243,9 @@ def command(cell: Cell, work: Path) -> list[str]:
     """
     py, suite, o = sys.executable, cell.axes["suite"], cell.options
     if suite == "kernels":
-        cmd = [py, "ci/gpu/kernels_gpu.py", "--profile", cell.axes["profile"], "--out", str(work / "kernels.json")]
+        # pytest interrupted before the cell's timeout, so the record keeps what ran and how long
+        cmd = [py, "ci/gpu/kernels_gpu.py", "--profile", cell.axes["profile"], "--out", str(work / "kernels.json"),
+               "--budget-s", f"{max(30.0, cell.timeout_s - KERNELS_REPORT_S):.0f}"]
         for test in cell.tests:
             cmd += ["--tests", test]
         if "pytest_k" in o:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -174,6 +175,8 @@ def test_parts_split_a_cell_into_calls_with_their_own_tests_estimates_and_option
     assert (routing.estimate_s, routing.timeout_s, lora.estimate_s, lora.timeout_s) == (100, 150, 300, 450)
     cmd = matrix.command(routing, tmp_path)
     assert cmd[cmd.index("--tests") + 1] == "test_kernel_align.py" and cmd.count("--tests") == 2
+    # pytest is interrupted before the cell's timeout, leaving it time to report what ran
+    assert float(cmd[cmd.index("--budget-s") + 1]) == routing.timeout_s - matrix.KERNELS_REPORT_S
     assert "benchmarks/bench_engine.py" in matrix.command(bench, tmp_path)
     cmd = matrix.command(engine, tmp_path)
     assert "packages/runner/tests/test_graph_state.py" in cmd and "--junitxml" in cmd
@@ -269,3 +272,20 @@ def test_the_readme_block_is_generated_from_the_records_and_a_file_without_it_is
     with pytest.raises(matrix.MatrixError, match="gpu-matrix"):
         matrix.update_readme(bare, rows)
     assert bare.read_text() == "no block\n"
+
+
+def test_run_timed_keeps_what_an_interrupted_command_prints_as_it_stops(tmp_path, capsys):
+    """A kernels cell cut by its budget: the child gets SIGINT, prints its summary, and every line
+    (echoed live and in the log) is kept (ci/gpu/_record.py run_timed)."""
+    sys.path.insert(0, str(Path(matrix.__file__).parent))
+    from _record import run_timed
+
+    child = ("import time, sys\nprint('started', flush=True)\n"
+             "try:\n    time.sleep(30)\nexcept KeyboardInterrupt:\n    print('summary after interrupt', flush=True)\n"
+             "    sys.exit(2)\n")
+    log = tmp_path / "log.txt"
+    proc, wall, output = run_timed([sys.executable, "-c", child], cwd=tmp_path, env=dict(os.environ), log=log,
+                                   budget_s=1.0, echo=True)
+    assert proc.returncode == 2 and wall < 20
+    assert output.splitlines() == ["started", "summary after interrupt"] == log.read_text().splitlines()
+    assert "summary after interrupt" in capsys.readouterr().out
