@@ -11,13 +11,15 @@ model-dtype intermediates); in fp32, a 5e-5 error of the delta is still caught o
 of either block at the interpret and dev caps; the one-token fp16 GPT-OSS case (biases, the clamp
 binding) on which the SwiGLU-only allowance failed a correct rounding backend's delta check (RMS
 1.5e-3, bound 1e-3) passes, while backends that read gate_up_out's columns interleaved or add the
-delta after the clamp still fail a one-token GPT-OSS case;
-the one-token fp16 dense case on which ``triton`` and ``csgmv`` (their segmented LoRA stores the
-shrink output in fp16) failed the plain output check at RMS 1.3e-3 (bound 1e-3) passes, while the
-reference needs no allowance there.
+delta after the clamp still fail a one-token GPT-OSS case; the activation bound is first order below
+swiglu_oai's limit, crosses it within the error, is 0 strictly inside the clamped region and follows
+``(up + 1)``; the one-token fp16 dense case on which ``triton`` and ``csgmv`` (their segmented LoRA
+stores the shrink output in fp16) failed the plain output check at RMS 1.3e-3 (bound 1e-3) passes,
+while the reference needs no allowance there.
 """
 
 import importlib.util
+import math
 from dataclasses import replace
 
 import pytest
@@ -29,16 +31,17 @@ from moelora_conformance.examples.torch_backend import make_backend as make_prod
 from moelora_conformance.harness import CheckContext, Layer, Oracle, assert_close, assert_delta_close, check_run
 from moelora_conformance.harness import expected as expected_module
 from moelora_conformance.harness.checks import DeltaMismatch, OutputMismatch
-from moelora_conformance.harness.moe_rounding import moe_rounding_scale
+from moelora_conformance.harness.moe_rounding import _activation_error, moe_rounding_scale
 from moelora_conformance.profiles import PROFILES
 from moelora_conformance.strategies import BatchPlan, LayerShape, MoELoRACase, RoutingPlan, SlotAdapter
 from moelora_conformance.strategies.adapters import pool_ranks, pool_scalings
 from moelora_conformance.strategies.cases import BLOCKS, moe_lora_cases
 from moelora_core import BatchSpec, ForwardMode, Request
 from moelora_core.backend import load_backend
-from moelora_core.moe_activation import SILU
+from moelora_core.moe_activation import SILU, SWIGLU_OAI, MoEActivation
 from moelora_reference.backend import make_backend as make_reference
 from moelora_reference.base_moe import split_gate_up
+from moelora_reference.oracle import gated_activation
 
 CPU = torch.device("cpu")
 KERNELS = importlib.util.find_spec("moelora_backends") is not None
@@ -238,3 +241,41 @@ def test_the_gpt_oss_allowance_still_catches_a_wrong_backend(mutant, path):
     ctx = CheckContext(case.describe(), case.seed, case.dtype, CPU)
     with pytest.raises((OutputMismatch, DeltaMismatch)):
         check_run(Oracle(layer), inp, run, base, ctx, "eager")
+
+
+def _unclamped_slopes(g, u, act):
+    """(∂h/∂g, ∂h/∂u) of the oracle's activation with its clamp lifted, at (g, u)."""
+    g, u = g.clone().requires_grad_(), u.clone().requires_grad_()
+    return torch.autograd.grad(gated_activation(g, u, replace(act, limit=math.inf)).sum(), (g, u))
+
+
+def test_the_activation_bound_follows_the_clamp_and_up_plus_one():
+    act = MoEActivation("swiglu_oai", alpha=SWIGLU_OAI.alpha, limit=0.75)
+    e = 1e-3
+    # below the limit; within e of it (below, above); strictly clamped
+    g = torch.tensor([-0.5, 0.3, 0.75 - e / 2, 0.75 + e / 2, 0.75 + 2 * e, 2.0], dtype=torch.float64)
+    u = torch.tensor([0.4, -0.6, 0.4, 0.4, 0.4, 0.4], dtype=torch.float64)
+    zero, err = torch.zeros_like(g), torch.full_like(g, e)
+    _, from_gate = _activation_error(g, u, err, zero, act)
+    slope_g, _ = _unclamped_slopes(g.clamp(max=act.limit), u, act)
+    torch.testing.assert_close(from_gate[:2], slope_g[:2].abs() * e, rtol=1e-2, atol=0)  # first order
+    assert bool((from_gate[2:4] > 0).all())  # a rounding can cross the limit ...
+    assert bool((from_gate[2:4] <= slope_g[2:4].abs() * e * 1.01).all())  # ... by the unclamped slope at most
+    assert bool((from_gate[4:] == 0).all())  # clamped beyond e
+    # (up + 1): no gate slope at u = -1 (GPT-OSS's limit 7: u unclamped), where silu(g)·u has one
+    g, u = torch.tensor([0.3, 0.3], dtype=torch.float64), torch.tensor([-1.0, 0.0], dtype=torch.float64)
+    _, from_gate = _activation_error(g, u, torch.full_like(g, e), torch.zeros_like(g), SWIGLU_OAI)
+    assert float(from_gate[0]) == 0 and float(from_gate[1]) > 0
+    # up: clamped at ±L as well, the gate's value as its slope
+    u = torch.tensor([0.2, -0.75 + e / 2, 0.75 + 2 * e, -2.0], dtype=torch.float64)
+    g = torch.full_like(u, 0.5)
+    _, from_up = _activation_error(g, u, torch.zeros_like(u), torch.full_like(u, e), act)
+    _, slope_u = _unclamped_slopes(g, u, act)
+    torch.testing.assert_close(from_up[:1], slope_u[:1].abs() * e, rtol=1e-2, atol=0)
+    assert bool((from_up[1] > 0) & (from_up[1] <= slope_u[1].abs() * e * 1.01))
+    assert bool((from_up[2:] == 0).all())
+    # SiLU: silu'(g)·u·e_g + silu(g)·e_u, first order
+    g, u = torch.tensor([-1.0, 0.5, 3.0], dtype=torch.float64), torch.tensor([0.7, -1.0, 2.0], dtype=torch.float64)
+    _, both = _activation_error(g, u, torch.full_like(g, e), torch.full_like(g, e), SILU)
+    slope_g, slope_u = _unclamped_slopes(g, u, SILU)
+    torch.testing.assert_close(both, (slope_g.abs() + slope_u.abs()) * e, rtol=1e-2, atol=0)
