@@ -152,8 +152,8 @@ class Oracle:
         # a fused moe_forward may store its intermediates in the model dtype, as an engine does
         stored = layer.spec.dtype if layer.moe_path == "fused" else layer.intermediate_dtype
         kw = dict(act_dtype=layer.spec.dtype, intermediate_dtype=stored)
-        rounding = moe_rounding_scale(x, ids, w, base.w_gate_up, base.w_down, lora, mapping, **kw)
-        output = moe_rounding_scale(x, ids, w, base.w_gate_up, base.w_down, lora, mapping, include_base=True, **kw)
+        rounding = moe_rounding_scale(x, ids, w, base, lora, mapping, **kw)
+        output = moe_rounding_scale(x, ids, w, base, lora, mapping, include_base=True, **kw)
         return MoEExpected(y, delta, rounding, output)
 
     def expected(self, inp: BatchInputs, run: LayerOutput) -> Expected:
