@@ -278,7 +278,11 @@ def command(cell: Cell, work: Path) -> list[str]:
 
 def cell_env(cell: Cell, env: dict[str, str], work: Path) -> dict[str, str]:
     """The environment of ``cell``: the common one, plus, for engine cells, the runner tests' CUDA
-    switches (engines on the GPU in the cell's dtype, the gpu profile, measurements under ``work``)."""
+    switches (engines on the GPU in the cell's dtype, the gpu profile, measurements under ``work``),
+    and for kernels cells with ``max_examples`` the profile's example count overridden."""
+    if cell.axes["suite"] == "kernels" and "max_examples" in cell.options:
+        # the example budget that fits a call (the layer tests run the oracle on the host: ~6 s an example)
+        return dict(env, MOELORA_MAX_EXAMPLES=str(cell.options["max_examples"]))
     if cell.axes["suite"] != "engine":
         return env
     dtype = TORCH_DTYPE.get(cell.axes["dtype"], "bfloat16")

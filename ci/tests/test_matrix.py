@@ -175,6 +175,12 @@ def test_parts_split_a_cell_into_calls_with_their_own_tests_estimates_and_option
     assert (routing.estimate_s, routing.timeout_s, lora.estimate_s, lora.timeout_s) == (100, 150, 300, 450)
     cmd = matrix.command(routing, tmp_path)
     assert cmd[cmd.index("--tests") + 1] == "test_kernel_align.py" and cmd.count("--tests") == 2
+    # a kernels part's max_examples overrides the profile's example count; the others keep it
+    layer = matrix.Cell({a: "-" for a in matrix.AXES} | {"suite": "kernels", "profile": "gpu"}, 1.0, 1.0,
+                        {"max_examples": 40, "pytest_k": "test_layer"}, tests=("test_kernel_moe_lora.py",))
+    assert matrix.cell_env(layer, {"A": "1"}, tmp_path) == {"A": "1", "MOELORA_MAX_EXAMPLES": "40"}
+    assert matrix.cell_env(routing, {"A": "1"}, tmp_path) == {"A": "1"}
+    assert matrix.command(layer, tmp_path)[-2:] == ["-k", "test_layer"]
     # pytest is interrupted before the cell's timeout, leaving it time to report what ran
     assert float(cmd[cmd.index("--budget-s") + 1]) == routing.timeout_s - matrix.KERNELS_REPORT_S
     assert "benchmarks/bench_engine.py" in matrix.command(bench, tmp_path)
