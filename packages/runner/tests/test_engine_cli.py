@@ -72,6 +72,32 @@ def test_generate_writes_every_request_in_input_order(files, fixture_set, capsys
     assert "moelora_tokens_total" in metrics and "moelora_step_latency_seconds_bucket" in metrics
 
 
+def test_generate_serves_shared_outer_adapters_stored_once(files, fixture_set, capsys):
+    """``--expert-layout shared_outer``: the layout fixtures served as the Python API serves them with
+    ``expert_layout="shared_outer"``, the sizing line naming the layout; a per-expert adapter is refused
+    at start-up (exit 2) by such a pool."""
+    tmp = files[3]
+    layout = {n: fixture_set.layout_adapter_dir(n) for n, e in sorted(fixture_set.layout_adapters().items())
+              if e["model"] == MODEL}
+    names = sorted(layout)
+    rows = [{"request_id": f"q{i}", "prompt_token_ids": [3 + i, 11, 7], "max_new_tokens": 3,
+             **({"adapter": names[i % len(names)]} if i % 3 else {})} for i in range(6)]
+    argv = ["generate", "--model", str(fixture_set.model_dir(MODEL)), "--max-lora-rank", "16", "--no-progress",
+            "--expert-layout", "shared_outer", *[a for n, d in layout.items() for a in ("--adapter", f"{n}={d}")],
+            "--requests", str(_write(tmp / "layout.jsonl", rows)), "--output", str(tmp / "layout-out.jsonl")]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "expert factors shared_outer" in err
+    engine = Engine(fixture_set.model_dir(MODEL), max_lora_rank=16, expert_layout="shared_outer")
+    for name, path in layout.items():
+        engine.load_adapter(name, path)
+    api = engine.generate(rows)
+    assert [o["output_token_ids"] for o in _lines(tmp / "layout-out.jsonl")] == [o.output_token_ids for o in api]
+    per_expert = ["--adapter", f"r8={fixture_set.adapter_dir(f'{MODEL}-r8')}"]
+    assert main([*argv, *per_expert]) == 2
+    assert "adapter 'r8' refused: ExpertLayoutError" in capsys.readouterr().err
+
+
 def test_a_failed_request_is_written_and_exits_1(files, capsys):
     argv, requests, _, tmp = files
     _write(tmp / "requests.jsonl", [*requests[:2], {"request_id": "bad", "prompt_token_ids": [3], "adapter": "nope"},

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from moelora_core.errors import MoeLoraError
+from moelora_core.layer_spec import EXPERT_LAYOUTS
 from moelora_runner.graph_config import PREFILL_MODES
 from moelora_runner.moe_paths import MOE_IMPLS
 
@@ -61,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-lora-rank", type=int, default=64, help="the pool's max rank R (default 64)")
     g.add_argument("--max-loras-per-batch", type=int, default=None, help="distinct adapters per batch "
                    "(default: --max-loras)")
+    g.add_argument("--expert-layout", choices=list(EXPERT_LAYOUTS), default="per_expert",
+                   help="which expert factors each adapter slot stores once (shared_outer, fully_shared: "
+                        "adapters exported with shared factors, conformance/docs/checkpoints.md; default "
+                        "per_expert, where any adapter fits and a shared factor is broadcast)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget (default 2048)")
     g.add_argument("--kv-cache-tokens", type=int, default=8192, help="KV cache size in tokens (default 8192)")
     g.add_argument("--moe-impl", choices=list(MOE_IMPLS), default=None,
@@ -164,7 +169,7 @@ def serve(args: argparse.Namespace, rank: int = 0) -> int:
     try:
         engine = Engine(args.model, backend=args.backend, dtype=args.dtype, device=device, tp=args.tp, ep=args.ep,
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                        max_loras_per_batch=args.max_loras_per_batch,
+                        max_loras_per_batch=args.max_loras_per_batch, expert_layout=args.expert_layout,
                         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens,
                         moe_impl=args.moe_impl, graph=args.graph, decode_graph=args.decode_graph,
                         max_num_requests=args.max_num_requests, prefill_token_buckets=args.prefill_token_buckets,

@@ -25,9 +25,10 @@ def human_bytes(n: float) -> str:
 def sizing_line(engine) -> str:
     """One line: model bytes, KV cache tokens and bytes, bytes per adapter slot, the configuration."""
     s = engine.sizing()
+    layout = "" if engine.expert_layout == "per_expert" else f", expert factors {engine.expert_layout}"
     return (f"moelora: model {human_bytes(s['model_bytes'])}; KV cache {s['kv_cache_tokens']} tokens "
             f"({human_bytes(s['kv_cache_bytes'])}, {s['kv_bytes_per_token']} B/token); adapter slot "
-            f"{human_bytes(s['adapter_slot_bytes'])} x {s['max_loras']} slots (R {s['max_lora_rank']}); "
+            f"{human_bytes(s['adapter_slot_bytes'])} x {s['max_loras']} slots (R {s['max_lora_rank']}{layout}); "
             f"backend {engine.backend_name}, dtype {str(engine.dtype).removeprefix('torch.')}, "
             f"device {engine.device}, moe-impl {engine.moe_impl}; {graphs_text(engine.graphs)}"
             + (f"; {engine.parallel.describe()} (sizes per rank)" if engine.parallel.parallel else ""))

@@ -171,6 +171,7 @@ class Engine:
         if expert_layout not in EXPERT_LAYOUTS:
             raise EngineConfigError("expert_layout", f"must be one of {tuple(EXPERT_LAYOUTS)}, got {expert_layout!r}")
         spec = replace(spec, expert_layout=expert_layout)
+        self.expert_layout = expert_layout
         factory = load_backend(backend)
         self.backend = factory(spec)
         caps = self.backend.capabilities()
