@@ -286,7 +286,9 @@ def test_run_timed_keeps_what_an_interrupted_command_prints_as_it_stops(tmp_path
     sys.path.insert(0, str(Path(matrix.__file__).parent))
     from _record import run_timed
 
-    child = ("import time, sys\nprint('started', flush=True)\n"
+    # the child sets its own SIGINT handler: under xdist, workers ignore SIGINT and children inherit that
+    child = ("import signal, time, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+             "print('started', flush=True)\n"
              "try:\n    time.sleep(30)\nexcept KeyboardInterrupt:\n    print('summary after interrupt', flush=True)\n"
              "    sys.exit(2)\n")
     log = tmp_path / "log.txt"
