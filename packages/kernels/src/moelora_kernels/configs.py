@@ -27,13 +27,13 @@ from moelora_kernels._common import interpreting
 #: The single config used under the Triton interpreter (tiles of 32; no pipelining).
 INTERPRETER_CONFIG: dict[str, int] = {
     "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "BLOCK_S": 32, "N_SPLIT": 1, "FUSED": 1, "SPLIT_K": 1,
-    "ALIGN_SPLIT": 1, "num_warps": 4, "num_stages": 1,
+    "ALIGN_SPLIT": 1, "SLICES_PER_PROGRAM": 1, "num_warps": 4, "num_stages": 1,
 }
 
 #: Used on a GPU when no table entry matches (and as the base every entry overrides).
 GPU_FALLBACK_CONFIG: dict[str, int] = {
     "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_S": 32, "N_SPLIT": 1, "FUSED": 1, "SPLIT_K": 1,
-    "ALIGN_SPLIT": 1, "num_warps": 4, "num_stages": 3,
+    "ALIGN_SPLIT": 1, "SLICES_PER_PROGRAM": 1, "num_warps": 4, "num_stages": 3,
 }
 
 _CONFIG_DIR = Path(__file__).parent / "configs"

@@ -41,6 +41,9 @@ from moelora_kernels.fused_moe import used_blocks_bound
 STAGES: tuple[str, ...] = ("gate_up", "down")
 #: Most split-K parts of the shrink: past K / BLOCK_K parts the extra programs have no K to reduce.
 MAX_SPLIT_K = 16
+#: Values of the fused kernel's ``SLICES_PER_PROGRAM``: 1 = one program per (block, slice); 2 = one
+#: program per block does both gate_up slices (each x tile loaded once for gate and up).
+SLICES_PER_PROGRAM: tuple[int, ...] = (1, 2)
 #: LoRAWeights modules of each stage.
 STAGE_MODULES: dict[str, tuple[str, ...]] = {"gate_up": ("gate", "up"), "down": ("down",)}
 
@@ -118,6 +121,16 @@ def _split_k(cfg: dict) -> int:
     if not isinstance(split_k, int) or not 1 <= split_k <= MAX_SPLIT_K:
         raise KernelPreconditionError(f"SPLIT_K: must be an int in [1, {MAX_SPLIT_K}], got {split_k!r}")
     return split_k
+
+
+def _slices_per_program(cfg: dict, slices: int) -> int:
+    """The fused kernel's slices per program: the config's ``SLICES_PER_PROGRAM`` (1 or 2), at most
+    the stage's slices (a one-slice stage, "down", runs 2 as 1, so one default table entry can
+    serve both stages)."""
+    spp = cfg["SLICES_PER_PROGRAM"]
+    if type(spp) is not int or spp not in SLICES_PER_PROGRAM:
+        raise KernelPreconditionError(f"SLICES_PER_PROGRAM: must be one of {SLICES_PER_PROGRAM}, got {spp!r}")
+    return min(spp, slices)
 
 
 def _per_slice(name, t, stage, L, dtypes, device):
@@ -376,7 +389,8 @@ def fused_moe_lora(
     if st.num_pairs == 0:
         return out
     cfg = kernel_config("fused_moe_lora", rows=st.num_pairs, N=N, K=K, R=st.rank_bound, overrides=config)
-    grid = check_grid("fused_moe_lora", (st.grid_m, st.L, st.slices * cfg["N_SPLIT"]))
+    spp = _slices_per_program(cfg, st.slices)
+    grid = check_grid("fused_moe_lora", (st.grid_m, st.L, st.slices // spp * cfg["N_SPLIT"]))
     _fused_moe_lora_kernel[grid](
         x, a, b, out2, weights if weights is not None else st.scalings,
         align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded, st.enabled_arg(), st.ranks,
@@ -388,7 +402,7 @@ def fused_moe_lora(
         out2.stride(0), *cols,
         align.sorted_token_ids.stride(0), align.expert_ids.stride(0), st.ranks.stride(0), st.scalings.stride(0),
         BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"],
-        N_SPLIT=cfg["N_SPLIT"],
+        N_SPLIT=cfg["N_SPLIT"], SLICES=spp,
         HAS_ENABLED=adapter_enabled is not None, MUL_ROUTED_WEIGHT=weights is not None,
         **gemm_launch_options(dtype, tf32, cfg),
     )
