@@ -1,6 +1,7 @@
 """Triton kernels of the fused MoE-LoRA delta: shrink, expand, and shrink+expand fused per block.
 
-Every program owns one alignment block (BLOCK_M rows of one (slot, expert)) of one slice:
+Every program owns one alignment block (BLOCK_M rows of one (slot, expert)) of one slice (the fused
+kernel with ``SLICES = 2``: of both gate_up slices):
 
 - shrink:  t[s, p, :]  = A[s, slot, e] · in[p // in_row_div]                  (rank-wide, rounded to dtype)
   or, split over K (``SPLIT_K`` programs per block and slice, each a contiguous K range):
@@ -9,6 +10,12 @@ Every program owns one alignment block (BLOCK_M rows of one (slot, expert)) of o
   (from split partials: t[s, p] = Σ_j part[j, s, p] in j order, in fp32, rounded once to dtype)
 - fused:   both in one program: the rank-wide t stays in registers, then the program walks its
   share of the N columns (``N_SPLIT`` programs share one block's columns and each recompute t).
+  ``SLICES`` (the config key ``SLICES_PER_PROGRAM``) = 2 gives one program both gate_up slices of
+  its block: each x tile is loaded once and multiplied against the gate and up A tiles side by side
+  (one [BLOCK_K, 2·BLOCK_R] weight tile, so one dot), t is split into its two rank ranges in
+  registers, and each N tile is expanded for gate and up into their own columns. A slice of rank 0
+  is masked (its A and B are never loaded, its columns never written), so the block exits early only
+  when both slices have no work; the block's expert is the one the live slice reports.
 
 Slices: stage "gate_up" has two (s = 0 gate, 1 up), each with its own A and B, writing column
 ``s·stride_os + n·stride_on`` of gate_up_out: (I, 1) for the "halves" layout (columns [s·I, (s+1)·I)),
@@ -96,7 +103,9 @@ def _shrink_block(x_ptr, a_ptr, pairs, row_ok, offs_r, r_ok, s, slot, expert, k_
                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                   DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """[BLOCK_M, BLOCK_R] fp32: in[pair // in_row_div] · A[s, slot, expert]ᵀ over the K columns
-    [k_lo, k_lo + K) for the block's pairs (rows not ok and rank columns not ok read 0)."""
+    [k_lo, k_lo + K) for the block's pairs (rows not ok and rank columns not ok read 0). ``s`` and
+    ``offs_r`` are the slice and rank of each column: scalars and ``arange(BLOCK_R)`` for one slice,
+    or [BLOCK_R] vectors for several side by side (the fused kernel's ``SLICES = 2``)."""
     offs_k = k_lo + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (pairs // in_row_div)[:, None] * stride_xm + offs_k[None, :]
     a_ptrs = (a_ptr + s.to(tl.int64) * stride_as + slot.to(tl.int64) * stride_al + expert * stride_ae

@@ -61,6 +61,8 @@ def kernel_config(op: str, *, rows: int, N: int | None = None, K: int | None = N
             whose ``FUSED`` says whether :func:`moelora_kernels.moe_lora_delta` runs the fused
             kernel or the shrink/expand pair at this size; ``moe_lora_shrink``'s ``SPLIT_K`` splits
             the shrink's K over that many programs per block, fp32 partials summed by the expand;
+            ``fused_moe_lora``'s ``SLICES_PER_PROGRAM`` (1 or 2) gives one program both gate_up
+            slices of a block, sharing its x tiles;
             ``moe_lora_align_block_size`` / ``moe_align_block_size``, whose ``ALIGN_SPLIT`` is the
             alignment's programs per slot).
         rows: host row count the launch is sized for (a capacity in graph mode).

@@ -10,7 +10,8 @@ Three entry points with the stage ("gate_up" or "down") an explicit argument:
 
 :func:`moe_lora_delta` takes a :class:`moelora_core.LoRAWeights` and picks the buffers, ranks and σ
 of the stage. Grids come from capacities and host ints only: ``(used-block bound, max_loras,
-slices × column parts)``; programs of disabled slots, rank-0 modules, unused and -1 blocks exit at
+slices × column parts)`` (the fused kernel with ``SLICES_PER_PROGRAM`` 2: ``slices / 2 × column
+parts``, both gate_up slices in one program); programs of disabled slots, rank-0 modules, unused and -1 blocks exit at
 once. No launcher reads a device value.
 """
 
@@ -362,6 +363,12 @@ def fused_moe_lora(
 ) -> torch.Tensor:
     """Shrink and expand in one kernel: out += σ · w · B (A in) per aligned pair (module docstring).
 
+    Block config (table ``fused_moe_lora`` per (N, R, row bucket), or ``config``): ``BLOCK_K``,
+    ``BLOCK_N``, ``N_SPLIT`` (programs sharing one block's N columns), ``SLICES_PER_PROGRAM`` (1: one
+    program per block and slice; 2: one program per block does both gate_up slices, loading each x
+    tile once for gate and up; a one-slice stage, "down", runs 2 as 1), ``num_warps``,
+    ``num_stages``. The result does not depend on them beyond the fp32 summation order.
+
     Args: as :func:`fused_moe_lora_shrink` (x, lora_a) and :func:`fused_moe_lora_expand` (lora_b,
     out, scalings, topk_weights, layout). The rank bound of both factors is ``max_rank`` (or R).
 
@@ -369,7 +376,8 @@ def fused_moe_lora(
         ``out``.
 
     Raises:
-        KernelPreconditionError: as the shrink and the expand; A and B of different pools.
+        KernelPreconditionError: as the shrink and the expand; A and B of different pools;
+            ``SLICES_PER_PROGRAM`` not one of :data:`SLICES_PER_PROGRAM` (nothing is written).
     """
     device, dtype = _check_x(x, stage)
     st = _Stage(stage, x.shape[0], lora_a, ranks, scalings, align, top_k, None, adapter_enabled, max_rank,
@@ -448,8 +456,9 @@ def moe_lora_delta(
 
     ``fused=True`` runs :func:`fused_moe_lora` (one launch); ``False`` runs the shrink then the
     expand (two launches, an intermediate in memory); ``None`` picks by size from the config
-    table (``moe_lora_path``: on the H200 the pair wins at a few rows per bucket, where its
-    column-parallel expand grid keeps more SMs busy). Both give the same result up to the fp32
+    table (``moe_lora_path`` per row bucket and R, and the stage's N where an entry names it: on the
+    H200 the pair wins at a few rows per bucket, where its column-parallel expand grid keeps more
+    SMs busy). Both give the same result up to the fp32
     rounding order of σ·w. The pair's shrink may be split over K (``split_k``, or the table's
     ``moe_lora_shrink`` ``SPLIT_K`` of the bucket when None); that changes only the fp32 summation
     order before t's rounding.
@@ -476,7 +485,9 @@ def moe_lora_delta(
     if fused is None:
         pairs = x.shape[0] * top_k if stage == "gate_up" else x.shape[0]
         rank = max_rank if max_rank is not None else weights.spec.R
-        fused = bool(kernel_config("moe_lora_path", rows=pairs, R=rank)["FUSED"])
+        # N: the stage's output width per slice, so a table entry may pick the path per stage
+        n = weights.spec.I if stage == "gate_up" else weights.spec.H
+        fused = bool(kernel_config("moe_lora_path", rows=pairs, N=n, R=rank)["FUSED"])
     if fused and split_k not in (None, 1):
         raise KernelPreconditionError(f"split_k: {split_k} parts asked of the fused kernel, which does not split K; "
                                       "pass fused=False")
