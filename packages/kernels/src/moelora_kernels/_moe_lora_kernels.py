@@ -310,6 +310,8 @@ def _fused_moe_lora_kernel(
     b_base = b_ptr + s.to(tl.int64) * stride_bs + slot.to(tl.int64) * stride_bl + expert * stride_be
     o_base = out_ptr + pairs[:, None] * stride_om + s.to(tl.int64) * stride_os
     if SLICES == 2:
+        # (the launcher gives 2 only to gate_up, whose second slice's scale is σ alone)
+        tl.static_assert(not MUL_ROUTED_WEIGHT, "SLICES = 2 is for the unweighted two-slice stage")
         # t's two rank ranges apart; a rank-0 slice writes nothing (its rows stay bit-identical)
         t, t_u = tl.split(tl.permute(tl.reshape(t, [BLOCK_M, 2, BLOCK_R]), [0, 2, 1]))
         row_scale_u = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(scalings_ptr + (s + 1) * stride_scaling_s
