@@ -11,7 +11,7 @@ its bits (NaN, and -0.0, which an ``old + 0`` store would turn into +0.0). Named
 gate with a live up (and the reverse) next to mixed ranks, a disabled slot, expert ids -1, E and
 E+1, with and without a host max_rank; a shared-outer pool (gate_up A stored once per slot) in both
 layouts; the one-slice "down" stage runs 2 as 1, bit for bit; invalid values refused before any
-write.
+write; the variant compiles for sm_90 (through ptxas, on the CPU) with the shipped Qwen3 tiles.
 """
 
 import re
@@ -20,7 +20,15 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kernel_testing import DEVICE, assert_bitwise_equal, assert_close, launch_guard, randn
+from kernel_testing import (
+    DEVICE,
+    H200_MAX_SHARED,
+    assert_bitwise_equal,
+    assert_close,
+    compile_for_h200,
+    launch_guard,
+    randn,
+)
 from moe_lora_testing import enabled_of, handled, make_pool, stage_inputs
 
 from moelora_conformance.strategies import moe_lora_cases
@@ -204,3 +212,71 @@ def test_an_invalid_slices_per_program_is_refused_before_any_write(bad):
     ):
         run_fused("gate_up", x, out, w, align, 2, None, enabled, bad, "halves")
     assert_bitwise_equal(out, before, what="out after a refused SLICES_PER_PROGRAM")
+
+
+def _qwen3_gate_up_args(R, layout, M=128, L=4, E=128, H=2048, I=768, block_m=16):
+    """The fused kernel's runtime arguments for the Qwen3-30B-A3B gate_up stage (bf16, 4 slots)."""
+    P = -(-(M * 8 + E * (block_m - 1)) // block_m) * block_m
+    ptrs = {n: "bf16" for n in ("x_ptr", "a_ptr", "b_ptr", "out_ptr")}
+    ptrs |= {n: "fp32" for n in ("topk_weights_ptr", "scalings_ptr")}
+    ptrs |= {
+        n: "i32"
+        for n in (
+            "sorted_token_ids_ptr",
+            "expert_ids_ptr",
+            "num_tokens_post_padded_ptr",
+            "adapter_enabled_ptr",
+            "ranks_ptr",
+        )
+    }
+    cols = (I, 1) if layout == "halves" else (1, 2)
+    return ptrs | {
+        "K": H,
+        "N": I,
+        "rank_bound": R,
+        "num_pairs": M * 8,
+        "in_row_div": 8,
+        "num_experts": E,
+        "stride_xm": H,
+        "stride_as": L * E * R * H,
+        "stride_al": E * R * H,
+        "stride_ae": R * H,
+        "stride_ar": H,
+        "stride_bs": L * E * I * R,
+        "stride_bl": E * I * R,
+        "stride_be": I * R,
+        "stride_bn": R,
+        "stride_om": 2 * I,
+        "stride_os": cols[0],
+        "stride_on": cols[1],
+        "stride_sorted": P,
+        "stride_expert_ids": P // block_m,
+        "stride_rank_s": L,
+        "stride_scaling_s": L,
+    }
+
+
+def test_two_slices_per_program_compile_for_the_h200():
+    # the interpreter runs code the GPU compiler rejects (layouts of tl.split / tl.reshape, shared
+    # memory): compile the variant with the shipped table's Qwen3 gate_up tiles for sm_90 here (R 16
+    # halves, R 64 interleaved), so a GPU call does not find out first (1 is the GPU-tested kernel)
+    cases, names = [], []
+    for R, (bk, bn, n_split), layout in ((16, (256, 256, 2), "halves"), (64, (128, 128, 1), "interleaved")):
+        consts = {
+            "BLOCK_M": 16,
+            "BLOCK_R": R,
+            "BLOCK_K": bk,
+            "BLOCK_N": bn,
+            "N_SPLIT": n_split,
+            "SLICES": 2,
+            "HAS_ENABLED": True,
+            "MUL_ROUTED_WEIGHT": False,
+            "DOT_PRECISION": "tf32",
+            "UPCAST": False,
+        }
+        cases.append({"args": _qwen3_gate_up_args(R, layout), "constexprs": consts, "num_warps": 4, "num_stages": 3})
+        names.append(f"R={R} {layout}")
+    results = compile_for_h200("moelora_kernels._moe_lora_kernels:_fused_moe_lora_kernel", cases)
+    for name, r in zip(names, results, strict=True):
+        assert "error" not in r, f"{name}: {r.get('error')}"
+        assert 0 < r["shared"] <= H200_MAX_SHARED, f"{name}: shared memory {r['shared']} B"
