@@ -11,8 +11,8 @@ Three entry points with the stage ("gate_up" or "down") an explicit argument:
 :func:`moe_lora_delta` takes a :class:`moelora_core.LoRAWeights` and picks the buffers, ranks and σ
 of the stage. Grids come from capacities and host ints only: ``(used-block bound, max_loras,
 slices × column parts)`` (the fused kernel with ``SLICES_PER_PROGRAM`` 2: ``slices / 2 × column
-parts``, both gate_up slices in one program); programs of disabled slots, rank-0 modules, unused and -1 blocks exit at
-once. No launcher reads a device value.
+parts``, both gate_up slices in one program); programs of disabled slots, rank-0 modules, unused
+and -1 blocks exit at once. No launcher reads a device value.
 """
 
 from __future__ import annotations
@@ -458,10 +458,9 @@ def moe_lora_delta(
     expand (two launches, an intermediate in memory); ``None`` picks by size from the config
     table (``moe_lora_path`` per row bucket and R, and the stage's N where an entry names it: on the
     H200 the pair wins at a few rows per bucket, where its column-parallel expand grid keeps more
-    SMs busy). Both give the same result up to the fp32
-    rounding order of σ·w. The pair's shrink may be split over K (``split_k``, or the table's
-    ``moe_lora_shrink`` ``SPLIT_K`` of the bucket when None); that changes only the fp32 summation
-    order before t's rounding.
+    SMs busy). Both give the same result up to the fp32 rounding order of σ·w. The pair's shrink
+    may be split over K (``split_k``, or the table's ``moe_lora_shrink`` ``SPLIT_K`` of the bucket
+    when None); that changes only the fp32 summation order before t's rounding.
 
     Args:
         stage: "gate_up" (x [M, H], out [M, top_k, 2I]) or "down" (x = h [M·top_k, I], out
