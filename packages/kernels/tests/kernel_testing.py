@@ -5,6 +5,8 @@
   ``torch.cuda.set_sync_debug_mode("error")`` on, so a launcher that syncs fails the test (inputs
   are built before, results read after).
 - NaN poisoning, bitwise row checks, CPU copies for the readable twins.
+- :func:`compile_for_h200`: a kernel compiled for sm_90 on any machine (the interpreter accepts
+  code that the GPU compiler rejects).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import pytest
 import torch
 
 from moelora_core import DEFAULT_POLICY
@@ -93,3 +96,80 @@ def rows_mask(rows: torch.Tensor, num_rows: int) -> torch.Tensor:
     mask = torch.zeros(num_rows, dtype=torch.bool)
     mask[rows.cpu().long()] = True
     return mask
+
+
+
+#: Shared memory one H200 (sm_90) block may opt into, in bytes.
+H200_MAX_SHARED = 232448
+
+_COMPILE_CHILD = r"""
+import importlib, json, sys
+spec = json.load(sys.stdin)
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource, compile
+    assert get_ptxas(90).path
+except Exception as exc:
+    print(json.dumps({"skip": f"no Triton NVIDIA backend / ptxas: {exc}"}))
+    sys.exit(0)
+module, name = spec["kernel"].split(":")
+kernel = getattr(importlib.import_module(module), name)
+out = []
+for case in spec["cases"]:
+    args, consts = case["args"], dict(case["constexprs"])
+    signature, attrs = {}, {}
+    for i, arg in enumerate(kernel.arg_names):
+        if arg in consts:
+            signature[arg] = "constexpr"
+        elif isinstance(args[arg], str):  # a pointer's element type
+            signature[arg], attrs[(i,)] = "*" + args[arg], [["tt.divisibility", 16]]
+        elif args[arg] == 1:
+            signature[arg], consts[arg] = "constexpr", 1
+        else:
+            signature[arg] = "i32"
+            if args[arg] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    try:
+        c = compile(ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs),
+                    target=GPUTarget("cuda", 90, 32),
+                    options={"num_warps": case["num_warps"], "num_stages": case["num_stages"]})
+        out.append({"shared": c.metadata.shared})
+    except Exception as exc:
+        out.append({"error": f"{type(exc).__name__}: {str(exc)[-3000:]}"})
+print(json.dumps({"results": out}))
+"""
+
+
+def compile_for_h200(kernel: str, cases: list[dict]) -> list[dict]:
+    """Kernels compiled for the H200 (sm_90, through ptxas) on this machine, no GPU needed.
+
+    The compile runs in a child Python without ``TRITON_INTERPRET`` (under the interpreter
+    ``@triton.jit`` gives functions the compiler cannot take), one child for all ``cases``.
+
+    Args:
+        kernel: ``"module:name"`` of a ``@triton.jit`` kernel.
+        cases: each ``{"args", "constexprs", "num_warps", "num_stages"}``; ``args`` names every
+            runtime argument: a Triton element type (``"bf16"``, ``"i32"``, …) for a pointer, an int
+            for a scalar. The launch's specialisation is reproduced: pointers and ints divisible by
+            16 are marked so, ints equal to 1 become constants.
+
+    Returns:
+        Per case ``{"shared": bytes of shared memory}`` or ``{"error": message}``. Skips the test
+        where the installed Triton has no NVIDIA backend or ptxas.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_CHILD], input=json.dumps({"kernel": kernel, "cases": cases}),
+                          capture_output=True, text=True, env=env, timeout=600)
+    if proc.returncode != 0:
+        raise AssertionError(f"the sm_90 compile child failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    reply = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "skip" in reply:
+        pytest.skip(reply["skip"])
+    return reply["results"]

@@ -1,12 +1,16 @@
 """The shipped block-config table (``configs/h200.json``) as data: every key of every entry is one
 the lookup reads (``kernel_config`` drops unknown keys, so a misspelt ``ALIGN_SPLT`` pasted from a
-sweep would silently select the default), and the variant keys hold values their launchers accept."""
+sweep would silently select the default), and the variant keys hold values their launchers accept;
+``moe_lora_delta`` looks its path up with the stage's N (so an entry may pick the path per stage)."""
 
 import pytest
+import torch
+from kernel_testing import DEVICE
+from moe_lora_testing import make_pool, run_delta, stage_inputs
 
-from moelora_kernels import configs
+from moelora_kernels import configs, moe_lora, moe_lora_align_block_size
 from moelora_kernels.align import MAX_ALIGN_SPLIT
-from moelora_kernels.moe_lora import MAX_SPLIT_K
+from moelora_kernels.moe_lora import MAX_SPLIT_K, SLICES_PER_PROGRAM
 
 SHAPE_KEYS = {"N", "K", "R", "max_rows"}
 
@@ -24,7 +28,32 @@ def test_shipped_entries_use_only_known_keys_and_valid_values(op, entry):
         assert isinstance(v, int) and v >= (0 if key == "FUSED" else 1), f"{op} entry {entry}: {key}={v!r}"
     if "SPLIT_K" in entry:
         assert op == "moe_lora_shrink" and 1 <= entry["SPLIT_K"] <= MAX_SPLIT_K, f"{op} entry {entry}"
+    if "SLICES_PER_PROGRAM" in entry:
+        assert op == "fused_moe_lora" and entry["SLICES_PER_PROGRAM"] in SLICES_PER_PROGRAM, f"{op} entry {entry}"
     if "ALIGN_SPLIT" in entry:
         split = entry["ALIGN_SPLIT"]
         assert op in ("moe_lora_align_block_size", "moe_align_block_size"), f"{op} entry {entry}"
         assert 1 <= split <= MAX_ALIGN_SPLIT and not split & (split - 1), f"{op} entry {entry}"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("stage", ["gate_up", "down"])
+def test_moe_lora_path_is_looked_up_with_the_stages_N(stage, monkeypatch):
+    # a moe_lora_path entry keyed by N picks the path of one stage (gate_up N = I, down N = H), so a
+    # fused gate_up (e.g. SLICES_PER_PROGRAM 2) can ship next to a down stage on the pair
+    seen = []
+
+    def spy(op, **kw):
+        seen.append((op, kw))
+        return configs.kernel_config(op, **kw)
+
+    monkeypatch.setattr(moe_lora, "kernel_config", spy)
+    w = make_pool(35, L=1, E=3, H=40, I=24, R=8)
+    ids = torch.tensor([[0, 2], [1, 0], [2, 1]], dtype=torch.int32, device=DEVICE)
+    mapping = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    align = moe_lora_align_block_size(ids, mapping, 3, 32, 1)
+    gen = torch.Generator().manual_seed(35)
+    x, out, tw = stage_inputs(gen, stage, 3, 2, 40, 24, torch.float32, torch.rand(3, 2, generator=gen).to(DEVICE))
+    run_delta(stage, x, out, w, align, 2, tw, None, fused=None)
+    paths = [kw for op, kw in seen if op == "moe_lora_path"]
+    assert paths == [{"rows": 6, "N": 24 if stage == "gate_up" else 40, "R": 8}], seen

@@ -1,6 +1,7 @@
 """Triton kernels of the fused MoE-LoRA delta: shrink, expand, and shrink+expand fused per block.
 
-Every program owns one alignment block (BLOCK_M rows of one (slot, expert)) of one slice:
+Every program owns one alignment block (BLOCK_M rows of one (slot, expert)) of one slice (the fused
+kernel with ``SLICES = 2``: of both gate_up slices):
 
 - shrink:  t[s, p, :]  = A[s, slot, e] · in[p // in_row_div]                  (rank-wide, rounded to dtype)
   or, split over K (``SPLIT_K`` programs per block and slice, each a contiguous K range):
@@ -9,6 +10,12 @@ Every program owns one alignment block (BLOCK_M rows of one (slot, expert)) of o
   (from split partials: t[s, p] = Σ_j part[j, s, p] in j order, in fp32, rounded once to dtype)
 - fused:   both in one program: the rank-wide t stays in registers, then the program walks its
   share of the N columns (``N_SPLIT`` programs share one block's columns and each recompute t).
+  ``SLICES`` (the config key ``SLICES_PER_PROGRAM``) = 2 gives one program both gate_up slices of
+  its block: each x tile is loaded once and multiplied against the gate and up A tiles side by side
+  (one [BLOCK_K, 2·BLOCK_R] weight tile, so one dot), t is split into its two rank ranges in
+  registers, and each N tile is expanded for gate and up into their own columns. A slice of rank 0
+  is masked (its A and B are never loaded, its columns never written), so the block exits early only
+  when both slices have no work; the block's expert is the one the live slice reports.
 
 Slices: stage "gate_up" has two (s = 0 gate, 1 up), each with its own A and B, writing column
 ``s·stride_os + n·stride_on`` of gate_up_out: (I, 1) for the "halves" layout (columns [s·I, (s+1)·I)),
@@ -96,7 +103,9 @@ def _shrink_block(x_ptr, a_ptr, pairs, row_ok, offs_r, r_ok, s, slot, expert, k_
                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                   DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """[BLOCK_M, BLOCK_R] fp32: in[pair // in_row_div] · A[s, slot, expert]ᵀ over the K columns
-    [k_lo, k_lo + K) for the block's pairs (rows not ok and rank columns not ok read 0)."""
+    [k_lo, k_lo + K) for the block's pairs (rows not ok and rank columns not ok read 0). ``s`` and
+    ``offs_r`` are the slice and rank of each column: scalars and ``arange(BLOCK_R)`` for one slice,
+    or [BLOCK_R] vectors for several side by side (the fused kernel's ``SLICES = 2``)."""
     offs_k = k_lo + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (pairs // in_row_div)[:, None] * stride_xm + offs_k[None, :]
     a_ptrs = (a_ptr + s.to(tl.int64) * stride_as + slot.to(tl.int64) * stride_al + expert * stride_ae
@@ -215,6 +224,23 @@ def _moe_lora_expand_kernel(
 
 
 @triton.jit
+def _expand_tile(t, b_base, o_base, offs_r, r_ok, offs_n, n_ok, row_scale, row_ok, stride_bn, stride_on,
+                 DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """out[rows, n] += row_scale · (t · B[:, n]) for one [BLOCK_N] column tile of one slice: the B
+    tile from ``b_base`` (rank ``offs_r``, masked by ``r_ok``), the old output read and the sum
+    rounded once (rows not ``row_ok`` are neither read nor written)."""
+    b = tl.load(b_base + offs_n.to(tl.int64)[None, :] * stride_bn + offs_r[:, None],
+                mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+    if UPCAST:
+        b = b.to(tl.float32)
+    delta = tl.dot(t, b, input_precision=DOT_PRECISION) * row_scale[:, None]
+    o_ptrs = o_base + offs_n.to(tl.int64)[None, :] * stride_on
+    o_mask = row_ok[:, None] & n_ok[None, :]
+    old = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+    tl.store(o_ptrs, (old + delta).to(o_base.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
 def _fused_moe_lora_kernel(
     # pointers
     x_ptr, a_ptr, b_ptr, out_ptr, topk_weights_ptr,
@@ -229,28 +255,48 @@ def _fused_moe_lora_kernel(
     stride_sorted, stride_expert_ids, stride_rank_s, stride_scaling_s,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    N_SPLIT: tl.constexpr,
+    N_SPLIT: tl.constexpr, SLICES: tl.constexpr,
     HAS_ENABLED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     slot = tl.program_id(1)
-    s = tl.program_id(2) // N_SPLIT
+    s = (tl.program_id(2) // N_SPLIT) * SLICES   # this program's first slice
     part = tl.program_id(2) % N_SPLIT
-    # --- early exits ---------------------------------------------------------------------------
+    # --- early exits (SLICES = 2: the block has work if either slice has; a rank-0 slice is masked) ---
     rank, expert = _block_work(pid_m, slot, s, expert_ids_ptr, num_tokens_post_padded_ptr, adapter_enabled_ptr,
                                ranks_ptr, rank_bound, num_experts, stride_expert_ids, stride_rank_s,
                                BLOCK_M, HAS_ENABLED)
-    if rank <= 0:
+    live = rank
+    if SLICES == 2:
+        rank_u, expert_u = _block_work(pid_m, slot, s + 1, expert_ids_ptr, num_tokens_post_padded_ptr,
+                                       adapter_enabled_ptr, ranks_ptr, rank_bound, num_experts, stride_expert_ids,
+                                       stride_rank_s, BLOCK_M, HAS_ENABLED)
+        live = tl.maximum(rank, rank_u)
+        # a slice without work reports expert -1; one with work, the block's expert
+        expert = tl.maximum(expert, expert_u)
+    if live <= 0:
         return
     expert = expert.to(tl.int64)
     # --- tile ----------------------------------------------------------------------------------
     pairs, row_ok = _block_pairs(sorted_token_ids_ptr, pid_m, slot, num_pairs, stride_sorted, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
-    # --- shrink: t = in · Aᵀ over K, fp32 accumulation ---------------------------------------------
-    acc = _shrink_block(x_ptr, a_ptr, pairs, row_ok, offs_r, r_ok, s, slot, expert, 0, K, in_row_div,
+    # shrink columns: SLICES rank ranges side by side, (slice c_s, rank c_r) for column c
+    if SLICES == 1:
+        c_s = s
+        c_r = offs_r
+        c_ok = r_ok
+    else:
+        r_ok_u = offs_r < rank_u
+        offs_c = tl.arange(0, 2 * BLOCK_R)
+        c_s = s + offs_c // BLOCK_R
+        c_r = offs_c % BLOCK_R
+        c_ok = c_r < tl.where(offs_c < BLOCK_R, rank, rank_u)
+    # --- shrink: t = in · Aᵀ over K, fp32 accumulation (SLICES = 2: each x tile loaded once, one dot
+    # against both slices' A tiles side by side) ------------------------------------------------------
+    acc = _shrink_block(x_ptr, a_ptr, pairs, row_ok, c_r, c_ok, c_s, slot, expert, 0, K, in_row_div,
                         stride_xm, stride_as, stride_al, stride_ae, stride_ar,
-                        BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, UPCAST)
+                        BLOCK_M, SLICES * BLOCK_R, BLOCK_K, DOT_PRECISION, UPCAST)
     # rounding point: t in the activation dtype, as the unfused path stores it
     t = acc.to(x_ptr.dtype.element_ty)
     if UPCAST:
@@ -261,19 +307,24 @@ def _fused_moe_lora_kernel(
         row_scale = sigma * tl.load(topk_weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
     else:
         row_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + sigma
-    tiles = tl.cdiv(N, BLOCK_N)
-    tiles_per_part = tl.cdiv(tiles, N_SPLIT)
     b_base = b_ptr + s.to(tl.int64) * stride_bs + slot.to(tl.int64) * stride_bl + expert * stride_be
     o_base = out_ptr + pairs[:, None] * stride_om + s.to(tl.int64) * stride_os
+    if SLICES == 2:
+        # (the launcher gives 2 only to gate_up, whose second slice's scale is σ alone)
+        tl.static_assert(not MUL_ROUTED_WEIGHT, "SLICES = 2 is for the unweighted two-slice stage")
+        # t's two rank ranges apart; a rank-0 slice writes nothing (its rows stay bit-identical)
+        t, t_u = tl.split(tl.permute(tl.reshape(t, [BLOCK_M, 2, BLOCK_R]), [0, 2, 1]))
+        row_scale_u = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(scalings_ptr + (s + 1) * stride_scaling_s
+                                                                      + slot)
+        row_ok_u = row_ok & (rank_u > 0)
+        row_ok = row_ok & (rank > 0)
+    tiles = tl.cdiv(N, BLOCK_N)
+    tiles_per_part = tl.cdiv(tiles, N_SPLIT)
     for tile in range(part * tiles_per_part, tl.minimum(tiles, (part + 1) * tiles_per_part)):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-        b = tl.load(b_base + offs_n.to(tl.int64)[None, :] * stride_bn + offs_r[:, None],
-                    mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        if UPCAST:
-            b = b.to(tl.float32)
-        delta = tl.dot(t, b, input_precision=DOT_PRECISION) * row_scale[:, None]
-        o_ptrs = o_base + offs_n.to(tl.int64)[None, :] * stride_on
-        o_mask = row_ok[:, None] & n_ok[None, :]
-        old = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
-        tl.store(o_ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=o_mask)
+        _expand_tile(t, b_base, o_base, offs_r, r_ok, offs_n, n_ok, row_scale, row_ok, stride_bn, stride_on,
+                     DOT_PRECISION, UPCAST)
+        if SLICES == 2:
+            _expand_tile(t_u, b_base + stride_bs, o_base + stride_os, offs_r, r_ok_u, offs_n, n_ok, row_scale_u,
+                         row_ok_u, stride_bn, stride_on, DOT_PRECISION, UPCAST)

@@ -10,8 +10,9 @@ Three entry points with the stage ("gate_up" or "down") an explicit argument:
 
 :func:`moe_lora_delta` takes a :class:`moelora_core.LoRAWeights` and picks the buffers, ranks and σ
 of the stage. Grids come from capacities and host ints only: ``(used-block bound, max_loras,
-slices × column parts)``; programs of disabled slots, rank-0 modules, unused and -1 blocks exit at
-once. No launcher reads a device value.
+slices × column parts)`` (the fused kernel with ``SLICES_PER_PROGRAM`` 2: ``slices / 2 × column
+parts``, both gate_up slices in one program); programs of disabled slots, rank-0 modules, unused
+and -1 blocks exit at once. No launcher reads a device value.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ from moelora_kernels.fused_moe import used_blocks_bound
 STAGES: tuple[str, ...] = ("gate_up", "down")
 #: Most split-K parts of the shrink: past K / BLOCK_K parts the extra programs have no K to reduce.
 MAX_SPLIT_K = 16
+#: Values of the fused kernel's ``SLICES_PER_PROGRAM``: 1 = one program per (block, slice); 2 = one
+#: program per block does both gate_up slices (each x tile loaded once for gate and up).
+SLICES_PER_PROGRAM: tuple[int, ...] = (1, 2)
 #: LoRAWeights modules of each stage.
 STAGE_MODULES: dict[str, tuple[str, ...]] = {"gate_up": ("gate", "up"), "down": ("down",)}
 
@@ -118,6 +122,16 @@ def _split_k(cfg: dict) -> int:
     if not isinstance(split_k, int) or not 1 <= split_k <= MAX_SPLIT_K:
         raise KernelPreconditionError(f"SPLIT_K: must be an int in [1, {MAX_SPLIT_K}], got {split_k!r}")
     return split_k
+
+
+def _slices_per_program(cfg: dict, slices: int) -> int:
+    """The fused kernel's slices per program: the config's ``SLICES_PER_PROGRAM`` (1 or 2), at most
+    the stage's slices (a one-slice stage, "down", runs 2 as 1, so one default table entry can
+    serve both stages)."""
+    spp = cfg["SLICES_PER_PROGRAM"]
+    if type(spp) is not int or spp not in SLICES_PER_PROGRAM:
+        raise KernelPreconditionError(f"SLICES_PER_PROGRAM: must be one of {SLICES_PER_PROGRAM}, got {spp!r}")
+    return min(spp, slices)
 
 
 def _per_slice(name, t, stage, L, dtypes, device):
@@ -349,6 +363,12 @@ def fused_moe_lora(
 ) -> torch.Tensor:
     """Shrink and expand in one kernel: out += σ · w · B (A in) per aligned pair (module docstring).
 
+    Block config (table ``fused_moe_lora`` per (N, R, row bucket), or ``config``): ``BLOCK_K``,
+    ``BLOCK_N``, ``N_SPLIT`` (programs sharing one block's N columns), ``SLICES_PER_PROGRAM`` (1: one
+    program per block and slice; 2: one program per block does both gate_up slices, loading each x
+    tile once for gate and up; a one-slice stage, "down", runs 2 as 1), ``num_warps``,
+    ``num_stages``. The result does not depend on them beyond the fp32 summation order.
+
     Args: as :func:`fused_moe_lora_shrink` (x, lora_a) and :func:`fused_moe_lora_expand` (lora_b,
     out, scalings, topk_weights, layout). The rank bound of both factors is ``max_rank`` (or R).
 
@@ -356,7 +376,8 @@ def fused_moe_lora(
         ``out``.
 
     Raises:
-        KernelPreconditionError: as the shrink and the expand; A and B of different pools.
+        KernelPreconditionError: as the shrink and the expand; A and B of different pools;
+            ``SLICES_PER_PROGRAM`` not one of :data:`SLICES_PER_PROGRAM` (nothing is written).
     """
     device, dtype = _check_x(x, stage)
     st = _Stage(stage, x.shape[0], lora_a, ranks, scalings, align, top_k, None, adapter_enabled, max_rank,
@@ -376,7 +397,8 @@ def fused_moe_lora(
     if st.num_pairs == 0:
         return out
     cfg = kernel_config("fused_moe_lora", rows=st.num_pairs, N=N, K=K, R=st.rank_bound, overrides=config)
-    grid = check_grid("fused_moe_lora", (st.grid_m, st.L, st.slices * cfg["N_SPLIT"]))
+    spp = _slices_per_program(cfg, st.slices)
+    grid = check_grid("fused_moe_lora", (st.grid_m, st.L, st.slices // spp * cfg["N_SPLIT"]))
     _fused_moe_lora_kernel[grid](
         x, a, b, out2, weights if weights is not None else st.scalings,
         align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded, st.enabled_arg(), st.ranks,
@@ -388,7 +410,7 @@ def fused_moe_lora(
         out2.stride(0), *cols,
         align.sorted_token_ids.stride(0), align.expert_ids.stride(0), st.ranks.stride(0), st.scalings.stride(0),
         BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"],
-        N_SPLIT=cfg["N_SPLIT"],
+        N_SPLIT=cfg["N_SPLIT"], SLICES=spp,
         HAS_ENABLED=adapter_enabled is not None, MUL_ROUTED_WEIGHT=weights is not None,
         **gemm_launch_options(dtype, tf32, cfg),
     )
@@ -434,11 +456,11 @@ def moe_lora_delta(
 
     ``fused=True`` runs :func:`fused_moe_lora` (one launch); ``False`` runs the shrink then the
     expand (two launches, an intermediate in memory); ``None`` picks by size from the config
-    table (``moe_lora_path``: on the H200 the pair wins at a few rows per bucket, where its
-    column-parallel expand grid keeps more SMs busy). Both give the same result up to the fp32
-    rounding order of σ·w. The pair's shrink may be split over K (``split_k``, or the table's
-    ``moe_lora_shrink`` ``SPLIT_K`` of the bucket when None); that changes only the fp32 summation
-    order before t's rounding.
+    table (``moe_lora_path`` per row bucket and R, and the stage's N where an entry names it: on the
+    H200 the pair wins at a few rows per bucket, where its column-parallel expand grid keeps more
+    SMs busy). Both give the same result up to the fp32 rounding order of σ·w. The pair's shrink
+    may be split over K (``split_k``, or the table's ``moe_lora_shrink`` ``SPLIT_K`` of the bucket
+    when None); that changes only the fp32 summation order before t's rounding.
 
     Args:
         stage: "gate_up" (x [M, H], out [M, top_k, 2I]) or "down" (x = h [M·top_k, I], out
@@ -462,7 +484,9 @@ def moe_lora_delta(
     if fused is None:
         pairs = x.shape[0] * top_k if stage == "gate_up" else x.shape[0]
         rank = max_rank if max_rank is not None else weights.spec.R
-        fused = bool(kernel_config("moe_lora_path", rows=pairs, R=rank)["FUSED"])
+        # N: the stage's output width per slice, so a table entry may pick the path per stage
+        n = weights.spec.I if stage == "gate_up" else weights.spec.H
+        fused = bool(kernel_config("moe_lora_path", rows=pairs, N=n, R=rank)["FUSED"])
     if fused and split_k not in (None, 1):
         raise KernelPreconditionError(f"split_k: {split_k} parts asked of the fused kernel, which does not split K; "
                                       "pass fused=False")
