@@ -3,9 +3,10 @@
 (under the interpreter).
 
 Covers: the capability declared (and ``triton`` still without it, its ``moe_forward`` refused); on
-strategy-drawn cases (fp32 / fp16; sentinel ids, extra base experts, mixed ranks, every expert
-layout, decode and extend) ``moe_forward`` equals the oracle (the suite's fused-path check),
-under the host-sync guard, the pool unchanged; base rows bit-identical to its own LoRA-disabled
+strategy-drawn cases (fp16; sentinel ids, extra base experts, mixed ranks, every expert layout,
+decode and extend) ``moe_forward`` equals the oracle under the host-sync guard, the pool unchanged;
+the suite's own checks of P01 on the harness's ``fused`` path (outputs and deltas vs the oracle),
+eagerly in fp32 and captured in the decode graph family in fp16; base rows bit-identical to its own LoRA-disabled
 run (all-base metadata of the same batch, the suite's P02 on the fused path): on hand-built
 routing where base tokens have experts of their own on the CPU (numpy's matmul rounds a row by its
 place in the tile), on every drawn case on a GPU; an IDLE batch; base weights of another shape or
@@ -65,11 +66,11 @@ def test_declares_fused_moe_and_triton_does_not():
                           info)
 
 
-# a fifth of the profile's examples per dtype: the fp64 loop oracle costs ~3 s an example here
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+# fp16 here, fp32 through the harness below; a few examples: the fp64 loop oracle costs ~3 s one
 @settings(max_examples=max(1, current_profile().max_examples // 5))
 @given(data=st.data())
-def test_moe_forward_equals_the_oracle(dtype, data):
+def test_moe_forward_equals_the_oracle(data):
+    dtype = torch.float16
     case = data.draw(moe_lora_cases(CAPS, dtype=dtype, virtual_experts=False, kinds=("extend", "decode", "mixed")),
                      label="case")
     m = case.materialize()
@@ -145,3 +146,38 @@ def test_idle_batch_and_bad_base_weights():
     half = MoEBaseWeights(w_gate_up=base.w_gate_up.half(), w_down=base.w_down.half(), num_experts=E)
     with pytest.raises(InvalidFieldError, match="base_weights"):
         backend.moe_forward(x, ids, w, half, weights, info)
+
+
+# --- the suite's own fused-path checks (the layer harness on moe_path="fused") ----------------------
+
+
+def _suite():
+    from moelora_conformance.properties.support import Suite
+    from moelora_conformance.strategies.suite import suite_caps
+
+    profile = current_profile()
+    caps = make_fused_backend(LoRALayerSpec(hidden_size=8, moe_intermediate_size=8, num_experts=2, top_k=1,
+                                            dense_shapes={}, max_loras=1, max_rank=1,
+                                            dtype=torch.float32)).capabilities()
+    return Suite(target="moelora_backends.triton_backend:make_fused_backend", factory=make_fused_backend,
+                 name="triton-fused", version="test", capabilities=caps, device=torch.device("cpu"),
+                 profile=profile, caps=suite_caps(capped(profile.caps, PROFILES["dev"].caps), caps))
+
+
+@pytest.mark.parametrize("mode, dtype", [("eager", torch.float32), ("decode", torch.float16)])
+@settings(max_examples=2)
+@given(data=st.data())
+def test_the_suites_fused_path_checks_pass(mode, dtype, data):
+    # P01's checks (outputs and deltas vs the oracle; graph mode: captured, replayed) on the fused
+    # path; base and pad rows vs the LoRA-disabled run bit for bit on a GPU only (numpy, above)
+    from moelora_conformance.harness.expected import check_run
+    from moelora_conformance.properties.support import Subject, draw_capacity, draw_case
+
+    suite = _suite()
+    case = draw_case(data, suite, mode, dtype)
+    subject = Subject(suite, case, mode, "fused", draw_capacity(data, mode, [case.batch]))
+    inp = subject.inputs()
+    run = subject.run(inp)
+    graph = subject.graph is not None and run.fallback is None
+    check_run(subject.oracle, inp, run, subject.disabled(inp, run), subject.ctx, f"{mode} fused", base_rows=ON_GPU,
+              pad_rows=graph and ON_GPU)

@@ -117,8 +117,9 @@ def test_down_gemm_with_lora_matches_twin_per_pair(case):
     assert bool(out[~here].isnan().all()), f"rows of EXPERT_NOT_HERE pairs were written (seed={case.seed})"
 
 
-# a fifth of the profile's examples: the fp64 loop oracle costs ~3 s an example under the interpreter
-@settings(max_examples=max(1, current_profile().max_examples // 5))
+# an eighth of the profile's examples: the fp64 loop oracle costs ~3 s an example under the
+# interpreter (the backend tests check the layer against the oracle too)
+@settings(max_examples=max(1, current_profile().max_examples // 8))
 @given(case=moe_lora_cases(ORACLE_CAPS, kinds=("extend", "decode", "mixed"), virtual_experts=False,
                            dtype=torch.float32))
 def test_layer_with_fused_lora_matches_oracle_and_separate_deltas(case):
@@ -189,8 +190,8 @@ def test_mixed_ranks_disabled_slot_and_sentinel_ids_match_oracle(dtype):
 def test_disabled_slot_is_computed_exactly_as_rank_zero():
     # a disabled slot's blocks run the plain K loop: bit-identical to the same pool with its ranks 0
     w = make_pool(32)
-    mapping = torch.tensor([0, 1, 1, 2, -1, 1, 0, 2] * 4, dtype=torch.int32)
-    x, ids, mapping, tw, w_gu, w_d, _, _ = _layer(32, w, 32, 2, w.spec.E, mapping=mapping)
+    mapping = torch.tensor([0, 1, 1, 2, -1, 1, 0, 2] * 2, dtype=torch.int32)
+    x, ids, mapping, tw, w_gu, w_d, _, _ = _layer(32, w, 16, 2, w.spec.E, mapping=mapping)
     enabled = torch.tensor([1, 0, 1], dtype=torch.int32, device=DEVICE)
     y = _run(w, x, ids, mapping, tw, w_gu, w_d, enabled=enabled)
     live = _run(w, x, ids, mapping, tw, w_gu, w_d)
