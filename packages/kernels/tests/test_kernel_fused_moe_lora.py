@@ -10,7 +10,7 @@ the whole layer against the oracle (fp32) and against the separate-delta path. N
 ranks with a disabled slot, a rank-0 module, -1 / E / E+1 ids; a disabled slot computed exactly as
 rank 0; base rows bit-identical to the LoRA-disabled run of the same path (CPU: base tokens on
 experts of their own, since numpy's matmul rounds a row by its position in the tile; on a GPU the
-drawn cases too); GPT-OSS's interleaved layout with biases against the separate-delta path;
+drawn cases too); pools storing factors once per slot (expert stride 0); GPT-OSS's interleaved layout with biases against the separate-delta path;
 launcher refusals.
 """
 
@@ -43,7 +43,7 @@ from moelora_reference.oracle import moe_lora_forward
 
 pytestmark = pytest.mark.interpreter
 
-LORA_CASES = moe_lora_cases(kinds=("extend", "decode", "mixed"), virtual_experts=False)
+LORA_CASES = moe_lora_cases(kinds=("extend", "decode", "mixed"), virtual_experts=False, shared_expert_factors=True)
 # the fp64 loop oracle cannot follow the gpu profile's sizes
 ORACLE_CAPS = capped(current_profile().caps, PROFILES["dev"].caps)
 
@@ -185,6 +185,16 @@ def test_mixed_ranks_disabled_slot_and_sentinel_ids_match_oracle(dtype):
         want = moe_lora_forward(cpu(x).double(), cpu(ids), cpu(tw).double(), cpu(w_gu).double(), cpu(w_d).double(),
                                 cpu_weights(w), cpu(live))
         assert_close(y, want, dtype=dtype, what=f"mixed ranks, enabled={enabled}")
+
+
+@pytest.mark.parametrize("layout", ["shared_outer", "fully_shared"])
+def test_factors_stored_once_per_slot_are_read_with_expert_stride_zero(layout):
+    w = make_pool(37, layout=layout)
+    assert w.gate_up_A.stride(2) == 0, "the pool does not share its gate_up A across experts"
+    x, ids, mapping, tw, w_gu, w_d, _, _ = _layer(37, w, 24, 2, w.spec.E + 1)
+    y = _run(w, x, ids, mapping, tw, w_gu, w_d)
+    want = moe_lora_forward(cpu(x), cpu(ids), cpu(tw), cpu(w_gu), cpu(w_d), cpu_weights(w), cpu(mapping))
+    assert_close(y, want, dtype=torch.float32, what=f"{layout} pool vs oracle")
 
 
 def test_disabled_slot_is_computed_exactly_as_rank_zero():
