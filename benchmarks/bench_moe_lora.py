@@ -29,6 +29,12 @@ fp32) and the alignment against the contract checker. Prints a table; writes JSO
 "shared_outer" every slot's adapter shares gate_up A and down B by all experts, stored once per slot
 and read by the kernels with expert stride 0 (the stride-0 path); "fully_shared" shares all four.
 Rows then carry ``expert_layout`` and ``slot_bytes`` (the pool's bytes per slot as stored).
+
+``--path fused_moe`` adds, per (M, R), the whole layer with LoRA two ways, each with its
+alignment precomputed like (a): ``ab_separate_us`` (the base GEMMs, then the delta kernels adding
+into their outputs: ``fused_moe(lora=MoELoRAInputs)``) and ``ab_fused_us`` (the deltas inside the
+base GEMMs: ``fused_moe(fused_lora=FusedLoRAInputs)`` over the expert-major (expert, slot)
+alignment, whose own time is ``c_fused_us``); ``err_ab_fused`` compares the two layers' outputs.
 """
 
 from __future__ import annotations
@@ -56,6 +62,9 @@ from moelora_core import BatchSpec, ForwardMode, LoRALayerSpec, LoRAWeights, Mod
 from moelora_core.align import AlignOutput  # noqa: E402
 from moelora_core.layer_spec import EXPERT_LAYOUTS, expert_factor  # noqa: E402
 from moelora_kernels import (  # noqa: E402
+    FusedLoRAInputs,
+    MoELoRAInputs,
+    fused_lora_align,
     fused_moe,
     moe_align_block_size,
     moe_block_m,
@@ -295,6 +304,27 @@ def min_bytes_lora(p: Problem, R: int, shared: frozenset = frozenset()) -> int:
 
 # --- main -----------------------------------------------------------------------------------------------
 
+def layer_paths(row: dict, p: Problem, w: LoRAWeights, timer: Timer) -> None:
+    """``--path fused_moe``: the layer with LoRA through separate delta kernels and with the deltas
+    fused into the base GEMMs (module docstring), both checked against each other, into ``row``."""
+    E = p.w_gu.shape[0]
+    falign = fused_lora_align(p.topk_ids, p.mapping, w.spec.E, E, MAX_LORAS)
+    fused = FusedLoRAInputs(w, falign, adapter_enabled=p.enabled)
+    separate = MoELoRAInputs(w, p.lora_align, adapter_enabled=p.enabled)
+    y_f = fused_moe(p.x, p.topk_ids, p.topk_weights, p.w_gu, p.w_d, fused_lora=fused)
+    y_s = fused_moe(p.x, p.topk_ids, p.topk_weights, p.w_gu, p.w_d, align=p.base_align, lora=separate)
+    row["err_ab_fused"] = close(y_f, y_s, f"fused_moe layer M={p.M} R={w.spec.R}")
+    row["ab_fused_us"] = timer(lambda: fused_moe(p.x, p.topk_ids, p.topk_weights, p.w_gu, p.w_d,
+                                                 fused_lora=fused))["median_us"]
+    row["ab_separate_us"] = timer(lambda: fused_moe(p.x, p.topk_ids, p.topk_weights, p.w_gu, p.w_d,
+                                                    align=p.base_align, lora=separate))["median_us"]
+    row["c_fused_us"] = timer(lambda: fused_lora_align(p.topk_ids, p.mapping, w.spec.E, E, MAX_LORAS,
+                                                       out=falign))["median_us"]
+    row["ab_fused_over_separate"] = row["ab_fused_us"] / row["ab_separate_us"]
+    print(f"  M={p.M} R={w.spec.R}: layer separate {row['ab_separate_us']:.1f} µs, fused {row['ab_fused_us']:.1f} "
+          f"µs ({row['ab_fused_over_separate']:.2f}x), fused alignment {row['c_fused_us']:.1f} µs", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON output path")
@@ -306,6 +336,8 @@ def main() -> int:
     parser.add_argument("--no-baseline", action="store_true", help="skip the reference backend's torch path")
     parser.add_argument("--expert-layout", default="per_expert", choices=sorted(EXPERT_LAYOUTS),
                         help="the pool's expert layout (shared_outer: the stride-0 path)")
+    parser.add_argument("--path", nargs="*", default=[], choices=["fused_moe"],
+                        help="extra layer paths to time (fused_moe: the deltas inside the base GEMMs)")
     args = parser.parse_args()
     if args.quick:
         args.tokens, args.replays = [1, 128, 2048], 20
@@ -390,6 +422,8 @@ def main() -> int:
                 row[f"b_{name}_us"] = t["median_us"]
                 if name == "auto":
                     row["b_p10_us"], row["b_p90_us"] = t["p10_us"], t["p90_us"]
+            if "fused_moe" in args.path:
+                layer_paths(row, p, w, timer)
             row["b_us"] = row["b_auto_us"]
             row["b_over_a"] = row["b_us"] / row["a_us"]
             row["b_min_bytes"] = min_bytes_lora(p, R, w.spec.shared_factors)

@@ -47,8 +47,10 @@ def fused_moe_gemm(
     experts_per_scale: int = 1,
     add_into: bool = False,
     bias: torch.Tensor | None = None,
+    lora=None,
 ) -> torch.Tensor:
-    """c[p] (+)= scale · w_p · (W[e(p)] @ a[p // in_row_div] + bias[e(p)]) over the aligned pairs of ``slot``.
+    """c[p] (+)= scale · w_p · (W[e(p)] @ a[p // in_row_div] + bias[e(p)] (+ σ_s B[s, e] t_p)) over the
+    aligned pairs of ``slot``.
 
     Args:
         a: [rows_in, K]; w: [E_w, N, K]; c: [num_pairs, N] (written in place at aligned pairs only).
@@ -60,6 +62,10 @@ def fused_moe_gemm(
         scale: per-scale-group factor (σ per slot for virtual experts), or None.
         add_into: add to c rather than overwrite.
         bias: [E_w, N] per-expert bias (GPT-OSS), or None.
+        lora: a ``moelora_kernels.fused_moe.GemmLoRA`` (one slice's factors) or None; then block ids
+            are expert-major (expert, slot) groups ``v = e·(L + 1) + s`` and a block of slot s < L
+            (enabled, e < E of the factors, rank r > 0) adds ``σ_s · B[s, e, :, :r] @ t_p`` with
+            ``t_p = round_dtype(A[s, e, :r] @ a[p])`` before the bias and the router weight.
 
     Returns:
         ``c``.
@@ -69,15 +75,19 @@ def fused_moe_gemm(
     block_m = len(sorted_ids) // len(expert_ids)
     used = int(align.num_tokens_post_padded[slot])
     weights = None if topk_weights is None else topk_weights.reshape(-1).to(F64)
+    groups = 1 if lora is None else lora.lora_a.shape[0] + 1
     for b in range(used // block_m):
         e = expert_ids[b]
         if e < 0:
             continue  # NO_EXPERT_BLOCK
+        e, s = divmod(e, groups)
         rows = [p for p in sorted_ids[b * block_m:(b + 1) * block_m] if p < num_pairs]
         if not rows:
             continue
         p = torch.tensor(rows, device=c.device)
         v = a[p // in_row_div].to(F64) @ w[e].to(F64).T  # [rows, N]
+        if lora is not None:
+            v = v + _lora_delta(lora, a[p // in_row_div], s, e)
         if bias is not None:
             v = v + bias[e].to(F64)
         if weights is not None:
@@ -88,6 +98,23 @@ def fused_moe_gemm(
             v = v + c[p].to(F64)
         c[p] = v.to(c.dtype)
     return c
+
+
+def _lora_delta(lora, rows: torch.Tensor, s: int, e: int) -> torch.Tensor | float:
+    """σ_s · B[s, e, :, :r] @ round_dtype(A[s, e, :r] @ rows) in float64 for slot ``s`` (0 where the
+    block has no LoRA work: the no-LoRA group, a disabled slot, an expert >= E, rank 0)."""
+    L, E = lora.lora_a.shape[:2]
+    if s >= L or e >= E:
+        return 0.0
+    if lora.adapter_enabled is not None and int(lora.adapter_enabled[s]) == 0:
+        return 0.0
+    r = int(lora.ranks[s])
+    if lora.max_rank is not None:
+        r = min(r, lora.max_rank)
+    if r <= 0:
+        return 0.0
+    t = (rows.to(F64) @ lora.lora_a[s, e, :r].to(F64).T).to(rows.dtype).to(F64)  # [rows, r]
+    return float(lora.scalings[s]) * (t @ lora.lora_b[s, e, :, :r].to(F64).T)
 
 
 def _act(x: torch.Tensor, activation: str) -> torch.Tensor:

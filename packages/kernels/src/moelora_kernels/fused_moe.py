@@ -10,6 +10,22 @@ of each pair and by a per-expert scale, optionally adds the existing output, and
 
 (``bias`` [E_w, N]: GPT-OSS's expert biases, in the base GEMMs only; DESIGN.md §1)
 
+With LoRA fused (``lora=`` a :class:`GemmLoRA`, the ``fused_moe`` path of DESIGN.md §5): the
+alignment groups pairs by expert-major (expert, slot) ids ``v = e·(L + 1) + slot`` (slot L: no
+LoRA; :func:`moelora_kernels.virtual_experts.fused_lora_align`), so every block shares one base
+expert and one adapter slot, and the program adds one slice's delta into its fp32 sum before the
+epilogue:
+
+    C[p, n] = w_p · (Σ_k A[p // in_row_div, k] · W[e, n, k] + σ_s · (t_p · B[s, e, n, :]) + bias[e, n]),
+    t_p = round_dtype(Σ_k A[p // in_row_div, k] · LA[s, e, :, k])   (rank-wide, in registers)
+
+with the input row tile loaded once per K step for both dots (W's and LA's). Blocks of the no-LoRA
+group, of a disabled slot, of an expert >= the factors' E or of a rank-0 module run the plain K
+loop: their rows are computed exactly as in a LoRA-free launch of the same alignment. A gated
+gate_up GEMM runs one launch per slice (gate, up: their own A and B) over column views of the
+weight and the output ("halves" or GPT-OSS "interleaved": strided views, no copy); the down GEMM
+one launch, router-weighted after the sum.
+
 for every pair p in the block (p < num_pairs; padding rows are skipped). Blocks at or past
 ``num_tokens_post_padded`` and blocks of expert -1 exit first, as do blocks of an expert >= E_w,
 blocks whose scale is exactly 0 when adding into C (a slot without this module: C stays
@@ -42,6 +58,8 @@ rows, experts and columns are 64-bit. Source: the fused MoE kernel of Triton-bas
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 
@@ -52,11 +70,37 @@ from moelora_kernels._common import (
     check_align_pairs,
     check_grid,
     check_positive_int,
+    check_rank_bound,
     check_tensor,
     gemm_launch_options,
+    next_pow2,
 )
 from moelora_kernels._fused_moe_kernels import _fused_moe_gemm_kernel
 from moelora_kernels.configs import kernel_config
+
+
+@dataclass(frozen=True)
+class GemmLoRA:
+    """One slice's LoRA factors for :func:`fused_moe_gemm` (the base GEMM with the delta fused).
+
+    Attributes:
+        lora_a: [L, E, R, K] A of the slice (``LoRAWeights.gate_up_A[s]`` / ``down_A``), last stride
+            1, the activation dtype; an expert stride of 0 (a factor shared across experts) is read
+            as it is.
+        lora_b: [L, E, N, R] B of the slice, last stride 1 (expert stride 0 allowed).
+        ranks: [L] int32 the slice's module rank per slot (a strided row of ``module_ranks`` is fine).
+        scalings: [L] fp32 its σ per slot.
+        adapter_enabled: [L] int32 (0 = the slot's blocks get no LoRA), or None.
+        max_rank: host bound on every slot's rank (None = R); tiles are sized for it and the kernel
+            clamps each slot's rank to it (caller's duty to cover every active slot's rank).
+    """
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    ranks: torch.Tensor
+    scalings: torch.Tensor
+    adapter_enabled: torch.Tensor | None = None
+    max_rank: int | None = None
 
 
 def used_blocks_bound(num_pairs: int, num_experts: int, block_m: int, capacity_blocks: int) -> int:
@@ -87,9 +131,10 @@ def fused_moe_gemm(
     tf32: bool = False,
     config: dict | None = None,
     bias: torch.Tensor | None = None,
+    lora: GemmLoRA | None = None,
 ) -> torch.Tensor:
-    """C[p] (+)= scale · w_p · (A[p // in_row_div] @ W[e(p)]ᵀ + bias[e(p)]) for every aligned pair p
-    (module docstring).
+    """C[p] (+)= scale · w_p · (A[p // in_row_div] @ W[e(p)]ᵀ + bias[e(p)] (+ σ B t_p)) for every aligned
+    pair p (module docstring).
 
     Args:
         a: [rows_in, K], last stride 1; ``rows_in * in_row_div >= num_pairs``.
@@ -108,15 +153,22 @@ def fused_moe_gemm(
         add_into: add to ``c`` instead of overwriting it.
         tf32: allow TF32 dots for fp32 (default IEEE).
         config: tile overrides (BLOCK_N, BLOCK_K, num_warps, num_stages).
-        bias: [E_w, N] per-expert bias (GPT-OSS's ``gate_up_proj_bias`` / ``down_proj_bias``), last
-            stride 1, same dtype as ``a`` or fp32; added in fp32 before the router weight and scale.
+        bias: [E_w, N] per-expert bias (GPT-OSS's ``gate_up_proj_bias`` / ``down_proj_bias``; a
+            strided column view is fine), same dtype as ``a`` or fp32; added in fp32 before the
+            router weight and scale.
+        lora: one slice's LoRA factors, fused into this GEMM (module docstring); ``align`` must
+            then hold expert-major (expert, slot) ids over E_w·(L + 1) groups
+            (:func:`moelora_kernels.virtual_experts.fused_lora_align`). Not with ``scale``,
+            ``add_into`` or ``experts_per_weight`` > 1.
 
     Returns:
         ``c``.
 
     Raises:
         KernelPreconditionError: dtype / shape / stride / device mismatches, bad sizes; an alignment
-            recorded for more experts than ``w`` or for another ``num_pairs``.
+            recorded for more experts than ``w`` (times L + 1 with ``lora``) or for another
+            ``num_pairs``; ``lora`` factors of another shape, dtype or device, a ``max_rank`` above
+            R, ``lora`` with ``scale`` / ``add_into`` / ``experts_per_weight`` > 1.
     """
     check_tensor("a", a, dtypes=FLOAT_DTYPES, dim=2, unit_last_stride=True)
     device, dtype = a.device, a.dtype
@@ -145,7 +197,12 @@ def fused_moe_gemm(
         raise KernelPreconditionError(f"align: {P} rows do not split into {num_blocks} blocks")
     block_m = P // num_blocks
     check_align_pairs(align, num_pairs)
-    if align.num_experts is not None and align.num_experts > E_w:
+    groups, lora_args = _lora_args(lora, a, w, N, K, scale, add_into, experts_per_weight)
+    if lora is not None:
+        if align.num_experts is not None and align.num_experts > E_w * groups:
+            raise KernelPreconditionError(
+                f"align: made for {align.num_experts} (expert, slot) ids, but w holds {E_w} experts × {groups} groups")
+    elif align.num_experts is not None and align.num_experts > E_w:
         raise KernelPreconditionError(f"align: made for {align.num_experts} experts, but w holds {E_w}: blocks of "
                                       f"experts >= {E_w} have no weight (align with w's expert count)")
     if topk_weights is not None:
@@ -159,12 +216,12 @@ def fused_moe_gemm(
             raise KernelPreconditionError(
                 f"scale: {scale.shape[0]} entries × experts_per_scale={experts_per_scale} < {E_w} experts")
     if bias is not None:
-        check_tensor("bias", bias, dtypes=(dtype, torch.float32), shape=(E_w, N), unit_last_stride=True,
-                     device=device)
+        check_tensor("bias", bias, dtypes=(dtype, torch.float32), shape=(E_w, N), device=device)
     if num_pairs == 0:
         return c
     cfg = kernel_config("fused_moe_gemm", rows=num_pairs, N=N, K=K, overrides=config)
-    grid_m = used_blocks_bound(num_pairs, E_w, block_m, num_blocks)
+    # with LoRA the ids are (expert, slot) groups: the bound counts E_w·(L + 1) of them
+    grid_m = used_blocks_bound(num_pairs, E_w * groups, block_m, num_blocks)
     grid = check_grid("fused_moe_gemm", (grid_m, triton.cdiv(N, cfg["BLOCK_N"])))
     dummy = align.num_tokens_post_padded
     _fused_moe_gemm_kernel[grid](
@@ -173,12 +230,50 @@ def fused_moe_gemm(
         topk_weights if topk_weights is not None else dummy,
         scale if scale is not None else dummy,
         bias if bias is not None else dummy,
-        N, K, num_pairs, in_row_div, experts_per_scale, experts_per_weight, E_w,
+        *lora_args["pointers"],
+        N, K, num_pairs, in_row_div, experts_per_scale, experts_per_weight, E_w, groups, *lora_args["sizes"],
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
-        bias.stride(0) if bias is not None else 0,
+        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
+        *lora_args["strides"],
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         MUL_ROUTED_WEIGHT=topk_weights is not None, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-        ADD_INTO=add_into,
+        ADD_INTO=add_into, HAS_LORA=lora is not None,
+        HAS_ENABLED=lora is not None and lora.adapter_enabled is not None, BLOCK_R=lora_args["block_r"],
         **gemm_launch_options(dtype, tf32, cfg),
     )
     return c
+
+
+def _lora_args(lora: GemmLoRA | None, a: torch.Tensor, w: torch.Tensor, N: int, K: int, scale, add_into: bool,
+               experts_per_weight: int) -> tuple[int, dict]:
+    """(groups, kernel arguments) of ``lora`` after its checks: groups L + 1 (1 without LoRA), the
+    pointers, sizes (E of the factors, rank bound), strides and BLOCK_R (dummies without LoRA)."""
+    if lora is None:
+        dummy = w
+        return 1, {"pointers": (dummy,) * 5, "sizes": (0, 0), "strides": (0,) * 8, "block_r": 16}
+    if not isinstance(lora, GemmLoRA):
+        raise KernelPreconditionError(f"lora: expected a GemmLoRA, got {type(lora).__name__}")
+    if scale is not None or add_into or experts_per_weight != 1:
+        raise KernelPreconditionError("lora: the fused LoRA base GEMM takes no scale, add_into or experts_per_weight")
+    device, dtype = a.device, a.dtype
+    check_tensor("lora.lora_a", lora.lora_a, dtypes=(dtype,), dim=4, unit_last_stride=True, device=device)
+    L, E, R, K_a = lora.lora_a.shape
+    if K_a != K:
+        raise KernelPreconditionError(f"lora.lora_a: input width {K_a} != the GEMM's K={K}")
+    check_tensor("lora.lora_b", lora.lora_b, dtypes=(dtype,), shape=(L, E, N, R), unit_last_stride=True,
+                 device=device)
+    check_tensor("lora.ranks", lora.ranks, dtypes=(torch.int32,), shape=(L,), device=device)
+    check_tensor("lora.scalings", lora.scalings, dtypes=(torch.float32,), shape=(L,), device=device)
+    if lora.adapter_enabled is not None:
+        check_tensor("lora.adapter_enabled", lora.adapter_enabled, dtypes=(torch.int32,), shape=(L,),
+                     contiguous=True, device=device)
+    rank_bound = check_rank_bound(lora.max_rank, R)
+    A, B = lora.lora_a, lora.lora_b
+    enabled = lora.adapter_enabled if lora.adapter_enabled is not None else lora.ranks
+    return L + 1, {
+        "pointers": (A, B, lora.ranks, lora.scalings, enabled),
+        "sizes": (E, rank_bound),
+        "strides": (A.stride(0), A.stride(1), A.stride(2), B.stride(0), B.stride(1), B.stride(2),
+                    lora.ranks.stride(0), lora.scalings.stride(0)),
+        "block_r": next_pow2(rank_bound, 16),
+    }

@@ -16,6 +16,12 @@ Steps (each a kernel of this package; no host sync; every intermediate allocated
 6. optional ``deltas.down``: the MoE-LoRA down delta (router-weighted);
 7. top-k sum over pairs with an expert id >= 0 → y [M, H] (:func:`.moe_epilogue.moe_sum`).
 
+With ``fused_lora=`` (:class:`FusedLoRAInputs`, the ``fused_moe`` capability of DESIGN.md §5)
+steps 3 and 6 disappear into 2 and 5: the deltas are added inside the base GEMMs
+(:func:`.fused_moe.fused_moe_gemm` ``lora=``) over one expert-major (expert, slot) alignment
+(:func:`.virtual_experts.fused_lora_align`), so at large M no separate pass re-reads and
+re-writes gate_up_out / down_out. gate_up runs one launch per slice (gate, up) over column views.
+
 Expert ids < 0 contribute nothing; ids in [E, E_base) are base experts without LoRA. A token
 with no adapter runs exactly the same base kernels with or without LoRA: its rows are never
 touched by the delta kernels, so its output is bitwise the LoRA-disabled output.
@@ -30,14 +36,15 @@ import torch
 
 from moelora_core.align import AlignOutput
 from moelora_core.errors import KernelPreconditionError
+from moelora_core.moe_activation import GATE_UP_LAYOUTS
 from moelora_core.moe_deltas import MoEDeltas
 from moelora_core.weights import LoRAWeights
-from moelora_kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from moelora_kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check_rank_covers, check_tensor
 from moelora_kernels.align import moe_align_block_size
 from moelora_kernels.configs import moe_block_m
-from moelora_kernels.fused_moe import fused_moe_gemm
+from moelora_kernels.fused_moe import GemmLoRA, fused_moe_gemm
 from moelora_kernels.moe_epilogue import moe_activation, moe_sum
-from moelora_kernels.moe_lora import moe_lora_delta
+from moelora_kernels.moe_lora import STAGE_MODULES, moe_lora_delta, stage_tensors
 
 
 @dataclass
@@ -79,6 +86,39 @@ class MoELoRAInputs:
                        fused=self.fused, tf32=self.tf32)
 
 
+@dataclass
+class FusedLoRAInputs:
+    """The MoE-LoRA deltas fused into the base GEMMs, for :func:`fused_moe` ``fused_lora=``.
+
+    Attributes:
+        weights: the adapter pool of the layer (E of its factors <= E_base).
+        align: :func:`.virtual_experts.fused_lora_align` output for this batch (expert-major
+            (expert, slot) groups over E_base·(L + 1); it replaces the base alignment).
+        adapter_enabled: [L] int32 or None (a disabled slot's pairs get the base GEMM alone).
+        max_rank: host bound on loaded ranks (None = R); must cover every loaded slot's rank.
+    """
+
+    weights: LoRAWeights
+    align: AlignOutput
+    adapter_enabled: torch.Tensor | None = None
+    max_rank: int | None = None
+
+    def slice(self, stage: str, s: int = 0) -> GemmLoRA:
+        """Slice ``s`` of ``stage`` ("gate_up": 0 gate, 1 up; "down": 0) as the GEMM takes it."""
+        t = stage_tensors(self.weights, stage)
+        if stage == "gate_up":
+            return GemmLoRA(t["lora_a"][s], t["lora_b"][s], t["ranks"][s], t["scalings"][s], self.adapter_enabled,
+                            self.max_rank)
+        return GemmLoRA(t["lora_a"], t["lora_b"], t["ranks"], t["scalings"], self.adapter_enabled, self.max_rank)
+
+
+def _slice_columns(s: int, inter: int, layout: str) -> slice:
+    """Columns of gate_up slice ``s`` (0 gate, 1 up) in ``layout`` (DESIGN.md §1)."""
+    if layout not in GATE_UP_LAYOUTS:
+        raise KernelPreconditionError(f"layout: {layout!r} not in {GATE_UP_LAYOUTS}")
+    return slice(s, None, 2) if layout == "interleaved" else slice(s * inter, (s + 1) * inter)
+
+
 def fused_moe(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -98,6 +138,7 @@ def fused_moe(
     layout: str = "halves",
     alpha: float = 1.702,
     limit: float = 7.0,
+    fused_lora: FusedLoRAInputs | None = None,
 ) -> torch.Tensor:
     """y = Σ_k w_k · (W_down[e_k] act(W_gate_up[e_k] x + b_gate_up[e_k]) + b_down[e_k]) (+ the MoE-LoRA
     deltas of ``deltas``; biases only where given).
@@ -120,13 +161,17 @@ def fused_moe(
         layout: gate/up columns of ``w_gate_up`` rows and of gate_up_out: "halves" or "interleaved"
             (the activation reads them so; a ``deltas`` must write them so, e.g.
             ``MoELoRAInputs(layout=...)``).
+        fused_lora: the deltas fused into the base GEMMs (:class:`FusedLoRAInputs`; gated layers
+            only; its alignment is the layer's, so ``align`` / ``block_m`` / ``deltas`` / ``lora``
+            must be None).
 
     Returns:
         y [M, H] in x's dtype.
 
     Raises:
         KernelPreconditionError: shape / dtype / device mismatches (from the launchers too); both
-            ``lora`` and ``deltas`` given.
+            ``lora`` and ``deltas`` given; ``fused_lora`` with another alignment, deltas, or a
+            non-gated layer; a ``fused_lora.max_rank`` below a loaded slot's rank.
     """
     if lora is not None:
         if deltas is not None:
@@ -142,19 +187,38 @@ def fused_moe(
     E_base, width, _ = w_gate_up.shape
     inter = width // 2 if gated else width
     check_tensor("w_down", w_down, dtypes=(x.dtype,), shape=(E_base, H, inter), device=x.device)
+    if fused_lora is not None:
+        if deltas is not None or align is not None or block_m is not None:
+            raise KernelPreconditionError("fused_moe: fused_lora brings its own alignment and deltas; pass no "
+                                          "align, block_m, deltas or lora with it")
+        if not gated:
+            raise KernelPreconditionError("fused_moe: fused_lora needs a gated layer (gate and up slices)")
+        for modules in STAGE_MODULES.values():
+            check_rank_covers(fused_lora.max_rank, fused_lora.weights, modules)
+        align = fused_lora.align
     if align is None:
         align = moe_align_block_size(topk_ids, E_base, block_m or moe_block_m(M, top_k, E_base))
     num_pairs = M * top_k
     gate_up = torch.empty(M, top_k, width, dtype=x.dtype, device=x.device)
-    fused_moe_gemm(x, w_gate_up, gate_up.view(num_pairs, width), align, top_k=top_k, num_pairs=num_pairs,
-                   in_row_div=top_k, tf32=tf32, bias=b_gate_up)
+    if fused_lora is not None:
+        # one launch per slice: each has its own A and B (and column view of W, bias and output)
+        for s in range(2):
+            cols = _slice_columns(s, inter, layout)
+            fused_moe_gemm(x, w_gate_up[:, cols], gate_up.view(num_pairs, width)[:, cols], align, top_k=top_k,
+                           num_pairs=num_pairs, in_row_div=top_k, tf32=tf32,
+                           bias=None if b_gate_up is None else b_gate_up[:, cols],
+                           lora=fused_lora.slice("gate_up", s))
+    else:
+        fused_moe_gemm(x, w_gate_up, gate_up.view(num_pairs, width), align, top_k=top_k, num_pairs=num_pairs,
+                       in_row_div=top_k, tf32=tf32, bias=b_gate_up)
     if deltas is not None:
         deltas.gate_up(x, topk_ids, gate_up)
     h = moe_activation(gate_up.view(num_pairs, width), activation=activation, gated=gated, topk_ids=topk_ids,
                        layout=layout, alpha=alpha, limit=limit)
     down = torch.empty(M, top_k, H, dtype=x.dtype, device=x.device)
     fused_moe_gemm(h, w_down, down.view(num_pairs, H), align, top_k=top_k, num_pairs=num_pairs, in_row_div=1,
-                   topk_weights=topk_weights, tf32=tf32, bias=b_down)
+                   topk_weights=topk_weights, tf32=tf32, bias=b_down,
+                   lora=None if fused_lora is None else fused_lora.slice("down"))
     if deltas is not None:
         deltas.down(h, topk_ids, topk_weights, down)
     return moe_sum(down, topk_ids)

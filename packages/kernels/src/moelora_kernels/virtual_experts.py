@@ -78,9 +78,92 @@ def virtual_topk_ids(
         return out
     block = 1024
     grid = check_grid("virtual_topk_ids", (triton.cdiv(M * top_k, block),))
-    _virtual_topk_ids_kernel[grid](topk_ids, token_lora_mapping, out, M * top_k, top_k, num_experts, bound,
-                                   BLOCK=block)
+    _virtual_topk_ids_kernel[grid](topk_ids, token_lora_mapping, out, M * top_k, top_k, num_experts, bound, 0,
+                                   BLOCK=block, EXPERT_MAJOR=False)
     return out
+
+
+def fused_lora_topk_ids(
+    topk_ids: torch.Tensor,
+    token_lora_mapping: torch.Tensor,
+    num_experts: int,
+    num_base_experts: int,
+    max_loras: int,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """v[t, j] = e·(L + 1) + slot(t) for the fused-LoRA base GEMM (expert-major (expert, slot) groups).
+
+    e = topk_ids[t, j]; the group is the token's slot where the pair gets LoRA (slot in [0, L), e in
+    [0, E)), else L (no LoRA: NO_ADAPTER, a slot >= L, an extra base expert in [E, E_base)); ids
+    outside [0, E_base) (EXPERT_NOT_HERE) give -1. Every pair the base GEMM must compute keeps an
+    id, so one alignment over E_base·(L + 1) groups serves the base GEMM and the delta
+    (:func:`moelora_kernels.fused_moe.fused_moe_gemm` ``lora=``); blocks of one expert are
+    adjacent (its weight stays in L2 across its slots). Disabled slots keep their group: the GEMM
+    reads ``adapter_enabled``.
+
+    Args:
+        topk_ids: [M, top_k] int32/int64, contiguous.
+        token_lora_mapping: [M] int32 slot per token (-1 = none).
+        num_experts: E of the LoRA factors; num_base_experts: E_base >= E of the base weights.
+        max_loras: L.
+        out: [M, top_k] int32 (allocated when None).
+
+    Returns:
+        The ids [M, top_k] int32.
+
+    Raises:
+        KernelPreconditionError: dtype, shape, device or contiguity errors; E > E_base;
+            E_base·(L + 1) >= 2^31.
+    """
+    check_positive_int("num_experts", num_experts)
+    check_positive_int("num_base_experts", num_base_experts, minimum=num_experts)
+    check_positive_int("max_loras", max_loras)
+    if num_base_experts * (max_loras + 1) >= 1 << 31:
+        raise KernelPreconditionError(f"max_loras: {max_loras + 1} groups × {num_base_experts} experts overflow "
+                                      "int32 ids")
+    check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, dim=2, contiguous=True)
+    device = topk_ids.device
+    M, top_k = topk_ids.shape
+    check_tensor("token_lora_mapping", token_lora_mapping, dtypes=(torch.int32,), shape=(M,), contiguous=True,
+                 device=device)
+    if out is None:
+        out = torch.empty(M, top_k, dtype=torch.int32, device=device)
+    check_tensor("out", out, dtypes=(torch.int32,), shape=(M, top_k), contiguous=True, device=device)
+    if M == 0:
+        return out
+    block = 1024
+    grid = check_grid("fused_lora_topk_ids", (triton.cdiv(M * top_k, block),))
+    _virtual_topk_ids_kernel[grid](topk_ids, token_lora_mapping, out, M * top_k, top_k, num_experts, max_loras,
+                                   num_base_experts, BLOCK=block, EXPERT_MAJOR=True)
+    return out
+
+
+def fused_lora_align(
+    topk_ids: torch.Tensor,
+    token_lora_mapping: torch.Tensor,
+    num_experts: int,
+    num_base_experts: int,
+    max_loras: int,
+    *,
+    block_m: int | None = None,
+    out: AlignOutput | None = None,
+    ids_out: torch.Tensor | None = None,
+) -> AlignOutput:
+    """The alignment of the fused-LoRA base GEMMs (once per layer, shared by gate_up and down):
+    :func:`fused_lora_topk_ids` aligned over E_base·(L + 1) groups by
+    :func:`moelora_kernels.align.moe_align_block_size`. ``block_m`` defaults to
+    ``moe_block_m(M, top_k, E_base, L)`` (the MoE-LoRA alignment's choice: a function of host
+    shapes only, so a LoRA-disabled run of the same batch shape tiles the same way).
+
+    Returns:
+        ``AlignOutput`` with one slot row.
+    """
+    M, top_k = topk_ids.shape
+    ids = fused_lora_topk_ids(topk_ids, token_lora_mapping, num_experts, num_base_experts, max_loras, out=ids_out)
+    if block_m is None:
+        block_m = moe_block_m(M, top_k, num_base_experts, max_loras)
+    return moe_align_block_size(ids, num_base_experts * (max_loras + 1), block_m, out=out)
 
 
 def virtual_align(
