@@ -297,3 +297,12 @@ def test_run_timed_keeps_what_an_interrupted_command_prints_as_it_stops(tmp_path
     assert proc.returncode == 2 and wall < 20
     assert output.splitlines() == ["started", "summary after interrupt"] == log.read_text().splitlines()
     assert "summary after interrupt" in capsys.readouterr().out
+
+
+def test_every_kernel_test_file_is_in_a_kernels_cell():
+    """A kernel test file no part names would never run on the GPU (two new files were missed once)."""
+    root = Path(matrix.__file__).resolve().parents[2]
+    files = {p.name for p in (root / "packages/kernels/tests").glob("test_*.py")}
+    named = {t for c in matrix.load_matrix(matrix.MATRIX) if c.axes["suite"] == "kernels" for t in c.tests}
+    assert files - named == set(), sorted(files - named)
+    assert named - files == set(), sorted(named - files)
