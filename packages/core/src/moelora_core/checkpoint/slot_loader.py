@@ -121,9 +121,9 @@ def refuse_layout_mismatch(spec: LoRALayerSpec, adapter: AdapterWeights, layer: 
         if t.shape[0] != 1 and buffer in spec.shared_factors:
             raise ExpertLayoutError(
                 adapter.name, f"layer {layer} {module} lora_{factor}", f"a per-expert factor does not fit a pool "
-                f"that stores {buffer} once per slot (expert_layout={spec.expert_layout!r})",
-                expected=f"{buffer} with expert count 1 (the adapter's layout is {adapter.expert_layout!r})",
-                found=f"expert count {t.shape[0]}")
+                f"that stores {buffer} once per slot (expert_layout={spec.expert_layout!r}); this adapter's "
+                f"layout is {adapter.expert_layout!r}: serve it with expert_layout='per_expert' (or one it fits)",
+                expected=f"{buffer} with expert count 1", found=f"expert count {t.shape[0]}")
 
 
 def _check_factor_dims(name: str, where: str, lora: object, dims: int) -> None:
