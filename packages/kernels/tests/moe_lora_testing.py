@@ -29,6 +29,17 @@ def cpu_weights(w: LoRAWeights) -> LoRAWeights:
     return out
 
 
+def named_routing(seed, spec, M, k, ids=None, mapping=None):
+    """(generator, ids [M, k] int32, mapping [M] int32) of a named case on DEVICE: distinct experts per
+    token and slots in [-1, L) drawn from ``seed`` where not given; the generator continues the draw."""
+    gen = torch.Generator().manual_seed(seed)
+    if ids is None:
+        ids = torch.stack([torch.randperm(spec.E, generator=gen)[:k] for _ in range(M)]).to(torch.int32)
+    if mapping is None:
+        mapping = torch.randint(-1, spec.max_loras, (M,), generator=gen, dtype=torch.int32)
+    return gen, ids.to(DEVICE), mapping.to(DEVICE)
+
+
 def enabled_of(mapping: torch.Tensor, L: int) -> torch.Tensor:
     used = torch.zeros(L, dtype=torch.int32)
     for s in mapping.cpu().tolist():

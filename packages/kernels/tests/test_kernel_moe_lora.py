@@ -27,6 +27,7 @@ from moe_lora_testing import (
     enabled_of,
     handled,
     make_pool,
+    named_routing,
     run_delta,
     stage_inputs,
     twin_delta,
@@ -131,13 +132,8 @@ def test_layer_with_lora_matches_oracle(case):
 
 
 def named_problem(seed, w, M, k, ids=None, mapping=None, block_m=32):
-    gen = torch.Generator().manual_seed(seed)
     spec = w.spec
-    if ids is None:
-        ids = torch.stack([torch.randperm(spec.E, generator=gen)[:k] for _ in range(M)]).to(torch.int32)
-    if mapping is None:
-        mapping = torch.randint(-1, spec.max_loras, (M,), generator=gen, dtype=torch.int32)
-    ids, mapping = ids.to(DEVICE), mapping.to(DEVICE)
+    gen, ids, mapping = named_routing(seed, spec, M, k, ids, mapping)
     tw = torch.rand(M, k, generator=gen).to(DEVICE)
     with launch_guard():
         align = moe_lora_align_block_size(ids, mapping, spec.E, block_m, spec.max_loras)

@@ -29,7 +29,7 @@ from kernel_testing import (
     launch_guard,
     randn,
 )
-from moe_lora_testing import enabled_of, handled, make_pool, stage_inputs
+from moe_lora_testing import enabled_of, handled, make_pool, named_routing, stage_inputs
 
 from moelora_conformance.strategies import moe_lora_cases
 from moelora_core import KernelPreconditionError
@@ -43,25 +43,18 @@ LAYOUTS = ("halves", "interleaved")
 CASES = moe_lora_cases(kinds=("extend", "decode", "mixed"), virtual_experts=False, shared_expert_factors=True)
 
 
-def run_fused(stage, x, out, w, align, k, tw, enabled, spp, layout, max_rank=None):
+def _stage_call(fn, stage, x, out, w, align, k, tw, enabled, layout, max_rank, **extra):
+    """``fn`` (the kernel's ``fused_moe_lora`` or its twin) on one stage's pool tensors."""
     t = stage_tensors(w, stage)
+    return fn(x, t["lora_a"], t["lora_b"], align, out, stage=stage, top_k=k, ranks=t["ranks"],
+              scalings=t["scalings"], topk_weights=tw, adapter_enabled=enabled, max_rank=max_rank, layout=layout,
+              **extra)
+
+
+def run_fused(stage, x, out, w, align, k, tw, enabled, spp, layout, max_rank=None):
     with launch_guard():
-        fused_moe_lora(
-            x,
-            t["lora_a"],
-            t["lora_b"],
-            align,
-            out,
-            stage=stage,
-            top_k=k,
-            ranks=t["ranks"],
-            scalings=t["scalings"],
-            topk_weights=tw,
-            adapter_enabled=enabled,
-            max_rank=max_rank,
-            layout=layout,
-            config={"SLICES_PER_PROGRAM": spp},
-        )
+        _stage_call(fused_moe_lora, stage, x, out, w, align, k, tw, enabled, layout, max_rank,
+                    config={"SLICES_PER_PROGRAM": spp})
     return out
 
 
@@ -91,22 +84,7 @@ def check_variant(stage, x, out0, w, align, k, tw, enabled, mask, layout, seed, 
     out0 = poison_untouched(gen, out0, cols)
     two = run_fused(stage, x, out0.clone(), w, align, k, tw, enabled, 2, layout, max_rank)
     one = run_fused(stage, x, out0.clone(), w, align, k, tw, enabled, 1, layout, max_rank)
-    t = stage_tensors(w, stage)
-    want = twin.fused_moe_lora(
-        x,
-        t["lora_a"],
-        t["lora_b"],
-        align,
-        out0.clone(),
-        stage=stage,
-        top_k=k,
-        ranks=t["ranks"],
-        scalings=t["scalings"],
-        topk_weights=tw,
-        adapter_enabled=enabled,
-        max_rank=max_rank,
-        layout=layout,
-    )
+    want = _stage_call(twin.fused_moe_lora, stage, x, out0.clone(), w, align, k, tw, enabled, layout, max_rank)
     flat = {n: v.cpu().reshape(cols.shape) for n, v in (("two", two), ("one", one), ("want", want), ("0", out0))}
     assert_close(
         flat["two"][cols], flat["want"][cols], dtype=dtype, what=f"{what}: SLICES_PER_PROGRAM=2 vs twin", seed=seed
@@ -140,13 +118,8 @@ def test_two_slices_per_program_match_twin_and_one(case, layout):
 
 
 def _named(seed, w, M, k, ids=None, mapping=None, enabled=None):
-    gen = torch.Generator().manual_seed(seed)
     spec = w.spec
-    if ids is None:
-        ids = torch.stack([torch.randperm(spec.E, generator=gen)[:k] for _ in range(M)]).to(torch.int32)
-    if mapping is None:
-        mapping = torch.randint(-1, spec.max_loras, (M,), generator=gen, dtype=torch.int32)
-    ids, mapping = ids.to(DEVICE), mapping.to(DEVICE)
+    gen, ids, mapping = named_routing(seed, spec, M, k, ids, mapping)
     enabled = enabled_of(mapping, spec.max_loras) if enabled is None else enabled
     with launch_guard():
         align = moe_lora_align_block_size(ids, mapping, spec.E, 32, spec.max_loras)

@@ -61,25 +61,31 @@ def virtual_topk_ids(
         KernelPreconditionError: dtype, shape, device or contiguity errors; L·E >= 2^31.
     """
     check_positive_int("num_experts", num_experts)
-    check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, dim=2, contiguous=True)
-    device = topk_ids.device
-    M, top_k = topk_ids.shape
-    check_tensor("token_lora_mapping", token_lora_mapping, dtypes=(torch.int32,), shape=(M,), contiguous=True,
-                 device=device)
     if max_loras is not None:
         check_positive_int("max_loras", max_loras)
         if max_loras * num_experts >= 1 << 31:
             raise KernelPreconditionError(f"max_loras: {max_loras} slots × {num_experts} experts overflow int32 ids")
     bound = max_loras if max_loras is not None else (2**31 - 1) // num_experts
+    return _launch_ids("virtual_topk_ids", topk_ids, token_lora_mapping, out, num_experts, bound, 0, False)
+
+
+def _launch_ids(name, topk_ids, token_lora_mapping, out, num_experts, bound, num_base_experts, expert_major):
+    """The tensor checks and the launch shared by :func:`virtual_topk_ids` and
+    :func:`fused_lora_topk_ids` (their scalars checked by the caller); ``out`` allocated when None."""
+    check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, dim=2, contiguous=True)
+    device = topk_ids.device
+    M, top_k = topk_ids.shape
+    check_tensor("token_lora_mapping", token_lora_mapping, dtypes=(torch.int32,), shape=(M,), contiguous=True,
+                 device=device)
     if out is None:
         out = torch.empty(M, top_k, dtype=torch.int32, device=device)
     check_tensor("out", out, dtypes=(torch.int32,), shape=(M, top_k), contiguous=True, device=device)
     if M == 0:
         return out
     block = 1024
-    grid = check_grid("virtual_topk_ids", (triton.cdiv(M * top_k, block),))
-    _virtual_topk_ids_kernel[grid](topk_ids, token_lora_mapping, out, M * top_k, top_k, num_experts, bound, 0,
-                                   BLOCK=block, EXPERT_MAJOR=False)
+    grid = check_grid(name, (triton.cdiv(M * top_k, block),))
+    _virtual_topk_ids_kernel[grid](topk_ids, token_lora_mapping, out, M * top_k, top_k, num_experts, bound,
+                                   num_base_experts, BLOCK=block, EXPERT_MAJOR=expert_major)
     return out
 
 
@@ -122,21 +128,8 @@ def fused_lora_topk_ids(
     if num_base_experts * (max_loras + 1) >= 1 << 31:
         raise KernelPreconditionError(f"max_loras: {max_loras + 1} groups × {num_base_experts} experts overflow "
                                       "int32 ids")
-    check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, dim=2, contiguous=True)
-    device = topk_ids.device
-    M, top_k = topk_ids.shape
-    check_tensor("token_lora_mapping", token_lora_mapping, dtypes=(torch.int32,), shape=(M,), contiguous=True,
-                 device=device)
-    if out is None:
-        out = torch.empty(M, top_k, dtype=torch.int32, device=device)
-    check_tensor("out", out, dtypes=(torch.int32,), shape=(M, top_k), contiguous=True, device=device)
-    if M == 0:
-        return out
-    block = 1024
-    grid = check_grid("fused_lora_topk_ids", (triton.cdiv(M * top_k, block),))
-    _virtual_topk_ids_kernel[grid](topk_ids, token_lora_mapping, out, M * top_k, top_k, num_experts, max_loras,
-                                   num_base_experts, BLOCK=block, EXPERT_MAJOR=True)
-    return out
+    return _launch_ids("fused_lora_topk_ids", topk_ids, token_lora_mapping, out, num_experts, max_loras,
+                       num_base_experts, True)
 
 
 def fused_lora_align(
