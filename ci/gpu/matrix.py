@@ -2,7 +2,7 @@
 stopped cleanly at a time budget, and one report over any number of runs (DESIGN.md §9).
 
     python3 ci/gpu/matrix.py list [--select EXPR]
-    python3 ci/gpu/matrix.py run [--select EXPR] [--budget-s N] [--resume DIR ...] --out-dir DIR [--commit SHA]
+    python3 ci/gpu/matrix.py run [--select EXPR] [--budget-s N] [--resume DIR ...] [--jobs N] --out-dir DIR [--commit SHA]
     python3 ci/gpu/matrix.py report DIR_OR_FILE ... [--markdown out.md] [--json out.json]
 
 ``--select`` (repeatable; a cell is selected when any one matches): comma-separated terms that must
@@ -22,6 +22,10 @@ CUDA graphs). Sync debug mode "error": every suite runs its prepare + forward (a
 every launch) inside ``moelora_core.graphs.host_sync_guard``, which on CUDA is
 ``torch.cuda.set_sync_debug_mode("error")``; test code outside the guard may read results on the host.
 
+``--jobs N`` runs up to N cells at once on the one GPU (the conformance and e2e cells are small
+shapes, bound by the host's Python and compiles, not the GPU), each with ``OMP_NUM_THREADS`` set to
+its share of the cores; a cell with ``exclusive = true`` (the benchmarks) runs alone.
+
 ``report`` merges records (the newest record of a cell wins) and lists every cell of the matrix —
 a cell without a record is "not run" — with its status, max error against its tolerance where the
 suite reports one, examples run, seconds, versions and commit, as Markdown and JSON.
@@ -29,7 +33,9 @@ suite reports one, examples run, seconds, versions and commit, as Markdown and J
 Statuses: ``pass``; ``fail`` (the suite ran and something failed); ``error`` (the cell's process
 could not run its suite: exit 2-4, a crash); ``timeout`` (its own timeout fired); ``nothing-ran``
 (exit 5: no test ran, never a pass); ``incomplete`` (exit 0, but the suite's report says a
-property of the cell did not run, e.g. no tolerance row for its dtype: never a pass); ``not-run`` (no record).
+property of the cell did not run, e.g. no tolerance row for its dtype: never a pass); ``cut`` (the
+run's budget, shorter than the cell's own timeout, stopped it: recorded for its log, but not
+finished, so ``--resume`` runs it again); ``not-run`` (no record).
 
 Only the standard library is needed to list, select, run and report (Python 3.11+: ``tomllib``).
 """
@@ -37,6 +43,8 @@ Only the standard library is needed to list, select, run and report (Python 3.11
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures
 import datetime
 import fnmatch
 import itertools
@@ -47,6 +55,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 from collections.abc import Iterable, Sequence
@@ -415,6 +424,9 @@ def run_cell(cell: Cell, timeout_s: float, log, env: dict[str, str]) -> tuple[di
                 proc.wait()
         wall = time.monotonic() - start
         fields = {"status": _status(proc.returncode, timed_out), "exit_code": proc.returncode}
+        if timed_out and timeout_s < cell.timeout_s:
+            # the run's budget, not the cell's own timeout, cut it: not a finding, --resume runs it again
+            fields["status"] = "cut"
         try:
             fields.update(summarize(cell, work))
         except (OSError, ValueError, KeyError) as exc:
@@ -424,32 +436,84 @@ def run_cell(cell: Cell, timeout_s: float, log, env: dict[str, str]) -> tuple[di
         return fields, wall
 
 
+def _cell_threads(jobs: int) -> dict[str, str]:
+    """Thread caps of a cell's process when ``jobs`` cells share the host: the host's cores split
+    between them (torch and numpy default to every core each, so six cells would oversubscribe)."""
+    if jobs <= 1:
+        return {}
+    n = str(max(1, (os.cpu_count() or jobs) // jobs))
+    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
+
+
 def run(cells: Sequence[Cell], *, out_dir: Path, budget_s: float | None, resume: Sequence[Path],
-        commit: str, now=time.monotonic, runner=run_cell) -> list[dict]:
-    """Run ``cells`` in order (module doc); returns the records written this run."""
+        commit: str, jobs: int = 1, now=time.monotonic, runner=run_cell) -> list[dict]:
+    """Run ``cells`` (module doc), up to ``jobs`` at a time in file order; returns the records
+    written this run, in the order the cells finished.
+
+    A cell starts only when its estimate fits what is left of ``budget_s``; the first that does not
+    stops the run (the cells after it stay for ``--resume``, as with one job). A cell whose options
+    say ``exclusive = true`` (the benchmarks: their times are the result) runs alone: it waits for
+    the running cells to end, and no cell starts beside it. Each cell's output goes to a file of its
+    own and is appended to ``matrix.log`` as one block when it ends, so parallel cells' lines do not
+    interleave; its record carries ``jobs`` (its seconds are a shared host's when ``jobs`` > 1).
+
+    Raises:
+        ValueError: ``jobs`` < 1.
+    """
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, got {jobs}")
     out_dir.mkdir(parents=True, exist_ok=True)
     done = read_records([*resume, out_dir / RECORDS])
-    todo = [c for c in cells if c.id not in done]
-    env = _env()
+    todo = collections.deque(c for c in cells if c.id not in done)
+    env = {**_env(), **_cell_threads(jobs)}
     versions = _versions() if todo else {}
     start = now()
-    written = []
-    with open(out_dir / LOG, "a") as log, open(out_dir / RECORDS, "a") as records:
-        for cell in todo:
-            left = None if budget_s is None else budget_s - (now() - start)
-            if left is not None and left < cell.estimate_s:
-                log.write(f"\n== budget: {left:.0f} s left < {cell.estimate_s:.0f} s estimated for {cell.id}; "
-                          f"stopping ({len(todo) - len(written)} cells left for --resume)\n")
-                break
-            timeout = cell.timeout_s if left is None else min(cell.timeout_s, left)
-            fields, wall = runner(cell, timeout, log, env)
-            rec = {"cell": cell.id, **cell.axes, **fields, "seconds": round(wall, 1), "estimate_s": cell.estimate_s,
-                   "commit": commit, "finished": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                   **versions}
+    written: list[dict] = []
+    lock = threading.Lock()
+
+    def one(cell: Cell, timeout: float) -> None:
+        with tempfile.TemporaryFile("w+") as own:
+            fields, wall = runner(cell, timeout, own, env)
+            own.flush()
+            own.seek(0)
+            text = own.read()
+        rec = {"cell": cell.id, **cell.axes, **fields, "seconds": round(wall, 1), "estimate_s": cell.estimate_s,
+               "jobs": jobs, "commit": commit,
+               "finished": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), **versions}
+        with lock:
+            log.write(text)
+            log.flush()
             records.write(json.dumps(rec) + "\n")
             records.flush()
             written.append(rec)
             print(f"{cell.id:<60} {rec['status']:<11} {wall:7.1f} s", flush=True)
+
+    with open(out_dir / LOG, "a") as log, open(out_dir / RECORDS, "a") as records, \
+            concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        running: dict[concurrent.futures.Future, Cell] = {}
+        stopped = False
+        while todo or running:
+            while todo and not stopped and len(running) < jobs:
+                cell = todo[0]
+                alone = bool(cell.options.get("exclusive"))
+                if running and (alone or any(c.options.get("exclusive") for c in running.values())):
+                    break
+                left = None if budget_s is None else budget_s - (now() - start)
+                if left is not None and left < cell.estimate_s:
+                    with lock:
+                        log.write(f"\n== budget: {left:.0f} s left < {cell.estimate_s:.0f} s estimated for "
+                                  f"{cell.id}; stopping ({len(todo)} cells left for --resume)\n")
+                    stopped = True
+                    break
+                todo.popleft()
+                timeout = cell.timeout_s if left is None else min(cell.timeout_s, left)
+                running[pool.submit(one, cell, timeout)] = cell
+            if not running:
+                break
+            finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+            for f in finished:
+                running.pop(f)
+                f.result()  # a runner bug surfaces here instead of vanishing in a thread
     return written
 
 
@@ -557,6 +621,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_run.add_argument("--out-dir", type=Path, required=True, help="records.jsonl and matrix.log go here")
     p_run.add_argument("--budget-s", type=float, default=None, help="stop before a cell that would pass this")
     p_run.add_argument("--resume", type=Path, action="append", default=[], help="records of earlier runs to skip")
+    p_run.add_argument("--jobs", type=int, default=1,
+                       help="cells at a time on one GPU host (the small cells are host-bound; default 1)")
     p_run.add_argument("--commit", default=None, help="the commit under test (default: git, or $MOELORA_COMMIT)")
     p_rep.add_argument("records", type=Path, nargs="+", help="records.jsonl files or folders of *.jsonl")
     p_rep.add_argument("--markdown", type=Path, default=None, help="write the Markdown report here")
@@ -577,8 +643,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{len(cells)} cells, ~{sum(c.estimate_s for c in cells) / 60:.0f} minutes")
         return 0
     if args.command == "run":
+        if args.jobs < 1:
+            print("matrix: --jobs must be at least 1", file=sys.stderr)
+            return 2
         written = run(cells, out_dir=args.out_dir, budget_s=args.budget_s, resume=args.resume,
-                      commit=_commit(args.commit))
+                      commit=_commit(args.commit), jobs=args.jobs)
         return 0 if all(r["status"] == "pass" for r in written) else 1
     rows = report_rows(cells, read_records(args.records))
     md = render_markdown(rows)

@@ -306,3 +306,102 @@ def test_every_kernel_test_file_is_in_a_kernels_cell():
     named = {t for c in matrix.load_matrix(matrix.MATRIX) if c.axes["suite"] == "kernels" for t in c.tests}
     assert files - named == set(), sorted(files - named)
     assert named - files == set(), sorted(named - files)
+
+
+PARALLEL = """
+[backends]
+reference = { target = "reference", manifest = "" }
+
+[[group]]
+suite = "conformance"
+backend = "reference"
+mode = ["eager", "decode", "prefill-full", "prefill-breakable"]
+dtype = ["bf16", "fp16"]
+profile = "gpu"
+estimate_s = 50
+
+[[group]]
+suite = "benchmarks"
+estimate_s = 20
+exclusive = true
+[group.parts.a]
+script = "a.py"
+[group.parts.b]
+script = "b.py"
+
+[[group]]
+suite = "e2e"
+backend = "reference"
+mode = ["decode"]
+dtype = "bf16"
+estimate_s = 30
+"""
+
+
+def test_jobs_run_cells_side_by_side_and_an_exclusive_cell_alone(tmp_path, monkeypatch):
+    """--jobs: at most N cells at once, an ``exclusive`` cell never beside another, every cell
+    recorded once with its own log block, and the budget still stops the run."""
+    import threading
+    import time as _time
+
+    monkeypatch.setattr(matrix, "_versions", lambda: {})
+    path = tmp_path / "m.toml"
+    path.write_text(PARALLEL)
+    cells = matrix.load_matrix(path)
+    lock, running, overlaps, peak = threading.Lock(), set(), [], [0]
+
+    def runner(cell, timeout, log, env):
+        with lock:
+            running.add(cell.id)
+            peak[0] = max(peak[0], len(running))
+            if len(running) > 1 and any(c.startswith("benchmarks") for c in running):
+                overlaps.append(sorted(running))
+        log.write(f"output of {cell.id}\n")
+        _time.sleep(0.05)
+        with lock:
+            running.discard(cell.id)
+        assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 3) // 3))
+        return {"status": "pass", "exit_code": 0}, 0.05
+
+    out = tmp_path / "run"
+    written = matrix.run(cells, out_dir=out, budget_s=None, resume=[], commit="c", jobs=3, runner=runner)
+    assert sorted(r["cell"] for r in written) == sorted(c.id for c in cells)
+    assert peak[0] == 3 and overlaps == []
+    assert all(r["jobs"] == 3 for r in written)
+    log = (out / "matrix.log").read_text()
+    assert all(log.count(f"output of {c.id}\n") == 1 for c in cells)
+    # the budget: cells start while their estimate fits what is left, then the run stops
+    clock = FakeClock()
+
+    def timed(cell, timeout, log, env):
+        with lock:
+            clock.t += 10
+        return {"status": "pass", "exit_code": 0}, 10.0
+
+    second = matrix.run(cells, out_dir=tmp_path / "run2", budget_s=75, resume=[], commit="c", jobs=2,
+                        now=clock, runner=timed)
+    assert 2 <= len(second) < len(cells)
+    assert "stopping (" in (tmp_path / "run2" / "matrix.log").read_text()
+    with pytest.raises(ValueError, match="jobs"):
+        matrix.run(cells, out_dir=tmp_path / "run3", budget_s=None, resume=[], commit="c", jobs=0, runner=timed)
+
+
+def test_the_repository_benchmarks_cells_are_exclusive():
+    """Benchmark cells' seconds are their result: run --jobs must never put another cell beside them."""
+    bench = [c for c in matrix.load_matrix(matrix.MATRIX) if c.axes["suite"] == "benchmarks"]
+    assert bench and all(c.options.get("exclusive") is True for c in bench)
+
+
+def test_a_cell_cut_by_the_budget_is_not_finished_and_resume_runs_it_again(tmp_path, monkeypatch):
+    """A cell stopped by what was left of the run's budget (shorter than its own timeout) is "cut":
+    its record keeps the log, but --resume runs it again; its own timeout firing stays "timeout"."""
+    cell = matrix.Cell(dict(zip(matrix.AXES, ("graphs", "-", "-", "-", "-", "-"))), 60.0, 90.0)
+    monkeypatch.setattr(matrix, "command", lambda c, w: [sys.executable, "-c", "import time; time.sleep(30)"])
+    monkeypatch.setattr(matrix, "summarize", lambda c, w: {})
+    cut, wall = matrix.run_cell(cell, 0.5, open(tmp_path / "log", "w"), dict(os.environ))
+    assert cut["status"] == "cut" and wall < 20
+    own = matrix.Cell(cell.axes, 0.2, 0.5)
+    timed_out, _ = matrix.run_cell(own, 0.5, open(tmp_path / "log2", "w"), dict(os.environ))
+    assert timed_out["status"] == "timeout"
+    (tmp_path / "r.jsonl").write_text(json.dumps({"cell": cell.id, "status": "cut", "finished": "x"}) + "\n")
+    assert matrix.read_records([tmp_path / "r.jsonl"]) == {}
