@@ -2,7 +2,8 @@
 stopped cleanly at a time budget, and one report over any number of runs (DESIGN.md §9).
 
     python3 ci/gpu/matrix.py list [--select EXPR]
-    python3 ci/gpu/matrix.py run [--select EXPR] [--budget-s N] [--resume DIR ...] [--jobs N] --out-dir DIR [--commit SHA]
+    python3 ci/gpu/matrix.py run [--select EXPR] [--budget-s N] [--resume DIR ...] [--jobs N] --out-dir DIR
+                                  [--commit SHA]
     python3 ci/gpu/matrix.py report DIR_OR_FILE ... [--markdown out.md] [--json out.json]
 
 ``--select`` (repeatable; a cell is selected when any one matches): comma-separated terms that must
@@ -334,7 +335,8 @@ def _e2e_command(cell: Cell, work: Path) -> list[str]:
 
 
 def _status(exit_code: int | None, timed_out: bool) -> str:
-    if timed_out:
+    # 124: the suite stopped itself at the time it was given (kernels_gpu.py --budget-s)
+    if timed_out or exit_code == 124:
         return "timeout"
     return {0: "pass", 1: "fail", 5: "nothing-ran"}.get(exit_code, "error")
 

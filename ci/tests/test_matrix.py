@@ -405,3 +405,10 @@ def test_a_cell_cut_by_the_budget_is_not_finished_and_resume_runs_it_again(tmp_p
     assert timed_out["status"] == "timeout"
     (tmp_path / "r.jsonl").write_text(json.dumps({"cell": cell.id, "status": "cut", "finished": "x"}) + "\n")
     assert matrix.read_records([tmp_path / "r.jsonl"]) == {}
+
+
+def test_a_kernels_cell_that_stops_itself_at_its_budget_is_a_timeout_not_an_error():
+    """kernels_gpu.py interrupts pytest before the cell's timeout and exits 124: the cell did not
+    fit its time (kernels:lora was recorded as an "error" with exit 2 on 2026-12-02)."""
+    assert matrix._status(124, False) == "timeout"
+    assert matrix._status(2, False) == "error" and matrix._status(1, False) == "fail"

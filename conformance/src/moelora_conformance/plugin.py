@@ -30,6 +30,7 @@ Results are honest (:mod:`moelora_conformance.report`): every collected item is 
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -283,6 +284,11 @@ def pytest_runtest_call(item: pytest.Item):
         finally:
             if caught and state.log is not None:
                 item.user_properties.append(("moelora_warnings", RunLog(state.log).warnings(item.nodeid, caught)))
+            if state.suite is not None and state.suite.device.type == "cuda":
+                # Hand the item's cached blocks back: a run holds its largest item's peak otherwise
+                # (56 GiB seen), and the GPU matrix runs several suites on one GPU (run --jobs).
+                gc.collect()
+                torch.cuda.empty_cache()
 
 
 @pytest.hookimpl(wrapper=True)
