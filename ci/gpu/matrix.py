@@ -245,8 +245,10 @@ def _mode_filter(cell: Cell) -> str:
 KERNELS_REPORT_S = 40.0
 
 
-def command(cell: Cell, work: Path) -> list[str]:
-    """The command line of ``cell``, writing its suite's own report under ``work``.
+def command(cell: Cell, work: Path, timeout_s: float | None = None) -> list[str]:
+    """The command line of ``cell``, writing its suite's own report under ``work``; ``timeout_s``:
+    the time it will get (default its own timeout; less where the run's budget cuts it), from which
+    a kernels cell sets when pytest is interrupted so that it still reports.
 
     Raises:
         MatrixError: a suite without a command here yet.
@@ -255,7 +257,7 @@ def command(cell: Cell, work: Path) -> list[str]:
     if suite == "kernels":
         # pytest interrupted before the cell's timeout, so the record keeps what ran and how long
         cmd = [py, "ci/gpu/kernels_gpu.py", "--profile", cell.axes["profile"], "--out", str(work / "kernels.json"),
-               "--budget-s", f"{max(30.0, cell.timeout_s - KERNELS_REPORT_S):.0f}"]
+               "--budget-s", f"{max(30.0, (timeout_s or cell.timeout_s) - KERNELS_REPORT_S):.0f}"]
         for test in cell.tests:
             cmd += ["--tests", test]
         if "pytest_k" in o:
@@ -405,7 +407,7 @@ def run_cell(cell: Cell, timeout_s: float, log, env: dict[str, str]) -> tuple[di
     with tempfile.TemporaryDirectory(prefix="moelora-cell-") as tmp:
         work = Path(tmp)
         try:
-            cmd = command(cell, work)
+            cmd = command(cell, work, timeout_s)
         except MatrixError as exc:
             return {"status": "error", "exit_code": None, "message": str(exc)}, 0.0
         log.write(f"\n== {cell.id} (timeout {timeout_s:.0f} s): {' '.join(cmd)}\n")

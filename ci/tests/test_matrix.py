@@ -396,7 +396,7 @@ def test_a_cell_cut_by_the_budget_is_not_finished_and_resume_runs_it_again(tmp_p
     """A cell stopped by what was left of the run's budget (shorter than its own timeout) is "cut":
     its record keeps the log, but --resume runs it again; its own timeout firing stays "timeout"."""
     cell = matrix.Cell(dict(zip(matrix.AXES, ("graphs", "-", "-", "-", "-", "-"))), 60.0, 90.0)
-    monkeypatch.setattr(matrix, "command", lambda c, w: [sys.executable, "-c", "import time; time.sleep(30)"])
+    monkeypatch.setattr(matrix, "command", lambda c, w, t=None: [sys.executable, "-c", "import time; time.sleep(30)"])
     monkeypatch.setattr(matrix, "summarize", lambda c, w: {})
     cut, wall = matrix.run_cell(cell, 0.5, open(tmp_path / "log", "w"), dict(os.environ))
     assert cut["status"] == "cut" and wall < 20
@@ -412,3 +412,13 @@ def test_a_kernels_cell_that_stops_itself_at_its_budget_is_a_timeout_not_an_erro
     fit its time (kernels:lora was recorded as an "error" with exit 2 on 2026-12-02)."""
     assert matrix._status(124, False) == "timeout"
     assert matrix._status(2, False) == "error" and matrix._status(1, False) == "fail"
+
+
+def test_a_kernels_cell_given_less_than_its_timeout_interrupts_pytest_before_it(tmp_path):
+    """A kernels cell cut by the run's budget must still stop pytest itself in time to report (it was
+    given --budget-s 230 with 185 s left on 2026-12-02, and its report was lost)."""
+    cell = {c.id: c for c in matrix.load_matrix()}["kernels/-/-/-/-/gpu:slices"]
+    own = matrix.command(cell, tmp_path)
+    assert own[own.index("--budget-s") + 1] == f"{cell.timeout_s - matrix.KERNELS_REPORT_S:.0f}"
+    cut = matrix.command(cell, tmp_path, 185.0)
+    assert cut[cut.index("--budget-s") + 1] == f"{185.0 - matrix.KERNELS_REPORT_S:.0f}"
