@@ -11,12 +11,14 @@ all hold, ``axis=glob`` (``suite=conformance,backend=triton,dtype=bf16``) or a g
 (``conformance/triton/*``). A group's ``parts`` table splits a cell into several of one call each
 (the kernel suite by test file): cell ids then end in ``:part``.
 
-``run`` appends one JSON line per finished cell to ``DIR/records.jsonl`` the moment the cell ends
-(a call killed by the device's limit keeps every finished cell) and the cells' output to
+``run`` appends one JSON line per finished cell to ``DIR/records.jsonl`` the moment the cell ends (a
+call killed by the device's limit keeps every finished cell) and the cells' output to
 ``DIR/matrix.log``; two files, because the GPU device returns at most eight. Cells already recorded
-as finished in ``--resume`` records (or in ``DIR`` itself) are skipped. Before a cell starts, the
-runner checks that its estimate fits what is left of ``--budget-s``; if it does not, the run stops
-there and the remaining cells stay unrecorded (the next run resumes them). A cell runs with a
+as finished in ``--resume`` records (or in ``DIR`` itself) are skipped, unless the record was made
+under another definition of the cell (its tests, ``-k`` or options changed since:
+``Cell.definition``). Before a cell starts, the runner checks that its estimate fits what is left of
+``--budget-s``; if it does not, the run stops there and the remaining cells stay unrecorded (the
+next run resumes them). A cell runs with a
 timeout (``timeout_s``, default 1.5 × its estimate) and the environment of a GPU host running from
 source: the packages' ``src`` folders on ``PYTHONPATH``, no ``TRITON_INTERPRET`` (real kernels, real
 CUDA graphs). Sync debug mode "error": every suite runs its prepare + forward (and the kernel suite
@@ -48,6 +50,7 @@ import collections
 import concurrent.futures
 import datetime
 import fnmatch
+import hashlib
 import itertools
 import json
 import os
@@ -73,6 +76,8 @@ FINISHED = ("pass", "incomplete", "fail", "error", "timeout", "nothing-ran")
 #: Longest timeout of one cell: the device's 10-minute call less its start-up.
 MAX_TIMEOUT_S = 570
 RECORDS = "records.jsonl"
+#: Cell options that change when or beside what a cell runs, not what it runs.
+SCHEDULING = ("exclusive",)
 LOG = "matrix.log"
 
 
@@ -104,6 +109,15 @@ class Cell:
     def id(self) -> str:
         base = "/".join(self.axes[a] for a in AXES)
         return f"{base}:{self.part}" if self.part else base
+
+    @property
+    def definition(self) -> str:
+        """A digest of what the cell runs (its backend target, manifest, test files and options;
+        not its estimate or scheduling): a record made under another definition of the same id is
+        stale (:func:`is_current`)."""
+        what = {"target": self.target, "manifest": self.manifest, "tests": list(self.tests),
+                "options": {k: v for k, v in sorted(self.options.items()) if k not in SCHEDULING}}
+        return hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def _as_list(value: object) -> list[str]:
@@ -468,7 +482,7 @@ def run(cells: Sequence[Cell], *, out_dir: Path, budget_s: float | None, resume:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
     out_dir.mkdir(parents=True, exist_ok=True)
     done = read_records([*resume, out_dir / RECORDS])
-    todo = collections.deque(c for c in cells if c.id not in done)
+    todo = collections.deque(c for c in cells if not (c.id in done and is_current(c, done[c.id])))
     env = {**_env(), **_cell_threads(jobs)}
     versions = _versions() if todo else {}
     start = now()
@@ -482,7 +496,7 @@ def run(cells: Sequence[Cell], *, out_dir: Path, budget_s: float | None, resume:
             own.seek(0)
             text = own.read()
         rec = {"cell": cell.id, **cell.axes, **fields, "seconds": round(wall, 1), "estimate_s": cell.estimate_s,
-               "jobs": jobs, "commit": commit,
+               "jobs": jobs, "definition": cell.definition, "commit": commit,
                "finished": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), **versions}
         with lock:
             log.write(text)
@@ -524,11 +538,20 @@ def run(cells: Sequence[Cell], *, out_dir: Path, budget_s: float | None, resume:
 # --- report --------------------------------------------------------------------------------------
 
 
+def is_current(cell: Cell, record: dict) -> bool:
+    """Whether ``record`` was made under ``cell``'s present definition. Records written before
+    definitions were recorded (no ``definition`` key) count as current."""
+    return record.get("definition", cell.definition) == cell.definition
+
+
 def report_rows(cells: Sequence[Cell], records: dict[str, dict]) -> list[dict]:
-    """One row per cell of the matrix, in matrix order; cells without a record are "not-run"."""
+    """One row per cell of the matrix, in matrix order; cells without a record, or whose record was
+    made under another definition of the cell (its tests or options changed since), are "not-run"."""
     rows = []
     for c in cells:
         rec = records.get(c.id)
+        if rec is not None and not is_current(c, rec):
+            rec = None
         rows.append({"cell": c.id, **c.axes, "status": rec["status"] if rec else "not-run", "record": rec})
     return rows
 

@@ -422,3 +422,32 @@ def test_a_kernels_cell_given_less_than_its_timeout_interrupts_pytest_before_it(
     assert own[own.index("--budget-s") + 1] == f"{cell.timeout_s - matrix.KERNELS_REPORT_S:.0f}"
     cut = matrix.command(cell, tmp_path, 185.0)
     assert cut[cut.index("--budget-s") + 1] == f"{185.0 - matrix.KERNELS_REPORT_S:.0f}"
+
+
+def test_a_record_of_another_definition_of_a_cell_is_stale_and_resume_runs_the_cell_again(tmp_path, monkeypatch):
+    """Parts were redefined under the same ids twice on 2026-12-02 (kernels:lora, kernels:fused-lora):
+    a record made under another definition (tests, -k, options) neither skips the cell on --resume
+    nor stands for it in the report; a change of estimate or scheduling keeps the record."""
+    monkeypatch.setattr(matrix, "_versions", lambda: {})
+    base = '[[group]]\nsuite = "kernels"\nprofile = "gpu"\nestimate_s = 10\n[group.parts.a]\ntests = ["t1.py"]\n'
+    path = tmp_path / "m.toml"
+    path.write_text(base)
+    (old,) = matrix.load_matrix(path)
+    out = tmp_path / "run"
+    matrix.run([old], out_dir=out, budget_s=None, resume=[], commit="c",
+               runner=lambda c, t, log, env: ({"status": "timeout", "exit_code": None}, 1.0))
+    rec = matrix.read_records([out])[old.id]
+    assert rec["definition"] == old.definition
+    path.write_text(base.replace("estimate_s = 10", "estimate_s = 99\nexclusive = true"))
+    (same,) = matrix.load_matrix(path)
+    assert same.definition == old.definition and matrix.is_current(same, rec)
+    path.write_text(base + 'pytest_k = "not slow"\n')
+    (new,) = matrix.load_matrix(path)
+    assert new.id == old.id and new.definition != old.definition and not matrix.is_current(new, rec)
+    ran = []
+    matrix.run([new], out_dir=tmp_path / "run2", budget_s=None, resume=[out], commit="c",
+               runner=lambda c, t, log, env: (ran.append(c.id) or {"status": "pass", "exit_code": 0}, 1.0))
+    assert ran == [new.id]
+    assert [r["status"] for r in matrix.report_rows([new], {new.id: rec})] == ["not-run"]
+    legacy = {k: v for k, v in rec.items() if k != "definition"}
+    assert matrix.is_current(new, legacy)
