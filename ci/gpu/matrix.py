@@ -207,12 +207,22 @@ def read_records(paths: Iterable[Path | str]) -> dict[str, dict]:
             if not line.strip():
                 continue
             rec = json.loads(line)
-            if rec.get("status") not in FINISHED:
+            if rec.get("status") not in FINISHED or out_of_memory_beside_others(rec):
                 continue
             prev = out.get(rec["cell"])
             if prev is None or rec.get("finished", "") >= prev.get("finished", ""):
                 out[rec["cell"]] = rec
     return out
+
+
+def out_of_memory_beside_others(record: dict) -> bool:
+    """Whether ``record`` is of a cell that ran out of GPU memory while other cells shared the GPU
+    (``jobs`` > 1): not a finding about the code, so it counts as not run (``--resume`` runs the
+    cell again; run such a cell with ``--jobs 1``, where running out of memory is a finding)."""
+    if int(record.get("jobs") or 1) <= 1 or record.get("status") == "pass":
+        return False
+    text = " ".join(map(str, record.get("failures") or [])) + " " + str(record.get("message") or "")
+    return "OutOfMemoryError" in text or "CUDA out of memory" in text
 
 
 def _versions() -> dict[str, str]:

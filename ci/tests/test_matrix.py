@@ -451,3 +451,18 @@ def test_a_record_of_another_definition_of_a_cell_is_stale_and_resume_runs_the_c
     assert [r["status"] for r in matrix.report_rows([new], {new.id: rec})] == ["not-run"]
     legacy = {k: v for k, v in rec.items() if k != "definition"}
     assert matrix.is_current(new, legacy)
+
+
+def test_running_out_of_gpu_memory_beside_other_cells_is_not_a_finding(tmp_path):
+    """Run 7 on 2026-12-02 (8 conformance cells at once) recorded a fail and a timeout whose failures
+    were CUDA OOM while other suites held the memory: such records count as not run; the same
+    failure with the GPU to itself (jobs 1) stays a fail."""
+    oom = "test_x[prefill-full-fp16]: OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB."
+    recs = [{"cell": "a", "status": "fail", "jobs": 8, "failures": [oom], "finished": "1"},
+            {"cell": "b", "status": "timeout", "jobs": 8, "failures": ["t: AssertionError", oom], "finished": "1"},
+            {"cell": "c", "status": "fail", "jobs": 1, "failures": [oom], "finished": "1"},
+            {"cell": "d", "status": "fail", "jobs": 8, "failures": ["t: AssertionError: wrong rows"], "finished": "1"},
+            {"cell": "e", "status": "fail", "failures": [oom], "finished": "1"}]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert sorted(matrix.read_records([path])) == ["c", "d", "e"]
