@@ -680,6 +680,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{len(cells)} cells, ~{sum(c.estimate_s for c in cells) / 60:.0f} minutes")
         return 0
     if args.command == "run":
+        if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+            # started in the background (`cmd &` in a script): the cells would inherit SIGINT
+            # ignored and never stop at their timeout's interrupt to write their reports
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         if args.jobs < 1:
             print("matrix: --jobs must be at least 1", file=sys.stderr)
             return 2

@@ -392,11 +392,16 @@ def test_the_repository_benchmarks_cells_are_exclusive():
     assert bench and all(c.options.get("exclusive") is True for c in bench)
 
 
+#: A child that stops on SIGINT even where it inherited SIGINT ignored (a run started with `&` from a
+#: script, as the clean-clone CI run was: the first version of the test below then waited 30 s).
+SLEEPER = "import signal, sys, time; signal.signal(signal.SIGINT, lambda *a: sys.exit(130)); time.sleep(30)"
+
+
 def test_a_cell_cut_by_the_budget_is_not_finished_and_resume_runs_it_again(tmp_path, monkeypatch):
     """A cell stopped by what was left of the run's budget (shorter than its own timeout) is "cut":
     its record keeps the log, but --resume runs it again; its own timeout firing stays "timeout"."""
     cell = matrix.Cell(dict(zip(matrix.AXES, ("graphs", "-", "-", "-", "-", "-"))), 60.0, 90.0)
-    monkeypatch.setattr(matrix, "command", lambda c, w, t=None: [sys.executable, "-c", "import time; time.sleep(30)"])
+    monkeypatch.setattr(matrix, "command", lambda c, w, t=None: [sys.executable, "-c", SLEEPER])
     monkeypatch.setattr(matrix, "summarize", lambda c, w: {})
     cut, wall = matrix.run_cell(cell, 0.5, open(tmp_path / "log", "w"), dict(os.environ))
     assert cut["status"] == "cut" and wall < 20
@@ -466,3 +471,20 @@ def test_running_out_of_gpu_memory_beside_other_cells_is_not_a_finding(tmp_path)
     path = tmp_path / "r.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert sorted(matrix.read_records([path])) == ["c", "d", "e"]
+
+
+def test_run_started_with_sigint_ignored_lets_its_cells_see_the_interrupt(tmp_path):
+    """`matrix.py run` started in the background has SIGINT ignored, and its cells would inherit
+    that: it restores the default so a cell's timeout interrupt stops pytest, which then reports."""
+    import subprocess
+
+    (tmp_path / "m.toml").write_text('[[group]]\nsuite = "graphs"\nestimate_s = 1\n')
+    code = ("import signal, sys\n"
+            "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "sys.path.insert(0, 'ci/gpu')\n"
+            "import matrix\n"
+            f"matrix.main(['--matrix', {str(tmp_path / 'm.toml')!r}, 'run', '--budget-s', '0', "
+            f"'--out-dir', {str(tmp_path / 'out')!r}])\n"
+            "print('ignored' if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else 'restored')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "restored", out.stderr
