@@ -452,8 +452,9 @@ def run_cell(cell: Cell, timeout_s: float, log, env: dict[str, str]) -> tuple[di
                 proc.wait()
         wall = time.monotonic() - start
         fields = {"status": _status(proc.returncode, timed_out), "exit_code": proc.returncode}
-        if timed_out and timeout_s < cell.timeout_s:
-            # the run's budget, not the cell's own timeout, cut it: not a finding, --resume runs it again
+        if fields["status"] == "timeout" and timeout_s < cell.timeout_s:
+            # the run's budget, not the cell's own timeout, cut it (the runner's timeout fired, or the
+            # suite stopped itself at the time it was given: exit 124): not a finding, --resume runs it again
             fields["status"] = "cut"
         try:
             fields.update(summarize(cell, work))

@@ -408,6 +408,12 @@ def test_a_cell_cut_by_the_budget_is_not_finished_and_resume_runs_it_again(tmp_p
     own = matrix.Cell(cell.axes, 0.2, 0.5)
     timed_out, _ = matrix.run_cell(own, 0.5, open(tmp_path / "log2", "w"), dict(os.environ))
     assert timed_out["status"] == "timeout"
+    # a kernels cell stops itself at the (shorter) time it was given and exits 124: cut as well
+    monkeypatch.setattr(matrix, "command", lambda c, w, t=None: [sys.executable, "-c", "raise SystemExit(124)"])
+    stopped, _ = matrix.run_cell(cell, 30.0, open(tmp_path / "log3", "w"), dict(os.environ))
+    assert stopped["status"] == "cut"
+    own_time, _ = matrix.run_cell(cell, cell.timeout_s, open(tmp_path / "log4", "w"), dict(os.environ))
+    assert own_time["status"] == "timeout"
     (tmp_path / "r.jsonl").write_text(json.dumps({"cell": cell.id, "status": "cut", "finished": "x"}) + "\n")
     assert matrix.read_records([tmp_path / "r.jsonl"]) == {}
 
