@@ -685,11 +685,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             # started in the background (`cmd &` in a script): the cells would inherit SIGINT
             # ignored and never stop at their timeout's interrupt to write their reports
             signal.signal(signal.SIGINT, signal.default_int_handler)
-        if args.jobs < 1:
-            print("matrix: --jobs must be at least 1", file=sys.stderr)
+        try:
+            written = run(cells, out_dir=args.out_dir, budget_s=args.budget_s, resume=args.resume,
+                          commit=_commit(args.commit), jobs=args.jobs)
+        except ValueError as exc:  # --jobs < 1, or a records line that is not JSON
+            print(f"matrix: {exc}", file=sys.stderr)
             return 2
-        written = run(cells, out_dir=args.out_dir, budget_s=args.budget_s, resume=args.resume,
-                      commit=_commit(args.commit), jobs=args.jobs)
         return 0 if all(r["status"] == "pass" for r in written) else 1
     rows = report_rows(cells, read_records(args.records))
     md = render_markdown(rows)
