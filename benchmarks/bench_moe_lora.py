@@ -33,8 +33,10 @@ Rows then carry ``expert_layout`` and ``slot_bytes`` (the pool's bytes per slot 
 ``--path fused_moe`` adds, per (M, R), the whole layer with LoRA two ways, each with its
 alignment precomputed like (a): ``ab_separate_us`` (the base GEMMs, then the delta kernels adding
 into their outputs: ``fused_moe(lora=MoELoRAInputs)``) and ``ab_fused_us`` (the deltas inside the
-base GEMMs: ``fused_moe(fused_lora=FusedLoRAInputs)`` over the expert-major (expert, slot)
-alignment, whose own time is ``c_fused_us``); ``err_ab_fused`` compares the two layers' outputs.
+base GEMMs: ``fused_moe(fused_lora=FusedLoRAInputs)`` over the same base alignment, each row
+adding its own slot's delta; ``LORA_SLOT_GROUP`` of the kernel-config table, through
+``MOELORA_KERNEL_CONFIGS``, sets how many slots share a shrink/expand tile pair);
+``err_ab_fused`` compares the two layers' outputs.
 """
 
 from __future__ import annotations
@@ -64,7 +66,6 @@ from moelora_core.layer_spec import EXPERT_LAYOUTS, expert_factor  # noqa: E402
 from moelora_kernels import (  # noqa: E402
     FusedLoRAInputs,
     MoELoRAInputs,
-    fused_lora_align,
     fused_moe,
     moe_align_block_size,
     moe_block_m,
@@ -307,22 +308,18 @@ def min_bytes_lora(p: Problem, R: int, shared: frozenset = frozenset()) -> int:
 def layer_paths(row: dict, p: Problem, w: LoRAWeights, timer: Timer) -> None:
     """``--path fused_moe``: the layer with LoRA through separate delta kernels and with the deltas
     fused into the base GEMMs (module docstring), both checked against each other, into ``row``."""
-    E = p.w_gu.shape[0]
-    falign = fused_lora_align(p.topk_ids, p.mapping, w.spec.E, E, MAX_LORAS)
-    fused = FusedLoRAInputs(w, falign, adapter_enabled=p.enabled)
+    fused = FusedLoRAInputs(w, p.mapping, adapter_enabled=p.enabled)
     separate = MoELoRAInputs(w, p.lora_align, adapter_enabled=p.enabled)
-    y_f = fused_moe(p.x, p.topk_ids, p.topk_weights, p.w_gu, p.w_d, fused_lora=fused)
+    y_f = fused_moe(p.x, p.topk_ids, p.topk_weights, p.w_gu, p.w_d, align=p.base_align, fused_lora=fused)
     y_s = fused_moe(p.x, p.topk_ids, p.topk_weights, p.w_gu, p.w_d, align=p.base_align, lora=separate)
     row["err_ab_fused"] = close(y_f, y_s, f"fused_moe layer M={p.M} R={w.spec.R}")
     row["ab_fused_us"] = timer(lambda: fused_moe(p.x, p.topk_ids, p.topk_weights, p.w_gu, p.w_d,
-                                                 fused_lora=fused))["median_us"]
+                                                 align=p.base_align, fused_lora=fused))["median_us"]
     row["ab_separate_us"] = timer(lambda: fused_moe(p.x, p.topk_ids, p.topk_weights, p.w_gu, p.w_d,
                                                     align=p.base_align, lora=separate))["median_us"]
-    row["c_fused_us"] = timer(lambda: fused_lora_align(p.topk_ids, p.mapping, w.spec.E, E, MAX_LORAS,
-                                                       out=falign))["median_us"]
     row["ab_fused_over_separate"] = row["ab_fused_us"] / row["ab_separate_us"]
     print(f"  M={p.M} R={w.spec.R}: layer separate {row['ab_separate_us']:.1f} µs, fused {row['ab_fused_us']:.1f} "
-          f"µs ({row['ab_fused_over_separate']:.2f}x), fused alignment {row['c_fused_us']:.1f} µs", flush=True)
+          f"µs ({row['ab_fused_over_separate']:.2f}x)", flush=True)
 
 
 def main() -> int:

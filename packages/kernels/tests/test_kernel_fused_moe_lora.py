@@ -1,26 +1,30 @@
 """The base fused-MoE GEMMs with the MoE-LoRA deltas fused in (``fused_moe_gemm(lora=GemmLoRA(...))``,
-``fused_moe(fused_lora=...)``; the ``fused_moe`` capability of DESIGN.md §5) against their twins
-(``moelora_reference.fused_moe.fused_moe_gemm(lora=)``, ``moelora_reference.virtual_experts.fused_lora_topk_ids``)
-and the fp64 oracle (``moelora_reference.oracle.moe_lora_forward``).
+``fused_moe(fused_lora=...)``; the ``fused_moe`` capability of DESIGN.md §5) against their twin
+(``moelora_reference.fused_moe.fused_moe_gemm(lora=)``) and the fp64 oracle
+(``moelora_reference.oracle.moe_lora_forward``).
 
-Covers: drawn cases (sentinel ids -1, extra base experts in [E, E_base), mixed ranks, every expert
-layout, fp32/fp16 on CPU): the expert-major (expert, slot) ids exactly; the gate_up GEMM per slice
-and the down GEMM (router-weighted) per pair on NaN-poisoned outputs (rows of -1 pairs stay NaN);
-the whole layer against the oracle (fp32) and against the separate-delta path. Named cases: mixed
-ranks with a disabled slot, a rank-0 module, -1 / E / E+1 ids; a disabled slot computed exactly as
-rank 0; base rows bit-identical to the LoRA-disabled run of the same path (CPU: base tokens on
-experts of their own, since numpy's matmul rounds a row by its position in the tile; on a GPU the
-drawn cases too); pools storing factors once per slot (expert stride 0); GPT-OSS's interleaved layout with biases against the separate-delta path;
-launcher refusals.
+The fused path runs on the base alignment (blocks by expert), so one block holds rows of several
+slots and of base tokens; each row adds its own slot's delta. Covers: drawn cases (sentinel ids
+-1, extra base experts in [E, E_base), mixed ranks, every expert layout, fp32/fp16 on CPU): the
+gate_up GEMM per slice and the down GEMM (router-weighted) per pair on NaN-poisoned outputs (rows
+of -1 pairs stay NaN); the whole layer against the oracle (fp32) and against the separate-delta
+path; base rows bit-identical to the LoRA-disabled run (same alignment, same base K loop: on the
+CPU too). Named cases: one block holding three slots, base rows and a sentinel, at every slot
+grouping of the shrink/expand tiles; mixed ranks with a disabled slot, a rank-0 module, -1 / E /
+E+1 ids; a disabled slot computed exactly as rank 0; pools storing factors once per slot (expert
+stride 0); GPT-OSS's interleaved layout with biases against the separate-delta path; launcher
+refusals.
 """
 
 import math
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_testing import DEVICE, ON_GPU, assert_bitwise_equal, assert_close, cpu, launch_guard, poisoned, randn
+from kernel_testing import DEVICE, assert_bitwise_equal, assert_close, cpu, launch_guard, poisoned, randn
 from moe_lora_testing import cpu_weights, enabled_of, make_pool
 
 from moelora_conformance.profiles import PROFILES, current_profile
@@ -30,15 +34,13 @@ from moelora_kernels import (
     FusedLoRAInputs,
     GemmLoRA,
     MoELoRAInputs,
-    fused_lora_align,
-    fused_lora_topk_ids,
     fused_moe,
     fused_moe_gemm,
+    moe_align_block_size,
     moe_block_m,
     moe_lora_align_block_size,
 )
 from moelora_reference import fused_moe as twin
-from moelora_reference import virtual_experts as twin_ids
 from moelora_reference.oracle import moe_lora_forward
 
 pytestmark = pytest.mark.interpreter
@@ -48,27 +50,32 @@ LORA_CASES = moe_lora_cases(kinds=("extend", "decode", "mixed"), virtual_experts
 ORACLE_CAPS = capped(current_profile().caps, PROFILES["dev"].caps)
 
 
+def _base_align(topk_ids, E_base, block_m=None):
+    """The base layer's alignment (the fused path's: blocks by expert, whatever the slots)."""
+    M, k = topk_ids.shape
+    with launch_guard():
+        return moe_align_block_size(topk_ids, E_base, block_m or moe_block_m(M, k, E_base))
+
+
 def _fused(c, enabled=None, mapping=None):
     """(align, FusedLoRAInputs) of a materialized case."""
-    spec = c.spec
     mapping = c.token_lora_mapping if mapping is None else mapping
-    with launch_guard():
-        align = fused_lora_align(c.topk_ids, mapping, spec.E, c.base.w_gate_up.shape[0], spec.max_loras)
-    return align, FusedLoRAInputs(c.lora, align, adapter_enabled=enabled)
+    return _base_align(c.topk_ids, c.base.w_gate_up.shape[0]), FusedLoRAInputs(c.lora, mapping, adapter_enabled=enabled)
 
 
 def _cpu_lora(g: GemmLoRA) -> GemmLoRA:
-    return GemmLoRA(*(cpu(t) for t in (g.lora_a, g.lora_b, g.ranks, g.scalings, g.adapter_enabled)), g.max_rank)
+    return GemmLoRA(*(cpu(t) for t in (g.lora_a, g.lora_b, g.ranks, g.scalings, g.token_lora_mapping,
+                                       g.adapter_enabled)), g.max_rank)
 
 
-def _gemm_pair(stage, s, c, align, fl, inp, w, tw=None, bias=None):
+def _gemm_pair(stage, s, c, align, fl, inp, w, tw=None, bias=None, config=None):
     """(kernel output, twin output) of one fused GEMM on NaN-poisoned outputs."""
     M, k = c.topk_ids.shape
     in_row_div = k if stage == "gate_up" else 1
     out = poisoned(M * k, w.shape[1], dtype=inp.dtype)
     with launch_guard():
         fused_moe_gemm(inp, w, out, align, top_k=k, num_pairs=M * k, in_row_div=in_row_div, topk_weights=tw,
-                       bias=bias, lora=fl.slice(stage, s))
+                       bias=bias, lora=fl.slice(stage, s), config=config)
     want = twin.fused_moe_gemm(cpu(inp), cpu(w), torch.full(tuple(out.shape), float("nan"), dtype=inp.dtype),
                                cpu(align), top_k=k, num_pairs=M * k, in_row_div=in_row_div,
                                topk_weights=cpu(tw), bias=cpu(bias), lora=_cpu_lora(fl.slice(stage, s)))
@@ -79,16 +86,6 @@ def _here(c):
     E_base = c.base.w_gate_up.shape[0]
     ids = c.topk_ids.cpu().reshape(-1)
     return (ids >= 0) & (ids < E_base)
-
-
-@given(case=LORA_CASES)
-def test_fused_lora_ids_match_twin(case):
-    c = case.materialize(DEVICE)
-    spec, E_base = c.spec, c.base.w_gate_up.shape[0]
-    with launch_guard():
-        ids = fused_lora_topk_ids(c.topk_ids, c.token_lora_mapping, spec.E, E_base, spec.max_loras)
-    want = twin_ids.fused_lora_topk_ids(cpu(c.topk_ids), cpu(c.token_lora_mapping), spec.E, E_base, spec.max_loras)
-    assert torch.equal(ids.cpu(), want), f"expert-major ids differ from the twin (seed={case.seed})"
 
 
 @given(case=LORA_CASES, s=st.sampled_from([0, 1]))
@@ -161,14 +158,47 @@ def _layer(seed, w, M, k, E_base, ids=None, mapping=None, dtype=None, bias=False
 
 
 def _run(w, x, ids, mapping, tw, w_gu, w_d, enabled=None, **kw):
-    E_base = w_gu.shape[0]
     with launch_guard():
-        align = fused_lora_align(ids, mapping, w.spec.E, E_base, w.spec.max_loras)
-        return fused_moe(x, ids, tw, w_gu, w_d, fused_lora=FusedLoRAInputs(w, align, adapter_enabled=enabled), **kw)
+        return fused_moe(x, ids, tw, w_gu, w_d, fused_lora=FusedLoRAInputs(w, mapping, adapter_enabled=enabled), **kw)
 
 
 #: slot 1 lacks down (rank 0 there), slot 2 lacks gate and up
 MIXED = {0: {"gate": 16, "up": 8, "down": 12}, 1: {"gate": 4, "up": 16}, 2: {"down": 5}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_one_block_of_three_slots_base_rows_and_a_sentinel_matches_twin_and_oracle(dtype):
+    # 10 tokens, all on expert 0 (one block of 16 rows): slots 0, 1, 2 and base tokens side by side;
+    # the second choice is -1 (not here) or E (an extra base expert without LoRA). Every grouping of
+    # the slots' shrink/expand tiles (one slot a tile, two, all) gives the twin's rows; base rows
+    # are bit-identical to the LoRA-disabled run; the layer matches the oracle.
+    w = make_pool(38, dtype=dtype)
+    E = w.spec.E
+    mapping = torch.tensor([0, 1, 2, -1, 2, 0, -1, 1, 1, 2], dtype=torch.int32)
+    ids = torch.tensor([[0, -1 if t % 2 else E] for t in range(10)], dtype=torch.int32)
+    x, ids, mapping, tw, w_gu, w_d, _, _ = _layer(38, w, 10, 2, E + 1, ids=ids, mapping=mapping)
+    align = _base_align(ids, E + 1, block_m=16)
+    assert int(align.num_tokens_post_padded[0]) == 32, "expert 0's ten pairs are not one block"
+    fl = FusedLoRAInputs(w, mapping)
+    c = SimpleNamespace(topk_ids=ids)  # what the per-pair check reads of a case
+    here = (ids.cpu().reshape(-1) >= 0)
+    gen = torch.Generator().manual_seed(38)
+    h = randn(gen, 20, w.spec.I, dtype=dtype)
+    for group in (1, 2, 4):
+        cfg = {"LORA_SLOT_GROUP": group}
+        out, want = _gemm_pair("gate_up", 1, c, align, fl, x, w_gu[:, w.spec.I:], config=cfg)
+        assert_close(out[here], want[here], dtype=dtype, what=f"gate_up (up slice), {group} slots a tile")
+        assert bool(out[~here].isnan().all()), "rows of EXPERT_NOT_HERE pairs were written"
+        out, want = _gemm_pair("down", 0, c, align, fl, h, w_d, tw=tw, config=cfg)
+        assert_close(out[here], want[here], dtype=dtype, what=f"down, {group} slots a tile")
+    y = _run(w, x, ids, mapping, tw, w_gu, w_d)
+    off = _run(w, x, ids, torch.full_like(mapping, -1), tw, w_gu, w_d)
+    want = moe_lora_forward(cpu(x).double(), cpu(ids), cpu(tw).double(), cpu(w_gu).double(), cpu(w_d).double(),
+                            cpu_weights(w), cpu(mapping))
+    assert_close(y, want, dtype=dtype, what="one block of three slots vs oracle")
+    base = (mapping == -1).cpu()
+    assert_bitwise_equal(y.cpu()[base], off.cpu()[base], what="base rows beside three slots in one block")
+    assert not torch.equal(y.cpu()[~base], off.cpu()[~base]), "adapter rows got no delta"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -198,7 +228,7 @@ def test_factors_stored_once_per_slot_are_read_with_expert_stride_zero(layout):
 
 
 def test_disabled_slot_is_computed_exactly_as_rank_zero():
-    # a disabled slot's blocks run the plain K loop: bit-identical to the same pool with its ranks 0
+    # a disabled slot's rows keep the base sum: bit-identical to the same pool with its ranks 0
     w = make_pool(32)
     mapping = torch.tensor([0, 1, 1, 2, -1, 1, 0, 2] * 2, dtype=torch.int32)
     x, ids, mapping, tw, w_gu, w_d, _, _ = _layer(32, w, 16, 2, w.spec.E, mapping=mapping)
@@ -214,8 +244,7 @@ def test_disabled_slot_is_computed_exactly_as_rank_zero():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_base_rows_bit_identical_to_the_lora_disabled_run(dtype):
-    # NO_ADAPTER tokens on experts 0-1 only, adapter tokens on 2-4: the base tokens' blocks are the
-    # same in both runs (on the CPU numpy rounds a row by its place in the tile; a GPU's dot does not)
+    # NO_ADAPTER tokens on experts 0-1 only, adapter tokens on 2-4 (the drawn test below mixes them)
     w = make_pool(33, dtype=dtype)
     M, k = 40, 2
     gen = torch.Generator().manual_seed(33)
@@ -230,7 +259,6 @@ def test_base_rows_bit_identical_to_the_lora_disabled_run(dtype):
     assert not torch.equal(y.cpu()[~base], off.cpu()[~base]), "adapter rows got no delta"
 
 
-@pytest.mark.skipif(not ON_GPU, reason="numpy's matmul rounds a row by its place in the tile")
 @given(case=LORA_CASES)
 def test_drawn_base_rows_bit_identical_to_the_lora_disabled_run(case):
     c = case.materialize(DEVICE)
@@ -261,8 +289,8 @@ def _bad_gemm(**override):
     w = make_pool(35)
     spec = w.spec
     x, ids, mapping, _, w_gu, _, _, _ = _layer(35, w, 8, 2, spec.E)
-    align = fused_lora_align(ids, mapping, spec.E, spec.E, spec.max_loras)
-    lora = FusedLoRAInputs(w, align).slice("gate_up", 0)
+    align = _base_align(ids, spec.E)
+    lora = FusedLoRAInputs(w, mapping).slice("gate_up", 0)
     args = dict(a=x, w=w_gu[:, :spec.I], c=torch.empty(16, spec.I, device=DEVICE), align=align, top_k=2,
                 num_pairs=16, in_row_div=2, lora=lora)
     args.update({key: value(lora) if callable(value) else value for key, value in override.items()})
@@ -272,10 +300,13 @@ def _bad_gemm(**override):
 @pytest.mark.parametrize("override, match", [
     (dict(scale=lambda lo: torch.ones(5, device=DEVICE)), "scale"),
     (dict(add_into=True), "add_into"),
-    (dict(lora=lambda lo: GemmLoRA(lo.lora_a, lo.lora_b, lo.ranks, lo.scalings, max_rank=17)), "max_rank"),
-    (dict(lora=lambda lo: GemmLoRA(lo.lora_a[..., :8], lo.lora_b, lo.ranks, lo.scalings)), "K"),
-    (dict(lora=lambda lo: GemmLoRA(lo.lora_a, lo.lora_b[:, :, :4], lo.ranks, lo.scalings)), "lora_b"),
-    (dict(lora=lambda lo: GemmLoRA(lo.lora_a, lo.lora_b, lo.ranks.float(), lo.scalings)), "ranks"),
+    (dict(lora=lambda lo: replace(lo, max_rank=17)), "max_rank"),
+    (dict(lora=lambda lo: replace(lo, lora_a=lo.lora_a[..., :8])), "K"),
+    (dict(lora=lambda lo: replace(lo, lora_b=lo.lora_b[:, :, :4])), "lora_b"),
+    (dict(lora=lambda lo: replace(lo, ranks=lo.ranks.float())), "ranks"),
+    (dict(lora=lambda lo: replace(lo, token_lora_mapping=lo.token_lora_mapping[:7])), "token_lora_mapping"),
+    (dict(lora=lambda lo: replace(lo, token_lora_mapping=lo.token_lora_mapping.long())), "token_lora_mapping"),
+    (dict(config={"LORA_SLOT_GROUP": 3}), "LORA_SLOT_GROUP"),
     (dict(lora=lambda lo: "not a GemmLoRA"), "GemmLoRA"),
 ])
 def test_fused_gemm_refuses_bad_lora_arguments(override, match):
@@ -283,15 +314,17 @@ def test_fused_gemm_refuses_bad_lora_arguments(override, match):
         _bad_gemm(**override)
 
 
-def test_fused_moe_refuses_fused_lora_with_other_deltas_or_alignment():
+def test_fused_moe_refuses_fused_lora_with_other_deltas_or_a_bad_mapping():
     w = make_pool(36)
     spec = w.spec
     x, ids, mapping, tw, w_gu, w_d, _, _ = _layer(36, w, 8, 2, spec.E)
-    align = fused_lora_align(ids, mapping, spec.E, spec.E, spec.max_loras)
-    fl = FusedLoRAInputs(w, align)
+    fl = FusedLoRAInputs(w, mapping)
+    lora_align = moe_lora_align_block_size(ids, mapping, spec.E, 16, spec.max_loras)
     with pytest.raises(KernelPreconditionError, match="fused_lora"):
-        fused_moe(x, ids, tw, w_gu, w_d, fused_lora=fl, align=align)
+        fused_moe(x, ids, tw, w_gu, w_d, fused_lora=fl, deltas=MoELoRAInputs(w, lora_align))
+    with pytest.raises(KernelPreconditionError, match="token_lora_mapping"):
+        fused_moe(x, ids, tw, w_gu, w_d, fused_lora=FusedLoRAInputs(w, mapping[:5]))
     with pytest.raises(KernelPreconditionError, match="gated"):
         fused_moe(x, ids, tw, w_gu[:, :spec.I], w_d, fused_lora=fl, gated=False)
     with pytest.raises(KernelPreconditionError, match="max_rank"):
-        fused_moe(x, ids, tw, w_gu, w_d, fused_lora=FusedLoRAInputs(w, align, max_rank=8))
+        fused_moe(x, ids, tw, w_gu, w_d, fused_lora=FusedLoRAInputs(w, mapping, max_rank=8))

@@ -55,17 +55,18 @@ def fused_moe_gemm(
     Args:
         a: [rows_in, K]; w: [E_w, N, K]; c: [num_pairs, N] (written in place at aligned pairs only).
         align: ``AlignOutput`` (rows per block = P // number of blocks).
-        top_k: experts per token (unused by the math; kept for the kernel's signature).
+        top_k: experts per token (a pair's token, for ``lora``'s mapping).
         num_pairs: M · top_k; rows >= it are padding.
         in_row_div: top_k when ``a`` is per token, 1 when per pair.
         topk_weights: [num_pairs] (any shape with that many elements) router weights, or None.
         scale: per-scale-group factor (σ per slot for virtual experts), or None.
         add_into: add to c rather than overwrite.
         bias: [E_w, N] per-expert bias (GPT-OSS), or None.
-        lora: a ``moelora_kernels.fused_moe.GemmLoRA`` (one slice's factors) or None; then block ids
-            are expert-major (expert, slot) groups ``v = e·(L + 1) + s`` and a block of slot s < L
-            (enabled, e < E of the factors, rank r > 0) adds ``σ_s · B[s, e, :, :r] @ t_p`` with
-            ``t_p = round_dtype(A[s, e, :r] @ a[p])`` before the bias and the router weight.
+        lora: a ``moelora_kernels.fused_moe.GemmLoRA`` (one slice's factors and the token mapping)
+            or None; then a pair p of token ``p // top_k`` with slot s in [0, L) (enabled, e < E of
+            the factors, rank r > 0) adds ``σ_s · B[s, e, :, :r] @ t_p`` with
+            ``t_p = round_dtype(A[s, e, :r] @ a[p // in_row_div])`` before the bias and the router
+            weight.
 
     Returns:
         ``c``.
@@ -75,19 +76,20 @@ def fused_moe_gemm(
     block_m = len(sorted_ids) // len(expert_ids)
     used = int(align.num_tokens_post_padded[slot])
     weights = None if topk_weights is None else topk_weights.reshape(-1).to(F64)
-    groups = 1 if lora is None else lora.lora_a.shape[0] + 1
+    mapping = None if lora is None else lora.token_lora_mapping.tolist()
     for b in range(used // block_m):
         e = expert_ids[b]
         if e < 0:
             continue  # NO_EXPERT_BLOCK
-        e, s = divmod(e, groups)
         rows = [p for p in sorted_ids[b * block_m:(b + 1) * block_m] if p < num_pairs]
         if not rows:
             continue
         p = torch.tensor(rows, device=c.device)
         v = a[p // in_row_div].to(F64) @ w[e].to(F64).T  # [rows, N]
         if lora is not None:
-            v = v + _lora_delta(lora, a[p // in_row_div], s, e)
+            for s in sorted({mapping[q // top_k] for q in rows}):
+                own = torch.tensor([mapping[q // top_k] == s for q in rows], device=c.device)
+                v[own] = v[own] + _lora_delta(lora, a[p[own] // in_row_div], s, e)
         if bias is not None:
             v = v + bias[e].to(F64)
         if weights is not None:
@@ -102,9 +104,9 @@ def fused_moe_gemm(
 
 def _lora_delta(lora, rows: torch.Tensor, s: int, e: int) -> torch.Tensor | float:
     """σ_s · B[s, e, :, :r] @ round_dtype(A[s, e, :r] @ rows) in float64 for slot ``s`` (0 where the
-    block has no LoRA work: the no-LoRA group, a disabled slot, an expert >= E, rank 0)."""
+    rows get no LoRA: no adapter (-1) or a slot >= L, a disabled slot, an expert >= E, rank 0)."""
     L, E = lora.lora_a.shape[:2]
-    if s >= L or e >= E:
+    if not 0 <= s < L or e >= E:
         return 0.0
     if lora.adapter_enabled is not None and int(lora.adapter_enabled[s]) == 0:
         return 0.0

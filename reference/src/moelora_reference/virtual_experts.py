@@ -63,32 +63,6 @@ def virtual_topk_ids(topk_ids: torch.Tensor, token_lora_mapping: torch.Tensor, n
     return out
 
 
-def fused_lora_topk_ids(topk_ids: torch.Tensor, token_lora_mapping: torch.Tensor, num_experts: int,
-                        num_base_experts: int, max_loras: int) -> torch.Tensor:
-    """Expert-major (expert, slot) id ``e * (L + 1) + group`` of every (token, k) pair, the ids the
-    fused-LoRA base GEMM aligns by (twin of ``moelora_kernels.virtual_experts.fused_lora_topk_ids``).
-
-    group = the token's slot where the pair gets LoRA (slot in [0, L), e in [0, E)), else L.
-
-    Args:
-        topk_ids: [T, k] int expert ids (negative = not handled here: -1 out; in [E, E_base): base
-            experts without LoRA); token_lora_mapping: [T] int slot per token, ``NO_ADAPTER`` = none.
-        num_experts: E of the LoRA factors; num_base_experts: E_base; max_loras: L.
-
-    Returns:
-        [T, k] int32 on the CPU; -1 where the id is outside [0, E_base).
-    """
-    ids = topk_ids.tolist()
-    mapping = token_lora_mapping.tolist()
-    out = torch.full(tuple(topk_ids.shape), NO_VIRTUAL_EXPERT, dtype=torch.int32)
-    for t, slot in enumerate(mapping):
-        for j, e in enumerate(ids[t]):
-            if 0 <= e < num_base_experts:
-                lora = 0 <= slot < max_loras and e < num_experts
-                out[t, j] = e * (max_loras + 1) + (slot if lora else max_loras)
-    return out
-
-
 def split_virtual_ids(virtual_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse for checks: (slot, expert) of every virtual id; both -1 where the id is negative.
 

@@ -41,7 +41,7 @@ from moelora_core.errors import InvalidFieldError
 from moelora_core.layer_spec import LoRALayerSpec
 from moelora_core.metadata import LaunchSizes
 from moelora_core.weights import LoRAWeights
-from moelora_kernels import FusedLoRAInputs, fused_lora_align, fused_moe, token_lora_mapping
+from moelora_kernels import FusedLoRAInputs, fused_moe, token_lora_mapping
 from moelora_kernels._common import interpreting
 
 
@@ -130,11 +130,11 @@ class KernelBackend(BackendBase):
     def moe_forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     base_weights: MoEBaseWeights, weights: LoRAWeights, info: LoRABatchInfo) -> torch.Tensor:
         """The MoE layer with LoRA, the deltas fused into the base GEMMs (DESIGN.md §5 ``fused_moe``):
-        one expert-major (expert, slot) alignment of ``topk_ids`` with the info's token mapping
-        (``moelora_kernels.fused_lora_align``), then ``moelora_kernels.fused_moe(fused_lora=...)``
+        ``moelora_kernels.fused_moe(fused_lora=...)`` over the base alignment of ``topk_ids``, each
+        row adding its own token's slot's delta (the info's token mapping) inside the base GEMMs
         (gate_up per slice with its delta, the activation, down with its router-weighted delta, the
-        top-k sum). Every batch, an all-base one too, takes this path, so base rows run the same
-        kernels and tiles as in the LoRA-disabled run of the same shapes. Intermediates are
+        top-k sum). Every batch, an all-base one too, takes this path; base rows run the same
+        kernels and tiles as the LoRA-free layer and come out bit-identical to it. Intermediates are
         rounded to the pool's dtype (as the kernels store them); y is in x's dtype.
 
         Args:
@@ -168,14 +168,14 @@ class KernelBackend(BackendBase):
         if T == 0:
             return torch.zeros(0, s.H, dtype=x.dtype, device=x.device)
         ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-        align = fused_lora_align(ids, info.moe.token_lora_mapping, s.E, w_gu.shape[0], s.max_loras)
         bounds = [rank_bound(weights, modules, info) for modules in STAGE_MODULES.values()]
         max_rank = None if None in bounds or max(bounds) == 0 else max(bounds)
         act = base_weights.activation
         y = fused_moe(_in_dtype(x, s.dtype), ids, topk_weights.contiguous(), w_gu, w_d,
                       activation=act.kind, alpha=act.alpha, limit=act.limit, b_gate_up=base_weights.b_gate_up,
                       b_down=base_weights.b_down,
-                      fused_lora=FusedLoRAInputs(weights, align, info.moe.adapter_enabled, max_rank))
+                      fused_lora=FusedLoRAInputs(weights, info.moe.token_lora_mapping, info.moe.adapter_enabled,
+                                                 max_rank))
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     # --- for the suite and tests ---------------------------------------------------------------------

@@ -9,8 +9,8 @@ a readable twin in ``moelora_reference`` (see the package README for the map).
   :func:`token_lora_mapping`                                                  (:mod:`.align`, :mod:`.mapping`)
 - base fused MoE: :func:`fused_moe_gemm`, :func:`moe_activation`, :func:`moe_sum`, :func:`fused_moe`
                                                   (:mod:`.fused_moe`, :mod:`.moe_epilogue`, :mod:`.moe_forward`)
-  with the MoE-LoRA deltas fused into its GEMMs: :class:`GemmLoRA`, :class:`FusedLoRAInputs`,
-  :func:`fused_lora_topk_ids`, :func:`fused_lora_align`          (:mod:`.fused_moe`, :mod:`.virtual_experts`)
+  with the MoE-LoRA deltas fused into its GEMMs: :class:`GemmLoRA`, :class:`FusedLoRAInputs`
+                                                                 (:mod:`.fused_moe`, :mod:`.moe_forward`)
 - MoE-LoRA: :func:`fused_moe_lora_shrink`, :func:`fused_moe_lora_expand`, :func:`fused_moe_lora`,
   :func:`moe_lora_delta`                                                       (:mod:`.moe_lora`)
 - virtual experts: :func:`virtual_topk_ids`, :func:`virtual_align`, :func:`virtual_moe_lora_delta`
@@ -42,8 +42,6 @@ from moelora_kernels.sgmv import (
     segmented_lora_b,
 )
 from moelora_kernels.virtual_experts import (
-    fused_lora_align,
-    fused_lora_topk_ids,
     virtual_align,
     virtual_moe_lora_delta,
     virtual_topk_ids,
@@ -59,8 +57,6 @@ __all__ = [
     "chunked_sgmv_expand",
     "chunked_sgmv_shrink",
     "dense_lora_delta",
-    "fused_lora_align",
-    "fused_lora_topk_ids",
     "fused_moe",
     "fused_moe_gemm",
     "fused_moe_lora",

@@ -7,35 +7,72 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelora_kernels._tiles import accumulate_k, accumulate_k_lora
+from moelora_kernels._tiles import accumulate_k
 
 
 @triton.jit
-def _base_and_lora_k(acc, a_ptrs, w_ptrs, row_ok, n_ok, offs_k, offs_n, K, stride_ak, stride_wk,
-                     lora_a_ptr, lora_b_ptr, lora_scalings_ptr, slot, expert, rank,
-                     stride_al, stride_ae, stride_ar, stride_bl, stride_be, stride_bn, stride_scaling,
-                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + x·W_eᵀ + σ_slot · (x·A_{slot,e}ᵀ rounded to x's dtype)·B_{slot,e}ᵀ over the block's rows and
-    this program's columns (fp32): x streamed once in the K loop for both W_e and A (t [BLOCK_M,
-    BLOCK_R] beside acc), the rank-wide B tile and σ in the epilogue; rank columns >= ``rank`` read 0."""
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank
-    a_lora_ptrs = (lora_a_ptr + slot * stride_al + expert * stride_ae + offs_r[None, :] * stride_ar
-                   + offs_k[:, None])
-    acc, t = accumulate_k_lora(acc, tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32), a_ptrs, w_ptrs, a_lora_ptrs,
-                               row_ok, n_ok, r_ok, K, BLOCK_K * stride_ak, BLOCK_K * stride_wk,
-                               BLOCK_K, DOT_PRECISION, UPCAST)
-    # rounding point: t in the activation dtype, as the separate MoE-LoRA kernels store it
-    t = t.to(lora_a_ptr.dtype.element_ty)
-    b = tl.load(lora_b_ptr + slot * stride_bl + expert * stride_be + offs_n.to(tl.int64)[None, :] * stride_bn
-                + offs_r[:, None], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-    if UPCAST:
-        t = t.to(tl.float32)
-        b = b.to(tl.float32)
-    sigma = tl.load(lora_scalings_ptr + slot * stride_scaling)
-    # the delta joins the fp32 sum before bias and router weight: (W h + b + σ B A h) · w
-    return acc + tl.dot(t, b, input_precision=DOT_PRECISION) * sigma
+def _add_lora_rows(acc, a_ptr, a_rows, row_ok, offs_k, offs_n, n_ok, K, stride_am, stride_ak,
+                   mapping_ptr, pairs64, lora_top_k,
+                   lora_a_ptr, lora_b_ptr, lora_ranks_ptr, lora_scalings_ptr, adapter_enabled_ptr,
+                   expert, lora_slots, rank_bound,
+                   stride_al, stride_ae, stride_ar, stride_bl, stride_be, stride_bn, stride_rank, stride_scaling,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                   SLOT_GROUP: tl.constexpr, HAS_ENABLED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    """acc with ``σ_s · round_dtype(x·A_{s,e}ᵀ)·B_{s,e}ᵀ`` added to every row whose token has a live
+    slot s (its own slot: rows of one block may belong to any slots); other rows keep acc as it is
+    (tl.where, so a -0.0 stays -0.0: base rows bit-identical to the LoRA-free launch).
+
+    A row is live when its token's slot is in [0, L), enabled, with rank > 0 (clamped to
+    ``rank_bound``) and σ != 0. Slots are taken ``SLOT_GROUP`` at a time: the group's A factors side
+    by side as one [BLOCK_K, SLOT_GROUP·BLOCK_R] tile, so one K loop over the block's rows of that
+    group makes every row's shrink against all the group's slots; each row keeps the columns of its
+    own slot (the others set to 0 before the expand), and one dot with the group's B factors
+    [SLOT_GROUP·BLOCK_R, BLOCK_N] expands them. Groups with no live row of the block are skipped,
+    so a block of base rows costs one reduction.
+    """
+    tokens = pairs64 // lora_top_k
+    row_slot = tl.load(mapping_ptr + tokens, mask=row_ok, other=-1)
+    live = row_ok & (row_slot >= 0) & (row_slot < lora_slots)
+    safe_slot = tl.where(live, row_slot, 0).to(tl.int64)
+    row_rank = tl.minimum(tl.load(lora_ranks_ptr + safe_slot * stride_rank, mask=live, other=0), rank_bound)
+    if HAS_ENABLED:
+        live = live & (tl.load(adapter_enabled_ptr + safe_slot, mask=live, other=0) != 0)
+    row_sigma = tl.load(lora_scalings_ptr + safe_slot * stride_scaling, mask=live, other=0.0)
+    live = live & (row_rank > 0) & (row_sigma != 0.0)
+    if tl.sum(live.to(tl.int32), axis=0) > 0:
+        offs_c = tl.arange(0, SLOT_GROUP * BLOCK_R)
+        c_r = offs_c % BLOCK_R
+        delta = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # groups by division of a non-negative slot (dead rows are masked out of every group)
+        row_group = tl.where(live, row_slot, 0) // SLOT_GROUP
+        for g in range(0, tl.cdiv(lora_slots, SLOT_GROUP)):
+            in_group = live & (row_group == g)
+            if tl.sum(in_group.to(tl.int32), axis=0) > 0:
+                c_slot = g * SLOT_GROUP + offs_c // BLOCK_R
+                c_ok = c_slot < lora_slots
+                c_slot64 = tl.where(c_ok, c_slot, 0).to(tl.int64)
+                c_rank = tl.minimum(tl.load(lora_ranks_ptr + c_slot64 * stride_rank, mask=c_ok, other=0), rank_bound)
+                c_ok = c_ok & (c_r < c_rank)
+                x_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+                a_lora_ptrs = (lora_a_ptr + c_slot64[None, :] * stride_al + expert * stride_ae
+                               + c_r[None, :] * stride_ar + offs_k[:, None])
+                t = accumulate_k(tl.zeros([BLOCK_M, SLOT_GROUP * BLOCK_R], dtype=tl.float32), x_ptrs, a_lora_ptrs,
+                                 in_group, c_ok, K, BLOCK_K * stride_ak, BLOCK_K, BLOCK_K, DOT_PRECISION, UPCAST)
+                # each row expands its own slot's rank columns only
+                t = tl.where(row_slot[:, None] == c_slot[None, :], t, 0.0)
+                # rounding point: t in the activation dtype, as the separate MoE-LoRA kernels store it
+                t = t.to(lora_a_ptr.dtype.element_ty)
+                b = tl.load(lora_b_ptr + c_slot64[:, None] * stride_bl + expert * stride_be
+                            + offs_n.to(tl.int64)[None, :] * stride_bn + c_r[:, None],
+                            mask=c_ok[:, None] & n_ok[None, :], other=0.0)
+                if UPCAST:
+                    t = t.to(tl.float32)
+                    b = b.to(tl.float32)
+                delta = tl.dot(t, b, delta, input_precision=DOT_PRECISION)
+        # the delta joins the fp32 sum before bias and router weight: (W h + b + σ B A h) · w
+        acc = tl.where(live[:, None], acc + delta * row_sigma[:, None], acc)
+    return acc
 
 
 @triton.jit
@@ -55,6 +92,7 @@ def _fused_moe_gemm_kernel(
     lora_ranks_ptr,               # [L] int32 the slice's rank per slot (HAS_LORA)
     lora_scalings_ptr,            # [L] fp32 its σ per slot (HAS_LORA)
     adapter_enabled_ptr,          # [L] int32 (HAS_ENABLED)
+    token_lora_mapping_ptr,       # [M] int32 slot per token, -1 none (HAS_LORA)
     # sizes
     N,
     K,
@@ -63,8 +101,9 @@ def _fused_moe_gemm_kernel(
     experts_per_scale,
     experts_per_weight,           # consecutive expert ids reading one weight (stride 0 within)
     num_experts,                  # E_w: blocks of other experts are skipped
-    lora_groups,                  # HAS_LORA: L + 1; block id v = expert · (L + 1) + slot (slot L: no LoRA)
+    lora_slots,                   # HAS_LORA: L (slots >= it, and -1, get no LoRA)
     lora_experts,                 # HAS_LORA: E of the LoRA factors (experts >= it get no LoRA)
+    lora_top_k,                   # HAS_LORA: top_k (a pair's token is pair // top_k)
     rank_bound,                   # HAS_LORA: host bound on every slot's rank (<= BLOCK_R)
     # strides
     stride_am, stride_ak,
@@ -82,9 +121,10 @@ def _fused_moe_gemm_kernel(
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ADD_INTO: tl.constexpr,
-    HAS_LORA: tl.constexpr,       # expert-major (expert, slot) blocks; the slice's delta in the epilogue
+    HAS_LORA: tl.constexpr,       # each row's own slot's delta of the slice, before the epilogue
     HAS_ENABLED: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    SLOT_GROUP: tl.constexpr,     # HAS_LORA: slots per shrink/expand tile pair
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,         # interpreter + bf16: widen tiles before tl.dot
 ):
@@ -96,23 +136,9 @@ def _fused_moe_gemm_kernel(
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     if expert < 0:
         return
-    slot = expert * 0
-    if HAS_LORA:
-        # an expert-major (expert, slot) block id (virtual_experts.fused_lora_topk_ids)
-        slot = expert % lora_groups
-        expert = expert // lora_groups
-    # -1 blocks, and ids past the weight's E_w (an alignment made for more experts): no weight to read
+    # ids past the weight's E_w (an alignment made for more experts): no weight to read
     if expert >= num_experts:
         return
-    rank = slot.to(tl.int32) * 0
-    if HAS_LORA:
-        # the block's LoRA work: none for the no-LoRA group (slot L), a disabled slot, an expert
-        # past the factors' E, a rank-0 module; those blocks run the base GEMM alone, unchanged
-        if (slot < lora_groups - 1) & (expert < lora_experts):
-            rank = tl.minimum(tl.load(lora_ranks_ptr + slot * stride_rank), rank_bound)
-            if HAS_ENABLED:
-                if tl.load(adapter_enabled_ptr + slot) == 0:
-                    rank = rank * 0
     scale = 1.0
     if HAS_SCALE:
         scale = tl.load(scale_ptr + expert // experts_per_scale).to(tl.float32)
@@ -138,19 +164,19 @@ def _fused_moe_gemm_kernel(
               + offs_k[:, None] * stride_wk)
 
     # --- accumulate in fp32 ------------------------------------------------------------------------
+    # the base sum is the same code with or without LoRA: rows that get no delta are bit-identical
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = accumulate_k(acc, a_ptrs, w_ptrs, row_ok, n_ok, K,
+                       BLOCK_K * stride_ak, BLOCK_K * stride_wk, BLOCK_K, DOT_PRECISION, UPCAST)
     if HAS_LORA:
-        if rank > 0:
-            acc = _base_and_lora_k(acc, a_ptrs, w_ptrs, row_ok, n_ok, offs_k, offs_n, K, stride_ak, stride_wk,
-                                   lora_a_ptr, lora_b_ptr, lora_scalings_ptr, slot, expert, rank,
-                                   stride_al, stride_ae, stride_ar, stride_bl, stride_be, stride_bn, stride_scaling,
-                                   BLOCK_M, BLOCK_K, BLOCK_R, DOT_PRECISION, UPCAST)
-        else:
-            acc = accumulate_k(acc, a_ptrs, w_ptrs, row_ok, n_ok, K,
-                               BLOCK_K * stride_ak, BLOCK_K * stride_wk, BLOCK_K, DOT_PRECISION, UPCAST)
-    else:
-        acc = accumulate_k(acc, a_ptrs, w_ptrs, row_ok, n_ok, K,
-                           BLOCK_K * stride_ak, BLOCK_K * stride_wk, BLOCK_K, DOT_PRECISION, UPCAST)
+        if expert < lora_experts:
+            acc = _add_lora_rows(acc, a_ptr, a_rows, row_ok, offs_k, offs_n, n_ok, K, stride_am, stride_ak,
+                                 token_lora_mapping_ptr, pairs64, lora_top_k,
+                                 lora_a_ptr, lora_b_ptr, lora_ranks_ptr, lora_scalings_ptr, adapter_enabled_ptr,
+                                 expert, lora_slots, rank_bound,
+                                 stride_al, stride_ae, stride_ar, stride_bl, stride_be, stride_bn, stride_rank,
+                                 stride_scaling, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, SLOT_GROUP, HAS_ENABLED,
+                                 DOT_PRECISION, UPCAST)
 
     # --- epilogue: bias, router weight, scale, add, one rounding ------------------------------------
     if HAS_BIAS:

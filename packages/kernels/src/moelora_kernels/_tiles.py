@@ -5,9 +5,8 @@ the kernels compile to the same code as with the body written in place. Each hel
 that several kernels take the same way.
 
 - :func:`accumulate_k`: the fp32 reduction over K of a gathered row tile and a weight tile, in
-  ``BLOCK_K`` steps (base grouped GEMM, MoE-LoRA shrink, fused MoE-LoRA, dense LoRA shrink).
-- :func:`accumulate_k_lora`: the same reduction and a LoRA shrink of the same rows in one K loop
-  (the base grouped GEMM with the LoRA delta fused, ``HAS_LORA``).
+  ``BLOCK_K`` steps (base grouped GEMM and its fused LoRA shrink, MoE-LoRA shrink, fused MoE-LoRA,
+  dense LoRA shrink).
 """
 
 from __future__ import annotations
@@ -43,36 +42,3 @@ def accumulate_k(acc, x_ptrs, w_ptrs, row_ok, col_ok, K, step_x, step_w,
         x_ptrs += step_x
         w_ptrs += step_w
     return acc
-
-
-@triton.jit
-def accumulate_k_lora(acc, t, x_ptrs, w_ptrs, a_ptrs, row_ok, col_ok, r_ok, K, step_x, step_w,
-                      BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """(acc, t) with acc += Σ_k x[:, k] · w[k, :] and t += Σ_k x[:, k] · a[k, :]: the base GEMM and
-    the LoRA shrink of the same rows, each x tile loaded once for both dots (the fused base GEMM
-    with LoRA, :mod:`moelora_kernels.fused_moe`).
-
-    Args:
-        acc: [ROWS, COLS] fp32; t: [ROWS, BLOCK_R] fp32.
-        x_ptrs, w_ptrs: as :func:`accumulate_k`; a_ptrs: [BLOCK_K, BLOCK_R] pointers to the LoRA
-            A factor's first K step (K stride 1: advanced by ``BLOCK_K``).
-        row_ok, col_ok: as :func:`accumulate_k`; r_ok: [BLOCK_R] rank columns to load (the slot's
-            rank; others read 0, so t's columns past it are 0).
-        K, step_x, step_w, BLOCK_K, DOT_PRECISION, UPCAST: as :func:`accumulate_k`.
-    """
-    offs_k = tl.arange(0, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
-        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        a = tl.load(a_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        if UPCAST:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-            a = a.to(tl.float32)
-        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
-        t = tl.dot(x, a, t, input_precision=DOT_PRECISION)
-        x_ptrs += step_x
-        w_ptrs += step_w
-        a_ptrs += BLOCK_K
-    return acc, t

@@ -11,20 +11,21 @@ of each pair and by a per-expert scale, optionally adds the existing output, and
 (``bias`` [E_w, N]: GPT-OSS's expert biases, in the base GEMMs only; DESIGN.md §1)
 
 With LoRA fused (``lora=`` a :class:`GemmLoRA`, the ``fused_moe`` path of DESIGN.md §5): the
-alignment groups pairs by expert-major (expert, slot) ids ``v = e·(L + 1) + slot`` (slot L: no
-LoRA; :func:`moelora_kernels.virtual_experts.fused_lora_align`), so every block shares one base
-expert and one adapter slot, and the program adds one slice's delta into its fp32 sum before the
-epilogue:
+alignment is the base one (blocks by expert, the same tiles as a LoRA-free launch), and each row
+adds its own token's slot's delta of one slice into the fp32 sum before the epilogue:
 
     C[p, n] = w_p · (Σ_k A[p // in_row_div, k] · W[e, n, k] + σ_s · (t_p · B[s, e, n, :]) + bias[e, n]),
-    t_p = round_dtype(Σ_k A[p // in_row_div, k] · LA[s, e, :, k])   (rank-wide, in registers)
+    t_p = round_dtype(Σ_k A[p // in_row_div, k] · LA[s, e, :, k]),   s = token_lora_mapping[p // top_k]
 
-with the input row tile loaded once per K step for both dots (W's and LA's). Blocks of the no-LoRA
-group, of a disabled slot, of an expert >= the factors' E or of a rank-0 module run the plain K
-loop: their rows are computed exactly as in a LoRA-free launch of the same alignment. A gated
-gate_up GEMM runs one launch per slice (gate, up: their own A and B) over column views of the
-weight and the output ("halves" or GPT-OSS "interleaved": strided views, no copy); the down GEMM
-one launch, router-weighted after the sum.
+A block's rows may belong to any slots: after the base K loop, the slots present in the block
+are taken ``LORA_SLOT_GROUP`` at a time (their A factors side by side in one tile: one shrink K
+loop over the block's rows of those slots, each row keeping its own slot's rank columns, then one
+expand dot with their B factors). Rows of a token without a live slot (-1, a slot >= L, a
+disabled slot, rank 0 or σ = 0 for this module, an expert >= the factors' E) keep the base sum
+as it is (``tl.where``): they are bit-identical to a LoRA-free launch of the same alignment. A
+gated gate_up GEMM runs one launch per slice (gate, up: their own A and B) over column views of
+the weight and the output ("halves" or GPT-OSS "interleaved": strided views, no copy); the down
+GEMM one launch, router-weighted after the sum.
 
 for every pair p in the block (p < num_pairs; padding rows are skipped). Blocks at or past
 ``num_tokens_post_padded`` and blocks of expert -1 exit first, as do blocks of an expert >= E_w,
@@ -90,6 +91,8 @@ class GemmLoRA:
         lora_b: [L, E, N, R] B of the slice, last stride 1 (expert stride 0 allowed).
         ranks: [L] int32 the slice's module rank per slot (a strided row of ``module_ranks`` is fine).
         scalings: [L] fp32 its σ per slot.
+        token_lora_mapping: [M] int32 slot per token (-1 = no adapter; slots >= L get none too),
+            contiguous; a pair p's token is ``p // top_k``.
         adapter_enabled: [L] int32 (0 = the slot's blocks get no LoRA), or None.
         max_rank: host bound on every slot's rank (None = R); tiles are sized for it and the kernel
             clamps each slot's rank to it (caller's duty to cover every active slot's rank).
@@ -99,6 +102,7 @@ class GemmLoRA:
     lora_b: torch.Tensor
     ranks: torch.Tensor
     scalings: torch.Tensor
+    token_lora_mapping: torch.Tensor
     adapter_enabled: torch.Tensor | None = None
     max_rank: int | None = None
 
@@ -152,13 +156,12 @@ def fused_moe_gemm(
             factor stored once per slot: E); ``w`` then serves ``w.shape[0] · experts_per_weight`` ids.
         add_into: add to ``c`` instead of overwriting it.
         tf32: allow TF32 dots for fp32 (default IEEE).
-        config: tile overrides (BLOCK_N, BLOCK_K, num_warps, num_stages).
+        config: tile overrides (BLOCK_N, BLOCK_K, num_warps, num_stages; LORA_SLOT_GROUP with ``lora``).
         bias: [E_w, N] per-expert bias (GPT-OSS's ``gate_up_proj_bias`` / ``down_proj_bias``; a
             strided column view is fine), same dtype as ``a`` or fp32; added in fp32 before the
             router weight and scale.
-        lora: one slice's LoRA factors, fused into this GEMM (module docstring); ``align`` must
-            then hold expert-major (expert, slot) ids over E_w·(L + 1) groups
-            (:func:`moelora_kernels.virtual_experts.fused_lora_align`). Not with ``scale``,
+        lora: one slice's LoRA factors and the token mapping, fused into this GEMM (module
+            docstring); ``align`` is the base alignment over E_w experts. Not with ``scale``,
             ``add_into`` or ``experts_per_weight`` > 1.
 
     Returns:
@@ -166,9 +169,10 @@ def fused_moe_gemm(
 
     Raises:
         KernelPreconditionError: dtype / shape / stride / device mismatches, bad sizes; an alignment
-            recorded for more experts than ``w`` (times L + 1 with ``lora``) or for another
-            ``num_pairs``; ``lora`` factors of another shape, dtype or device, a ``max_rank`` above
-            R, ``lora`` with ``scale`` / ``add_into`` / ``experts_per_weight`` > 1.
+            recorded for more experts than ``w`` or for another ``num_pairs``; ``lora`` factors or a
+            token mapping of another shape, dtype or device, a ``max_rank`` above R, a
+            ``LORA_SLOT_GROUP`` that is not a power of two, ``lora`` with ``scale`` / ``add_into`` /
+            ``experts_per_weight`` > 1.
     """
     check_tensor("a", a, dtypes=FLOAT_DTYPES, dim=2, unit_last_stride=True)
     device, dtype = a.device, a.dtype
@@ -197,12 +201,8 @@ def fused_moe_gemm(
         raise KernelPreconditionError(f"align: {P} rows do not split into {num_blocks} blocks")
     block_m = P // num_blocks
     check_align_pairs(align, num_pairs)
-    groups, lora_args = _lora_args(lora, a, w, N, K, scale, add_into, experts_per_weight)
-    if lora is not None:
-        if align.num_experts is not None and align.num_experts > E_w * groups:
-            raise KernelPreconditionError(
-                f"align: made for {align.num_experts} (expert, slot) ids, but w holds {E_w} experts × {groups} groups")
-    elif align.num_experts is not None and align.num_experts > E_w:
+    lora_args = _lora_args(lora, a, w, N, K, top_k, num_pairs, scale, add_into, experts_per_weight)
+    if align.num_experts is not None and align.num_experts > E_w:
         raise KernelPreconditionError(f"align: made for {align.num_experts} experts, but w holds {E_w}: blocks of "
                                       f"experts >= {E_w} have no weight (align with w's expert count)")
     if topk_weights is not None:
@@ -220,8 +220,7 @@ def fused_moe_gemm(
     if num_pairs == 0:
         return c
     cfg = kernel_config("fused_moe_gemm", rows=num_pairs, N=N, K=K, overrides=config)
-    # with LoRA the ids are (expert, slot) groups: the bound counts E_w·(L + 1) of them
-    grid_m = used_blocks_bound(num_pairs, E_w * groups, block_m, num_blocks)
+    grid_m = used_blocks_bound(num_pairs, E_w, block_m, num_blocks)
     grid = check_grid("fused_moe_gemm", (grid_m, triton.cdiv(N, cfg["BLOCK_N"])))
     dummy = align.num_tokens_post_padded
     _fused_moe_gemm_kernel[grid](
@@ -231,7 +230,7 @@ def fused_moe_gemm(
         scale if scale is not None else dummy,
         bias if bias is not None else dummy,
         *lora_args["pointers"],
-        N, K, num_pairs, in_row_div, experts_per_scale, experts_per_weight, E_w, groups, *lora_args["sizes"],
+        N, K, num_pairs, in_row_div, experts_per_scale, experts_per_weight, E_w, *lora_args["sizes"],
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
         *lora_args["strides"],
@@ -239,18 +238,20 @@ def fused_moe_gemm(
         MUL_ROUTED_WEIGHT=topk_weights is not None, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         ADD_INTO=add_into, HAS_LORA=lora is not None,
         HAS_ENABLED=lora is not None and lora.adapter_enabled is not None, BLOCK_R=lora_args["block_r"],
+        SLOT_GROUP=_slot_group(cfg, lora_args),
         **gemm_launch_options(dtype, tf32, cfg),
     )
     return c
 
 
-def _lora_args(lora: GemmLoRA | None, a: torch.Tensor, w: torch.Tensor, N: int, K: int, scale, add_into: bool,
-               experts_per_weight: int) -> tuple[int, dict]:
-    """(groups, kernel arguments) of ``lora`` after its checks: groups L + 1 (1 without LoRA), the
-    pointers, sizes (E of the factors, rank bound), strides and BLOCK_R (dummies without LoRA)."""
+def _lora_args(lora: GemmLoRA | None, a: torch.Tensor, w: torch.Tensor, N: int, K: int, top_k: int,
+               num_pairs: int, scale, add_into: bool, experts_per_weight: int) -> dict:
+    """The kernel arguments of ``lora`` after its checks: pointers (A, B, ranks, σ, enabled,
+    mapping), sizes (L, E of the factors, top_k, rank bound), strides, BLOCK_R and L (dummies
+    without LoRA)."""
     if lora is None:
         dummy = w
-        return 1, {"pointers": (dummy,) * 5, "sizes": (0, 0), "strides": (0,) * 8, "block_r": 16}
+        return {"pointers": (dummy,) * 6, "sizes": (0, 0, 1, 0), "strides": (0,) * 8, "block_r": 16, "slots": 0}
     if not isinstance(lora, GemmLoRA):
         raise KernelPreconditionError(f"lora: expected a GemmLoRA, got {type(lora).__name__}")
     if scale is not None or add_into or experts_per_weight != 1:
@@ -267,13 +268,30 @@ def _lora_args(lora: GemmLoRA | None, a: torch.Tensor, w: torch.Tensor, N: int, 
     if lora.adapter_enabled is not None:
         check_tensor("lora.adapter_enabled", lora.adapter_enabled, dtypes=(torch.int32,), shape=(L,),
                      contiguous=True, device=device)
+    if num_pairs % top_k:
+        raise KernelPreconditionError(f"lora: {num_pairs} pairs are not whole tokens of top_k={top_k}")
+    check_tensor("lora.token_lora_mapping", lora.token_lora_mapping, dtypes=(torch.int32,),
+                 shape=(num_pairs // top_k,), contiguous=True, device=device)
     rank_bound = check_rank_bound(lora.max_rank, R)
     A, B = lora.lora_a, lora.lora_b
     enabled = lora.adapter_enabled if lora.adapter_enabled is not None else lora.ranks
-    return L + 1, {
-        "pointers": (A, B, lora.ranks, lora.scalings, enabled),
-        "sizes": (E, rank_bound),
+    return {
+        "pointers": (A, B, lora.ranks, lora.scalings, enabled, lora.token_lora_mapping),
+        "sizes": (L, E, top_k, rank_bound),
         "strides": (A.stride(0), A.stride(1), A.stride(2), B.stride(0), B.stride(1), B.stride(2),
                     lora.ranks.stride(0), lora.scalings.stride(0)),
         "block_r": next_pow2(rank_bound, 16),
+        "slots": L,
     }
+
+
+def _slot_group(cfg: dict, lora_args: dict) -> int:
+    """Slots per shrink/expand tile pair: the config's ``LORA_SLOT_GROUP``, or (0) as many as fit
+    64 rank columns (one slot at R > 32), never more than the pool's slots rounded up to a power
+    of two."""
+    group = int(cfg.get("LORA_SLOT_GROUP", 0))
+    if group < 0 or group & (group - 1):
+        raise KernelPreconditionError(f"config: LORA_SLOT_GROUP={group} is not a power of two (or 0: by rank)")
+    if group == 0:
+        group = max(1, 64 // lora_args["block_r"])
+    return max(1, min(group, next_pow2(lora_args["slots"])))

@@ -18,9 +18,10 @@ Steps (each a kernel of this package; no host sync; every intermediate allocated
 
 With ``fused_lora=`` (:class:`FusedLoRAInputs`, the ``fused_moe`` capability of DESIGN.md §5)
 steps 3 and 6 disappear into 2 and 5: the deltas are added inside the base GEMMs
-(:func:`.fused_moe.fused_moe_gemm` ``lora=``) over one expert-major (expert, slot) alignment
-(:func:`.virtual_experts.fused_lora_align`), so at large M no separate pass re-reads and
-re-writes gate_up_out / down_out. gate_up runs one launch per slice (gate, up) over column views.
+(:func:`.fused_moe.fused_moe_gemm` ``lora=``), each row its own token's slot's, over the base
+alignment (step 1 unchanged: the same blocks and tiles as the LoRA-free layer), so at large M no
+separate pass re-reads and re-writes gate_up_out / down_out, and no second alignment is made.
+gate_up runs one launch per slice (gate, up) over column views.
 
 Expert ids < 0 contribute nothing; ids in [E, E_base) are base experts without LoRA. A token
 with no adapter runs exactly the same base kernels with or without LoRA: its rows are never
@@ -92,14 +93,13 @@ class FusedLoRAInputs:
 
     Attributes:
         weights: the adapter pool of the layer (E of its factors <= E_base).
-        align: :func:`.virtual_experts.fused_lora_align` output for this batch (expert-major
-            (expert, slot) groups over E_base·(L + 1); it replaces the base alignment).
+        token_lora_mapping: [M] int32 slot per token (-1 = no adapter), contiguous.
         adapter_enabled: [L] int32 or None (a disabled slot's pairs get the base GEMM alone).
         max_rank: host bound on loaded ranks (None = R); must cover every loaded slot's rank.
     """
 
     weights: LoRAWeights
-    align: AlignOutput
+    token_lora_mapping: torch.Tensor
     adapter_enabled: torch.Tensor | None = None
     max_rank: int | None = None
 
@@ -107,9 +107,10 @@ class FusedLoRAInputs:
         """Slice ``s`` of ``stage`` ("gate_up": 0 gate, 1 up; "down": 0) as the GEMM takes it."""
         t = stage_tensors(self.weights, stage)
         if stage == "gate_up":
-            return GemmLoRA(t["lora_a"][s], t["lora_b"][s], t["ranks"][s], t["scalings"][s], self.adapter_enabled,
-                            self.max_rank)
-        return GemmLoRA(t["lora_a"], t["lora_b"], t["ranks"], t["scalings"], self.adapter_enabled, self.max_rank)
+            return GemmLoRA(t["lora_a"][s], t["lora_b"][s], t["ranks"][s], t["scalings"][s], self.token_lora_mapping,
+                            self.adapter_enabled, self.max_rank)
+        return GemmLoRA(t["lora_a"], t["lora_b"], t["ranks"], t["scalings"], self.token_lora_mapping,
+                        self.adapter_enabled, self.max_rank)
 
 
 def _slice_columns(s: int, inter: int, layout: str) -> slice:
@@ -162,8 +163,8 @@ def fused_moe(
             (the activation reads them so; a ``deltas`` must write them so, e.g.
             ``MoELoRAInputs(layout=...)``).
         fused_lora: the deltas fused into the base GEMMs (:class:`FusedLoRAInputs`; gated layers
-            only; its alignment is the layer's, so ``align`` / ``block_m`` / ``deltas`` / ``lora``
-            must be None).
+            only, over the base alignment ``align`` / ``block_m``; ``deltas`` / ``lora`` must be
+            None).
 
     Returns:
         y [M, H] in x's dtype.
@@ -171,7 +172,8 @@ def fused_moe(
     Raises:
         KernelPreconditionError: shape / dtype / device mismatches (from the launchers too); both
             ``lora`` and ``deltas`` given; ``fused_lora`` with another alignment, deltas, or a
-            non-gated layer; a ``fused_lora.max_rank`` below a loaded slot's rank.
+            non-gated layer; a ``fused_lora`` mapping that is not [M] int32; a
+            ``fused_lora.max_rank`` below a loaded slot's rank.
     """
     if lora is not None:
         if deltas is not None:
@@ -188,14 +190,15 @@ def fused_moe(
     inter = width // 2 if gated else width
     check_tensor("w_down", w_down, dtypes=(x.dtype,), shape=(E_base, H, inter), device=x.device)
     if fused_lora is not None:
-        if deltas is not None or align is not None or block_m is not None:
-            raise KernelPreconditionError("fused_moe: fused_lora brings its own alignment and deltas; pass no "
-                                          "align, block_m, deltas or lora with it")
+        if deltas is not None:
+            raise KernelPreconditionError("fused_moe: fused_lora adds the deltas inside the base GEMMs; pass no "
+                                          "deltas or lora with it")
         if not gated:
             raise KernelPreconditionError("fused_moe: fused_lora needs a gated layer (gate and up slices)")
+        check_tensor("fused_lora.token_lora_mapping", fused_lora.token_lora_mapping, dtypes=(torch.int32,),
+                     shape=(M,), contiguous=True, device=x.device)
         for modules in STAGE_MODULES.values():
             check_rank_covers(fused_lora.max_rank, fused_lora.weights, modules)
-        align = fused_lora.align
     if align is None:
         align = moe_align_block_size(topk_ids, E_base, block_m or moe_block_m(M, top_k, E_base))
     num_pairs = M * top_k

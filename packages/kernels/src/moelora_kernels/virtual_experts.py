@@ -66,12 +66,6 @@ def virtual_topk_ids(
         if max_loras * num_experts >= 1 << 31:
             raise KernelPreconditionError(f"max_loras: {max_loras} slots × {num_experts} experts overflow int32 ids")
     bound = max_loras if max_loras is not None else (2**31 - 1) // num_experts
-    return _launch_ids("virtual_topk_ids", topk_ids, token_lora_mapping, out, num_experts, bound, 0, False)
-
-
-def _launch_ids(name, topk_ids, token_lora_mapping, out, num_experts, bound, num_base_experts, expert_major):
-    """The tensor checks and the launch shared by :func:`virtual_topk_ids` and
-    :func:`fused_lora_topk_ids` (their scalars checked by the caller); ``out`` allocated when None."""
     check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, dim=2, contiguous=True)
     device = topk_ids.device
     M, top_k = topk_ids.shape
@@ -83,80 +77,10 @@ def _launch_ids(name, topk_ids, token_lora_mapping, out, num_experts, bound, num
     if M == 0:
         return out
     block = 1024
-    grid = check_grid(name, (triton.cdiv(M * top_k, block),))
+    grid = check_grid("virtual_topk_ids", (triton.cdiv(M * top_k, block),))
     _virtual_topk_ids_kernel[grid](topk_ids, token_lora_mapping, out, M * top_k, top_k, num_experts, bound,
-                                   num_base_experts, BLOCK=block, EXPERT_MAJOR=expert_major)
+                                   BLOCK=block)
     return out
-
-
-def fused_lora_topk_ids(
-    topk_ids: torch.Tensor,
-    token_lora_mapping: torch.Tensor,
-    num_experts: int,
-    num_base_experts: int,
-    max_loras: int,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """v[t, j] = e·(L + 1) + slot(t) for the fused-LoRA base GEMM (expert-major (expert, slot) groups).
-
-    e = topk_ids[t, j]; the group is the token's slot where the pair gets LoRA (slot in [0, L), e in
-    [0, E)), else L (no LoRA: NO_ADAPTER, a slot >= L, an extra base expert in [E, E_base)); ids
-    outside [0, E_base) (EXPERT_NOT_HERE) give -1. Every pair the base GEMM must compute keeps an
-    id, so one alignment over E_base·(L + 1) groups serves the base GEMM and the delta
-    (:func:`moelora_kernels.fused_moe.fused_moe_gemm` ``lora=``); blocks of one expert are
-    adjacent (its weight stays in L2 across its slots). Disabled slots keep their group: the GEMM
-    reads ``adapter_enabled``.
-
-    Args:
-        topk_ids: [M, top_k] int32/int64, contiguous.
-        token_lora_mapping: [M] int32 slot per token (-1 = none).
-        num_experts: E of the LoRA factors; num_base_experts: E_base >= E of the base weights.
-        max_loras: L.
-        out: [M, top_k] int32 (allocated when None).
-
-    Returns:
-        The ids [M, top_k] int32.
-
-    Raises:
-        KernelPreconditionError: dtype, shape, device or contiguity errors; E > E_base;
-            E_base·(L + 1) >= 2^31.
-    """
-    check_positive_int("num_experts", num_experts)
-    check_positive_int("num_base_experts", num_base_experts, minimum=num_experts)
-    check_positive_int("max_loras", max_loras)
-    if num_base_experts * (max_loras + 1) >= 1 << 31:
-        raise KernelPreconditionError(f"max_loras: {max_loras + 1} groups × {num_base_experts} experts overflow "
-                                      "int32 ids")
-    return _launch_ids("fused_lora_topk_ids", topk_ids, token_lora_mapping, out, num_experts, max_loras,
-                       num_base_experts, True)
-
-
-def fused_lora_align(
-    topk_ids: torch.Tensor,
-    token_lora_mapping: torch.Tensor,
-    num_experts: int,
-    num_base_experts: int,
-    max_loras: int,
-    *,
-    block_m: int | None = None,
-    out: AlignOutput | None = None,
-    ids_out: torch.Tensor | None = None,
-) -> AlignOutput:
-    """The alignment of the fused-LoRA base GEMMs (once per layer, shared by gate_up and down):
-    :func:`fused_lora_topk_ids` aligned over E_base·(L + 1) groups by
-    :func:`moelora_kernels.align.moe_align_block_size`. ``block_m`` defaults to
-    ``moe_block_m(M, top_k, E_base, L)`` (the MoE-LoRA alignment's choice: a function of host
-    shapes only, so a LoRA-disabled run of the same batch shape tiles the same way).
-
-    Returns:
-        ``AlignOutput`` with one slot row.
-    """
-    M, top_k = topk_ids.shape
-    ids = fused_lora_topk_ids(topk_ids, token_lora_mapping, num_experts, num_base_experts, max_loras, out=ids_out)
-    if block_m is None:
-        block_m = moe_block_m(M, top_k, num_base_experts, max_loras)
-    return moe_align_block_size(ids, num_base_experts * (max_loras + 1), block_m, out=out)
 
 
 def virtual_align(
