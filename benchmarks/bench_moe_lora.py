@@ -12,7 +12,9 @@ memset before every replay (L2 flushed), CUDA events around each replay, median 
   precomputed);
 - (b) the MoE-LoRA deltas: gate_up shrink+expand of both slices and down shrink+expand, added into
   the base buffers — ``moe_lora_delta``'s own choice (the product path), plus the fused kernel, the
-  unfused shrink/expand pair and virtual experts forced, as variants;
+  unfused shrink/expand pair and virtual experts forced, as variants; ``b_idle_us``: the auto path
+  with every slot disabled (each program leaves at its first check; the base buffers must stay
+  bit-identical), i.e. what the launches and grids cost before any row has work;
 - (c) ``moe_lora_align_block_size`` (and the base alignment);
 - baseline: the reference backend's graph-safe torch deltas; ceilings: a 2 GiB device-to-device
   copy (read + write bytes), plain eager ``copy_`` (``copy_plain``, ~4.3 TB/s on an H200: the
@@ -419,6 +421,19 @@ def main() -> int:
                 row[f"b_{name}_us"] = t["median_us"]
                 if name == "auto":
                     row["b_p10_us"], row["b_p90_us"] = t["p10_us"], t["p90_us"]
+            # idle: the auto path with every slot disabled, so each program leaves at its first
+            # check; what the grids and launches cost a batch with no adapter row (the outputs must
+            # stay the base buffers bit for bit)
+            idle = torch.zeros_like(p.enabled)
+            gu, d = gate_up0.clone(), down0.clone()
+            idle_fn = (lambda gu, d, w=w, p=p, h=h, idle=idle: (
+                moe_lora_delta("gate_up", p.x, gu, w, p.lora_align, top_k=p.k, adapter_enabled=idle),
+                moe_lora_delta("down", h, d, w, p.lora_align, top_k=p.k, topk_weights=p.topk_weights,
+                               adapter_enabled=idle)))
+            idle_fn(gu, d)
+            if not (torch.equal(gu, gate_up0) and torch.equal(d, down0)):
+                raise AssertionError(f"idle M={M} R={R}: a disabled slot changed the base outputs")
+            row["b_idle_us"] = timer(lambda gu=gu, d=d, f=idle_fn: f(gu, d))["median_us"]
             if "fused_moe" in args.path:
                 layer_paths(row, p, w, timer)
             row["b_us"] = row["b_auto_us"]
@@ -431,7 +446,9 @@ def main() -> int:
             row["target_a_us"], row["target_b_us"] = ta, (tb16 if R == 16 else tb64 if R == 64 else None)
             rows.append(row)
             print(f"  M={M} R={R}: a {row['a_us']:.1f} µs, b {row['b_us']:.1f} µs (fused {row['b_fused_us']:.1f}, "
-                  f"unfused {row['b_unfused_us']:.1f}, virtual {row['b_virtual_us']:.1f}), c {row['c_us']:.1f} µs",
+                  f"unfused {row['b_unfused_us']:.1f}, virtual {row['b_virtual_us']:.1f}, "
+                  f"idle {row['b_idle_us']:.1f}), "
+                  f"c {row['c_us']:.1f} µs",
                   flush=True)
             del backend
         del p

@@ -226,6 +226,8 @@ def _qwen3_gate_up_args(R, layout, M=128, L=4, E=128, H=2048, I=768, block_m=16)
         "stride_expert_ids": P // block_m,
         "stride_rank_s": L,
         "stride_scaling_s": L,
+        "L": L,
+        "slot_blocks_bound": M * 8 // block_m + min(E, M * 8),
     }
 
 
@@ -242,6 +244,8 @@ def test_two_slices_per_program_compile_for_the_h200():
             "BLOCK_N": bn,
             "N_SPLIT": n_split,
             "SLICES": 2,
+            "FLAT_GRID": 1,
+            "BLOCK_L": 4,
             "HAS_ENABLED": True,
             "MUL_ROUTED_WEIGHT": False,
             "DOT_PRECISION": "tf32",

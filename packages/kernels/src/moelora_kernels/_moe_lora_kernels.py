@@ -1,7 +1,13 @@
 """Triton kernels of the fused MoE-LoRA delta: shrink, expand, and shrink+expand fused per block.
 
 Every program owns one alignment block (BLOCK_M rows of one (slot, expert)) of one slice (the fused
-kernel with ``SLICES = 2``: of both gate_up slices):
+kernel with ``SLICES = 2``: of both gate_up slices). The grid's first axes name the block in one of
+two ways (``FLAT_GRID``, the config key of the same name): 0, (pid_m, slot) with the host's per-slot
+block bound on axis 0 and the slots on axis 1, so L · bound programs of which most leave at once at
+small M; 1, one flat axis over the used blocks of all slots, slot-major: program i finds its slot
+from the cumulative ``num_tokens_post_padded // BLOCK_M`` (one [BLOCK_L] load), so the grid needs
+only the host's bound on the total, ``num_pairs // BLOCK_M + min(E · L, num_pairs)``. Both run the
+same blocks (per slot at most the per-slot bound) and give bit-identical results:
 
 - shrink:  t[s, p, :]  = A[s, slot, e] · in[p // in_row_div]                  (rank-wide, rounded to dtype)
   or, split over K (``SPLIT_K`` programs per block and slice, each a contiguous K range):
@@ -89,6 +95,23 @@ def _block_work(pid_m, slot, s, expert_ids_ptr, num_tokens_post_padded_ptr, adap
 
 
 @triton.jit
+def _flat_block(pid, num_tokens_post_padded_ptr, L, slot_blocks_bound,
+                BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr):
+    """(pid_m, slot) of flat program ``pid`` (``FLAT_GRID = 1``): the slots' used blocks laid end to
+    end, slot-major, each slot's count ``num_tokens_post_padded // BLOCK_M`` clamped to [0,
+    ``slot_blocks_bound``] (the (pid_m, slot) grid's axis 0, so a corrupt count runs no block that
+    grid would not). A program past the last used block gets slot = L (no work)."""
+    offs_l = tl.arange(0, BLOCK_L)
+    ntpp = tl.load(num_tokens_post_padded_ptr + offs_l, mask=offs_l < L, other=0)
+    blocks = tl.minimum(tl.maximum(ntpp // BLOCK_M, 0), slot_blocks_bound)
+    ends = tl.cumsum(blocks, 0)
+    # the slot is the number of slots whose blocks all lie before pid; its start, their sum
+    slot = tl.sum((ends <= pid).to(tl.int32), 0)
+    start = tl.sum(tl.where(ends <= pid, blocks, 0), 0)
+    return pid - start, slot
+
+
+@triton.jit
 def _block_pairs(sorted_token_ids_ptr, pid_m, slot, num_pairs, stride_sorted, BLOCK_M: tl.constexpr):
     """(pairs [BLOCK_M] int64, row_ok): the pairs of block ``pid_m`` of ``slot``; padding rows
     (``pairs >= num_pairs``) and negative entries (never written by the alignment) are not ok."""
@@ -126,15 +149,23 @@ def _moe_lora_shrink_kernel(
     stride_as, stride_al, stride_ae, stride_ar,
     stride_ik, stride_is, stride_im,
     stride_sorted, stride_expert_ids, stride_rank_s,
+    L, slot_blocks_bound,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    FLAT_GRID: tl.constexpr, BLOCK_L: tl.constexpr,
     HAS_ENABLED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    slot = tl.program_id(1)
     s = tl.program_id(2) // SPLIT_K
     part = tl.program_id(2) % SPLIT_K
     # --- early exits ---------------------------------------------------------------------------
+    if FLAT_GRID:
+        pid_m, slot = _flat_block(tl.program_id(0), num_tokens_post_padded_ptr, L, slot_blocks_bound,
+                                  BLOCK_M, BLOCK_L)
+        if slot >= L:
+            return
+    else:
+        pid_m = tl.program_id(0)
+        slot = tl.program_id(1)
     rank, expert = _block_work(pid_m, slot, s, expert_ids_ptr, num_tokens_post_padded_ptr, adapter_enabled_ptr,
                                ranks_ptr, rank_bound, num_experts, stride_expert_ids, stride_rank_s,
                                BLOCK_M, HAS_ENABLED)
@@ -173,15 +204,23 @@ def _moe_lora_expand_kernel(
     stride_bs, stride_bl, stride_be, stride_bn,
     stride_om, stride_os, stride_on,   # out column of (slice s, n): s·stride_os + n·stride_on
     stride_sorted, stride_expert_ids, stride_rank_s, stride_scaling_s,
+    L, slot_blocks_bound,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    FLAT_GRID: tl.constexpr, BLOCK_L: tl.constexpr,
     HAS_ENABLED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    slot = tl.program_id(1)
     s = tl.program_id(2) // num_n_tiles
     pid_n = tl.program_id(2) % num_n_tiles
     # --- early exits ---------------------------------------------------------------------------
+    if FLAT_GRID:
+        pid_m, slot = _flat_block(tl.program_id(0), num_tokens_post_padded_ptr, L, slot_blocks_bound,
+                                  BLOCK_M, BLOCK_L)
+        if slot >= L:
+            return
+    else:
+        pid_m = tl.program_id(0)
+        slot = tl.program_id(1)
     rank, expert = _block_work(pid_m, slot, s, expert_ids_ptr, num_tokens_post_padded_ptr, adapter_enabled_ptr,
                                ranks_ptr, rank_bound, num_experts, stride_expert_ids, stride_rank_s,
                                BLOCK_M, HAS_ENABLED)
@@ -253,15 +292,22 @@ def _fused_moe_lora_kernel(
     stride_bs, stride_bl, stride_be, stride_bn,
     stride_om, stride_os, stride_on,   # out column of (slice s, n): s·stride_os + n·stride_on
     stride_sorted, stride_expert_ids, stride_rank_s, stride_scaling_s,
+    L, slot_blocks_bound,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    N_SPLIT: tl.constexpr, SLICES: tl.constexpr,
+    N_SPLIT: tl.constexpr, SLICES: tl.constexpr, FLAT_GRID: tl.constexpr, BLOCK_L: tl.constexpr,
     HAS_ENABLED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    slot = tl.program_id(1)
     s = (tl.program_id(2) // N_SPLIT) * SLICES   # this program's first slice
     part = tl.program_id(2) % N_SPLIT
+    if FLAT_GRID:
+        pid_m, slot = _flat_block(tl.program_id(0), num_tokens_post_padded_ptr, L, slot_blocks_bound,
+                                  BLOCK_M, BLOCK_L)
+        if slot >= L:
+            return
+    else:
+        pid_m = tl.program_id(0)
+        slot = tl.program_id(1)
     # --- early exits (SLICES = 2: the block has work if either slice has; a rank-0 slice is masked) ---
     rank, expert = _block_work(pid_m, slot, s, expert_ids_ptr, num_tokens_post_padded_ptr, adapter_enabled_ptr,
                                ranks_ptr, rank_bound, num_experts, stride_expert_ids, stride_rank_s,

@@ -11,8 +11,10 @@ Three entry points with the stage ("gate_up" or "down") an explicit argument:
 :func:`moe_lora_delta` takes a :class:`moelora_core.LoRAWeights` and picks the buffers, ranks and σ
 of the stage. Grids come from capacities and host ints only: ``(used-block bound, max_loras,
 slices × column parts)`` (the fused kernel with ``SLICES_PER_PROGRAM`` 2: ``slices / 2 × column
-parts``, both gate_up slices in one program); programs of disabled slots, rank-0 modules, unused
-and -1 blocks exit at once. No launcher reads a device value.
+parts``, both gate_up slices in one program), or with the config key ``FLAT_GRID`` 1, ``(bound on
+the used blocks of all slots, 1, …)``, each program finding its (block, slot) on the device;
+programs of disabled slots, rank-0 modules, unused and -1 blocks exit at once. No launcher reads a
+device value.
 """
 
 from __future__ import annotations
@@ -112,6 +114,20 @@ class _Stage:
         self.rank_bound = check_rank_bound(max_rank, self.lora.shape[3] if which == "lora_a" else self.lora.shape[4])
         self.block_r = next_pow2(self.rank_bound, 16)
         self.grid_m = used_blocks_bound(self.num_pairs, self.E, self.block_m, nb)
+        # FLAT_GRID: the used blocks of all slots on one axis; per slot at most grid_m, in all at most
+        # Σ_s (n_s // BLOCK_M + min(E, n_s)) <= num_pairs // BLOCK_M + min(E · L, num_pairs)
+        self.flat_grid_m = max(1, min(self.L * self.grid_m,
+                                      self.num_pairs // self.block_m + min(self.E * self.L, self.num_pairs)))
+
+    def block_grid(self, cfg: dict, name: str, inner: int) -> tuple[tuple[int, int, int], dict]:
+        """The launch grid over (blocks, slices × ``inner``) for the config's ``FLAT_GRID``, and the
+        kernel arguments that go with it (``_moe_lora_kernels`` module docstring)."""
+        flat = cfg["FLAT_GRID"]
+        if type(flat) is not int or flat not in (0, 1):
+            raise KernelPreconditionError(f"FLAT_GRID: must be 0 or 1, got {flat!r}")
+        grid = (self.flat_grid_m, 1, inner) if flat else (self.grid_m, self.L, inner)
+        return check_grid(name, grid), {"L": self.L, "slot_blocks_bound": self.grid_m, "FLAT_GRID": flat,
+                                        "BLOCK_L": next_pow2(self.L)}
 
     def enabled_arg(self):
         return self.adapter_enabled if self.adapter_enabled is not None else self.align.num_tokens_post_padded
@@ -214,7 +230,7 @@ def fused_moe_lora_shrink(
 
     Raises:
         KernelPreconditionError: dtype, shape, stride, device, capacity mismatches; max_rank > R;
-            ``SPLIT_K`` not an int in [1, MAX_SPLIT_K].
+            ``SPLIT_K`` not an int in [1, MAX_SPLIT_K]; ``FLAT_GRID`` not 0 or 1.
     """
     device, dtype = _check_x(x, stage)
     st = _Stage(stage, x.shape[0], lora_a, ranks, None, align, top_k, None, adapter_enabled, max_rank,
@@ -233,7 +249,7 @@ def fused_moe_lora_shrink(
     check_tensor("out", out, dtypes=(inter_dtype,), shape=shape, unit_last_stride=True, device=device)
     if st.num_pairs == 0:
         return out
-    grid = check_grid("fused_moe_lora_shrink", (st.grid_m, st.L, st.slices * split_k))
+    grid, flat = st.block_grid(cfg, "fused_moe_lora_shrink", st.slices * split_k)
     a = st.lora
     o3 = out if split_k > 1 else out.unsqueeze(0)
     _moe_lora_shrink_kernel[grid](
@@ -244,7 +260,9 @@ def fused_moe_lora_shrink(
         a.stride(0), a.stride(1), a.stride(2), a.stride(3),
         o3.stride(0) if split_k > 1 else 0, o3.stride(1), o3.stride(2),
         align.sorted_token_ids.stride(0), align.expert_ids.stride(0), st.ranks.stride(0),
+        flat["L"], flat["slot_blocks_bound"],
         BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split_k,
+        FLAT_GRID=flat["FLAT_GRID"], BLOCK_L=flat["BLOCK_L"],
         HAS_ENABLED=adapter_enabled is not None, **gemm_launch_options(dtype, tf32, cfg),
     )
     return out
@@ -325,7 +343,7 @@ def fused_moe_lora_expand(
         return out
     cfg = kernel_config("moe_lora_expand", rows=st.num_pairs, N=N, R=st.rank_bound, overrides=config)
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
-    grid = check_grid("fused_moe_lora_expand", (st.grid_m, st.L, st.slices * n_tiles))
+    grid, flat = st.block_grid(cfg, "fused_moe_lora_expand", st.slices * n_tiles)
     b = st.lora
     _moe_lora_expand_kernel[grid](
         parts, b, out2, weights if weights is not None else st.scalings,
@@ -336,7 +354,9 @@ def fused_moe_lora_expand(
         b.stride(0), b.stride(1), b.stride(2), b.stride(3),
         out2.stride(0), *cols,
         align.sorted_token_ids.stride(0), align.expert_ids.stride(0), st.ranks.stride(0), st.scalings.stride(0),
+        flat["L"], flat["slot_blocks_bound"],
         BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_N=cfg["BLOCK_N"], SPLIT_K=split_k,
+        FLAT_GRID=flat["FLAT_GRID"], BLOCK_L=flat["BLOCK_L"],
         HAS_ENABLED=adapter_enabled is not None, MUL_ROUTED_WEIGHT=weights is not None,
         **gemm_launch_options(dtype, tf32, cfg),
     )
@@ -398,7 +418,7 @@ def fused_moe_lora(
         return out
     cfg = kernel_config("fused_moe_lora", rows=st.num_pairs, N=N, K=K, R=st.rank_bound, overrides=config)
     spp = _slices_per_program(cfg, st.slices)
-    grid = check_grid("fused_moe_lora", (st.grid_m, st.L, st.slices // spp * cfg["N_SPLIT"]))
+    grid, flat = st.block_grid(cfg, "fused_moe_lora", st.slices // spp * cfg["N_SPLIT"])
     _fused_moe_lora_kernel[grid](
         x, a, b, out2, weights if weights is not None else st.scalings,
         align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded, st.enabled_arg(), st.ranks,
@@ -409,8 +429,9 @@ def fused_moe_lora(
         b.stride(0), b.stride(1), b.stride(2), b.stride(3),
         out2.stride(0), *cols,
         align.sorted_token_ids.stride(0), align.expert_ids.stride(0), st.ranks.stride(0), st.scalings.stride(0),
+        flat["L"], flat["slot_blocks_bound"],
         BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"],
-        N_SPLIT=cfg["N_SPLIT"], SLICES=spp,
+        N_SPLIT=cfg["N_SPLIT"], SLICES=spp, FLAT_GRID=flat["FLAT_GRID"], BLOCK_L=flat["BLOCK_L"],
         HAS_ENABLED=adapter_enabled is not None, MUL_ROUTED_WEIGHT=weights is not None,
         **gemm_launch_options(dtype, tf32, cfg),
     )
