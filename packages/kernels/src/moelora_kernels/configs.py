@@ -34,7 +34,7 @@ INTERPRETER_CONFIG: dict[str, int] = {
 #: Used on a GPU when no table entry matches (and as the base every entry overrides).
 GPU_FALLBACK_CONFIG: dict[str, int] = {
     "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_S": 32, "N_SPLIT": 1, "FUSED": 1, "SPLIT_K": 1,
-    "ALIGN_SPLIT": 1, "SLICES_PER_PROGRAM": 1, "LORA_SLOT_GROUP": 0, "FLAT_GRID": 0, "num_warps": 4,
+    "ALIGN_SPLIT": 1, "SLICES_PER_PROGRAM": 1, "LORA_SLOT_GROUP": 0, "FLAT_GRID": 1, "num_warps": 4,
     "num_stages": 3,
 }
 
