@@ -188,9 +188,18 @@ def lora_unit(p, w, R, timer, log, tol):
             _run_pair(p, w, "down", h, d, cfg["down"]["shrink"], cfg["down"]["expand"]))
     _time_both(unit, both, timer, gate_up0, down0, wants, tol, p, R)
     b = unit["both"]
-    log(f"  (b) M={p.M} R={R} both stages: auto {b.get('auto', {}).get('us', float('nan')):.1f} µs, best "
-        f"{b.get('best', {}).get('us', float('nan')):.1f} µs (target {unit['target_us']}) picks {picks}")
+    log(f"  (b) M={p.M} R={R} both stages: auto {_both_us(b, 'auto')}, best {_both_us(b, 'best')} "
+        f"(target {unit['target_us']}) picks {picks}")
     return unit
+
+
+def _both_us(both: dict, name: str) -> str:
+    """A both-stages time for the log; "best" is timed only where a variant beats auto by MIN_GAIN."""
+    if name not in both:
+        return f"not timed (no variant beats auto by > {100 * MIN_GAIN:.0f} %)" if name == "best" else "not timed"
+    if "us" not in both[name]:
+        return f"failed ({both[name].get('error', '?')})"
+    return f"{both[name]['us']:.1f} µs"
 
 
 def _time_both(unit, both, timer, gate_up0, down0, wants, tol, p, R):
@@ -253,8 +262,8 @@ def slices_unit(p, w, R, timer, log, tol, tiles):
                                                                 _run_delta(p, w, "down", h, d, None))
     _time_both(unit, both, timer, gate_up0, down0, wants, tol, p, R)
     b = unit["both"]
-    log(f"  (d) M={p.M} R={R} both stages: auto {b.get('auto', {}).get('us', float('nan')):.1f} µs, best "
-        f"{b.get('best', {}).get('us', float('nan')):.1f} µs (target {unit['target_us']}) gate_up {winner}")
+    log(f"  (d) M={p.M} R={R} both stages: auto {_both_us(b, 'auto')}, best {_both_us(b, 'best')} "
+        f"(target {unit['target_us']}) gate_up {winner}")
     return unit
 
 
