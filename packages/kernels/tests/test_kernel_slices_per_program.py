@@ -246,6 +246,7 @@ def test_two_slices_per_program_compile_for_the_h200():
             "SLICES": 2,
             "FLAT_GRID": 1,
             "BLOCK_L": 4,
+            "EXPAND_LOADS": 0,
             "HAS_ENABLED": True,
             "MUL_ROUTED_WEIGHT": False,
             "DOT_PRECISION": "tf32",

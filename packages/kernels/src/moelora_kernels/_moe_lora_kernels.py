@@ -15,7 +15,10 @@ same blocks (per slot at most the per-slot bound) and give bit-identical results
 - expand:  out[p, s·N + n] += σ[s, slot] · w_p · (B[s, slot, e] · t[s, p])[n]
   (from split partials: t[s, p] = Σ_j part[j, s, p] in j order, in fp32, rounded once to dtype)
 - fused:   both in one program: the rank-wide t stays in registers, then the program walks its
-  share of the N columns (``N_SPLIT`` programs share one block's columns and each recompute t).
+  share of the N columns (``N_SPLIT`` programs share one block's columns and each recompute t),
+  each column tile's B and old output loaded as the config key ``EXPAND_LOADS`` says: 0, B at the
+  tile and the old output after the dot; 1, both together at the tile; 2, both one tile ahead (same
+  values, same order of arithmetic: bit-identical results).
   ``SLICES`` (the config key ``SLICES_PER_PROGRAM``) = 2 gives one program both gate_up slices of
   its block: each x tile is loaded once and multiplied against the gate and up A tiles side by side
   (one [BLOCK_K, 2·BLOCK_R] weight tile, so one dot), t is split into its two rank ranges in
@@ -28,9 +31,11 @@ Slices: stage "gate_up" has two (s = 0 gate, 1 up), each with its own A and B, w
 (1, 2) for GPT-OSS's "interleaved" one (gate 2n, up 2n + 1; DESIGN.md §1); stage "down" has one,
 router-weighted (w_p), writing down_out (stride_on = 1).
 
-Early exits, before any load of activations or weights, in this order: a disabled slot, a module
-rank of 0, a block at or past the slot's ``num_tokens_post_padded``, a block of expert -1 (or an id
->= E, never produced by the alignment). Their output rows are not touched (bit-identical).
+Early exits, before any load of activations or weights: a disabled slot, a module rank of 0, a
+block at or past the slot's ``num_tokens_post_padded``, a block of expert -1 (or an id >= E, never
+produced by the alignment). Their output rows are not touched (bit-identical). The metadata these
+checks read, and the block's row of ``sorted_token_ids``, lie in bounds whatever they hold, so a
+program loads them all at once (one memory round trip before the exit, not one per check).
 Range contract: rows of ``sorted_token_ids`` outside [0, num_pairs) are padding (never read or
 written), expert ids outside [0, E) skip their block, so a corrupt alignment adds nothing and
 dereferences nothing outside the tensors; the launchers refuse an alignment recorded for another
@@ -74,24 +79,35 @@ from moelora_kernels._tiles import accumulate_k
 
 
 @triton.jit
-def _block_work(pid_m, slot, s, expert_ids_ptr, num_tokens_post_padded_ptr, adapter_enabled_ptr, ranks_ptr,
+def _block_work(pid_m, slot, s, ntpp, expert_ids_ptr, adapter_enabled_ptr, ranks_ptr,
                 rank_bound, num_experts, stride_expert_ids, stride_rank_s,
                 BLOCK_M: tl.constexpr, HAS_ENABLED: tl.constexpr):
-    """(rank, expert) of alignment block ``pid_m`` of ``slot`` in slice ``s``; rank 0 when the block
-    has no work. The early exits of the module docstring, in its order, each before the next load."""
-    if HAS_ENABLED:
-        if tl.load(adapter_enabled_ptr + slot) == 0:
-            return 0, -1
+    """(rank, expert) of alignment block ``pid_m`` of ``slot`` in slice ``s`` (``ntpp``: the slot's
+    ``num_tokens_post_padded``); rank 0 and expert -1 when the block has no work (the early exits of
+    the module docstring). Every load here is in bounds whatever the metadata holds (slot < L, pid_m
+    below the host's per-slot bound, which is at most the alignment's blocks), so they are issued
+    together: the exits cost one memory round trip, not one per check."""
     # the host bound keeps a corrupt device rank from reading past R
     rank = tl.minimum(tl.load(ranks_ptr + s * stride_rank_s + slot), rank_bound)
-    if rank <= 0:
-        return 0, -1
-    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr + slot):
-        return 0, -1
     expert = tl.load(expert_ids_ptr + slot.to(tl.int64) * stride_expert_ids + pid_m)
-    if (expert < 0) | (expert >= num_experts):
-        return 0, -1
-    return rank, expert
+    ok = (rank > 0) & (pid_m * BLOCK_M < ntpp) & (expert >= 0) & (expert < num_experts)
+    if HAS_ENABLED:
+        ok = ok & (tl.load(adapter_enabled_ptr + slot) != 0)
+    return tl.where(ok, rank, 0), tl.where(ok, expert, -1)
+
+
+@triton.jit
+def _block_of(pid, num_tokens_post_padded_ptr, L, slot_blocks_bound,
+              FLAT_GRID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr):
+    """(pid_m, slot, the slot's num_tokens_post_padded) of the program: from the flat axis 0
+    (``_flat_block``) or the (pid_m, slot) grid's axes 0 and 1."""
+    if FLAT_GRID:
+        pid_m, slot, ntpp = _flat_block(pid, num_tokens_post_padded_ptr, L, slot_blocks_bound, BLOCK_M, BLOCK_L)
+    else:
+        pid_m = pid
+        slot = tl.program_id(1)
+        ntpp = tl.load(num_tokens_post_padded_ptr + slot)
+    return pid_m, slot, ntpp
 
 
 @triton.jit
@@ -100,7 +116,8 @@ def _flat_block(pid, num_tokens_post_padded_ptr, L, slot_blocks_bound,
     """(pid_m, slot) of flat program ``pid`` (``FLAT_GRID = 1``): the slots' used blocks laid end to
     end, slot-major, each slot's count ``num_tokens_post_padded // BLOCK_M`` clamped to [0,
     ``slot_blocks_bound``] (the (pid_m, slot) grid's axis 0, so a corrupt count runs no block that
-    grid would not). A program past the last used block gets slot = L (no work)."""
+    grid would not). A program past the last used block gets slot = L (no work). Also returns the
+    slot's own (unclamped) count, from the same load."""
     offs_l = tl.arange(0, BLOCK_L)
     ntpp = tl.load(num_tokens_post_padded_ptr + offs_l, mask=offs_l < L, other=0)
     blocks = tl.minimum(tl.maximum(ntpp // BLOCK_M, 0), slot_blocks_bound)
@@ -108,7 +125,7 @@ def _flat_block(pid, num_tokens_post_padded_ptr, L, slot_blocks_bound,
     # the slot is the number of slots whose blocks all lie before pid; its start, their sum
     slot = tl.sum((ends <= pid).to(tl.int32), 0)
     start = tl.sum(tl.where(ends <= pid, blocks, 0), 0)
-    return pid - start, slot
+    return pid - start, slot, tl.sum(tl.where(offs_l == slot, ntpp, 0), 0)
 
 
 @triton.jit
@@ -157,23 +174,19 @@ def _moe_lora_shrink_kernel(
 ):
     s = tl.program_id(2) // SPLIT_K
     part = tl.program_id(2) % SPLIT_K
-    # --- early exits ---------------------------------------------------------------------------
-    if FLAT_GRID:
-        pid_m, slot = _flat_block(tl.program_id(0), num_tokens_post_padded_ptr, L, slot_blocks_bound,
-                                  BLOCK_M, BLOCK_L)
-        if slot >= L:
-            return
-    else:
-        pid_m = tl.program_id(0)
-        slot = tl.program_id(1)
-    rank, expert = _block_work(pid_m, slot, s, expert_ids_ptr, num_tokens_post_padded_ptr, adapter_enabled_ptr,
+    # --- early exits (the block's pairs are loaded with the checks' metadata: one round trip) ---------
+    pid_m, slot, ntpp = _block_of(tl.program_id(0), num_tokens_post_padded_ptr, L, slot_blocks_bound,
+                                  FLAT_GRID, BLOCK_M, BLOCK_L)
+    if slot >= L:
+        return
+    rank, expert = _block_work(pid_m, slot, s, ntpp, expert_ids_ptr, adapter_enabled_ptr,
                                ranks_ptr, rank_bound, num_experts, stride_expert_ids, stride_rank_s,
                                BLOCK_M, HAS_ENABLED)
+    pairs, row_ok = _block_pairs(sorted_token_ids_ptr, pid_m, slot, num_pairs, stride_sorted, BLOCK_M)
     if rank <= 0:
         return
     expert = expert.to(tl.int64)
     # --- tile ----------------------------------------------------------------------------------
-    pairs, row_ok = _block_pairs(sorted_token_ids_ptr, pid_m, slot, num_pairs, stride_sorted, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     # this program's K range: whole BLOCK_K steps, the last part possibly short or empty
@@ -212,23 +225,19 @@ def _moe_lora_expand_kernel(
 ):
     s = tl.program_id(2) // num_n_tiles
     pid_n = tl.program_id(2) % num_n_tiles
-    # --- early exits ---------------------------------------------------------------------------
-    if FLAT_GRID:
-        pid_m, slot = _flat_block(tl.program_id(0), num_tokens_post_padded_ptr, L, slot_blocks_bound,
-                                  BLOCK_M, BLOCK_L)
-        if slot >= L:
-            return
-    else:
-        pid_m = tl.program_id(0)
-        slot = tl.program_id(1)
-    rank, expert = _block_work(pid_m, slot, s, expert_ids_ptr, num_tokens_post_padded_ptr, adapter_enabled_ptr,
+    # --- early exits (the block's pairs are loaded with the checks' metadata: one round trip) ---------
+    pid_m, slot, ntpp = _block_of(tl.program_id(0), num_tokens_post_padded_ptr, L, slot_blocks_bound,
+                                  FLAT_GRID, BLOCK_M, BLOCK_L)
+    if slot >= L:
+        return
+    rank, expert = _block_work(pid_m, slot, s, ntpp, expert_ids_ptr, adapter_enabled_ptr,
                                ranks_ptr, rank_bound, num_experts, stride_expert_ids, stride_rank_s,
                                BLOCK_M, HAS_ENABLED)
+    pairs, row_ok = _block_pairs(sorted_token_ids_ptr, pid_m, slot, num_pairs, stride_sorted, BLOCK_M)
     if rank <= 0:
         return
     expert = expert.to(tl.int64)
     # --- tile ----------------------------------------------------------------------------------
-    pairs, row_ok = _block_pairs(sorted_token_ids_ptr, pid_m, slot, num_pairs, stride_sorted, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -247,27 +256,54 @@ def _moe_lora_expand_kernel(
     b = tl.load(b_ptr + s.to(tl.int64) * stride_bs + slot.to(tl.int64) * stride_bl + expert * stride_be
                 + offs_n.to(tl.int64)[None, :] * stride_bn + offs_r[:, None],
                 mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+    # the old output, σ and the router weights are loaded with t and B (before the dot): one round trip
+    o_ptrs = (out_ptr + pairs[:, None] * stride_om + s.to(tl.int64) * stride_os
+              + offs_n.to(tl.int64)[None, :] * stride_on)
+    o_mask = row_ok[:, None] & n_ok[None, :]
+    old = tl.load(o_ptrs, mask=o_mask, other=0.0)
+    sigma = tl.load(scalings_ptr + s * stride_scaling_s + slot)
+    if MUL_ROUTED_WEIGHT:
+        w_p = tl.load(topk_weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
     if UPCAST:
         t = t.to(tl.float32)
         b = b.to(tl.float32)
     delta = tl.dot(t, b, input_precision=DOT_PRECISION)
     # --- epilogue: σ, router weight, add, one rounding ------------------------------------------------
-    delta = delta * tl.load(scalings_ptr + s * stride_scaling_s + slot)
+    delta = delta * sigma
     if MUL_ROUTED_WEIGHT:
-        delta = delta * tl.load(topk_weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    o_ptrs = (out_ptr + pairs[:, None] * stride_om + s.to(tl.int64) * stride_os
-              + offs_n.to(tl.int64)[None, :] * stride_on)
-    o_mask = row_ok[:, None] & n_ok[None, :]
-    old = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
-    tl.store(o_ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=o_mask)
+        delta = delta * w_p[:, None]
+    tl.store(o_ptrs, (old.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit
-def _expand_tile(t, b_base, o_base, offs_r, r_ok, offs_n, n_ok, row_scale, row_ok, stride_bn, stride_on,
+def _expand_load(b_base, o_base, offs_r, r_ok, offs_n, n_ok, row_ok, stride_bn, stride_on):
+    """(B tile [BLOCK_R, BLOCK_N], old output tile [BLOCK_M, BLOCK_N]) of one column tile of one
+    slice: the B tile from ``b_base`` (rank ``offs_r``, masked by ``r_ok``), the output rows not
+    ``row_ok`` and columns not ``n_ok`` read 0 (so a tile past the program's range loads nothing)."""
+    b = tl.load(b_base + offs_n.to(tl.int64)[None, :] * stride_bn + offs_r[:, None],
+                mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+    old = tl.load(o_base + offs_n.to(tl.int64)[None, :] * stride_on, mask=row_ok[:, None] & n_ok[None, :],
+                  other=0.0)
+    return b, old
+
+
+@triton.jit
+def _expand_tile(t, b, old, o_base, offs_n, n_ok, row_scale, row_ok, stride_on,
                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """out[rows, n] += row_scale · (t · B[:, n]) for one [BLOCK_N] column tile of one slice: the B
-    tile from ``b_base`` (rank ``offs_r``, masked by ``r_ok``), the old output read and the sum
-    rounded once (rows not ``row_ok`` are neither read nor written)."""
+    """out[rows, n] = old + row_scale · (t · b) for one column tile loaded by ``_expand_load``, the
+    sum rounded once (rows not ``row_ok`` are not written)."""
+    if UPCAST:
+        b = b.to(tl.float32)
+    delta = tl.dot(t, b, input_precision=DOT_PRECISION) * row_scale[:, None]
+    tl.store(o_base + offs_n.to(tl.int64)[None, :] * stride_on,
+             (old.to(tl.float32) + delta).to(o_base.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _expand_tile_late(t, b_base, o_base, offs_r, r_ok, offs_n, n_ok, row_scale, row_ok, stride_bn, stride_on,
+                      DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """As ``_expand_load`` then ``_expand_tile``, with the old output loaded after the dot (the
+    order before the loads were batched; ``EXPAND_LOADS`` 0)."""
     b = tl.load(b_base + offs_n.to(tl.int64)[None, :] * stride_bn + offs_r[:, None],
                 mask=r_ok[:, None] & n_ok[None, :], other=0.0)
     if UPCAST:
@@ -296,35 +332,33 @@ def _fused_moe_lora_kernel(
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     N_SPLIT: tl.constexpr, SLICES: tl.constexpr, FLAT_GRID: tl.constexpr, BLOCK_L: tl.constexpr,
-    HAS_ENABLED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    EXPAND_LOADS: tl.constexpr, HAS_ENABLED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     s = (tl.program_id(2) // N_SPLIT) * SLICES   # this program's first slice
     part = tl.program_id(2) % N_SPLIT
-    if FLAT_GRID:
-        pid_m, slot = _flat_block(tl.program_id(0), num_tokens_post_padded_ptr, L, slot_blocks_bound,
-                                  BLOCK_M, BLOCK_L)
-        if slot >= L:
-            return
-    else:
-        pid_m = tl.program_id(0)
-        slot = tl.program_id(1)
-    # --- early exits (SLICES = 2: the block has work if either slice has; a rank-0 slice is masked) ---
-    rank, expert = _block_work(pid_m, slot, s, expert_ids_ptr, num_tokens_post_padded_ptr, adapter_enabled_ptr,
+    pid_m, slot, ntpp = _block_of(tl.program_id(0), num_tokens_post_padded_ptr, L, slot_blocks_bound,
+                                  FLAT_GRID, BLOCK_M, BLOCK_L)
+    if slot >= L:
+        return
+    # --- early exits (SLICES = 2: the block has work if either slice has; a rank-0 slice is masked;
+    # the block's pairs are loaded with the checks' metadata: one round trip) ---------------------------
+    rank, expert = _block_work(pid_m, slot, s, ntpp, expert_ids_ptr, adapter_enabled_ptr,
                                ranks_ptr, rank_bound, num_experts, stride_expert_ids, stride_rank_s,
                                BLOCK_M, HAS_ENABLED)
     live = rank
     if SLICES == 2:
-        rank_u, expert_u = _block_work(pid_m, slot, s + 1, expert_ids_ptr, num_tokens_post_padded_ptr,
+        rank_u, expert_u = _block_work(pid_m, slot, s + 1, ntpp, expert_ids_ptr,
                                        adapter_enabled_ptr, ranks_ptr, rank_bound, num_experts, stride_expert_ids,
                                        stride_rank_s, BLOCK_M, HAS_ENABLED)
         live = tl.maximum(rank, rank_u)
         # a slice without work reports expert -1; one with work, the block's expert
         expert = tl.maximum(expert, expert_u)
+    pairs, row_ok = _block_pairs(sorted_token_ids_ptr, pid_m, slot, num_pairs, stride_sorted, BLOCK_M)
     if live <= 0:
         return
     expert = expert.to(tl.int64)
     # --- tile ----------------------------------------------------------------------------------
-    pairs, row_ok = _block_pairs(sorted_token_ids_ptr, pid_m, slot, num_pairs, stride_sorted, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     # shrink columns: SLICES rank ranges side by side, (slice c_s, rank c_r) for column c
@@ -366,11 +400,53 @@ def _fused_moe_lora_kernel(
         row_ok = row_ok & (rank > 0)
     tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_part = tl.cdiv(tiles, N_SPLIT)
-    for tile in range(part * tiles_per_part, tl.minimum(tiles, (part + 1) * tiles_per_part)):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        _expand_tile(t, b_base, o_base, offs_r, r_ok, offs_n, n_ok, row_scale, row_ok, stride_bn, stride_on,
-                     DOT_PRECISION, UPCAST)
+    tile_lo = part * tiles_per_part
+    tile_hi = tl.minimum(tiles, tile_lo + tiles_per_part)
+    if EXPAND_LOADS == 2:
+        # each tile's B and old output loaded one tile ahead (the loop's loads do not feed a K-loop
+        # dot, so the compiler's pipeliner leaves them serial: one memory round trip per tile
+        # without this); a tile past this program's range is masked off, so it loads nothing.
+        # Costs registers for the second set of tiles: a win where programs are few (small M;
+        # benchmarks/RESULTS.md, H200 2026-12-04)
+        offs_n = tile_lo * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = (offs_n < N) & (tile_lo < tile_hi)
+        b, old = _expand_load(b_base, o_base, offs_r, r_ok, offs_n, n_ok, row_ok, stride_bn, stride_on)
         if SLICES == 2:
-            _expand_tile(t_u, b_base + stride_bs, o_base + stride_os, offs_r, r_ok_u, offs_n, n_ok, row_scale_u,
-                         row_ok_u, stride_bn, stride_on, DOT_PRECISION, UPCAST)
+            b_u, old_u = _expand_load(b_base + stride_bs, o_base + stride_os, offs_r, r_ok_u, offs_n, n_ok,
+                                      row_ok_u, stride_bn, stride_on)
+        for tile in range(tile_lo, tile_hi):
+            next_n = offs_n + BLOCK_N
+            next_ok = (next_n < N) & (tile + 1 < tile_hi)
+            next_b, next_old = _expand_load(b_base, o_base, offs_r, r_ok, next_n, next_ok, row_ok, stride_bn,
+                                            stride_on)
+            _expand_tile(t, b, old, o_base, offs_n, n_ok, row_scale, row_ok, stride_on, DOT_PRECISION, UPCAST)
+            b, old = next_b, next_old
+            if SLICES == 2:
+                next_b_u, next_old_u = _expand_load(b_base + stride_bs, o_base + stride_os, offs_r, r_ok_u,
+                                                    next_n, next_ok, row_ok_u, stride_bn, stride_on)
+                _expand_tile(t_u, b_u, old_u, o_base + stride_os, offs_n, n_ok, row_scale_u, row_ok_u, stride_on,
+                             DOT_PRECISION, UPCAST)
+                b_u, old_u = next_b_u, next_old_u
+            offs_n, n_ok = next_n, next_ok
+    elif EXPAND_LOADS == 1:
+        # each tile's B and old output loaded together at the tile: one round trip per tile
+        for tile in range(tile_lo, tile_hi):
+            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < N
+            b, old = _expand_load(b_base, o_base, offs_r, r_ok, offs_n, n_ok, row_ok, stride_bn, stride_on)
+            _expand_tile(t, b, old, o_base, offs_n, n_ok, row_scale, row_ok, stride_on, DOT_PRECISION, UPCAST)
+            if SLICES == 2:
+                b_u, old_u = _expand_load(b_base + stride_bs, o_base + stride_os, offs_r, r_ok_u, offs_n, n_ok,
+                                          row_ok_u, stride_bn, stride_on)
+                _expand_tile(t_u, b_u, old_u, o_base + stride_os, offs_n, n_ok, row_scale_u, row_ok_u, stride_on,
+                             DOT_PRECISION, UPCAST)
+    else:
+        # B at the tile, the old output after the dot: two round trips per tile
+        for tile in range(tile_lo, tile_hi):
+            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < N
+            _expand_tile_late(t, b_base, o_base, offs_r, r_ok, offs_n, n_ok, row_scale, row_ok, stride_bn,
+                              stride_on, DOT_PRECISION, UPCAST)
+            if SLICES == 2:
+                _expand_tile_late(t_u, b_base + stride_bs, o_base + stride_os, offs_r, r_ok_u, offs_n, n_ok,
+                                  row_scale_u, row_ok_u, stride_bn, stride_on, DOT_PRECISION, UPCAST)

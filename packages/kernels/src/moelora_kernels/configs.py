@@ -27,15 +27,15 @@ from moelora_kernels._common import interpreting
 #: The single config used under the Triton interpreter (tiles of 32; no pipelining).
 INTERPRETER_CONFIG: dict[str, int] = {
     "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "BLOCK_S": 32, "N_SPLIT": 1, "FUSED": 1, "SPLIT_K": 1,
-    "ALIGN_SPLIT": 1, "SLICES_PER_PROGRAM": 1, "LORA_SLOT_GROUP": 0, "FLAT_GRID": 1, "num_warps": 4,
-    "num_stages": 1,
+    "ALIGN_SPLIT": 1, "SLICES_PER_PROGRAM": 1, "LORA_SLOT_GROUP": 0, "FLAT_GRID": 1, "EXPAND_LOADS": 2,
+    "num_warps": 4, "num_stages": 1,
 }
 
 #: Used on a GPU when no table entry matches (and as the base every entry overrides).
 GPU_FALLBACK_CONFIG: dict[str, int] = {
     "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_S": 32, "N_SPLIT": 1, "FUSED": 1, "SPLIT_K": 1,
-    "ALIGN_SPLIT": 1, "SLICES_PER_PROGRAM": 1, "LORA_SLOT_GROUP": 0, "FLAT_GRID": 1, "num_warps": 4,
-    "num_stages": 3,
+    "ALIGN_SPLIT": 1, "SLICES_PER_PROGRAM": 1, "LORA_SLOT_GROUP": 0, "FLAT_GRID": 1, "EXPAND_LOADS": 0,
+    "num_warps": 4, "num_stages": 3,
 }
 
 _CONFIG_DIR = Path(__file__).parent / "configs"
@@ -68,7 +68,8 @@ def kernel_config(op: str, *, rows: int, N: int | None = None, K: int | None = N
             of two; 0 = by rank) is the slots whose LoRA factors one shrink/expand tile pair holds
             side by side when the delta is fused into the base GEMM; ``FLAT_GRID`` (0 or 1) of
             ``moe_lora_shrink``, ``moe_lora_expand`` and ``fused_moe_lora`` lays the used blocks of
-            all slots on one grid axis instead of a (block, slot) grid;
+            all slots on one grid axis instead of a (block, slot) grid; ``fused_moe_lora``'s
+            ``EXPAND_LOADS`` (0, 1, 2) says when each expand tile's B and old output are loaded;
             ``moe_lora_align_block_size`` / ``moe_align_block_size``, whose ``ALIGN_SPLIT`` is the
             alignment's programs per slot).
         rows: host row count the launch is sized for (a capacity in graph mode).

@@ -47,6 +47,10 @@ MAX_SPLIT_K = 16
 #: Values of the fused kernel's ``SLICES_PER_PROGRAM``: 1 = one program per (block, slice); 2 = one
 #: program per block does both gate_up slices (each x tile loaded once for gate and up).
 SLICES_PER_PROGRAM: tuple[int, ...] = (1, 2)
+#: Values of the fused kernel's ``EXPAND_LOADS``, when each expand tile's B tile and old output are
+#: loaded: 0 = B at the tile, the old output after the dot; 1 = both together at the tile; 2 = both
+#: one tile ahead (bit-identical results; the GPU table picks per row bucket)
+EXPAND_LOADS: tuple[int, ...] = (0, 1, 2)
 #: LoRAWeights modules of each stage.
 STAGE_MODULES: dict[str, tuple[str, ...]] = {"gate_up": ("gate", "up"), "down": ("down",)}
 
@@ -386,7 +390,8 @@ def fused_moe_lora(
     Block config (table ``fused_moe_lora`` per (N, R, row bucket), or ``config``): ``BLOCK_K``,
     ``BLOCK_N``, ``N_SPLIT`` (programs sharing one block's N columns), ``SLICES_PER_PROGRAM`` (1: one
     program per block and slice; 2: one program per block does both gate_up slices, loading each x
-    tile once for gate and up; a one-slice stage, "down", runs 2 as 1), ``num_warps``,
+    tile once for gate and up; a one-slice stage, "down", runs 2 as 1), ``EXPAND_LOADS`` (when each
+    expand tile's B and old output are loaded: :data:`EXPAND_LOADS`), ``num_warps``,
     ``num_stages``. The result does not depend on them beyond the fp32 summation order.
 
     Args: as :func:`fused_moe_lora_shrink` (x, lora_a) and :func:`fused_moe_lora_expand` (lora_b,
@@ -397,7 +402,8 @@ def fused_moe_lora(
 
     Raises:
         KernelPreconditionError: as the shrink and the expand; A and B of different pools;
-            ``SLICES_PER_PROGRAM`` not one of :data:`SLICES_PER_PROGRAM` (nothing is written).
+            ``SLICES_PER_PROGRAM`` not one of :data:`SLICES_PER_PROGRAM`; ``EXPAND_LOADS`` not one of
+            :data:`EXPAND_LOADS` (nothing is written).
     """
     device, dtype = _check_x(x, stage)
     st = _Stage(stage, x.shape[0], lora_a, ranks, scalings, align, top_k, None, adapter_enabled, max_rank,
@@ -418,6 +424,9 @@ def fused_moe_lora(
         return out
     cfg = kernel_config("fused_moe_lora", rows=st.num_pairs, N=N, K=K, R=st.rank_bound, overrides=config)
     spp = _slices_per_program(cfg, st.slices)
+    loads = cfg["EXPAND_LOADS"]
+    if type(loads) is not int or loads not in EXPAND_LOADS:
+        raise KernelPreconditionError(f"EXPAND_LOADS: must be one of {EXPAND_LOADS}, got {loads!r}")
     grid, flat = st.block_grid(cfg, "fused_moe_lora", st.slices // spp * cfg["N_SPLIT"])
     _fused_moe_lora_kernel[grid](
         x, a, b, out2, weights if weights is not None else st.scalings,
@@ -432,7 +441,7 @@ def fused_moe_lora(
         flat["L"], flat["slot_blocks_bound"],
         BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"],
         N_SPLIT=cfg["N_SPLIT"], SLICES=spp, FLAT_GRID=flat["FLAT_GRID"], BLOCK_L=flat["BLOCK_L"],
-        HAS_ENABLED=adapter_enabled is not None, MUL_ROUTED_WEIGHT=weights is not None,
+        EXPAND_LOADS=loads, HAS_ENABLED=adapter_enabled is not None, MUL_ROUTED_WEIGHT=weights is not None,
         **gemm_launch_options(dtype, tf32, cfg),
     )
     return out

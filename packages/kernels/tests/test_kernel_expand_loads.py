@@ -1,0 +1,107 @@
+"""When the fused MoE-LoRA kernel's expand loop loads each column tile (``EXPAND_LOADS``).
+
+0: the B tile at the tile, the old output after the dot; 1: both together at the tile; 2: both one
+tile ahead, tile t + 1's loads issued while tile t is expanded (a tile past the program's range masked
+off, loading nothing). Same values in the same order of arithmetic, so the three must agree bit for
+bit, and with the twin within tolerance. The GPU table sets it per row bucket (benchmarks/RESULTS.md, H200
+2026-12-04: 2 a win at small M, a loss where its registers cost occupancy).
+
+Covers: drawn cases, both stages, both slices-per-program values and both gate_up column layouts,
+with ``N_SPLIT`` in {1, 2, 3} so some programs get no tile, one, or an uneven share; every column the
+delta must not touch keeps its bits (NaN and -0.0 poison). Named: invalid values refused before any
+write; the variant compiles for sm_90 (through ptxas, on the CPU) with the shipped Qwen3 tiles,
+among them the widest (R 64, BLOCK_N 256).
+"""
+
+import re
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from kernel_testing import DEVICE, H200_MAX_SHARED, assert_bitwise_equal, assert_close, compile_for_h200, launch_guard
+from moe_lora_testing import enabled_of, handled, make_pool, named_routing, stage_inputs
+from test_kernel_slices_per_program import _qwen3_gate_up_args, column_mask, poison_untouched
+
+from moelora_conformance.strategies import moe_lora_cases
+from moelora_core import KernelPreconditionError
+from moelora_kernels import fused_moe_lora, moe_block_m, moe_lora_align_block_size, stage_tensors
+from moelora_kernels.moe_lora import EXPAND_LOADS
+from moelora_reference import moe_lora_ops as twin
+
+pytestmark = pytest.mark.interpreter
+
+CASES = moe_lora_cases(kinds=("extend", "decode", "mixed"), virtual_experts=False)
+
+
+def _call(fn, stage, x, out, w, align, k, tw, enabled, layout, **extra):
+    t = stage_tensors(w, stage)
+    return fn(x, t["lora_a"], t["lora_b"], align, out, stage=stage, top_k=k, ranks=t["ranks"],
+              scalings=t["scalings"], topk_weights=tw, adapter_enabled=enabled, layout=layout, **extra)
+
+
+def _fused(stage, x, out, w, align, k, tw, enabled, layout, **config):
+    with launch_guard():
+        _call(fused_moe_lora, stage, x, out, w, align, k, tw, enabled, layout, config=config)
+    return out
+
+
+@given(case=CASES, stage=st.sampled_from(["gate_up", "down"]), layout=st.sampled_from(["halves", "interleaved"]),
+       spp=st.sampled_from([1, 2]), n_split=st.sampled_from([1, 2, 3]))
+def test_every_expand_loads_value_matches_bit_for_bit_and_the_twin(case, stage, layout, spp, n_split):
+    c = case.materialize(DEVICE)
+    spec, w = c.spec, c.lora
+    M, k = c.topk_ids.shape
+    layout = layout if stage == "gate_up" else "halves"
+    gen = torch.Generator().manual_seed(case.seed)
+    enabled = enabled_of(c.token_lora_mapping, spec.max_loras)
+    with launch_guard():
+        align = moe_lora_align_block_size(
+            c.topk_ids, c.token_lora_mapping, spec.E, moe_block_m(M, k, spec.E, spec.max_loras), spec.max_loras, enabled
+        )
+    tw = torch.rand(M, k, generator=gen).to(DEVICE) if stage == "down" else None
+    x, out0, tw = stage_inputs(gen, stage, M, k, spec.H, spec.I, c.x.dtype, tw)
+    mask = handled(stage, c.topk_ids, c.token_lora_mapping, enabled, stage_tensors(w, stage)["ranks"], spec.E)
+    cols = column_mask(mask, layout, out0.shape[-1] // mask.shape[0])
+    out0 = poison_untouched(gen, out0, cols)
+    what = f"{stage} {layout} SLICES_PER_PROGRAM={spp} N_SPLIT={n_split}"
+    runs = {v: _fused(stage, x, out0.clone(), w, align, k, tw, enabled, layout, EXPAND_LOADS=v,
+                      SLICES_PER_PROGRAM=spp, N_SPLIT=n_split) for v in EXPAND_LOADS}
+    want = _call(twin.fused_moe_lora, stage, x, out0.clone(), w, align, k, tw, enabled, layout)
+    for v in (1, 2):
+        assert_bitwise_equal(runs[v], runs[0], what=f"{what}: EXPAND_LOADS {v} vs 0", seed=case.seed)
+    flat = {n: v.cpu().reshape(cols.shape) for n, v in (("one", runs[2]), ("want", want), ("0", out0))}
+    assert_close(flat["one"][cols], flat["want"][cols], dtype=x.dtype, what=f"{what}: vs twin", seed=case.seed)
+    assert_bitwise_equal(flat["one"][~cols], flat["0"][~cols], what=f"{what}: columns not to touch", seed=case.seed)
+
+
+@pytest.mark.parametrize("bad", [3, -1, 1.0, True, "1", None])
+def test_an_invalid_expand_loads_is_refused_before_any_write(bad):
+    w = make_pool(35, L=2, R=8)
+    gen, ids, mapping = named_routing(35, w.spec, 6, 2)
+    with launch_guard():
+        align = moe_lora_align_block_size(ids, mapping, w.spec.E, 32, w.spec.max_loras)
+    x, out, _ = stage_inputs(gen, "gate_up", 6, 2, w.spec.H, w.spec.I, torch.float32, None)
+    before = out.clone()
+    with pytest.raises(KernelPreconditionError, match=re.escape(f"EXPAND_LOADS: must be one of {EXPAND_LOADS}, got {bad!r}")):
+        _fused("gate_up", x, out, w, align, 2, None, enabled_of(mapping, 2), "halves", EXPAND_LOADS=bad)
+    assert_bitwise_equal(out, before, what="out after a refused EXPAND_LOADS")
+
+
+def test_every_expand_loads_value_compiles_for_the_h200():
+    # compile the shipped Qwen3 gate_up tiles (R 16 and the widest, R 64 with BLOCK_N 256, where
+    # value 2's loop-carried tiles cost the most registers) with one and two slices per program for
+    # sm_90 here, so a GPU call does not find out first
+    cases, names = [], []
+    for R, (bk, bn, n_split) in ((16, (256, 256, 2)), (64, (256, 256, 2)), (64, (128, 128, 1))):
+        for spp, loads in ((1, 2), (2, 2), (1, 1), (2, 0)):
+            consts = {"BLOCK_M": 16, "BLOCK_R": R, "BLOCK_K": bk, "BLOCK_N": bn, "N_SPLIT": n_split, "SLICES": spp,
+                      "FLAT_GRID": 1, "BLOCK_L": 4, "EXPAND_LOADS": loads, "HAS_ENABLED": True,
+                      "MUL_ROUTED_WEIGHT": False, "DOT_PRECISION": "tf32", "UPCAST": False}
+            cases.append({"args": _qwen3_gate_up_args(R, "halves"), "constexprs": consts, "num_warps": 4,
+                          "num_stages": 3})
+            names.append(f"R={R} BLOCK_N={bn} SLICES={spp} EXPAND_LOADS={loads}")
+    results = compile_for_h200("moelora_kernels._moe_lora_kernels:_fused_moe_lora_kernel", cases)
+    for name, r in zip(names, results, strict=True):
+        assert "error" not in r, f"{name}: {r.get('error')}"
+        assert 0 < r["shared"] <= H200_MAX_SHARED, f"{name}: shared memory {r['shared']} B"
