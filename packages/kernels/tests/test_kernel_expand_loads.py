@@ -8,9 +8,10 @@ bit, and with the twin within tolerance. The GPU table sets it per row bucket (b
 
 Covers: drawn cases, both stages, both slices-per-program values and both gate_up column layouts,
 with ``N_SPLIT`` in {1, 2, 3} so some programs get no tile, one, or an uneven share; every column the
-delta must not touch keeps its bits (NaN and -0.0 poison). Named: invalid values refused before any
-write; the variant compiles for sm_90 (through ptxas, on the CPU) with the shipped Qwen3 tiles,
-among them the widest (R 64, BLOCK_N 256).
+delta must not touch keeps its bits (NaN and -0.0 poison). Named: an fp32 decode case at the Qwen3
+widths that once rounded differently per value on the H200; invalid values refused before any write;
+the variant compiles for sm_90 (through ptxas, on the CPU) with the shipped Qwen3 tiles, among them
+the widest (R 64, BLOCK_N 256).
 """
 
 import re
@@ -50,18 +51,26 @@ def _fused(stage, x, out, w, align, k, tw, enabled, layout, **config):
        spp=st.sampled_from([1, 2]), n_split=st.sampled_from([1, 2, 3]))
 def test_every_expand_loads_value_matches_bit_for_bit_and_the_twin(case, stage, layout, spp, n_split):
     c = case.materialize(DEVICE)
-    spec, w = c.spec, c.lora
-    M, k = c.topk_ids.shape
+    spec, w, ids, mapping, dtype = c.spec, c.lora, c.topk_ids, c.token_lora_mapping, c.x.dtype
+    # the base and dense weights (1.6 GB in fp32 at the Qwen3 shape) are not used here: a failing
+    # example's frame, which Hypothesis keeps while it shrinks, must not pin them (on the H200 one
+    # real failure became an out-of-memory error at the next draws)
+    del c
+    check_every_value(spec, w, ids, mapping, dtype, case.seed, stage, layout, spp, n_split)
+
+
+def check_every_value(spec, w, ids, mapping, dtype, seed, stage, layout, spp, n_split):
+    """The three ``EXPAND_LOADS`` values bit for bit, the twin within tolerance, the rest untouched."""
+    M, k = ids.shape
     layout = layout if stage == "gate_up" else "halves"
-    gen = torch.Generator().manual_seed(case.seed)
-    enabled = enabled_of(c.token_lora_mapping, spec.max_loras)
+    gen = torch.Generator().manual_seed(seed)
+    enabled = enabled_of(mapping, spec.max_loras)
     with launch_guard():
-        align = moe_lora_align_block_size(
-            c.topk_ids, c.token_lora_mapping, spec.E, moe_block_m(M, k, spec.E, spec.max_loras), spec.max_loras, enabled
-        )
+        align = moe_lora_align_block_size(ids, mapping, spec.E, moe_block_m(M, k, spec.E, spec.max_loras),
+                                          spec.max_loras, enabled)
     tw = torch.rand(M, k, generator=gen).to(DEVICE) if stage == "down" else None
-    x, out0, tw = stage_inputs(gen, stage, M, k, spec.H, spec.I, c.x.dtype, tw)
-    mask = handled(stage, c.topk_ids, c.token_lora_mapping, enabled, stage_tensors(w, stage)["ranks"], spec.E)
+    x, out0, tw = stage_inputs(gen, stage, M, k, spec.H, spec.I, dtype, tw)
+    mask = handled(stage, ids, mapping, enabled, stage_tensors(w, stage)["ranks"], spec.E)
     cols = column_mask(mask, layout, out0.shape[-1] // mask.shape[0])
     out0 = poison_untouched(gen, out0, cols)
     what = f"{stage} {layout} SLICES_PER_PROGRAM={spp} N_SPLIT={n_split}"
@@ -69,10 +78,20 @@ def test_every_expand_loads_value_matches_bit_for_bit_and_the_twin(case, stage, 
                       SLICES_PER_PROGRAM=spp, N_SPLIT=n_split) for v in EXPAND_LOADS}
     want = _call(twin.fused_moe_lora, stage, x, out0.clone(), w, align, k, tw, enabled, layout)
     for v in (1, 2):
-        assert_bitwise_equal(runs[v], runs[0], what=f"{what}: EXPAND_LOADS {v} vs 0", seed=case.seed)
+        assert_bitwise_equal(runs[v], runs[0], what=f"{what}: EXPAND_LOADS {v} vs 0", seed=seed)
     flat = {n: v.cpu().reshape(cols.shape) for n, v in (("one", runs[2]), ("want", want), ("0", out0))}
-    assert_close(flat["one"][cols], flat["want"][cols], dtype=x.dtype, what=f"{what}: vs twin", seed=case.seed)
-    assert_bitwise_equal(flat["one"][~cols], flat["0"][~cols], what=f"{what}: columns not to touch", seed=case.seed)
+    assert_close(flat["one"][cols], flat["want"][cols], dtype=x.dtype, what=f"{what}: vs twin", seed=seed)
+    assert_bitwise_equal(flat["one"][~cols], flat["0"][~cols], what=f"{what}: columns not to touch", seed=seed)
+
+
+def test_fp32_qwen3_decode_rounds_the_same_in_every_order():
+    # found on the H200 (drawn seed 13093): fp32, the Qwen3-30B-A3B widths, 4 decode tokens, rank 7,
+    # interleaved gate_up, two slices per program, N_SPLIT 2 — value 1 differed from 0 by 1 ulp in
+    # 28 % of the columns, the compiler having contracted old + scale · acc into an fma in one order
+    # and not in the other; the expand's explicit fma (_expand_tile) rounds once in every order
+    w = make_pool(13093, L=4, E=128, H=2048, I=768, R=7)
+    _, ids, mapping = named_routing(13093, w.spec, 4, 8, mapping=torch.tensor([2, 0, 2, 3], dtype=torch.int32))
+    check_every_value(w.spec, w, ids, mapping, torch.float32, 13093, "gate_up", "interleaved", 2, 2)
 
 
 @pytest.mark.parametrize("bad", [3, -1, 1.0, True, "1", None])

@@ -290,13 +290,19 @@ def _expand_load(b_base, o_base, offs_r, r_ok, offs_n, n_ok, row_ok, stride_bn, 
 @triton.jit
 def _expand_tile(t, b, old, o_base, offs_n, n_ok, row_scale, row_ok, stride_on,
                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """out[rows, n] = old + row_scale · (t · b) for one column tile loaded by ``_expand_load``, the
-    sum rounded once (rows not ``row_ok`` are not written)."""
+    """out[rows, n] = fma(t · b, row_scale, old) for one column tile loaded by ``_expand_load``
+    (rows not ``row_ok`` are not written).
+
+    One explicit fma, not ``old + delta``: the compiler contracts a multiply and an add into an fma
+    or not depending on the code around them, so the three ``EXPAND_LOADS`` orders rounded the fp32
+    sum differently on the H200 (test_kernel_expand_loads: 1 ulp apart, seed 13093); the fma
+    rounds once in every order."""
     if UPCAST:
         b = b.to(tl.float32)
-    delta = tl.dot(t, b, input_precision=DOT_PRECISION) * row_scale[:, None]
+    acc = tl.dot(t, b, input_precision=DOT_PRECISION)
     tl.store(o_base + offs_n.to(tl.int64)[None, :] * stride_on,
-             (old.to(tl.float32) + delta).to(o_base.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+             tl.fma(acc, row_scale[:, None], old.to(tl.float32)).to(o_base.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -308,11 +314,11 @@ def _expand_tile_late(t, b_base, o_base, offs_r, r_ok, offs_n, n_ok, row_scale, 
                 mask=r_ok[:, None] & n_ok[None, :], other=0.0)
     if UPCAST:
         b = b.to(tl.float32)
-    delta = tl.dot(t, b, input_precision=DOT_PRECISION) * row_scale[:, None]
+    acc = tl.dot(t, b, input_precision=DOT_PRECISION)
     o_ptrs = o_base + offs_n.to(tl.int64)[None, :] * stride_on
     o_mask = row_ok[:, None] & n_ok[None, :]
     old = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
-    tl.store(o_ptrs, (old + delta).to(o_base.dtype.element_ty), mask=o_mask)
+    tl.store(o_ptrs, tl.fma(acc, row_scale[:, None], old).to(o_base.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit
