@@ -241,13 +241,22 @@ def _versions() -> dict[str, str]:
 
 
 def _commit(explicit: str | None) -> str:
+    """The commit a run records: ``--commit``, else ``$MOELORA_COMMIT``, else git's HEAD with
+    ``-dirty`` appended when tracked files differ from it. A GPU host that gets a copy of the working
+    tree can carry git metadata of an older commit (seen on the H200 host on 2026-12-04: HEAD one
+    commit behind the tree), so HEAD alone would name code that did not run."""
     if explicit:
         return explicit
     if os.environ.get("MOELORA_COMMIT"):
         return os.environ["MOELORA_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or "unknown"
+        head = out.stdout.strip()
+        if not head:
+            return "unknown"
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=30)
+        return f"{head}-dirty" if status.returncode != 0 or status.stdout.strip() else head
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 

@@ -494,3 +494,30 @@ def test_run_started_with_sigint_ignored_lets_its_cells_see_the_interrupt(tmp_pa
             "print('ignored' if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else 'restored')")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().splitlines()[-1] == "restored", out.stderr
+
+
+def test_a_tree_that_differs_from_git_head_is_recorded_as_dirty(tmp_path, monkeypatch):
+    # a GPU host's copy of the working tree carried git metadata one commit behind the code that
+    # ran (H200, 2026-12-04): HEAD alone named the wrong commit, so a changed tracked file says so
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "f.py").write_text("a = 1\n")
+    subprocess.run([*git, "-C", str(tmp_path), "add", "f.py"], check=True)
+    subprocess.run([*git, "-C", str(tmp_path), "commit", "-qm", "one"], check=True)
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+    monkeypatch.delenv("MOELORA_COMMIT", raising=False)
+    monkeypatch.setattr(matrix, "ROOT", tmp_path)
+    assert matrix._commit(None) == head
+    (tmp_path / "untracked.txt").write_text("scratch\n")
+    assert matrix._commit(None) == head, "an untracked file is not a change to the code"
+    (tmp_path / "f.py").write_text("a = 2\n")
+    assert matrix._commit(None) == f"{head}-dirty"
+    assert matrix._commit("given") == "given"
+    monkeypatch.setenv("MOELORA_COMMIT", "from-env")
+    assert matrix._commit(None) == "from-env"
