@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -499,9 +501,6 @@ def test_run_started_with_sigint_ignored_lets_its_cells_see_the_interrupt(tmp_pa
 def test_a_tree_that_differs_from_git_head_is_recorded_as_dirty(tmp_path, monkeypatch):
     # a GPU host's copy of the working tree carried git metadata one commit behind the code that
     # ran (H200, 2026-12-04): HEAD alone named the wrong commit, so a changed tracked file says so
-    import shutil
-    import subprocess
-
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]

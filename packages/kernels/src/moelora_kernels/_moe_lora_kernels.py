@@ -299,7 +299,14 @@ def _expand_tile(t, b, old, o_base, offs_n, n_ok, row_scale, row_ok, stride_on,
     rounds once in every order."""
     if UPCAST:
         b = b.to(tl.float32)
-    acc = tl.dot(t, b, input_precision=DOT_PRECISION)
+    _expand_store(tl.dot(t, b, input_precision=DOT_PRECISION), old, o_base, offs_n, n_ok, row_scale, row_ok,
+                  stride_on)
+
+
+@triton.jit
+def _expand_store(acc, old, o_base, offs_n, n_ok, row_scale, row_ok, stride_on):
+    """Store fma(acc, row_scale, old) (fp32, rounded once, then to the output dtype) at the tile's
+    rows ``row_ok`` and columns ``n_ok``: the one rounding every ``EXPAND_LOADS`` order shares."""
     tl.store(o_base + offs_n.to(tl.int64)[None, :] * stride_on,
              tl.fma(acc, row_scale[:, None], old.to(tl.float32)).to(o_base.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
@@ -315,10 +322,9 @@ def _expand_tile_late(t, b_base, o_base, offs_r, r_ok, offs_n, n_ok, row_scale, 
     if UPCAST:
         b = b.to(tl.float32)
     acc = tl.dot(t, b, input_precision=DOT_PRECISION)
-    o_ptrs = o_base + offs_n.to(tl.int64)[None, :] * stride_on
-    o_mask = row_ok[:, None] & n_ok[None, :]
-    old = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
-    tl.store(o_ptrs, tl.fma(acc, row_scale[:, None], old).to(o_base.dtype.element_ty), mask=o_mask)
+    old = tl.load(o_base + offs_n.to(tl.int64)[None, :] * stride_on, mask=row_ok[:, None] & n_ok[None, :],
+                  other=0.0)
+    _expand_store(acc, old, o_base, offs_n, n_ok, row_scale, row_ok, stride_on)
 
 
 @triton.jit
