@@ -145,7 +145,12 @@ def generate(args: argparse.Namespace) -> int:
 
     device = launch.worker_device(args.device, local_rank)
     init_group(rank=rank, world=world, device=device)
-    return serve(args, rank)
+    import torch.distributed as dist
+
+    status = serve(args, rank)
+    dist.barrier()  # every rank tears down together (see parallel.launch._worker)
+    dist.destroy_process_group()
+    return status
 
 
 def _serve_rank(rank: int, args: argparse.Namespace) -> int:
