@@ -12,15 +12,20 @@
   silently falls back fails E03 naming the step and the reason.
 - ``test_capacity_labels``: the capacity a step is held to, on hand-made steps (both limits, both
   phases, every mode).
+- ``test_e05_adapter_items_are_computed_per_family``: E05's legacy per-expert item is "not applicable"
+  on Qwen2-MoE (peft 0.21.2 does not apply such adapters there, so E02 could not check one) and
+  required on Qwen3-MoE, on one hand-made served run (the main job once failed the healthy reference
+  backend on qwen2_moe with "no legacy per-expert adapter").
 """
 
 from __future__ import annotations
 
 import pytest
 
-from moelora_conformance.e2e.checks import Capacity
+from moelora_conformance.e2e.checks import Capacity, check_workload
+from moelora_conformance.e2e.results import E2EResult
 from moelora_conformance.e2e.run import E2EConfig, run_model
-from moelora_conformance.e2e.workload import StepRecord
+from moelora_conformance.e2e.workload import Served, StepRecord, make_workload
 
 MODEL = "qwen3_moe"
 #: The smaller workload of the kernel backends and the fault tests.
@@ -100,3 +105,24 @@ def test_capacity_labels():
     assert cap.expected(step("decode", 9, 9), "eager") == {("eager", "disabled")}
     # a small bucket has one request slot per token at most
     assert Capacity(4, 8, 8).expected(step("prefill", 5, 4), "full") == {("eager", "over_requests")}
+
+
+def test_e05_adapter_items_are_computed_per_family():
+    kinds = {"a": dict(rank=8, rslora=False, per_expert=False), "b": dict(rank=6, rslora=True, per_expert=False),
+             "c": dict(rank=3, rslora=False, per_expert=False)}
+    workload = make_workload(sorted(kinds), vocab=96, max_prompt_tokens=40, n=16)
+    served = Served([], [StepRecord("prefill", 3, 30, 1, 2, ("eager", "disabled")),
+                         StepRecord("decode", 2, 2, 0, 2, ("eager", "disabled"))], loads=5, evictions=2)
+
+    def e05(family):
+        base = E2EResult("E00", "reference", "eager", "fp32", family)
+        return check_workload(base, served, workload, adapter_kinds=kinds, max_loras=2, require_kinds=True, n=16,
+                              max_prompt_tokens=40, family=family)
+
+    qwen2 = e05("qwen2_moe")
+    assert qwen2.outcome == "passed", qwen2.message
+    assert qwen2.details["coverage"]["per_expert"].startswith("not applicable on qwen2_moe: peft 0.21.2")
+    assert qwen2.details["coverage"]["ranks"] == qwen2.details["coverage"]["rslora"] == "met"
+    qwen3 = e05("qwen3_moe")
+    assert qwen3.outcome == "failed" and "a legacy per-expert adapter: not met" in qwen3.message
+    assert qwen3.details == {}  # a failed claim reports no coverage it did not meet

@@ -119,14 +119,43 @@ def check_hf(base: E2EResult, served: Served, workload: Workload, hf: HFReferenc
     return r
 
 
+#: E05's adapter-kind coverage items: id → what the run's adapters must include.
+ADAPTER_ITEMS: dict[str, str] = {
+    "ranks": ">= 3 adapter ranks",
+    "rslora": "an rsLoRA adapter",
+    "per_expert": "a legacy per-expert adapter",
+}
+
+
+def not_applicable_items(family: str) -> dict[str, str]:
+    """E05 adapter items that ``family`` (a transformers ``model_type``) cannot meet, with the reason: an
+    item is never met by an adapter E02 cannot check against HF + PEFT.
+
+    Qwen2-MoE: peft 0.21.2 does not apply legacy per-expert adapters to it (it drops their expert keys,
+    ``moelora_conformance.checkpoint_pass.adapters.PEFT_UNCONVERTED_LEGACY``); GPT-OSS: transformers never
+    held its experts as per-expert modules, so no legacy adapter of it exists.
+    """
+    from moelora_conformance.checkpoint_pass.adapters import NO_LEGACY_PASS, PEFT_UNCONVERTED_LEGACY
+
+    if family in PEFT_UNCONVERTED_LEGACY:
+        return {"per_expert": f"not applicable on {family}: peft 0.21.2 does not apply legacy per-expert adapters "
+                              "to it, so E02 could not check one"}
+    if family in NO_LEGACY_PASS:
+        return {"per_expert": f"not applicable on {family}: no legacy per-expert adapter of it exists"}
+    return {}
+
+
 def check_workload(base: E2EResult, served: Served, workload: Workload, *, adapter_kinds: dict[str, dict],
-                   max_loras: int, require_kinds: bool, n: int, max_prompt_tokens: int) -> E2EResult:
+                   max_loras: int, require_kinds: bool, n: int, max_prompt_tokens: int,
+                   family: str = "") -> E2EResult:
     """E05: the run exercised what the workload claims (module doc of :mod:`.properties`).
 
     Args:
         adapter_kinds: adapter name → {"rank": int, "rslora": bool, "per_expert": bool}.
-        require_kinds: the adapters must include >= 3 ranks, an rsLoRA and a legacy per-expert one
-            (the built-in fixtures; a user's adapters are reported, not required).
+        require_kinds: the adapters must meet :data:`ADAPTER_ITEMS` (the built-in fixtures; a user's
+            adapters are reported, not required), except the items :func:`not_applicable_items` names
+            for ``family``, which are reported as not applicable with their reason.
+        family: the model's ``model_type``.
     """
     with checking(_like(base, "E05")) as r:
         lengths = [len(q["prompt_token_ids"]) for q in workload.requests]
@@ -148,16 +177,16 @@ def check_workload(base: E2EResult, served: Served, workload: Workload, *, adapt
         if served.evictions == 0 or served.loads <= max_loras:
             missing.append(f"no slot evicted and reused ({served.loads} loads, {served.evictions} evictions, "
                            f"{max_loras} slots)")
+        met = {"ranks": len(ranks) >= 3, "rslora": kinds["rslora"], "per_expert": kinds["per_expert"]}
+        exempt = not_applicable_items(family)
+        coverage = {item: (exempt[item] if item in exempt else "met" if met[item] else "not met")
+                    for item in ADAPTER_ITEMS}
         if require_kinds:
-            if len(ranks) < 3:
-                missing.append(f"adapter ranks {sorted(ranks)}: fewer than 3")
-            if not kinds["rslora"]:
-                missing.append("no rsLoRA adapter")
-            if not kinds["per_expert"]:
-                missing.append("no legacy per-expert adapter")
+            missing += [f"{ADAPTER_ITEMS[item]}: not met" + (f" (ranks {sorted(ranks)})" if item == "ranks" else "")
+                        for item, state in coverage.items() if state == "not met"]
         assert not missing, "the workload did not exercise what it claims: " + "; ".join(missing)
         r.passed(requests=len(lengths), prompt_tokens=sum(lengths), mixed_steps=mixed, chunked_prefill=chunked,
-                 loads=served.loads, evictions=served.evictions, **kinds)
+                 loads=served.loads, evictions=served.evictions, coverage=coverage, **kinds)
     return r
 
 

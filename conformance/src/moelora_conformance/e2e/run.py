@@ -45,7 +45,8 @@ class E2EConfig:
         max_num_batched_tokens: the step's token budget (chunked prefill).
         prefill_token_buckets, max_num_requests, decode_batch_buckets: the captured capacity.
         kv_cache_tokens: KV locations. state_machine_examples: E06's Hypothesis examples (0: skip E06).
-        require_adapter_kinds: E05 requires >= 3 ranks, an rsLoRA and a legacy per-expert adapter.
+        require_adapter_kinds: E05 requires >= 3 ranks, an rsLoRA and a legacy per-expert adapter (where the
+            family has one: ``checks.not_applicable_items``).
     """
 
     requests: int = 64
@@ -161,7 +162,7 @@ def run_model(backend: str, model_dir: Path, adapters: dict[str, Path], *, confi
             continue
         mode_records = [check_workload(base, served, workload, adapter_kinds=kinds, max_loras=max_loras,
                                        require_kinds=config.require_adapter_kinds, n=config.requests,
-                                       max_prompt_tokens=max_prompt)]
+                                       max_prompt_tokens=max_prompt, family=info.config.model_type)]
         mode_records[0].duration += served_s  # the engine run is the workload claim's (E05) time
         if mode == "eager":
             eager = served
