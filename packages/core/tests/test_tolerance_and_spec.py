@@ -1,5 +1,7 @@
 """The tolerance policy, LoRALayerSpec / Capabilities validation, and backend loading."""
 
+import sys
+
 import pytest
 import torch
 
@@ -87,3 +89,18 @@ def test_load_backend_errors_name_the_target():
     with pytest.raises(InvalidFieldError, match="no callable 'nope'"):
         load_backend("moelora_core:nope")
     assert load_backend("moelora_core.batch:BatchSpec") is not None
+
+
+def test_load_backend_finds_a_module_in_the_current_directory(tmp_path, monkeypatch):
+    # a user's backend file beside them, without PYTHONPATH=. (as `python -m pytest` finds it)
+    (tmp_path / "my_cwd_backend_mod.py").write_text("def make(spec):\n    return ('made', spec)\n")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "my_cwd_backend_mod", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert load_backend("my_cwd_backend_mod:make")(1) == ("made", 1)
+    # a missing module is still a named error, and an import error inside the module is not masked
+    with pytest.raises(InvalidFieldError, match="cannot import 'absent_cwd_mod'"):
+        load_backend("absent_cwd_mod:make")
+    (tmp_path / "broken_cwd_backend_mod.py").write_text("import not_installed_dependency_xyz\n")
+    with pytest.raises(InvalidFieldError, match="not_installed_dependency_xyz"):
+        load_backend("broken_cwd_backend_mod:make")

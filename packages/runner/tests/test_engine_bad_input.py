@@ -185,6 +185,17 @@ def test_duplicate_request_id_of_an_unfinished_request(engine):
 # --- more adapters than slots; adapters in use ------------------------------------------------------
 
 
+def test_duplicate_request_ids_in_one_generate_call_are_refused_before_anything_runs(engine):
+    from moelora_runner import DuplicateRequestIdError
+
+    reqs = [dict(request_id="a", prompt_token_ids=[3, 4]), dict(prompt_token_ids=[5]),
+            dict(request_id="a", prompt_token_ids=[6])]
+    with pytest.raises(DuplicateRequestIdError, match=r"request 'a' request_id: is given twice \(requests 0 and 2"):
+        engine.generate(reqs)
+    assert not engine.has_unfinished()  # nothing was queued
+    assert engine.generate(reqs[:2])[0].request_id == "a"
+
+
 def test_more_adapters_than_slots_wait_and_all_finish(make_engine, engine_adapters):
     # 5 adapters + base on 2 slots (SGLang's "N adapters + base" case): they wait for slots, never crash.
     names = [n for n, _ in engine_adapters[MODEL]]

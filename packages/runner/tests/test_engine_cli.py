@@ -5,7 +5,9 @@ Covers: a JSONL run with text and token-id prompts, adapters and base requests w
 request in input order with vLLM-shaped logprobs and the same tokens as the Python API, the sizing
 line and summary table on stderr, the metrics file (exit 0); a failing request is written with its
 error and makes the exit status 1; an adapter the reader refuses at start-up, a malformed request
-file, bad arguments exit 2 with the reason on stderr and write no output; the metrics HTTP endpoint
+file (a ``request_id`` given twice included), bad arguments exit 2 with the reason on stderr and write no
+output; Ctrl-C writes the finished requests (rewriting an earlier run's file), one line on stderr, exit 130;
+a ``max_new_tokens`` the context caps is said in the output line and on stderr; the metrics HTTP endpoint
 serves the registry; ``make-fixtures`` reports what it built.
 """
 
@@ -120,7 +122,7 @@ def test_an_adapter_refused_at_start_up_exits_2_before_any_request(files, fixtur
 
 
 @pytest.mark.parametrize("case", ["bad-json", "not-object", "missing-file", "bad-adapter-arg", "bad-flag",
-                                  "bad-model", "rank-zero"])
+                                  "bad-model", "rank-zero", "duplicate-id"])
 def test_usage_errors_exit_2(files, case, capsys):
     argv, _, _, tmp = files
     if case == "bad-json":
@@ -141,12 +143,63 @@ def test_usage_errors_exit_2(files, case, capsys):
     elif case == "bad-model":
         argv = [*argv, "--model", str(tmp)]
         want = "cannot start: CheckpointFormatError"
+    elif case == "duplicate-id":  # never two result lines for one id
+        _write(tmp / "requests.jsonl", [{"request_id": "a", "prompt_token_ids": [1]}, {"prompt_token_ids": [2]},
+                                        {"request_id": "a", "prompt_token_ids": [3]}])
+        want = "line 3: request_id 'a' is already used on line 1"
     else:
         argv = [*argv, "--max-lora-rank", "0"]
         want = "max_lora_rank: must be an int >= 1"
     assert main(argv) == 2
     assert want in capsys.readouterr().err
     assert not (tmp / "out.jsonl").exists()
+
+
+def test_ctrl_c_writes_the_finished_requests_and_exits_130(files, monkeypatch, capsys):
+    argv, requests, _, tmp = files
+    (tmp / "out.jsonl").write_text('{"request_id": "from an earlier run"}\n')
+    steps = {"n": 0}
+    real_step = Engine.step
+
+    def step_then_interrupt(self):
+        steps["n"] += 1
+        if steps["n"] == 4:  # as SIGINT raises KeyboardInterrupt wherever the main thread is
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(Engine, "step", step_then_interrupt)
+    assert main(argv) == 130
+    out = _lines(tmp / "out.jsonl")
+    assert 0 < len(out) < len(requests) and all(o["finish_reason"] == "length" for o in out)
+    position = {"text": 0, "ids": 1, "zero": 3}  # the third request has no id: the engine names it req-<n>
+    order = [position.get(o["request_id"], 2) for o in out]
+    assert order == sorted(order) and len(set(order)) == len(order)  # input order, each once, no earlier run
+    err = capsys.readouterr().err
+    assert f"of {len(requests)} requests finished" in err and "Traceback" not in err
+    assert "moelora generate" not in err  # no summary table of a run that did not finish
+
+
+def test_ctrl_c_before_serving_leaves_no_stale_results(files, monkeypatch, capsys):
+    argv, _, _, tmp = files
+    (tmp / "out.jsonl").write_text('{"request_id": "from an earlier run"}\n')
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "load_adapter", interrupted)
+    assert main(argv) == 130
+    assert (tmp / "out.jsonl").read_text() == ""
+    assert "before any request ran" in capsys.readouterr().err
+
+
+def test_a_capped_max_new_tokens_is_said(files, capsys):
+    argv, _, _, tmp = files
+    _write(tmp / "requests.jsonl", [{"request_id": "long", "prompt_token_ids": [5, 6, 7], "max_new_tokens": 10_000}])
+    assert main(argv) == 0
+    (out,) = _lines(tmp / "out.jsonl")
+    assert out["warnings"] == [w for w in out["warnings"] if w.startswith("max_new_tokens 10000 capped to ")]
+    assert len(out["warnings"]) == 1 and len(out["output_token_ids"]) < 10_000
+    assert "request 'long': max_new_tokens 10000 capped to" in capsys.readouterr().err
 
 
 def _free_port():

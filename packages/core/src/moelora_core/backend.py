@@ -8,7 +8,10 @@ is run by the caller; the backend adds LoRA deltas in place.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -129,6 +132,11 @@ def notify_slot_loaded(backend: object, slot: int, weights: LoRAWeights) -> None
 def load_backend(target: str) -> BackendFactory:
     """Resolve ``"module:factory"`` (or a built-in name: reference, triton, csgmv) to a factory.
 
+    A module that is not importable from ``sys.path`` is looked up in the current directory as well,
+    as ``python -m pytest`` finds a test's helper module: ``--backend my_backend:make`` works from the
+    directory that holds ``my_backend.py`` without ``PYTHONPATH=.`` (the directory is then added to
+    ``sys.path`` for this process; child processes inherit the working directory and do the same).
+
     Raises:
         InvalidFieldError: malformed target, module not importable, or no such attribute.
     """
@@ -139,10 +147,27 @@ def load_backend(target: str) -> BackendFactory:
             "backend", f"expected 'module:factory' or one of {sorted(BUILTIN_BACKENDS)}, got {target!r}"
         )
     try:
-        module = importlib.import_module(module_name)
+        module = _import_backend_module(module_name)
     except ImportError as exc:
         raise InvalidFieldError("backend", f"cannot import {module_name!r} for {target!r}: {exc}") from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise InvalidFieldError("backend", f"{module_name!r} has no callable {attr!r} (from {target!r})")
     return factory
+
+
+def _import_backend_module(module_name: str):
+    """``importlib.import_module``, retried with the current directory on ``sys.path`` when the
+    top-level package is missing and the current directory holds it (``load_backend``'s doc)."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        top = module_name.split(".")[0]
+        cwd = os.getcwd()
+        here = Path(cwd)
+        if exc.name != top or not ((here / f"{top}.py").is_file() or (here / top).is_dir()):
+            raise
+        if cwd not in sys.path:
+            sys.path.insert(0, cwd)
+        importlib.invalidate_caches()
+        return importlib.import_module(module_name)

@@ -15,8 +15,10 @@ from moelora_runner.engine import Engine
 from moelora_runner.errors import (
     AdapterInUseError,
     AdapterPinnedError,
+    DuplicateRequestIdError,
     EngineConfigError,
     EngineError,
+    GenerateInterrupted,
     GraphCaptureError,
     InvalidRequestError,
     NoFreeSlotError,
@@ -30,10 +32,12 @@ __version__ = "0.1.0"
 __all__ = [
     "AdapterInUseError",
     "AdapterPinnedError",
+    "DuplicateRequestIdError",
     "Engine",
     "EngineConfigError",
     "EngineError",
     "EngineRequest",
+    "GenerateInterrupted",
     "GraphCaptureError",
     "InvalidRequestError",
     "NoFreeSlotError",

@@ -12,8 +12,12 @@
 ``generate`` reads and validates every ``--adapter`` against the model before any request runs (slots
 are filled on demand), serves the requests, and writes one output line per request, in input order.
 Exit status: 0 when every request finished, 1 when any request failed (the others are still written),
-2 on a usage error — bad arguments, an unreadable request file or checkpoint, an adapter refused at
-start-up (its error class and message on stderr) — where nothing is served and no output is written.
+2 on a usage error — bad arguments, an unreadable request file or checkpoint, a ``request_id`` used twice,
+an adapter refused at start-up (its error class and message on stderr) — where nothing is served and no
+output is written, 130 after Ctrl-C: the requests that had finished are written (in input order; the
+file is rewritten, so an earlier run's results never remain), one line says so, no traceback. A request
+whose ``max_new_tokens`` the model's context cut carries ``warnings`` in its output line and a line on
+stderr.
 
 ``--tp N`` / ``--ep N`` (:mod:`moelora_runner.parallel`): started as a plain command, ``generate``
 checks the layout against the model's config (a refusal exits 2 before any worker starts), then
@@ -33,10 +37,13 @@ from pathlib import Path
 
 from moelora_core.errors import MoeLoraError
 from moelora_core.layer_spec import EXPERT_LAYOUTS
+from moelora_runner.errors import GenerateInterrupted
 from moelora_runner.graph_config import PREFILL_MODES
 from moelora_runner.moe_paths import MOE_IMPLS
 
 EXIT_OK, EXIT_FAILED_REQUESTS, EXIT_USAGE = 0, 1, 2
+#: Exit status after Ctrl-C (128 + SIGINT, as a shell reports a command killed by it).
+EXIT_INTERRUPTED = 130
 
 
 def _adapter(value: str) -> tuple[str, str]:
@@ -105,7 +112,7 @@ def _read_requests(path: Path) -> list[dict] | str:
         lines = path.read_text().splitlines()
     except OSError as exc:
         return f"moelora: cannot read --requests {path}: {exc}"
-    requests = []
+    requests, lines_of_id = [], {}
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -115,6 +122,12 @@ def _read_requests(path: Path) -> list[dict] | str:
             return f"moelora: {path} line {number}: not valid JSON: {exc}"
         if not isinstance(value, dict):
             return f"moelora: {path} line {number}: a request must be a JSON object, got {type(value).__name__}"
+        rid = value.get("request_id")
+        if isinstance(rid, str) and rid in lines_of_id:
+            return (f"moelora: {path} line {number}: request_id {rid!r} is already used on line {lines_of_id[rid]} "
+                    "(each request needs its own id: one result line per id); nothing was served")
+        if isinstance(rid, str):
+            lines_of_id[rid] = number
         requests.append(value)
     return requests
 
@@ -197,10 +210,14 @@ def serve(args: argparse.Namespace, rank: int = 0) -> int:
         console.print(f"moelora: metrics on http://127.0.0.1:{server.server_port}/metrics while serving",
                       highlight=False)
     start = time.perf_counter()
+    interrupted = None
     try:
         with cli_report.progress(console, len(requests), enabled=lead and not args.no_progress) as bar:
             task = bar.add_task("generate", total=len(requests))
             outputs = engine.generate(requests, on_output=lambda out: bar.advance(task))
+    except GenerateInterrupted as exc:  # Ctrl-C: write what finished, say so, exit 130 (no traceback)
+        interrupted = exc
+        outputs = [o for o in exc.outputs if o is not None]
     finally:
         if server is not None:
             server.shutdown()
@@ -208,22 +225,30 @@ def serve(args: argparse.Namespace, rank: int = 0) -> int:
     seconds = time.perf_counter() - start
     failed = EXIT_FAILED_REQUESTS if any(o.finish_reason == "error" for o in outputs) else EXIT_OK
     if not lead:
-        return failed
+        return EXIT_INTERRUPTED if interrupted is not None else failed
+    # the file is rewritten even when interrupted: an earlier run's results never stay looking current
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with args.output.open("w") as fh:
         for out in outputs:
             fh.write(json.dumps(out.to_json()) + "\n")
+    if args.metrics_file is not None:
+        args.metrics_file.parent.mkdir(parents=True, exist_ok=True)
+        args.metrics_file.write_text(engine.metrics_.text())
+    if interrupted is not None:
+        console.print(f"moelora: interrupted (Ctrl-C) after {seconds:.2f} s: {len(outputs)} of {len(requests)} "
+                      f"requests finished; {args.output} holds their results only, in input order", highlight=False,
+                      soft_wrap=True)
+        return EXIT_INTERRUPTED
     table, line = cli_report.summary_table(outputs, seconds)
     console.print(table)
     console.print(cli_report.passes_table(engine))
     console.print(line, highlight=False, soft_wrap=True)
     for out in outputs:
+        for warning in out.warnings:
+            console.print(f"moelora: request {out.request_id!r}: {warning}", highlight=False, soft_wrap=True)
         if out.finish_reason == "error":
             console.print(f"moelora: request {out.request_id!r} failed: {out.error['type']}: {out.error['message']}",
                           highlight=False, soft_wrap=True)
-    if args.metrics_file is not None:
-        args.metrics_file.parent.mkdir(parents=True, exist_ok=True)
-        args.metrics_file.write_text(engine.metrics_.text())
     return failed
 
 
@@ -250,9 +275,15 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: 2 on a usage error, 0 for --help
         return int(exc.code or 0)
-    if args.command == "generate":
+    if args.command != "generate":
+        return make_fixtures(args)
+    try:
         return generate(args)
-    return make_fixtures(args)
+    except KeyboardInterrupt:  # before serving began (loading the model or adapters); serve() handles later
+        if args.output.exists():
+            args.output.write_text("")  # an earlier run's results must not look like this run's
+        print(f"moelora: interrupted (Ctrl-C) before any request ran; {args.output} is empty", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

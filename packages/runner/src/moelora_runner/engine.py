@@ -50,7 +50,13 @@ from moelora_core.errors import MoeLoraError
 from moelora_core.layer_spec import EXPERT_LAYOUTS
 from moelora_core.weights import LoRAWeights
 from moelora_runner.adapter_pool import AdapterPool
-from moelora_runner.errors import EngineConfigError, InvalidRequestError, PromptTooLongError
+from moelora_runner.errors import (
+    DuplicateRequestIdError,
+    EngineConfigError,
+    GenerateInterrupted,
+    InvalidRequestError,
+    PromptTooLongError,
+)
 from moelora_runner.graph_config import resolve_graph_config
 from moelora_runner.kv_cache import KVCache
 from moelora_runner.metrics import EngineMetrics
@@ -344,7 +350,12 @@ class Engine:
             raise PromptTooLongError(f"request {rid!r} max_new_tokens",
                                      f"prompt ({len(prompt)}) + max_new_tokens ({max_new}) = {reserve} tokens of KV "
                                      f"can never fit the KV cache of {self.kv.num_tokens} tokens")
-        return RequestState(request=req, request_id=rid, prompt=prompt, reserve=reserve, max_new=max_new)
+        state = RequestState(request=req, request_id=rid, prompt=prompt, reserve=reserve, max_new=max_new)
+        if max_new < req.max_new_tokens:
+            state.output.warnings.append(
+                f"max_new_tokens {req.max_new_tokens} capped to {max_new}: the prompt's {len(prompt)} tokens leave "
+                f"{max_new} of the model's context of {ctx} tokens")
+        return state
 
     def add_request(self, request: EngineRequest | Mapping[str, Any]) -> str:
         """Validate and queue one request (an :class:`EngineRequest` or a request-file dict).
@@ -420,25 +431,36 @@ class Engine:
             requests: :class:`EngineRequest` objects or request-file dicts.
             on_output: called with each of these requests' outputs as it finishes (refused ones
                 first), e.g. to drive a progress bar.
+
+        Raises:
+            DuplicateRequestIdError: two of ``requests`` share a ``request_id`` (nothing was queued).
+            GenerateInterrupted: a ``KeyboardInterrupt`` (Ctrl-C) arrived; it carries the outputs of
+                the requests that had finished. The unfinished ones stay queued on the engine.
         """
+        requests = list(requests)
+        _refuse_duplicate_ids(requests)
         notify = on_output or (lambda out: None)
         order: list[str | RequestOutput] = []
-        for request in requests:
-            try:
-                order.append(self.add_request(request))
-            except MoeLoraError as exc:
-                order.append(RequestOutput.refused(request, exc, default_id=f"req-{next(self._ids)}"))
-                self.metrics_.requests_finished.labels(finish_reason="error").inc()
-                notify(order[-1])
-        wanted = {r for r in order if isinstance(r, str)}
         done: dict[str, RequestOutput] = {}
-        while wanted - done.keys():
-            for out in self.step():
-                if out.request_id in wanted:
-                    done[out.request_id] = out
-                    notify(out)
-                else:
-                    self._unclaimed.append(out)
+        try:
+            for request in requests:
+                try:
+                    order.append(self.add_request(request))
+                except MoeLoraError as exc:
+                    order.append(RequestOutput.refused(request, exc, default_id=f"req-{next(self._ids)}"))
+                    self.metrics_.requests_finished.labels(finish_reason="error").inc()
+                    notify(order[-1])
+            wanted = {r for r in order if isinstance(r, str)}
+            while wanted - done.keys():
+                for out in self.step():
+                    if out.request_id in wanted:
+                        done[out.request_id] = out
+                        notify(out)
+                    else:
+                        self._unclaimed.append(out)
+        except KeyboardInterrupt as exc:
+            outputs = [done.get(r) if isinstance(r, str) else r for r in order]
+            raise GenerateInterrupted(outputs + [None] * (len(requests) - len(order))) from exc
         return [done[r] if isinstance(r, str) else r for r in order]
 
     # --- bookkeeping ---------------------------------------------------------------------------
@@ -486,3 +508,18 @@ class Engine:
         m.running.set(len(self.scheduler.running))
         m.waiting.set(len(self.scheduler.waiting))
         m.kv_used.set(self.kv.used_tokens)
+
+
+def _refuse_duplicate_ids(requests: list) -> None:
+    """Raise :class:`DuplicateRequestIdError` naming the first ``request_id`` given twice (by position)."""
+    seen: dict[str, int] = {}
+    for i, request in enumerate(requests):
+        rid = request.request_id if isinstance(request, EngineRequest) else (
+            request.get("request_id") if isinstance(request, Mapping) else None)
+        if not isinstance(rid, str):
+            continue
+        if rid in seen:
+            raise DuplicateRequestIdError(f"request {rid!r} request_id",
+                                          f"is given twice (requests {seen[rid]} and {i}, counting from 0): each "
+                                          "request needs its own id; nothing was queued")
+        seen[rid] = i

@@ -27,6 +27,24 @@ class InvalidRequestError(InvalidFieldError, EngineError):
     starts with ``request '<id>' <field>``."""
 
 
+class DuplicateRequestIdError(InvalidRequestError):
+    """Two requests of one ``generate`` call (or one request file) share a ``request_id``: refused before
+    any of them is queued, so an id never gets two results."""
+
+
+class GenerateInterrupted(KeyboardInterrupt):
+    """``Engine.generate`` stopped by Ctrl-C (a ``KeyboardInterrupt``), re-raised with what had finished.
+
+    Attributes:
+        outputs: one entry per request given, in input order: its ``RequestOutput`` if it finished (or was
+            refused) before the interrupt, else None.
+    """
+
+    def __init__(self, outputs: list) -> None:
+        super().__init__(f"interrupted: {sum(o is not None for o in outputs)} of {len(outputs)} requests finished")
+        self.outputs = outputs
+
+
 class PromptTooLongError(InvalidRequestError):
     """A prompt longer than the model's context, or a request whose prompt plus ``max_new_tokens``
     can never fit the KV cache budget (it would wait forever)."""

@@ -169,6 +169,9 @@ class RequestOutput:
         error: for "error": ``{"type": error class name, "message": str}``.
         timings: seconds: ``queued`` (arrival → first scheduled), ``ttft`` (arrival → first output
             token, None without one), ``e2e`` (arrival → finished).
+        warnings: what the engine changed about the request as given, one sentence each (e.g.
+            ``max_new_tokens`` capped by the model's context); an output line carries the key only
+            when there is one.
     """
 
     request_id: str
@@ -181,6 +184,7 @@ class RequestOutput:
     finish_reason: str | None = None
     error: dict[str, str] | None = None
     timings: dict[str, float | None] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -201,6 +205,8 @@ class RequestOutput:
             out["top_logprobs"] = self.top_logprobs
         if self.error is not None:
             out["error"] = dict(self.error)
+        if self.warnings:
+            out["warnings"] = list(self.warnings)
         out["timings"] = dict(self.timings)
         return out
 
