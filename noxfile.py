@@ -1,9 +1,12 @@
 """moelora's single entry point. Sessions (see README.md):
 
-    nox -s lint          ruff over the repository
-    nox -s tests         everything that runs on a CPU (the README's test command; what .ci/run calls)
-    nox -s conformance   the main job: the conformance run of the built-in backends on the CPU
-    nox -s e2e           the e2e suite on the engine (CI-sized) over the built-in backends
+    nox -s lint              ruff over the repository
+    nox -s tests             every CPU test that the main job does not run (the README's test command)
+    nox -s conformance       the main job: a verdict on the built-in backends in about 10 minutes
+    nox -s conformance-full  the main job's long tail: every family x backend x mode
+    nox -s e2e               the e2e suite on the engine (CI-sized) over the built-in backends
+
+.ci/run runs ``tests`` and then ``conformance``.
 
 Sessions that install torch use venv + pip with the constraints file ci/constraints/cpu.txt, so
 no transitive requirement can pull a CUDA build of torch. Kernels run under the Triton interpreter
@@ -75,8 +78,10 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Every CPU test: unit tests of each package, kernels under the interpreter, graph paths on the
-    emulator, and the conformance suite once over the built-in backends (interpret profile).
+    """Every CPU test the main job does not run: unit tests of each package, kernels under the
+    interpreter against their twins, graph paths on the emulator, the suite's own tests (plugin, report,
+    mutants). The conformance suite, e2e and checkpoint pass over the built-in backends are the main
+    job's (``nox -s conformance``); .ci/run runs both.
 
     Extra arguments go to pytest (``nox -s tests -- -k align``).
     """
@@ -91,41 +96,137 @@ def tests(session: nox.Session) -> None:
     session.log(f"JUnit report: {junit}")
 
 
+#: The main job's conformance run: reference at the profile's budget in every dtype; the two kernel
+#: backends (Triton under the interpreter, ~30x slower) at 2 examples an item in fp32, the dtype every
+#: known fault of theirs is caught in (conformance/docs/mutations.md). conformance-full runs every dtype.
+MAIN_RUN = ["--profile", "interpret", "--max-examples", "triton=2", "--max-examples", "csgmv=2",
+            "--dtypes", "triton=fp32", "--dtypes", "csgmv=fp32"]
+#: The main job's engine and checkpoint checks, run two at a time (each is one process on one core):
+#: name → moelora-conformance arguments ("{fixtures}" and "{reports}" filled in).
+MAIN_CHECKS = {
+    # every fixture family on the reference backend, CI-sized (64 requests, every engine mode, E06 at 20)
+    "e2e-reference": ["e2e", "--fixtures", "{fixtures}", "--backend", "reference",
+                      "--json", "{reports}/e2e-reference.json"],
+    # the kernel backends on a 16-request workload, eagerly and in one prefill graph mode each (with the
+    # decode graph); every family x mode and E06 in conformance-full
+    "e2e-triton": ["e2e", "--fixtures", "{fixtures}", "--backend", "triton", "--families", "qwen3_moe",
+                   "--modes", "eager,full", "--requests", "16", "--max-new-tokens", "4", "--max-prompt-tokens", "40",
+                   "--state-machine-examples", "0", "--json", "{reports}/e2e-triton.json"],
+    "e2e-csgmv": ["e2e", "--fixtures", "{fixtures}", "--backend", "csgmv", "--families", "mixtral",
+                  "--modes", "eager,breakable", "--requests", "16", "--max-new-tokens", "4",
+                  "--max-prompt-tokens", "40", "--state-machine-examples", "0", "--json", "{reports}/e2e-csgmv.json"],
+    # every fixture model on the reference backend in every layer mode (readers, layout adapters, HF + PEFT)
+    "checkpoint-pass-reference": ["checkpoint-pass", "--fixtures", "{fixtures}", "--backends", "reference",
+                                  "--json", "{reports}/checkpoint-pass-reference.json"],
+    # the kernel backends on the H = 2·I model (orientation from the format alone) in every layer mode and on
+    # Qwen2-MoE (shared expert through the dense path, q/k/v biases) eagerly, layer 0
+    "checkpoint-pass-kernels-h2i": ["checkpoint-pass", "--fixtures", "{fixtures}", "--backends", "triton,csgmv",
+                                    "--models", "qwen3_moe_h2i", "--layers", "0",
+                                    "--json", "{reports}/checkpoint-pass-kernels-h2i.json"],
+    "checkpoint-pass-kernels-qwen2": ["checkpoint-pass", "--fixtures", "{fixtures}", "--backends", "triton,csgmv",
+                                      "--models", "qwen2_moe", "--layers", "0", "--modes", "eager",
+                                      "--json", "{reports}/checkpoint-pass-kernels-qwen2.json"],
+}
+
+
 @nox.session
 def conformance(session: nox.Session) -> None:
-    """The main job: the conformance run of the built-in backends on the CPU, on real tiny MoE
-    checkpoints with real PEFT adapters built locally.
+    """The main job (about 10 minutes on 2 cores): a verdict on the built-in backends, on tiny checkpoints
+    and PEFT adapters made locally.
 
-    1. Build the fixtures (tiny Qwen3-MoE / Mixtral / OLMoE checkpoints and PEFT adapters, made
-       locally with transformers + peft) and check the oracle, the checkpoint readers and the
-       reference backend against HF+PEFT on every model x adapter.
-    2. Run the conformance suite (interpret profile) on reference, triton and csgmv (Triton kernels
-       under the interpreter) and print the support matrix.
-    3. The real-checkpoint pass: every fixture model, >32-request mixed batches, every backend x
-       {eager, decode graph, prefill full, prefill breakable} against the oracle and HF+PEFT.
-    4. A CI-sized e2e pass on the engine (``nox -s e2e``'s default) and its support matrix.
+    1. Build the fixtures (tiny Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, GPT-OSS checkpoints and PEFT adapters,
+       made locally with transformers + peft) and check the oracle and the checkpoint readers against
+       HF + PEFT on every model x adapter (``hf-check``).
+    2. The conformance suite (interpret profile) on reference, triton and csgmv (:data:`MAIN_RUN`) and its
+       support matrix: every property in every mode the backends declare.
+    3. :data:`MAIN_CHECKS`, two at a time: the e2e suite on the engine (every engine mode; every fixture
+       family on reference) and the real-checkpoint pass.
 
-    Exits non-zero on any unexpected failure. Reports land in .reports/. Extra arguments go to
-    ``moelora-conformance run`` (e.g. ``nox -s conformance -- --profile dev``).
+    ``nox -s conformance-full`` runs the long tail (every family x backend x mode, both dtypes). Exits
+    non-zero on any unexpected failure. Reports land in .reports/. Extra arguments replace step 2's
+    ``moelora-conformance run`` options (e.g. ``nox -s conformance -- --profile dev``).
     """
     _install_moelora(session)
     REPORTS.mkdir(exist_ok=True)
-    fixtures = ROOT / "fixtures-cache"
-    session.run("moelora-conformance", "make-fixtures", str(fixtures), env=CPU_ENV)
-    session.run("moelora-conformance", "hf-check", "--fixtures", str(fixtures), env=CPU_ENV)
-    run_args = session.posargs or ["--profile", "interpret", "--max-examples", "triton=2", "--max-examples", "csgmv=2"]
-    session.run(
-        "moelora-conformance", "run", "--backend", "reference", "--backend", "triton", "--backend", "csgmv",
-        "-n", "2", "--json", str(REPORTS / "conformance.json"), "--junitxml", str(REPORTS / "conformance.xml"),
-        "--markdown", str(REPORTS / "support-matrix.md"), *run_args, env=CPU_ENV,
-    )
+    fixtures = _fixtures(session)
+    _suite(session, session.posargs or MAIN_RUN)
+    _checks(session, {name: [a.format(fixtures=fixtures, reports=REPORTS) for a in args]
+                      for name, args in MAIN_CHECKS.items()})
+    session.run("moelora-conformance", "report", *sorted(str(p) for p in REPORTS.glob("e2e-*.json")),
+                "--output", str(REPORTS / "e2e-matrix.md"), env=CPU_ENV, silent=True)
+    session.log(f"reports in {REPORTS}: conformance-<backend>.json/.xml, support-matrix.md, "
+                "checkpoint-pass-*.json, e2e-<backend>.json, e2e-matrix.md; logs of step 3 in .reports/logs/")
+
+
+@nox.session(name="conformance-full")
+def conformance_full(session: nox.Session) -> None:
+    """The long tail of the main job (about an hour on 2 cores): the suite on every backend in every dtype
+    (2 examples an item for the kernel backends), the real-checkpoint pass on every model x backend x
+    layer mode, and the CI-sized e2e pass (``nox -s e2e``'s default: every family on reference, one per
+    kernel backend, every engine mode, E06). Run it before a change is called done."""
+    _install_moelora(session)
+    REPORTS.mkdir(exist_ok=True)
+    fixtures = _fixtures(session)
+    _suite(session, session.posargs or ["--profile", "interpret", "--max-examples", "triton=2",
+                                        "--max-examples", "csgmv=2"])
     session.run(
         "moelora-conformance", "checkpoint-pass", "--fixtures", str(fixtures),
         "--backends", "reference,triton,csgmv", "--json", str(REPORTS / "checkpoint-pass.json"), env=CPU_ENV,
     )
     _run_e2e(session, fixtures, [])
-    session.log(f"reports in {REPORTS}: conformance-<backend>.json/.xml, support-matrix.md, checkpoint-pass.json, "
-                "e2e-<backend>.json, e2e-matrix.md")
+
+
+def _fixtures(session: nox.Session) -> Path:
+    """Build (or reuse) the fixtures and check the oracle and readers against HF + PEFT on them."""
+    fixtures = ROOT / "fixtures-cache"
+    session.run("moelora-conformance", "make-fixtures", str(fixtures), env=CPU_ENV)
+    session.run("moelora-conformance", "hf-check", "--fixtures", str(fixtures), env=CPU_ENV)
+    return fixtures
+
+
+def _suite(session: nox.Session, run_args: list[str]) -> None:
+    """The conformance suite on the built-in backends (two xdist workers) and its support matrix."""
+    session.run(
+        "moelora-conformance", "run", "--backend", "reference", "--backend", "triton", "--backend", "csgmv",
+        "-n", "2", "--json", str(REPORTS / "conformance.json"), "--junitxml", str(REPORTS / "conformance.xml"),
+        "--markdown", str(REPORTS / "support-matrix.md"), *run_args, env=CPU_ENV,
+    )
+
+
+def _checks(session: nox.Session, checks: dict[str, list[str]], workers: int = 2) -> None:
+    """Run ``moelora-conformance <args>`` for every check, ``workers`` at a time (each a single-threaded
+    process: two cores, two checks), each into its own log; print each log's tail as it ends (the whole log
+    of a failure) and fail the session if any failed."""
+    import subprocess
+    import time
+
+    logs = REPORTS / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **CPU_ENV, "PATH": f"{session.bin}{os.pathsep}{os.environ.get('PATH', '')}"}
+    pending, running, failed = list(checks.items()), {}, []
+    while pending or running:
+        while pending and len(running) < workers:
+            name, args = pending.pop(0)
+            log = (logs / f"{name}.log").open("w")
+            session.log(f"{name}: moelora-conformance {' '.join(args)}")
+            proc = subprocess.Popen([str(Path(session.bin) / "moelora-conformance"), *args], env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, cwd=ROOT)
+            running[name] = (proc, log, time.perf_counter())
+        time.sleep(0.5)
+        for name, (proc, log, start) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            log.close()
+            del running[name]
+            text = (logs / f"{name}.log").read_text()
+            shown = text if proc.returncode else "\n".join(text.splitlines()[-25:])
+            print(shown, flush=True)
+            session.log(f"{name}: exit {proc.returncode} after {time.perf_counter() - start:.0f} s "
+                        f"(log: {logs / f'{name}.log'})")
+            if proc.returncode:
+                failed.append(name)
+    if failed:
+        session.error(f"failed: {', '.join(failed)}")
 
 
 #: The built-in backends of the e2e pass.

@@ -15,8 +15,8 @@ Both exit 2 when the ``fixtures`` extra (transformers + peft) is not installed.
 The conformance suite's own subcommands:
 
 - ``run --backend X [--backend Y ...] --profile P [--manifest [X=]M] [--max-examples [X=]N]
-  [--json out.json]``: run the suite on each backend in a subprocess and print the support matrix
-  with rich; exit 1 on any unexpected failure (what ``nox -s conformance`` calls).
+  [--dtypes [X=]fp32,fp16] [--json out.json]``: run the suite on each backend in a subprocess and print the
+  support matrix with rich; exit 1 on any unexpected failure (what ``nox -s conformance`` calls).
 - ``report results.json [...] [--output matrix.md]``: render the support matrix of JSON reports as
   Markdown.
 - ``mutations [--write-docs [PATH]] [--only NAME]``: run the suite against every mutant of the
@@ -155,6 +155,21 @@ def _int_or_none(value: str | None) -> int | None:
     return None if value is None else int(value)
 
 
+def _dtype_selection(value: str | None) -> list[str] | str:
+    """pytest's ``-k`` for a ``--dtypes`` list (items are named ``<mode>-<dtype>``), [] for every dtype,
+    or why the list is not one."""
+    if value is None:
+        return []
+    from moelora_conformance.strategies.shapes import DTYPE_NAMES
+
+    known = sorted(DTYPE_NAMES.values())
+    dtypes = [d.strip() for d in value.split(",") if d.strip()]
+    unknown = sorted(set(dtypes) - set(known))
+    if unknown or not dtypes:
+        return f"unknown {unknown or value!r}; known {known}"
+    return ["-k", " or ".join(dtypes)]
+
+
 def _json_path(base: Path | None, backend: str, many: bool) -> Path | None:
     if base is None:
         return None
@@ -178,6 +193,9 @@ def _run(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--markdown", type=Path, default=None, help="also write the matrix as Markdown")
     parser.add_argument("--max-examples", action="append", default=None,
                         help="examples per property item: N for every backend, or BACKEND=N (repeatable)")
+    parser.add_argument("--dtypes", action="append", default=None, metavar="[BACKEND=]fp32,fp16",
+                        help="only these dtypes' items: a list for every backend, or BACKEND=LIST (repeatable; "
+                             "default every dtype the backend declares)")
     parser.add_argument("-n", "--workers", type=int, default=None, help="pytest-xdist workers per run")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
 
@@ -189,6 +207,13 @@ def _run(parser: argparse.ArgumentParser) -> Handler:
 
         profile = args.profile or os.environ.get("MOELORA_PROFILE", "dev")
         many = len(args.backend) > 1
+        selections = {}
+        for backend in args.backend:
+            dtypes = _dtype_selection(_per_backend(args.dtypes, backend))
+            if isinstance(dtypes, str):
+                print(f"moelora-conformance run: --dtypes: {dtypes}", file=sys.stderr)
+                return 2
+            selections[backend] = dtypes
         reports, status = [], 0
         for backend in args.backend:
             junit = _json_path(args.junitxml, backend, many)
@@ -197,7 +222,7 @@ def _run(parser: argparse.ArgumentParser) -> Handler:
                                report_json=_json_path(args.json, backend, many),
                                manifest=_per_backend(args.manifest, backend), junitxml=junit,
                                max_examples=_int_or_none(_per_backend(args.max_examples, backend)),
-                               workers=args.workers, extra=args.pytest_args)
+                               workers=args.workers, extra=[*selections[backend], *args.pytest_args])
             if result.report is None:
                 print(result.output, file=sys.stderr)
                 print(f"moelora-conformance run: {backend}: pytest exited {result.returncode} without a report",
