@@ -116,6 +116,7 @@ def test_every_expand_loads_value_compiles_for_the_h200():
         for spp, loads in ((1, 2), (2, 2), (1, 1), (2, 0)):
             consts = {"BLOCK_M": 16, "BLOCK_R": R, "BLOCK_K": bk, "BLOCK_N": bn, "N_SPLIT": n_split, "SLICES": spp,
                       "FLAT_GRID": 1, "BLOCK_L": 4, "EXPAND_LOADS": loads, "HAS_ENABLED": True,
+                      "RANK_ALIGN": 1, "EXPAND_STAGES": 1,  # EXPAND_STREAM 0 (others: test_kernel_expand_stream.py)
                       "MUL_ROUTED_WEIGHT": False, "DOT_PRECISION": "tf32", "UPCAST": False}
             cases.append({"args": _qwen3_gate_up_args(R, "halves"), "constexprs": consts, "num_warps": 4,
                           "num_stages": 3})
