@@ -171,61 +171,6 @@ def check_values(path, stage, w, ids, mapping, enabled, dtype, seed, layout="hal
     return base, out0
 
 
-# --- drawn problems -------------------------------------------------------------------------------
-
-
-@st.composite
-def pools(draw):
-    """(seed, pool spec kwargs, ranks per slot) within the profile's caps, R a multiple of 8 (where
-    the rounded mask is on); slot ranks in [1, R], modules absent (rank 0), empty slots."""
-    caps = current_profile().caps
-    R = draw(st.sampled_from([r for r in (8, 16, 32, 64) if r <= caps.max_rank]), label="R")
-    L = draw(st.integers(1, caps.max_loras), label="L")
-    qwen3 = caps.model_shapes and draw(st.booleans(), label="qwen3 layer")
-    if qwen3:
-        E, H, I = 128, 2048, 768
-    else:
-        E = draw(st.integers(2, caps.max_experts), label="E")
-        H = draw(st.integers(8, caps.max_hidden), label="H")
-        I = draw(st.integers(8, caps.max_intermediate), label="I")
-    ranks = {}
-    for slot in range(L):
-        if slot and not draw(st.integers(0, 3), label=f"slot {slot} loaded"):
-            continue
-        mods = {m: draw(st.integers(1, R), label=f"slot {slot} {m} rank") for m in ("gate", "up", "down")
-                if draw(st.integers(0, 4), label=f"slot {slot} has {m}")}
-        ranks[slot] = mods or {"down": R}
-    layout = draw(st.sampled_from(LAYOUTS), label="expert layout")
-    seed = draw(st.integers(0, 2**31 - 1), label="seed")
-    return seed, {"L": L, "E": E, "H": H, "I": I, "R": R, "layout": layout}, ranks
-
-
-@given(problem=pools(), data=st.data())
-def test_every_stream_value_equals_0_bit_for_bit_and_the_twin(problem, data):
-    seed, kw, ranks = problem
-    caps = current_profile().caps
-    dtype = data.draw(st.sampled_from(caps.dtypes), label="dtype")
-    w = poison_past_rank(make_pool(seed, dtype=dtype, ranks=ranks, **kw))
-    k = data.draw(st.integers(1, min(caps.max_top_k, w.spec.E)), label="top_k")
-    M = data.draw(st.integers(1, min(caps.max_tokens, 48)), label="M")
-    _, ids, mapping = named_routing(seed, w.spec, M, k)
-    enabled = enabled_of(mapping, w.spec.max_loras)
-    stage = data.draw(st.sampled_from(STAGES), label="stage")
-    path = data.draw(st.sampled_from(["fused", "pair"]), label="path")
-    top = max(max(m.values()) for m in ranks.values())
-    max_rank = data.draw(st.sampled_from([None, top]), label="max_rank")  # a host bound covering every rank
-    value = data.draw(st.sampled_from(NEW), label="EXPAND_STREAM")
-    if path == "fused":
-        extra = {"EXPAND_LOADS": data.draw(st.sampled_from([0, 1, 2]), label="EXPAND_LOADS"),
-                 "N_SPLIT": data.draw(st.sampled_from([1, 2, 3]), label="N_SPLIT"),
-                 "SLICES_PER_PROGRAM": data.draw(st.sampled_from([1, 2]), label="SLICES_PER_PROGRAM")}
-    else:
-        extra = {"split_k": data.draw(st.sampled_from([1, 2]), label="SPLIT_K")}
-    layout = data.draw(st.sampled_from(["halves", "interleaved"]), label="gate_up layout")
-    check_values(path, stage, w, ids, mapping, enabled, dtype, seed, layout=layout, max_rank=max_rank,
-                 values=(value,), **extra)
-
-
 # --- named cases ----------------------------------------------------------------------------------
 
 
@@ -398,3 +343,59 @@ def test_the_streamed_expand_compiles_for_the_h200_with_16_byte_factor_loads():
             # router-weight scalars stay plain loads)
             assert not any(op.startswith("ld.global.v") for op in r["global_loads"]), f"{name}: {r['global_loads']}"
 
+
+# --- drawn problems (last: on a GPU the named cases run first within a call's budget) --------------
+
+
+@st.composite
+def pools(draw):
+    """(seed, pool spec kwargs, ranks per slot) within the profile's caps, R a multiple of 8 (where
+    the rounded mask is on); slot ranks in [1, R], modules absent (rank 0), empty slots."""
+    caps = current_profile().caps
+    R = draw(st.sampled_from([r for r in (8, 16, 32, 64) if r <= caps.max_rank]), label="R")
+    # the Qwen3-30B-A3B layer in a quarter of the GPU draws, with at most 2 slots: its factors are
+    # drawn on the host (~70 M values a slot)
+    qwen3 = caps.model_shapes and not draw(st.integers(0, 3), label="qwen3 layer")
+    L = draw(st.integers(1, 2 if qwen3 else caps.max_loras), label="L")
+    if qwen3:
+        E, H, I = 128, 2048, 768
+    else:
+        E = draw(st.integers(2, caps.max_experts), label="E")
+        H = draw(st.integers(8, caps.max_hidden), label="H")
+        I = draw(st.integers(8, caps.max_intermediate), label="I")
+    ranks = {}
+    for slot in range(L):
+        if slot and not draw(st.integers(0, 3), label=f"slot {slot} loaded"):
+            continue
+        mods = {m: draw(st.integers(1, R), label=f"slot {slot} {m} rank") for m in ("gate", "up", "down")
+                if draw(st.integers(0, 4), label=f"slot {slot} has {m}")}
+        ranks[slot] = mods or {"down": R}
+    layout = draw(st.sampled_from(LAYOUTS), label="expert layout")
+    seed = draw(st.integers(0, 2**31 - 1), label="seed")
+    return seed, {"L": L, "E": E, "H": H, "I": I, "R": R, "layout": layout}, ranks
+
+
+@given(problem=pools(), data=st.data())
+def test_every_stream_value_equals_0_bit_for_bit_and_the_twin(problem, data):
+    seed, kw, ranks = problem
+    caps = current_profile().caps
+    dtype = data.draw(st.sampled_from(caps.dtypes), label="dtype")
+    w = poison_past_rank(make_pool(seed, dtype=dtype, ranks=ranks, **kw))
+    k = data.draw(st.integers(1, min(caps.max_top_k, w.spec.E)), label="top_k")
+    M = data.draw(st.integers(1, min(caps.max_tokens, 48)), label="M")
+    _, ids, mapping = named_routing(seed, w.spec, M, k)
+    enabled = enabled_of(mapping, w.spec.max_loras)
+    stage = data.draw(st.sampled_from(STAGES), label="stage")
+    path = data.draw(st.sampled_from(["fused", "pair"]), label="path")
+    top = max(max(m.values()) for m in ranks.values())
+    max_rank = data.draw(st.sampled_from([None, top]), label="max_rank")  # a host bound covering every rank
+    value = data.draw(st.sampled_from(NEW), label="EXPAND_STREAM")
+    if path == "fused":
+        extra = {"EXPAND_LOADS": data.draw(st.sampled_from([0, 1, 2]), label="EXPAND_LOADS"),
+                 "N_SPLIT": data.draw(st.sampled_from([1, 2, 3]), label="N_SPLIT"),
+                 "SLICES_PER_PROGRAM": data.draw(st.sampled_from([1, 2]), label="SLICES_PER_PROGRAM")}
+    else:
+        extra = {"split_k": data.draw(st.sampled_from([1, 2]), label="SPLIT_K")}
+    layout = data.draw(st.sampled_from(["halves", "interleaved"]), label="gate_up layout")
+    check_values(path, stage, w, ids, mapping, enabled, dtype, seed, layout=layout, max_rank=max_rank,
+                 values=(value,), **extra)
