@@ -37,9 +37,16 @@ from kernel_testing import (
     launch_guard,
     poisoned,
 )
-from moe_lora_testing import cpu_weights, enabled_of, handled, make_pool, named_routing, stage_inputs
+from moe_lora_testing import (
+    cpu_weights,
+    enabled_of,
+    make_pool,
+    named_routing,
+    poisoned_stage_problem,
+    stage_inputs,
+)
 from test_kernel_flat_grid import _qwen3_args
-from test_kernel_slices_per_program import _qwen3_gate_up_args, column_mask, poison_untouched
+from test_kernel_slices_per_program import _qwen3_gate_up_args
 
 from moelora_conformance.profiles import current_profile
 from moelora_core import KernelPreconditionError
@@ -141,17 +148,9 @@ def check_values(path, stage, w, ids, mapping, enabled, dtype, seed, layout="hal
     """Each value of ``values`` against 0, bit for bit, and the twin within tolerance; every column
     the delta must not touch keeps its poisoned bits. Returns the value-0 output and the input."""
     spec = w.spec
-    M, k = ids.shape
+    k = ids.shape[1]
     layout = layout if stage == "gate_up" else "halves"
-    gen = torch.Generator().manual_seed(seed)
-    with launch_guard():
-        align = moe_lora_align_block_size(ids, mapping, spec.E, moe_block_m(M, k, spec.E, spec.max_loras),
-                                          spec.max_loras, enabled)
-    tw = torch.rand(M, k, generator=gen).to(DEVICE) if stage == "down" else None
-    x, out0, tw = stage_inputs(gen, stage, M, k, spec.H, spec.I, dtype, tw)
-    mask = handled(stage, ids, mapping, enabled, stage_tensors(w, stage)["ranks"], spec.E)
-    cols = column_mask(mask, layout, out0.shape[-1] // mask.shape[0])
-    out0 = poison_untouched(gen, out0, cols)
+    align, x, out0, tw, cols = poisoned_stage_problem(w, ids, mapping, enabled, dtype, seed, stage, layout)
     inter = shrink_for_pair(stage, x, w, align, k, enabled, mapping, max_rank, split_k) if path == "pair" else None
     what = f"{path} {stage} {layout} {spec.expert_layout} R={spec.R} max_rank={max_rank} SPLIT_K={split_k} {fused_cfg}"
     base = run(path, stage, x, out0.clone(), w, align, k, tw, enabled, layout, max_rank, 0, inter=inter, **fused_cfg)
