@@ -5,9 +5,18 @@ table with the key set on every entry of the named operations (through ``MOELORA
         --ops moe_lora_shrink moe_lora_expand fused_moe_lora -- --tokens 1 8 32 128 512 --no-baseline
 
 Writes ``OUT/<key>_<value>.json`` (the benchmark's JSON) and ``.log`` per value, then prints, per
-(M, R), the benchmark's ``b_us`` (and ``b_idle_us`` / ``ab_fused_us`` when present) of each value side
-by side. Values run one after another in separate processes (the table is read once per process).
+(M, R), the benchmark's ``b_us`` (and ``b_idle_us`` / ``b_fused_us`` / ``b_unfused_us`` /
+``ab_fused_us`` when present) of each value side by side, with each value's ratio to the first (the
+baseline: list today's value first), and writes them as ``OUT/<key>_ab.json``. Values run one after
+another in separate processes (the table is read once per process); ``--budget-s`` stops starting
+values after that many seconds (a device call's limit), so list the values that matter most first.
 Only for a GPU host; the rows' ``err_*`` checks run inside the benchmark as usual.
+
+The expand's factor loads (``EXPAND_STREAM``: 0 today, 1 16-byte loads, 2-4 also a pipelined expand
+loop; both delta paths, so the auto, fused and pair columns all move):
+
+    PYTHONPATH=... python benchmarks/config_ab.py --out-dir OUT --key EXPAND_STREAM --values 0 1 2 3 \
+        --ops moe_lora_expand fused_moe_lora -- --tokens 8 32 128 512 --ranks 16 64 --no-baseline
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 TABLE = Path(__file__).resolve().parents[1] / "packages/kernels/src/moelora_kernels/configs/h200.json"
@@ -48,11 +58,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--key", required=True)
     parser.add_argument("--values", type=int, nargs="+", required=True)
     parser.add_argument("--ops", nargs="+", required=True)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no value after this many seconds (the values run so far are compared)")
     args = parser.parse_args(own)
+    t0 = time.monotonic()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     for value in args.values:
+        if args.budget_s is not None and time.monotonic() - t0 > args.budget_s:
+            print(f"{args.key}={value}: not started (--budget-s {args.budget_s:g} spent)", flush=True)
+            continue
         cfg = out / f"table_{args.key}_{value}.json"
         cfg.write_text(json.dumps(table_with(args.key, value, args.ops)))
         stem = out / f"{args.key}_{value}"
@@ -60,21 +76,41 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, str(Path(__file__).parent / "bench_moe_lora.py"), "--out", f"{stem}.json", *bench_args]
         with open(f"{stem}.log", "w") as log:
             rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-        print(f"{args.key}={value}: rc {rc}", flush=True)
+        print(f"{args.key}={value}: rc {rc} ({time.monotonic() - t0:.0f} s)", flush=True)
         if rc == 0:
             results[value] = {(r["M"], r["R"]): r for r in json.loads(Path(f"{stem}.json").read_text())["rows"]}
     if not results:
         return 1
-    keys = sorted(set().union(*(r.keys() for r in results.values())))
+    summary = side_by_side(results)
+    (out / f"{args.key}_ab.json").write_text(json.dumps(
+        {"key": args.key, "values": list(results), "ops": args.ops, "bench_args": bench_args, "rows": summary},
+        indent=2))
+    first = next(iter(results))
     for field in FIELDS:
-        if not any(field in row for r in results.values() for row in r.values()):
+        if not any(field in row for row in summary):
             continue
-        print(f"\n{field} (µs) by {args.key}: " + "  ".join(str(v) for v in results))
-        for mr in keys:
-            cells = [f"{results[v][mr][field]:8.1f}" if mr in results[v] and field in results[v][mr] else f"{'-':>8}"
-                     for v in results]
-            print(f"  M={mr[0]:5d} R={mr[1]:3d} " + " ".join(cells))
+        print(f"\n{field} (µs) by {args.key}: " + "  ".join(str(v) for v in results)
+              + f"   (ratio to {args.key}={first})")
+        for row in summary:
+            cells = row.get(field, {})
+            us = [f"{cells[v]:8.1f}" if v in cells else f"{'-':>8}" for v in results]
+            ratios = [f"{cells[v] / cells[first]:5.2f}x" if v in cells and first in cells else f"{'-':>6}"
+                      for v in results if v != first]
+            print(f"  M={row['M']:5d} R={row['R']:3d} " + " ".join(us) + "   " + " ".join(ratios))
     return 0 if len(results) == len(args.values) else 1
+
+
+def side_by_side(results: dict[int, dict[tuple[int, int], dict]]) -> list[dict]:
+    """Per (M, R): each field of :data:`FIELDS` as ``{value: µs}`` over the values whose run has it."""
+    rows = []
+    for m, r in sorted(set().union(*(res.keys() for res in results.values()))):
+        row = {"M": m, "R": r}
+        for field in FIELDS:
+            cells = {v: res[(m, r)][field] for v, res in results.items() if field in res.get((m, r), {})}
+            if cells:
+                row[field] = cells
+        rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":

@@ -103,7 +103,7 @@ def rows_mask(rows: torch.Tensor, num_rows: int) -> torch.Tensor:
 H200_MAX_SHARED = 232448
 
 _COMPILE_CHILD = r"""
-import importlib, json, sys
+import collections, importlib, json, re, sys
 spec = json.load(sys.stdin)
 try:
     from triton.backends.compiler import GPUTarget
@@ -134,7 +134,8 @@ for case in spec["cases"]:
         c = compile(ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs),
                     target=GPUTarget("cuda", 90, 32),
                     options={"num_warps": case["num_warps"], "num_stages": case["num_stages"]})
-        out.append({"shared": c.metadata.shared})
+        loads = re.findall(r"ld\.global[.\w]*|cp\.async\.c[ag]\.shared\.global", c.asm["ptx"])
+        out.append({"shared": c.metadata.shared, "global_loads": dict(collections.Counter(loads))})
     except Exception as exc:
         out.append({"error": f"{type(exc).__name__}: {str(exc)[-3000:]}"})
 print(json.dumps({"results": out}))
@@ -155,8 +156,10 @@ def compile_for_h200(kernel: str, cases: list[dict]) -> list[dict]:
             16 are marked so, ints equal to 1 become constants.
 
     Returns:
-        Per case ``{"shared": bytes of shared memory}`` or ``{"error": message}``. Skips the test
-        where the installed Triton has no NVIDIA backend or ptxas.
+        Per case ``{"shared": bytes of shared memory, "global_loads": {PTX instruction: count}}`` (each
+        ``ld.global…`` form, e.g. ``ld.global.b16`` for a 2-byte load, and ``cp.async.cg.shared.global``
+        for an asynchronous copy) or ``{"error": message}``. Skips the test where the installed
+        Triton has no NVIDIA backend or ptxas.
     """
     import json
     import os

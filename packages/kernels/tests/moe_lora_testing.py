@@ -1,5 +1,6 @@
 """MoE-LoRA helpers shared by the kernel tests (not tests themselves): pools, handled-pair masks,
-stage inputs, the twin call and the delta check (tolerance on the output, bit-identity elsewhere)."""
+stage inputs (with the columns the delta must not touch poisoned), the twin call and the delta check
+(tolerance on the output, bit-identity elsewhere)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from kernel_testing import DEVICE, assert_bitwise_equal, assert_close, launch_gu
 
 from moelora_core import EXPERT_FACTORS, EXPERT_LAYOUTS, LoRALayerSpec, LoRAWeights, ModuleLoRA
 from moelora_core.layer_spec import expert_factor
-from moelora_kernels import moe_lora_delta, stage_tensors
+from moelora_kernels import moe_block_m, moe_lora_align_block_size, moe_lora_delta, stage_tensors
 from moelora_reference import moe_lora_ops as twin
 
 
@@ -127,3 +128,36 @@ def load_slots(w, adapters):
     for slot, adapter in adapters.items():
         w.load_slot(slot, adapter)
     return w
+
+
+def column_mask(mask, layout, width):
+    """Bool [M·top_k, S·N] from the per-slice pair mask [S, M·top_k]: the columns the delta reaches."""
+    S, P = mask.shape
+    if layout == "interleaved" and S == 2:  # column 2n + s
+        return mask.t()[:, None, :].expand(P, width, S).reshape(P, S * width)
+    return mask.t()[:, :, None].expand(P, S, width).reshape(P, S * width)
+
+
+def poison_untouched(gen, out0, cols):
+    """out0 with every column the delta must not touch set to NaN or -0.0 (drawn per element)."""
+    flat = out0.reshape(cols.shape).clone()
+    nan_or_neg_zero = torch.where(torch.rand(cols.shape, generator=gen) < 0.5, float("nan"), -0.0).to(flat.dtype)
+    flat[~cols.to(flat.device)] = nan_or_neg_zero[~cols].to(flat.device)
+    return flat.reshape(out0.shape)
+
+
+def poisoned_stage_problem(w, ids, mapping, enabled, dtype, seed, stage, layout):
+    """One stage's problem for a pool ``w`` and routing: (alignment with ``enabled``, x, out0, router
+    weights or None, columns [M·top_k, S·N] the delta reaches) with fresh inputs from ``seed`` and every
+    other column of out0 poisoned (:func:`poison_untouched`)."""
+    spec = w.spec
+    M, k = ids.shape
+    gen = torch.Generator().manual_seed(seed)
+    with launch_guard():
+        align = moe_lora_align_block_size(ids, mapping, spec.E, moe_block_m(M, k, spec.E, spec.max_loras),
+                                          spec.max_loras, enabled)
+    tw = torch.rand(M, k, generator=gen).to(DEVICE) if stage == "down" else None
+    x, out0, tw = stage_inputs(gen, stage, M, k, spec.H, spec.I, dtype, tw)
+    mask = handled(stage, ids, mapping, enabled, stage_tensors(w, stage)["ranks"], spec.E)
+    cols = column_mask(mask, layout, out0.shape[-1] // mask.shape[0])
+    return align, x, poison_untouched(gen, out0, cols), tw, cols

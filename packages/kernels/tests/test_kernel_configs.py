@@ -10,6 +10,7 @@ from moe_lora_testing import make_pool, run_delta, stage_inputs
 
 from moelora_kernels import configs, moe_lora, moe_lora_align_block_size
 from moelora_kernels.align import MAX_ALIGN_SPLIT
+from moelora_kernels.expand_stream import EXPAND_STREAM
 from moelora_kernels.moe_lora import EXPAND_LOADS, MAX_SPLIT_K, SLICES_PER_PROGRAM
 
 SHAPE_KEYS = {"N", "K", "R", "max_rows"}
@@ -24,8 +25,8 @@ def _entries():
 def test_shipped_entries_use_only_known_keys_and_valid_values(op, entry):
     unknown = set(entry) - SHAPE_KEYS - set(configs.GPU_FALLBACK_CONFIG)
     assert not unknown, f"{op} entry {entry}: keys the lookup ignores: {sorted(unknown)}"
-    for key, v in entry.items():  # FUSED is a 0/1 flag, EXPAND_LOADS a value from 0, every other value a positive int
-        flag = key in ("FUSED", "EXPAND_LOADS")
+    for key, v in entry.items():  # FUSED is a 0/1 flag, EXPAND_LOADS / EXPAND_STREAM values from 0, every other
+        flag = key in ("FUSED", "EXPAND_LOADS", "EXPAND_STREAM")  # value a positive int
         assert isinstance(v, int) and v >= (0 if flag else 1), f"{op} entry {entry}: {key}={v!r}"
     if "SPLIT_K" in entry:
         assert op == "moe_lora_shrink" and 1 <= entry["SPLIT_K"] <= MAX_SPLIT_K, f"{op} entry {entry}"
@@ -33,6 +34,9 @@ def test_shipped_entries_use_only_known_keys_and_valid_values(op, entry):
         assert op == "fused_moe_lora" and entry["SLICES_PER_PROGRAM"] in SLICES_PER_PROGRAM, f"{op} entry {entry}"
     if "EXPAND_LOADS" in entry:
         assert op == "fused_moe_lora" and entry["EXPAND_LOADS"] in EXPAND_LOADS, f"{op} entry {entry}"
+    if "EXPAND_STREAM" in entry:
+        assert op in ("moe_lora_expand", "fused_moe_lora") and entry["EXPAND_STREAM"] in EXPAND_STREAM, (
+            f"{op} entry {entry}")
     if "ALIGN_SPLIT" in entry:
         split = entry["ALIGN_SPLIT"]
         assert op in ("moe_lora_align_block_size", "moe_align_block_size"), f"{op} entry {entry}"

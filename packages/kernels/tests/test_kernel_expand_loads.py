@@ -21,12 +21,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from kernel_testing import DEVICE, H200_MAX_SHARED, assert_bitwise_equal, assert_close, compile_for_h200, launch_guard
-from moe_lora_testing import enabled_of, handled, make_pool, named_routing, stage_inputs
-from test_kernel_slices_per_program import _qwen3_gate_up_args, column_mask, poison_untouched
+from moe_lora_testing import enabled_of, make_pool, named_routing, poisoned_stage_problem, stage_inputs
+from test_kernel_slices_per_program import _qwen3_gate_up_args
 
 from moelora_conformance.strategies import moe_lora_cases
 from moelora_core import KernelPreconditionError
-from moelora_kernels import fused_moe_lora, moe_block_m, moe_lora_align_block_size, stage_tensors
+from moelora_kernels import fused_moe_lora, moe_lora_align_block_size, stage_tensors
 from moelora_kernels.moe_lora import EXPAND_LOADS
 from moelora_reference import moe_lora_ops as twin
 
@@ -61,18 +61,10 @@ def test_every_expand_loads_value_matches_bit_for_bit_and_the_twin(case, stage, 
 
 def check_every_value(spec, w, ids, mapping, dtype, seed, stage, layout, spp, n_split):
     """The three ``EXPAND_LOADS`` values bit for bit, the twin within tolerance, the rest untouched."""
-    M, k = ids.shape
+    k = ids.shape[1]
     layout = layout if stage == "gate_up" else "halves"
-    gen = torch.Generator().manual_seed(seed)
     enabled = enabled_of(mapping, spec.max_loras)
-    with launch_guard():
-        align = moe_lora_align_block_size(ids, mapping, spec.E, moe_block_m(M, k, spec.E, spec.max_loras),
-                                          spec.max_loras, enabled)
-    tw = torch.rand(M, k, generator=gen).to(DEVICE) if stage == "down" else None
-    x, out0, tw = stage_inputs(gen, stage, M, k, spec.H, spec.I, dtype, tw)
-    mask = handled(stage, ids, mapping, enabled, stage_tensors(w, stage)["ranks"], spec.E)
-    cols = column_mask(mask, layout, out0.shape[-1] // mask.shape[0])
-    out0 = poison_untouched(gen, out0, cols)
+    align, x, out0, tw, cols = poisoned_stage_problem(w, ids, mapping, enabled, dtype, seed, stage, layout)
     what = f"{stage} {layout} SLICES_PER_PROGRAM={spp} N_SPLIT={n_split}"
     runs = {v: _fused(stage, x, out0.clone(), w, align, k, tw, enabled, layout, EXPAND_LOADS=v,
                       SLICES_PER_PROGRAM=spp, N_SPLIT=n_split) for v in EXPAND_LOADS}
@@ -116,6 +108,7 @@ def test_every_expand_loads_value_compiles_for_the_h200():
         for spp, loads in ((1, 2), (2, 2), (1, 1), (2, 0)):
             consts = {"BLOCK_M": 16, "BLOCK_R": R, "BLOCK_K": bk, "BLOCK_N": bn, "N_SPLIT": n_split, "SLICES": spp,
                       "FLAT_GRID": 1, "BLOCK_L": 4, "EXPAND_LOADS": loads, "HAS_ENABLED": True,
+                      "RANK_ALIGN": 1, "EXPAND_STAGES": 1,  # EXPAND_STREAM 0 (others: test_kernel_expand_stream.py)
                       "MUL_ROUTED_WEIGHT": False, "DOT_PRECISION": "tf32", "UPCAST": False}
             cases.append({"args": _qwen3_gate_up_args(R, "halves"), "constexprs": consts, "num_warps": 4,
                           "num_stages": 3})

@@ -204,7 +204,9 @@ def test_flat_grid_compiles_for_the_h200(kernel):
     for R in (16, 64):
         consts = {"BLOCK_M": 16, "BLOCK_R": R, "SPLIT_K": 1, "FLAT_GRID": 1, "BLOCK_L": 4, "HAS_ENABLED": True,
                   "DOT_PRECISION": "tf32", "UPCAST": False}
-        consts |= {"BLOCK_K": 128} if kernel == "shrink" else {"BLOCK_N": 128, "MUL_ROUTED_WEIGHT": False}
+        # (the expand with the exact rank masks of EXPAND_STREAM 0; test_kernel_expand_stream.py compiles the rest)
+        consts |= ({"BLOCK_K": 128} if kernel == "shrink"
+                   else {"BLOCK_N": 128, "MUL_ROUTED_WEIGHT": False, "RANK_ALIGN": 1})
         cases.append({"args": _qwen3_args(kernel, R), "constexprs": consts, "num_warps": 4, "num_stages": 3})
     results = compile_for_h200(f"moelora_kernels._moe_lora_kernels:{name}", cases)
     for R, r in zip((16, 64), results, strict=True):

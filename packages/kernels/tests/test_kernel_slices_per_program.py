@@ -29,7 +29,15 @@ from kernel_testing import (
     launch_guard,
     randn,
 )
-from moe_lora_testing import enabled_of, handled, make_pool, named_routing, stage_inputs
+from moe_lora_testing import (
+    column_mask,
+    enabled_of,
+    handled,
+    make_pool,
+    named_routing,
+    poison_untouched,
+    stage_inputs,
+)
 
 from moelora_conformance.strategies import moe_lora_cases
 from moelora_core import KernelPreconditionError
@@ -56,22 +64,6 @@ def run_fused(stage, x, out, w, align, k, tw, enabled, spp, layout, max_rank=Non
         _stage_call(fused_moe_lora, stage, x, out, w, align, k, tw, enabled, layout, max_rank,
                     config={"SLICES_PER_PROGRAM": spp})
     return out
-
-
-def column_mask(mask, layout, width):
-    """Bool [M·top_k, S·N] from the per-slice pair mask [S, M·top_k]: the columns the delta reaches."""
-    S, P = mask.shape
-    if layout == "interleaved" and S == 2:  # column 2n + s
-        return mask.t()[:, None, :].expand(P, width, S).reshape(P, S * width)
-    return mask.t()[:, :, None].expand(P, S, width).reshape(P, S * width)
-
-
-def poison_untouched(gen, out0, cols):
-    """out0 with every column the delta must not touch set to NaN or -0.0 (drawn per element)."""
-    flat = out0.reshape(cols.shape).clone()
-    nan_or_neg_zero = torch.where(torch.rand(cols.shape, generator=gen) < 0.5, float("nan"), -0.0).to(flat.dtype)
-    flat[~cols.to(flat.device)] = nan_or_neg_zero[~cols].to(flat.device)
-    return flat.reshape(out0.shape)
 
 
 def check_variant(stage, x, out0, w, align, k, tw, enabled, mask, layout, seed, what, max_rank=None):
@@ -247,6 +239,8 @@ def test_two_slices_per_program_compile_for_the_h200():
             "FLAT_GRID": 1,
             "BLOCK_L": 4,
             "EXPAND_LOADS": 0,
+            "RANK_ALIGN": 1,  # today's expand (EXPAND_STREAM 0); test_kernel_expand_stream.py compiles the others
+            "EXPAND_STAGES": 1,
             "HAS_ENABLED": True,
             "MUL_ROUTED_WEIGHT": False,
             "DOT_PRECISION": "tf32",

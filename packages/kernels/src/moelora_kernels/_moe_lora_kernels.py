@@ -19,6 +19,10 @@ same blocks (per slot at most the per-slot bound) and give bit-identical results
   each column tile's B and old output loaded as the config key ``EXPAND_LOADS`` says: 0, B at the
   tile and the old output after the dot; 1, both together at the tile; 2, both one tile ahead (same
   values, same order of arithmetic: bit-identical results).
+  ``EXPAND_STAGES`` > 1 runs the loads-at-the-tile order under the compiler's software pipeliner
+  instead: each column tile's B and old output are copied into shared memory (cp.async)
+  ``EXPAND_STAGES`` - 1 tiles ahead, so a program streams its B factor rather than waiting one memory
+  round trip per tile (``EXPAND_LOADS`` is then not used; same values, same order of arithmetic).
   ``SLICES`` (the config key ``SLICES_PER_PROGRAM``) = 2 gives one program both gate_up slices of
   its block: each x tile is loaded once and multiplied against the gate and up A tiles side by side
   (one [BLOCK_K, 2·BLOCK_R] weight tile, so one dot), t is split into its two rank ranges in
@@ -41,9 +45,16 @@ written), expert ids outside [0, E) skip their block, so a corrupt alignment add
 dereferences nothing outside the tensors; the launchers refuse an alignment recorded for another
 pair count on the host (``AlignOutput.num_pairs``: its padding sentinel would be a real pair).
 The rank loop bound is the slot's own rank (columns past it are masked, never loaded), so a pool
-of R = 64 serving rank-16 adapters moves rank-16 bytes. The three kernels share the early exits
-(``_block_work``) and the block's pairs (``_block_pairs``); the shrink and the fused kernel share
-the shrink (``_shrink_block``, over ``_tiles.accumulate_k``): jit helpers, inlined at compile time.
+of R = 64 serving rank-16 adapters moves rank-16 bytes. The expand's factor tiles (t and B) run
+along the rank, their contiguous dimension, so a mask at the exact rank varies inside every 16-byte
+vector and the compiler splits their loads into 2-byte ones (and cannot copy them asynchronously).
+With ``RANK_ALIGN`` = 8 (the config key ``EXPAND_STREAM`` >= 1, pools whose R is a multiple of 8) the
+load mask is the rank rounded up to 8 columns, which stays inside R, so the loads are 16 bytes wide;
+the up to 7 columns past the rank are set to 0 in registers before the dot (whatever the pool or the
+intermediate holds there, NaN included), so the operands, and the results, are those of the exact
+mask bit for bit. The three kernels share the early exits (``_block_work``) and the block's pairs
+(``_block_pairs``); the shrink and the fused kernel share the shrink (``_shrink_block``, over
+``_tiles.accumulate_k``): jit helpers, inlined at compile time.
 
 Tensors (L slots, E experts, R pool rank, P alignment rows per slot, S slices, K input width,
 N output width per slice, num_pairs = M · top_k):
@@ -126,6 +137,16 @@ def _flat_block(pid, num_tokens_post_padded_ptr, L, slot_blocks_bound,
     slot = tl.sum((ends <= pid).to(tl.int32), 0)
     start = tl.sum(tl.where(ends <= pid, blocks, 0), 0)
     return pid - start, slot, tl.sum(tl.where(offs_l == slot, ntpp, 0), 0)
+
+
+@triton.jit
+def _rank_load_mask(offs_r, rank, RANK_ALIGN: tl.constexpr):
+    """The rank columns a factor tile loads: ``offs_r < rank`` rounded up to a multiple of
+    ``RANK_ALIGN`` (1: the exact rank), so the mask is constant over each vector of RANK_ALIGN
+    columns (module docstring); the launcher gives RANK_ALIGN > 1 only where R is its multiple."""
+    if RANK_ALIGN == 1:
+        return offs_r < rank
+    return offs_r < tl.multiple_of((rank + RANK_ALIGN - 1) // RANK_ALIGN * RANK_ALIGN, RANK_ALIGN)
 
 
 @triton.jit
@@ -220,7 +241,7 @@ def _moe_lora_expand_kernel(
     L, slot_blocks_bound,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-    FLAT_GRID: tl.constexpr, BLOCK_L: tl.constexpr,
+    FLAT_GRID: tl.constexpr, BLOCK_L: tl.constexpr, RANK_ALIGN: tl.constexpr,
     HAS_ENABLED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     s = tl.program_id(2) // num_n_tiles
@@ -240,11 +261,13 @@ def _moe_lora_expand_kernel(
     # --- tile ----------------------------------------------------------------------------------
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
+    r_ld = _rank_load_mask(offs_r, rank, RANK_ALIGN)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    # --- the rank-wide input and the B tile --------------------------------------------------------
+    # --- the rank-wide input and the B tile (RANK_ALIGN > 1: columns past the rank read, then set
+    # to 0) -------------------------------------------------------------------------------------------
     t_ptrs = inter_ptr + s.to(tl.int64) * stride_is + pairs[:, None] * stride_im + offs_r[None, :]
-    t_mask = row_ok[:, None] & r_ok[None, :]
+    t_mask = row_ok[:, None] & r_ld[None, :]
     if SPLIT_K == 1:
         t = tl.load(t_ptrs, mask=t_mask, other=0.0)
     else:
@@ -255,7 +278,10 @@ def _moe_lora_expand_kernel(
         t = t.to(b_ptr.dtype.element_ty)
     b = tl.load(b_ptr + s.to(tl.int64) * stride_bs + slot.to(tl.int64) * stride_bl + expert * stride_be
                 + offs_n.to(tl.int64)[None, :] * stride_bn + offs_r[:, None],
-                mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+                mask=r_ld[:, None] & n_ok[None, :], other=0.0)
+    if RANK_ALIGN > 1:
+        t = tl.where(r_ok[None, :], t, 0.0)
+        b = tl.where(r_ok[:, None], b, 0.0)
     # the old output, σ and the router weights are loaded with t and B (before the dot): one round trip
     o_ptrs = (out_ptr + pairs[:, None] * stride_om + s.to(tl.int64) * stride_os
               + offs_n.to(tl.int64)[None, :] * stride_on)
@@ -276,12 +302,25 @@ def _moe_lora_expand_kernel(
 
 
 @triton.jit
-def _expand_load(b_base, o_base, offs_r, r_ok, offs_n, n_ok, row_ok, stride_bn, stride_on):
-    """(B tile [BLOCK_R, BLOCK_N], old output tile [BLOCK_M, BLOCK_N]) of one column tile of one
-    slice: the B tile from ``b_base`` (rank ``offs_r``, masked by ``r_ok``), the output rows not
-    ``row_ok`` and columns not ``n_ok`` read 0 (so a tile past the program's range loads nothing)."""
+def _load_b(b_base, offs_r, r_ld, r_ok, offs_n, n_ok, stride_bn, RANK_ALIGN: tl.constexpr):
+    """B tile [BLOCK_R, BLOCK_N] of one column tile from ``b_base``: rank columns ``r_ld`` loaded
+    (``_rank_load_mask``), those past ``r_ok`` then set to 0 (RANK_ALIGN > 1), columns not ``n_ok``
+    read 0."""
     b = tl.load(b_base + offs_n.to(tl.int64)[None, :] * stride_bn + offs_r[:, None],
-                mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+                mask=r_ld[:, None] & n_ok[None, :], other=0.0)
+    if RANK_ALIGN > 1:
+        b = tl.where(r_ok[:, None], b, 0.0)
+    return b
+
+
+@triton.jit
+def _expand_load(b_base, o_base, offs_r, r_ld, r_ok, offs_n, n_ok, row_ok, stride_bn, stride_on,
+                 RANK_ALIGN: tl.constexpr):
+    """(B tile [BLOCK_R, BLOCK_N], old output tile [BLOCK_M, BLOCK_N]) of one column tile of one
+    slice: the B tile from ``b_base`` (``_load_b``: rank ``offs_r``, loaded where ``r_ld``, kept where
+    ``r_ok``), the output rows not ``row_ok`` and columns not ``n_ok`` read 0 (so a tile past the
+    program's range loads nothing)."""
+    b = _load_b(b_base, offs_r, r_ld, r_ok, offs_n, n_ok, stride_bn, RANK_ALIGN)
     old = tl.load(o_base + offs_n.to(tl.int64)[None, :] * stride_on, mask=row_ok[:, None] & n_ok[None, :],
                   other=0.0)
     return b, old
@@ -313,12 +352,11 @@ def _expand_store(acc, old, o_base, offs_n, n_ok, row_scale, row_ok, stride_on):
 
 
 @triton.jit
-def _expand_tile_late(t, b_base, o_base, offs_r, r_ok, offs_n, n_ok, row_scale, row_ok, stride_bn, stride_on,
-                      DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _expand_tile_late(t, b_base, o_base, offs_r, r_ld, r_ok, offs_n, n_ok, row_scale, row_ok, stride_bn, stride_on,
+                      RANK_ALIGN: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """As ``_expand_load`` then ``_expand_tile``, with the old output loaded after the dot (the
     order before the loads were batched; ``EXPAND_LOADS`` 0)."""
-    b = tl.load(b_base + offs_n.to(tl.int64)[None, :] * stride_bn + offs_r[:, None],
-                mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+    b = _load_b(b_base, offs_r, r_ld, r_ok, offs_n, n_ok, stride_bn, RANK_ALIGN)
     if UPCAST:
         b = b.to(tl.float32)
     acc = tl.dot(t, b, input_precision=DOT_PRECISION)
@@ -344,7 +382,8 @@ def _fused_moe_lora_kernel(
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     N_SPLIT: tl.constexpr, SLICES: tl.constexpr, FLAT_GRID: tl.constexpr, BLOCK_L: tl.constexpr,
-    EXPAND_LOADS: tl.constexpr, HAS_ENABLED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+    EXPAND_LOADS: tl.constexpr, RANK_ALIGN: tl.constexpr, EXPAND_STAGES: tl.constexpr,
+    HAS_ENABLED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     s = (tl.program_id(2) // N_SPLIT) * SLICES   # this program's first slice
@@ -373,6 +412,7 @@ def _fused_moe_lora_kernel(
     # --- tile ----------------------------------------------------------------------------------
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
+    r_ld = _rank_load_mask(offs_r, rank, RANK_ALIGN)   # the expand's B columns loaded
     # shrink columns: SLICES rank ranges side by side, (slice c_s, rank c_r) for column c
     if SLICES == 1:
         c_s = s
@@ -410,55 +450,62 @@ def _fused_moe_lora_kernel(
                                                                       + slot)
         row_ok_u = row_ok & (rank_u > 0)
         row_ok = row_ok & (rank > 0)
+        r_ld_u = _rank_load_mask(offs_r, rank_u, RANK_ALIGN)
     tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_part = tl.cdiv(tiles, N_SPLIT)
     tile_lo = part * tiles_per_part
     tile_hi = tl.minimum(tiles, tile_lo + tiles_per_part)
-    if EXPAND_LOADS == 2:
-        # each tile's B and old output loaded one tile ahead (the loop's loads do not feed a K-loop
-        # dot, so the compiler's pipeliner leaves them serial: one memory round trip per tile
-        # without this); a tile past this program's range is masked off, so it loads nothing.
+    if EXPAND_STAGES == 1 and EXPAND_LOADS == 2:
+        # each tile's B and old output loaded one tile ahead (without it, or EXPAND_STAGES, the
+        # compiler's pipeliner leaves them serial, one memory round trip per tile: the old output
+        # does not feed the dot, and B at the exact rank mask comes in 2-byte loads, too narrow
+        # for cp.async); a tile past this program's range is masked off, so it loads nothing.
         # Costs registers for the second set of tiles: a win where programs are few (small M;
         # benchmarks/RESULTS.md, H200 2026-12-04)
         offs_n = tile_lo * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = (offs_n < N) & (tile_lo < tile_hi)
-        b, old = _expand_load(b_base, o_base, offs_r, r_ok, offs_n, n_ok, row_ok, stride_bn, stride_on)
+        b, old = _expand_load(b_base, o_base, offs_r, r_ld, r_ok, offs_n, n_ok, row_ok, stride_bn, stride_on,
+                              RANK_ALIGN)
         if SLICES == 2:
-            b_u, old_u = _expand_load(b_base + stride_bs, o_base + stride_os, offs_r, r_ok_u, offs_n, n_ok,
-                                      row_ok_u, stride_bn, stride_on)
+            b_u, old_u = _expand_load(b_base + stride_bs, o_base + stride_os, offs_r, r_ld_u, r_ok_u, offs_n, n_ok,
+                                      row_ok_u, stride_bn, stride_on, RANK_ALIGN)
         for tile in range(tile_lo, tile_hi):
             next_n = offs_n + BLOCK_N
             next_ok = (next_n < N) & (tile + 1 < tile_hi)
-            next_b, next_old = _expand_load(b_base, o_base, offs_r, r_ok, next_n, next_ok, row_ok, stride_bn,
-                                            stride_on)
+            next_b, next_old = _expand_load(b_base, o_base, offs_r, r_ld, r_ok, next_n, next_ok, row_ok, stride_bn,
+                                            stride_on, RANK_ALIGN)
             _expand_tile(t, b, old, o_base, offs_n, n_ok, row_scale, row_ok, stride_on, DOT_PRECISION, UPCAST)
             b, old = next_b, next_old
             if SLICES == 2:
-                next_b_u, next_old_u = _expand_load(b_base + stride_bs, o_base + stride_os, offs_r, r_ok_u,
-                                                    next_n, next_ok, row_ok_u, stride_bn, stride_on)
+                next_b_u, next_old_u = _expand_load(b_base + stride_bs, o_base + stride_os, offs_r, r_ld_u, r_ok_u,
+                                                    next_n, next_ok, row_ok_u, stride_bn, stride_on, RANK_ALIGN)
                 _expand_tile(t_u, b_u, old_u, o_base + stride_os, offs_n, n_ok, row_scale_u, row_ok_u, stride_on,
                              DOT_PRECISION, UPCAST)
                 b_u, old_u = next_b_u, next_old_u
             offs_n, n_ok = next_n, next_ok
-    elif EXPAND_LOADS == 1:
-        # each tile's B and old output loaded together at the tile: one round trip per tile
-        for tile in range(tile_lo, tile_hi):
-            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < N
-            b, old = _expand_load(b_base, o_base, offs_r, r_ok, offs_n, n_ok, row_ok, stride_bn, stride_on)
-            _expand_tile(t, b, old, o_base, offs_n, n_ok, row_scale, row_ok, stride_on, DOT_PRECISION, UPCAST)
-            if SLICES == 2:
-                b_u, old_u = _expand_load(b_base + stride_bs, o_base + stride_os, offs_r, r_ok_u, offs_n, n_ok,
-                                          row_ok_u, stride_bn, stride_on)
-                _expand_tile(t_u, b_u, old_u, o_base + stride_os, offs_n, n_ok, row_scale_u, row_ok_u, stride_on,
-                             DOT_PRECISION, UPCAST)
-    else:
+    elif EXPAND_STAGES == 1 and EXPAND_LOADS == 0:
         # B at the tile, the old output after the dot: two round trips per tile
         for tile in range(tile_lo, tile_hi):
             offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < N
-            _expand_tile_late(t, b_base, o_base, offs_r, r_ok, offs_n, n_ok, row_scale, row_ok, stride_bn,
-                              stride_on, DOT_PRECISION, UPCAST)
+            _expand_tile_late(t, b_base, o_base, offs_r, r_ld, r_ok, offs_n, n_ok, row_scale, row_ok, stride_bn,
+                              stride_on, RANK_ALIGN, DOT_PRECISION, UPCAST)
             if SLICES == 2:
-                _expand_tile_late(t_u, b_base + stride_bs, o_base + stride_os, offs_r, r_ok_u, offs_n, n_ok,
-                                  row_scale_u, row_ok_u, stride_bn, stride_on, DOT_PRECISION, UPCAST)
+                _expand_tile_late(t_u, b_base + stride_bs, o_base + stride_os, offs_r, r_ld_u, r_ok_u, offs_n, n_ok,
+                                  row_scale_u, row_ok_u, stride_bn, stride_on, RANK_ALIGN, DOT_PRECISION, UPCAST)
+    else:
+        # each tile's B and old output loaded together at the tile (EXPAND_LOADS 1): one round trip
+        # per tile; or, EXPAND_STAGES > 1, the same loop software-pipelined by the compiler, B and the
+        # old output copied into shared memory EXPAND_STAGES - 1 tiles ahead (cp.async; it takes B
+        # only as 16-byte vectors, so RANK_ALIGN 8 is what lets it stream the factor)
+        for tile in tl.range(tile_lo, tile_hi, num_stages=EXPAND_STAGES if EXPAND_STAGES > 1 else None):
+            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < N
+            b, old = _expand_load(b_base, o_base, offs_r, r_ld, r_ok, offs_n, n_ok, row_ok, stride_bn, stride_on,
+                                  RANK_ALIGN)
+            _expand_tile(t, b, old, o_base, offs_n, n_ok, row_scale, row_ok, stride_on, DOT_PRECISION, UPCAST)
+            if SLICES == 2:
+                b_u, old_u = _expand_load(b_base + stride_bs, o_base + stride_os, offs_r, r_ld_u, r_ok_u, offs_n,
+                                          n_ok, row_ok_u, stride_bn, stride_on, RANK_ALIGN)
+                _expand_tile(t_u, b_u, old_u, o_base + stride_os, offs_n, n_ok, row_scale_u, row_ok_u, stride_on,
+                             DOT_PRECISION, UPCAST)

@@ -28,14 +28,14 @@ from moelora_kernels._common import interpreting
 INTERPRETER_CONFIG: dict[str, int] = {
     "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "BLOCK_S": 32, "N_SPLIT": 1, "FUSED": 1, "SPLIT_K": 1,
     "ALIGN_SPLIT": 1, "SLICES_PER_PROGRAM": 1, "LORA_SLOT_GROUP": 0, "FLAT_GRID": 1, "EXPAND_LOADS": 2,
-    "num_warps": 4, "num_stages": 1,
+    "EXPAND_STREAM": 0, "num_warps": 4, "num_stages": 1,
 }
 
 #: Used on a GPU when no table entry matches (and as the base every entry overrides).
 GPU_FALLBACK_CONFIG: dict[str, int] = {
     "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_S": 32, "N_SPLIT": 1, "FUSED": 1, "SPLIT_K": 1,
     "ALIGN_SPLIT": 1, "SLICES_PER_PROGRAM": 1, "LORA_SLOT_GROUP": 0, "FLAT_GRID": 1, "EXPAND_LOADS": 0,
-    "num_warps": 4, "num_stages": 3,
+    "EXPAND_STREAM": 0, "num_warps": 4, "num_stages": 3,
 }
 
 _CONFIG_DIR = Path(__file__).parent / "configs"
@@ -70,6 +70,9 @@ def kernel_config(op: str, *, rows: int, N: int | None = None, K: int | None = N
             ``moe_lora_shrink``, ``moe_lora_expand`` and ``fused_moe_lora`` lays the used blocks of
             all slots on one grid axis instead of a (block, slot) grid; ``fused_moe_lora``'s
             ``EXPAND_LOADS`` (0, 1, 2) says when each expand tile's B and old output are loaded;
+            ``EXPAND_STREAM`` (0-4) of ``moe_lora_expand`` and ``fused_moe_lora``, how the expand
+            reads its factor tiles (0: exact rank masks; 1: 16-byte loads; >= 2: also a pipelined
+            expand loop that many stages deep, ``moelora_kernels.expand_stream``);
             ``moe_lora_align_block_size`` / ``moe_align_block_size``, whose ``ALIGN_SPLIT`` is the
             alignment's programs per slot).
         rows: host row count the launch is sized for (a capacity in graph mode).

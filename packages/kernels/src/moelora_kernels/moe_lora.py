@@ -15,6 +15,13 @@ parts``, both gate_up slices in one program), or with the config key ``FLAT_GRID
 the used blocks of all slots, 1, …)``, each program finding its (block, slot) on the device;
 programs of disabled slots, rank-0 modules, unused and -1 blocks exit at once. No launcher reads a
 device value.
+
+The config key ``EXPAND_STREAM`` of ``moe_lora_expand`` and ``fused_moe_lora``
+(:mod:`moelora_kernels.expand_stream`) says how the expand reads its factor tiles: 0 masks them at
+each slot's exact rank; >= 1 rounds the load mask up to 8 rank columns where the pool's R allows it,
+so t and B come in 16-byte loads (the columns past the rank set to 0 in registers: the result is the
+same bit for bit); >= 2 also software-pipelines the fused kernel's expand loop that many stages deep
+(``_moe_lora_kernels`` module docstring: ``RANK_ALIGN``, ``EXPAND_STAGES``).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from moelora_kernels._common import (
 )
 from moelora_kernels._moe_lora_kernels import _fused_moe_lora_kernel, _moe_lora_expand_kernel, _moe_lora_shrink_kernel
 from moelora_kernels.configs import kernel_config
+from moelora_kernels.expand_stream import check_expand_stream, expand_stages, rank_align
 from moelora_kernels.fused_moe import used_blocks_bound
 
 STAGES: tuple[str, ...] = ("gate_up", "down")
@@ -314,12 +322,17 @@ def fused_moe_lora_expand(
         layout: gate_up's columns in ``out``: "halves" (gate [:I], up [I:]) or "interleaved"
             (GPT-OSS: gate 2i, up 2i + 1); ignored by "down".
 
+    Block config (table ``moe_lora_expand``, or ``config``): ``BLOCK_N``, ``FLAT_GRID``,
+    ``EXPAND_STREAM`` (>= 1 loads t and B in 16-byte vectors; one tile per program, so no loop to
+    pipeline), ``num_warps``, ``num_stages``.
+
     Returns:
         ``out``.
 
     Raises:
         KernelPreconditionError: as the shrink; a missing (down) or extra (gate_up) topk_weights; an
-            unknown layout.
+            unknown layout; ``EXPAND_STREAM`` not a value of
+            :data:`~moelora_kernels.expand_stream.EXPAND_STREAM` (nothing is written).
     """
     check_tensor("intermediate", intermediate, dtypes=FLOAT_DTYPES, unit_last_stride=True)
     if intermediate.dim() == 4:
@@ -346,6 +359,7 @@ def fused_moe_lora_expand(
     if st.num_pairs == 0:
         return out
     cfg = kernel_config("moe_lora_expand", rows=st.num_pairs, N=N, R=st.rank_bound, overrides=config)
+    stream = check_expand_stream(cfg)
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
     grid, flat = st.block_grid(cfg, "fused_moe_lora_expand", st.slices * n_tiles)
     b = st.lora
@@ -360,7 +374,7 @@ def fused_moe_lora_expand(
         align.sorted_token_ids.stride(0), align.expert_ids.stride(0), st.ranks.stride(0), st.scalings.stride(0),
         flat["L"], flat["slot_blocks_bound"],
         BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_N=cfg["BLOCK_N"], SPLIT_K=split_k,
-        FLAT_GRID=flat["FLAT_GRID"], BLOCK_L=flat["BLOCK_L"],
+        FLAT_GRID=flat["FLAT_GRID"], BLOCK_L=flat["BLOCK_L"], RANK_ALIGN=rank_align(stream, R),
         HAS_ENABLED=adapter_enabled is not None, MUL_ROUTED_WEIGHT=weights is not None,
         **gemm_launch_options(dtype, tf32, cfg),
     )
@@ -391,8 +405,11 @@ def fused_moe_lora(
     ``BLOCK_N``, ``N_SPLIT`` (programs sharing one block's N columns), ``SLICES_PER_PROGRAM`` (1: one
     program per block and slice; 2: one program per block does both gate_up slices, loading each x
     tile once for gate and up; a one-slice stage, "down", runs 2 as 1), ``EXPAND_LOADS`` (when each
-    expand tile's B and old output are loaded: :data:`EXPAND_LOADS`), ``num_warps``,
-    ``num_stages``. The result does not depend on them beyond the fp32 summation order.
+    expand tile's B and old output are loaded: :data:`EXPAND_LOADS`), ``EXPAND_STREAM`` (how the
+    expand reads B; >= 2 pipelines the expand loop as deep as fits an sm_90 block's shared memory,
+    :func:`~moelora_kernels.expand_stream.expand_stages`, and leaves ``EXPAND_LOADS`` unused),
+    ``num_warps``, ``num_stages``. The result does not depend on them beyond the fp32 summation
+    order (on ``EXPAND_LOADS`` and ``EXPAND_STREAM`` not even on that).
 
     Args: as :func:`fused_moe_lora_shrink` (x, lora_a) and :func:`fused_moe_lora_expand` (lora_b,
     out, scalings, topk_weights, layout). The rank bound of both factors is ``max_rank`` (or R).
@@ -403,7 +420,8 @@ def fused_moe_lora(
     Raises:
         KernelPreconditionError: as the shrink and the expand; A and B of different pools;
             ``SLICES_PER_PROGRAM`` not one of :data:`SLICES_PER_PROGRAM`; ``EXPAND_LOADS`` not one of
-            :data:`EXPAND_LOADS` (nothing is written).
+            :data:`EXPAND_LOADS`; ``EXPAND_STREAM`` not a value of
+            :data:`~moelora_kernels.expand_stream.EXPAND_STREAM` (nothing is written).
     """
     device, dtype = _check_x(x, stage)
     st = _Stage(stage, x.shape[0], lora_a, ranks, scalings, align, top_k, None, adapter_enabled, max_rank,
@@ -427,6 +445,9 @@ def fused_moe_lora(
     loads = cfg["EXPAND_LOADS"]
     if type(loads) is not int or loads not in EXPAND_LOADS:
         raise KernelPreconditionError(f"EXPAND_LOADS: must be one of {EXPAND_LOADS}, got {loads!r}")
+    stream = check_expand_stream(cfg)
+    stages = expand_stages(stream, slices=spp, block_m=st.block_m, block_r=st.block_r, block_n=cfg["BLOCK_N"],
+                           b_bytes=b.element_size(), out_bytes=out2.element_size())
     grid, flat = st.block_grid(cfg, "fused_moe_lora", st.slices // spp * cfg["N_SPLIT"])
     _fused_moe_lora_kernel[grid](
         x, a, b, out2, weights if weights is not None else st.scalings,
@@ -441,7 +462,9 @@ def fused_moe_lora(
         flat["L"], flat["slot_blocks_bound"],
         BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"],
         N_SPLIT=cfg["N_SPLIT"], SLICES=spp, FLAT_GRID=flat["FLAT_GRID"], BLOCK_L=flat["BLOCK_L"],
-        EXPAND_LOADS=loads, HAS_ENABLED=adapter_enabled is not None, MUL_ROUTED_WEIGHT=weights is not None,
+        EXPAND_LOADS=loads, RANK_ALIGN=rank_align(stream, R), EXPAND_STAGES=stages,
+        HAS_ENABLED=adapter_enabled is not None,
+        MUL_ROUTED_WEIGHT=weights is not None,
         **gemm_launch_options(dtype, tf32, cfg),
     )
     return out
