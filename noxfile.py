@@ -108,13 +108,14 @@ MAIN_CHECKS = {
     "e2e-reference": ["e2e", "--fixtures", "{fixtures}", "--backend", "reference",
                       "--json", "{reports}/e2e-reference.json"],
     # the kernel backends on a 16-request workload, eagerly and in one prefill graph mode each (with the
-    # decode graph); every family x mode and E06 in conformance-full
+    # decode graph); prompts up to 56 tokens, past the largest prefill bucket (48), so E04 has a step beyond
+    # capacity; every family x mode and E06 in conformance-full
     "e2e-triton": ["e2e", "--fixtures", "{fixtures}", "--backend", "triton", "--families", "qwen3_moe",
-                   "--modes", "eager,full", "--requests", "16", "--max-new-tokens", "4", "--max-prompt-tokens", "40",
+                   "--modes", "eager,full", "--requests", "16", "--max-new-tokens", "4", "--max-prompt-tokens", "56",
                    "--state-machine-examples", "0", "--json", "{reports}/e2e-triton.json"],
     "e2e-csgmv": ["e2e", "--fixtures", "{fixtures}", "--backend", "csgmv", "--families", "mixtral",
                   "--modes", "eager,breakable", "--requests", "16", "--max-new-tokens", "4",
-                  "--max-prompt-tokens", "40", "--state-machine-examples", "0", "--json", "{reports}/e2e-csgmv.json"],
+                  "--max-prompt-tokens", "56", "--state-machine-examples", "0", "--json", "{reports}/e2e-csgmv.json"],
     # every fixture model on the reference backend in every layer mode (readers, layout adapters, HF + PEFT)
     "checkpoint-pass-reference": ["checkpoint-pass", "--fixtures", "{fixtures}", "--backends", "reference",
                                   "--json", "{reports}/checkpoint-pass-reference.json"],
