@@ -14,6 +14,9 @@ are filled on demand), serves the requests, and writes one output line per reque
 Exit status: 0 when every request finished, 1 when any request failed (the others are still written),
 2 on a usage error — bad arguments, an unreadable request file or checkpoint, an adapter refused at
 start-up (its error class and message on stderr) — where nothing is served and no output is written.
+A no-op adapter (peft's default ``init_lora_weights=True`` saves lora_B = 0) is served, with a
+warning on stderr at load (``moelora: warning: adapter 'x' is a no-op: ...``; the rule is
+``moelora_core.checkpoint.adapter_effect``), as are the reader's notes on a config.
 
 ``--tp N`` / ``--ep N`` (:mod:`moelora_runner.parallel`): started as a plain command, ``generate``
 checks the layout against the model's config (a refusal exits 2 before any worker starts), then
@@ -29,8 +32,10 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
+from moelora_core.checkpoint import AdapterWarning
 from moelora_core.errors import MoeLoraError
 from moelora_core.layer_spec import EXPERT_LAYOUTS
 from moelora_runner.graph_config import PREFILL_MODES
@@ -181,12 +186,18 @@ def serve(args: argparse.Namespace, rank: int = 0) -> int:
                         decode_batch_buckets=args.decode_batch_buckets)
     except MoeLoraError as exc:
         return _fail(f"moelora: cannot start: {type(exc).__name__}: {exc}")
+    notes = []
     for name, path in args.adapter:
         try:
-            engine.load_adapter(name, path)
+            with warnings.catch_warnings():  # printed below as one line each, not as Python warnings
+                warnings.simplefilter("ignore", AdapterWarning)
+                engine.load_adapter(name, path)
         except MoeLoraError as exc:
             return _fail(f"moelora: adapter {name!r} refused: {type(exc).__name__}: {exc}")
+        notes += engine.adapter_warnings(name)
     console = Console(stderr=True, quiet=not lead)
+    for note in notes:  # a no-op adapter is served, and named (moelora_core.checkpoint.adapter_effect)
+        console.print(f"moelora: warning: {note}", style="yellow", highlight=False, soft_wrap=True)
     console.print(cli_report.sizing_line(engine), highlight=False, soft_wrap=True)
     server = None
     if args.metrics_port is not None and lead:
