@@ -16,14 +16,23 @@ Outcomes (:data:`OUTCOMES`, fixed; DESIGN.md §7):
 - ``passed``: the item ran to the end and every check held;
 - ``failed``: a check failed, or setup / teardown raised, or the process running it crashed;
 - ``xfailed`` / ``xpassed``: a manifest entry's item failed as expected / passed (strict: the run fails);
+- ``partial``: the claim held, but not every one of its coverage items was met (the record's
+  ``coverage``: item → "met" / "not met (...)" / "not applicable ..."; the e2e suite's E05);
+- ``not_meaningful``: the claim held, but relied only on no-op adapters, so it proves the base model
+  only (the record's ``reason`` names them);
 - ``not_run``: collected but never finished — cut off by a time budget, an interrupt or a timeout,
-  or skipped for a reason other than a capability (e.g. a missing optional package);
+  or skipped for a reason other than a capability (e.g. a missing optional package); its ``reason``
+  says why wherever one is known;
 - ``not_implemented``: skipped because the backend does not declare the capability;
 - ``not_applicable``: a matrix cell for a mode the property does not have (no record is written).
 
 An item starts as ``not_run`` when it is collected and becomes ``passed`` only when its call phase
 passed: nothing that did not finish is ever reported as passed. JUnit XML comes from pytest's own
 ``--junitxml``.
+
+``partial`` and ``not_meaningful`` are *not proven*: not failures (a run with them exits 0), but listed
+apart — under "Not proven" in the matrix and in the summary line, each coverage item met or not met —
+and, with ``--require-coverage``, they fail the run (exit 1; :func:`exit_status`).
 """
 
 from __future__ import annotations
@@ -42,21 +51,24 @@ from moelora_conformance.strategies.suite import FAMILY_MODES, LAYER_MODES
 #: renders either).
 PROPERTIES = {**LAYER_PROPERTIES, **E2E_PROPERTIES}
 
-OUTCOMES = ("passed", "failed", "xfailed", "xpassed", "not_run", "not_implemented", "not_applicable")
+OUTCOMES = ("passed", "failed", "xfailed", "xpassed", "partial", "not_meaningful", "not_run", "not_implemented",
+            "not_applicable")
 #: Outcomes of an item that executed (its call phase ran to a verdict).
-EXECUTED = frozenset({"passed", "failed", "xfailed", "xpassed"})
+EXECUTED = frozenset({"passed", "failed", "xfailed", "xpassed", "partial", "not_meaningful"})
 #: Outcomes that fail a run.
 UNEXPECTED = frozenset({"failed", "xpassed"})
+#: Outcomes of claims that held but are not proven: a run fails on them only with ``--require-coverage``.
+NOT_PROVEN = frozenset({"partial", "not_meaningful"})
 #: Words of reports written before the outcomes were fixed → today's word.
 _LEGACY = {"not implemented": "not_implemented", "error": "failed", "skipped": "not_run"}
 #: Column order of the matrix.
 MODE_ORDER = (*LAYER_MODES, *(m for m in FAMILY_MODES if m not in LAYER_MODES),
               *(m for m in (*E2E_MODES, MIXED_MODE) if m not in LAYER_MODES))
 _SHORT = {"passed": "pass", "failed": "FAIL", "xfailed": "xfail", "xpassed": "XPASS", "not_run": "not run",
-          "not_implemented": "n/i", "not_applicable": "–"}
+          "not_implemented": "n/i", "not_applicable": "–", "partial": "partial", "not_meaningful": "not meaningful"}
 #: Severity for summarising a cell: the worst outcome wins.
-_RANK = {"failed": 0, "xpassed": 1, "not_run": 2, "xfailed": 3, "not_implemented": 4, "passed": 5,
-         "not_applicable": 6}
+_RANK = {"failed": 0, "xpassed": 1, "not_run": 2, "not_meaningful": 3, "partial": 4, "xfailed": 5,
+         "not_implemented": 6, "passed": 7, "not_applicable": 8}
 
 
 #: Prefix of the skip reason of an undeclared capability (the outcome "not_implemented").
@@ -150,6 +162,88 @@ def not_run(report: dict) -> list[dict]:
     return [r for r in report["records"] if r["outcome"] == "not_run"]
 
 
+def not_proven(report: dict) -> list[dict]:
+    """Records of claims that held but are not proven (:data:`NOT_PROVEN`)."""
+    return [r for r in report["records"] if r["outcome"] in NOT_PROVEN]
+
+
+def exit_status(reports: Sequence[dict], *, require_coverage: bool = False) -> int:
+    """The exit status of a run with these reports (the run's own, and ``moelora-conformance report``'s):
+    1 an unexpected failure or a stale manifest entry (:data:`UNEXPECTED`), or — with ``require_coverage``
+    — a claim not proven (:data:`NOT_PROVEN`); 5 nothing executed; else 0 (every failure expected by the
+    manifest)."""
+    records = [r for rep in reports for r in rep["records"]]
+    if any(r["outcome"] in UNEXPECTED for r in records):
+        return 1
+    if require_coverage and any(r["outcome"] in NOT_PROVEN for r in records):
+        return 1
+    if not any(r["outcome"] in EXECUTED for r in records):
+        return 5
+    return 0
+
+
+def _modes_of(records: Sequence[dict]) -> str:
+    return ", ".join(dict.fromkeys(r["mode"] for r in records))
+
+
+def _grouped(records: Sequence[dict], key) -> list[tuple[tuple, list[dict]]]:
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault(key(r), []).append(r)
+    return list(groups.items())
+
+
+def coverage_text(coverage: dict[str, str], names: dict[str, str] | None = None) -> str:
+    """A record's coverage items, not met first: ``not met: 64 ragged requests (16 requests); ... · met: base
+    requests, ... · not applicable: ...``; ``names``: item id → its words in the claim (else the id)."""
+    names = names or {}
+    unmet = [f"{names.get(item, item)} {state.removeprefix('not met ')}".strip() for item, state in coverage.items()
+             if state.startswith("not met")]
+    met = [names.get(item, item) for item, state in coverage.items() if state == "met"]
+    other = [f"{names.get(item, item)} ({state})" for item, state in coverage.items()
+             if not state.startswith("not met") and state != "met"]
+    parts = [f"not met: {'; '.join(unmet)}" if unmet else "", f"met: {', '.join(met)}" if met else "",
+             f"not applicable: {'; '.join(other)}" if other else ""]
+    return " · ".join(p for p in parts if p)
+
+
+def not_proven_lines(report: dict) -> list[str]:
+    """One line per not-proven claim of ``report`` (modes with the same verdict merged): the outcome and,
+    for ``partial``, each coverage item met / not met; for ``not_meaningful``, why."""
+    lines = []
+    key = (lambda r: (r["property"], r["dtype"], r.get("model", ""), r["outcome"], r.get("reason") or r.get("message"),
+                      tuple((r.get("coverage") or {}).items())))
+    for (pid, dtype, model, outcome, reason, coverage), recs in _grouped(not_proven(report), key):
+        where = f"{pid} [{_modes_of(recs)}; {dtype}{'; ' + model if model else ''}]"
+        names = (recs[0].get("details") or {}).get("items")
+        detail = coverage_text(dict(coverage), names) if coverage else reason
+        lines.append(f"{where} {_SHORT[outcome]}: {detail}")
+    return lines
+
+
+def not_run_lines(report: dict) -> list[str]:
+    """One line per reason a claim did not run (items with the same reason merged), the reason first."""
+    lines = []
+    key = (lambda r: (r["property"], r.get("reason") or "did not finish (cut off: a time budget, an interrupt or a "
+                                                        "crash)"))
+    for (pid, reason), recs in _grouped(not_run(report), key):
+        lines.append(f"{pid} [{_modes_of(recs)}] not run: {reason}")
+    return lines
+
+
+def summary_line(report: dict) -> str:
+    """Outcome counts, and the not-proven claims by outcome (``... ; not proven: 4 (E05 partial × 4)``)."""
+    counts = ", ".join(f"{n} {o}" for o, n in summarize(report["records"]).items())
+    held = not_proven(report)
+    if not held:
+        return counts
+    by = {}
+    for r in held:
+        by[(r["property"], r["outcome"])] = by.get((r["property"], r["outcome"]), 0) + 1
+    return counts + f"; not proven: {len(held)} (" + ", ".join(
+        f"{pid} {_SHORT[o]} × {n}" for (pid, o), n in by.items()) + ")"
+
+
 def applicable(pid: str, mode: str) -> bool:
     """Whether property ``pid`` has ``mode`` (unknown properties: assume so)."""
     p = PROPERTIES.get(pid)
@@ -179,7 +273,8 @@ def _shown(record: dict) -> str:
 
 
 #: Which of two records of one item a merged report keeps: the more decisive one.
-_MERGE_RANK = {"failed": 0, "xpassed": 1, "passed": 2, "xfailed": 2, "not_implemented": 3, "not_run": 4}
+_MERGE_RANK = {"failed": 0, "xpassed": 1, "passed": 2, "xfailed": 2, "partial": 2, "not_meaningful": 2,
+               "not_implemented": 3, "not_run": 4}
 
 
 def merge_reports(reports: Sequence[dict]) -> list[dict]:
@@ -209,12 +304,21 @@ def merge_reports(reports: Sequence[dict]) -> list[dict]:
     return list(merged.values())
 
 
+def _selected_modes(rep: dict) -> set[str] | None:
+    """The modes an e2e run was asked for (``--modes``; its state machine's "mixed" too), or None (every mode:
+    the layer suite, whose unselected items a split run may still cover)."""
+    modes = (rep.get("config") or {}).get("modes") if rep.get("suite") == "e2e" else None
+    return None if modes is None else {*modes, MIXED_MODE}
+
+
 def _grid(reports: Sequence[dict]) -> tuple[list[str], list[tuple[str, str, list[str]]]]:
     """(mode columns, rows of (property id, backend, cells)) over the merged reports."""
     modes_seen = {r["mode"] for rep in reports for r in rep["records"]}
-    # every mode of the properties present: a mode that never ran shows as "not run", not as absent
+    # every mode of the properties present: a mode that never ran shows as "not run", not as absent (an e2e
+    # run's modes that were not asked for are left out)
     modes_seen |= {m for rep in reports for r in rep["records"] if r["property"] in PROPERTIES
-                   for m in PROPERTIES[r["property"]].modes}
+                   for m in PROPERTIES[r["property"]].modes
+                   if _selected_modes(rep) is None or m in _selected_modes(rep)}
     columns = [m for m in MODE_ORDER if m in modes_seen] + sorted(modes_seen - set(MODE_ORDER))
     rows = []
     for pid in sorted({r["property"] for rep in reports for r in rep["records"]}):
@@ -235,18 +339,20 @@ def _title(pid: str) -> str:
 
 def _backend_line(rep: dict) -> str:
     b = rep["backend"]
-    counts = ", ".join(f"{n} {o}" for o, n in summarize(rep["records"]).items())
     runs = f", {rep['runs']} runs merged" if rep.get("runs", 1) > 1 else ""
     return (f"{b['name']} {b.get('version', '')} ({b.get('target', '')}) — profile {rep.get('profile')}, "
-            f"device {rep.get('device')}, {rep.get('duration', 0):.0f} s{runs}: {counts}")
+            f"device {rep.get('device')}, {rep.get('duration', 0):.0f} s{runs}: {summary_line(rep)}")
 
 
 LEGEND = ("pass: every dtype passed · FAIL: an unexpected failure · FAIL (oracle): one of the property's batches "
           "failed the standard checks every run gets (oracle, base rows, pad rows: P01's kind of fault) before the "
           "property's own claim was checked · xfail: an expected failure (manifest) · XPASS: a manifest entry that "
-          "passed (stale) · not run: collected but never finished (time budget, interrupt, crash) or not started "
-          "(a missing optional package, a split run that did not select it) · n/i: not implemented (capability "
-          "not declared) · –: not applicable (the property has no such mode)")
+          "passed (stale) · partial: held, but not every coverage item was met (not proven: listed below, each item "
+          "met / not met) · not meaningful: held only with no-op adapters, so it proves the base model only (not "
+          "proven) · not run: collected but never finished (time budget, interrupt, crash) or not started "
+          "(a missing optional package, a split run that did not select it, nothing exercised it), with its reason "
+          "below · n/i: not implemented (capability not declared) · –: not applicable (the property has no such "
+          "mode)")
 
 
 def _suite_name(reports: Sequence[dict]) -> str:
@@ -272,12 +378,16 @@ def matrix_markdown(reports: Sequence[dict]) -> str:
         for r in bad:
             lines.append(f"- **{rep['backend']['name']} {r['test']}**: {r.get('message', '')}")
             lines += [f"  - {key}: `{cmd}`" for key, cmd in repro_lines(r)]
-        cut = not_run(rep)
-        if cut:
-            lines.append(f"- {rep['backend']['name']}: {len(cut)} items not run: "
-                         + ", ".join(r["test"] for r in cut[:8]) + (" ..." if len(cut) > 8 else ""))
         for entry in rep.get("manifest_unmatched", []):
             lines.append(f"- {rep['backend']['name']}: manifest entry matched nothing: {entry}")
+    for title, of in (("Not proven", not_proven_lines), ("Not run", not_run_lines)):
+        found = [(rep, line) for rep in reports for line in of(rep)]
+        if found:
+            lines += ["", f"## {title}", ""]
+            lines += [f"- {rep['backend']['name']} {line}" if multi else f"- {line}" for rep, line in found]
+    warned = [w for rep in reports for w in rep.get("adapter_warnings", [])]
+    if warned:
+        lines += ["", "## Adapter warnings", "", *(f"- {w}" for w in dict.fromkeys(warned))]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -309,7 +419,7 @@ def matrix_rich(reports: Sequence[dict], console=None) -> None:
     for c in columns:
         table.add_column(c, justify="center")
     style = {"pass": "green", "FAIL": "bold red", "XPASS": "bold red", "xfail": "yellow", "not run": "bold yellow",
-             "n/i": "dim", "–": "dim"}
+             "n/i": "dim", "–": "dim", "partial": "yellow", "not meaningful": "yellow"}
     for pid, backend, cells in rows:
         styled = [f"[{style.get(c, 'red' if 'FAIL' in c or 'XPASS' in c else 'white')}]{c}[/]" for c in cells]
         table.add_row(_title(pid), *([backend] if multi else []), *styled)
@@ -321,8 +431,8 @@ def matrix_rich(reports: Sequence[dict], console=None) -> None:
             console.print(f"[bold red]{rep['backend']['name']} {r['test']}[/]: {r.get('message', '')}")
             for key, cmd in repro_lines(r):
                 console.print(f"  {key}: {cmd}", soft_wrap=True)
-        cut = not_run(rep)
-        if cut:
-            console.print(f"[bold yellow]{rep['backend']['name']}: {len(cut)} items not run[/]")
+        for title, of in (("not proven", not_proven_lines), ("not run", not_run_lines)):
+            for line in of(rep):
+                console.print(f"[yellow]{rep['backend']['name']} {title}:[/] {line}", soft_wrap=True, highlight=False)
         for entry in rep.get("manifest_unmatched", []):
             console.print(f"[yellow]{rep['backend']['name']}: manifest entry matched nothing: {entry}[/]")
