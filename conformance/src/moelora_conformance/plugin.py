@@ -337,7 +337,7 @@ def _summarize_failure(item: pytest.Item, call: pytest.CallInfo, report: pytest.
                         caps_profile=state.caps_profile, hypothesis_seed=state.seed,
                         blobs=[extract_blob(f) for f in failures], traces=[support.trace_lines(f) for f in failures],
                         messages=[first_line(f) for f in failures], derandomized=state.derandomized,
-                        max_examples=state.max_examples)
+                        max_examples=state.max_examples, no_shrink=item.config.getoption("moelora_no_shrink"))
     full = str(report.longrepr)
     log = RunLog(state.log) if state.log is not None else None
     if log is not None:
