@@ -213,6 +213,8 @@ def run_model(backend: str, model_dir: Path, adapters: dict[str, Path], *, confi
         effects_known = True
         for n in sorted(adapters):
             effect = engine.adapter_effect(n)
+            if effect is None:  # an engine whose adapter pool did not measure it
+                continue
             if effect.noop:
                 noop[n] = effect.reason()
             for message in effect.warnings():

@@ -307,11 +307,12 @@ class Engine:
 
     @staticmethod
     def _warn(entry) -> None:
-        for message in entry.effect.warnings():
+        for message in entry.effect.warnings() if entry.effect is not None else ():
             warnings.warn(message, AdapterWarning, stacklevel=3)
 
-    def adapter_effect(self, name: str) -> AdapterEffect:
-        """What registered adapter ``name`` changes: per module its delta on the probe, the no-op verdict.
+    def adapter_effect(self, name: str) -> AdapterEffect | None:
+        """What registered adapter ``name`` changes: per module its delta on the probe, the no-op verdict
+        (None only for an entry a custom adapter pool registered without measuring it).
 
         Raises:
             UnknownAdapterError: not registered.
@@ -321,7 +322,8 @@ class Engine:
     def adapter_warnings(self, name: str) -> tuple[str, ...]:
         """The warnings :meth:`load_adapter` issued for ``name`` (empty for an adapter that changes every
         module it holds and whose config the reader served as written)."""
-        return self.adapter_effect(name).warnings()
+        effect = self.adapter_effect(name)
+        return () if effect is None else effect.warnings()
 
     def unload_adapter(self, name: str) -> None:
         """Forget ``name`` and zero its slot.
