@@ -16,8 +16,8 @@ Both exit 2 when the ``fixtures`` extra (transformers + peft) is not installed.
 The conformance suite's own subcommands:
 
 - ``run --backend X [--backend Y ...] --profile P [--manifest [X=]M] [--max-examples [X=]N]
-  [--json out.json]``: run the suite on each backend in a subprocess and print the support matrix
-  with rich; exit 1 on any unexpected failure (what ``nox -s conformance`` calls).
+  [--json out.json] [--require-coverage]``: run the suite on each backend in a subprocess and print the
+  support matrix with rich; exit 1 on any unexpected failure (what ``nox -s conformance`` calls).
 - ``report results.json [...] [--output matrix.md] [--require-coverage]``: render the support matrix of
   JSON reports as Markdown; exit as the runs did (1 an unexpected failure or a stale manifest entry —
   or, with ``--require-coverage``, a claim not proven —, 5 nothing ran, else 0).
@@ -185,12 +185,14 @@ def _run(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--max-examples", action="append", default=None,
                         help="examples per property item: N for every backend, or BACKEND=N (repeatable)")
     parser.add_argument("-n", "--workers", type=int, default=None, help="pytest-xdist workers per run")
+    parser.add_argument("--require-coverage", action="store_true",
+                        help="a claim not proven (partial, not meaningful) fails the run (exit 1), as in e2e")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
 
     def run(args: argparse.Namespace) -> int:
         import os
 
-        from moelora_conformance.report import matrix_markdown, matrix_rich, unexpected_failures
+        from moelora_conformance.report import exit_status, matrix_markdown, matrix_rich, unexpected_failures
         from moelora_conformance.session import run_suite
 
         profile = args.profile or os.environ.get("MOELORA_PROFILE", "dev")
@@ -218,6 +220,8 @@ def _run(parser: argparse.ArgumentParser) -> Handler:
             matrix_rich(reports)
             if args.markdown:
                 args.markdown.write_text(matrix_markdown(reports))
+            if args.require_coverage and exit_status(reports, require_coverage=True) == 1:
+                status = 1
         return status
 
     return run
