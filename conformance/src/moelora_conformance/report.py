@@ -32,18 +32,35 @@ passed: nothing that did not finish is ever reported as passed. JUnit XML comes 
 
 ``partial`` and ``not_meaningful`` are *not proven*: not failures (a run with them exits 0), but listed
 apart — under "Not proven" in the matrix and in the summary line, each coverage item met or not met —
-and, with ``--require-coverage``, they fail the run (exit 1; :func:`exit_status`).
+and, with ``--require-coverage``, they fail the run (exit 1; :func:`exit_status`). The outcome words, the
+exit status and the not proven / not run lists are :mod:`moelora_conformance.outcomes` (re-exported here).
 """
 
 from __future__ import annotations
 
 import json
-from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 from moelora_conformance.e2e.properties import E2E_PROPERTIES
 from moelora_conformance.e2e.results import E2E_MODES, MIXED_MODE
+from moelora_conformance.outcomes import (  # noqa: F401 (re-exported: the report's outcome words)
+    EXECUTED,
+    NOT_PROVEN,
+    OUTCOMES,
+    SHORT,
+    UNEXPECTED,
+    coverage_text,
+    exit_status,
+    not_proven,
+    not_proven_lines,
+    not_run,
+    not_run_lines,
+    summarize,
+    summary_line,
+    unexpected_failures,
+)
 from moelora_conformance.properties.registry import PROPERTIES as LAYER_PROPERTIES
 from moelora_conformance.strategies.suite import FAMILY_MODES, LAYER_MODES
 
@@ -51,21 +68,11 @@ from moelora_conformance.strategies.suite import FAMILY_MODES, LAYER_MODES
 #: renders either).
 PROPERTIES = {**LAYER_PROPERTIES, **E2E_PROPERTIES}
 
-OUTCOMES = ("passed", "failed", "xfailed", "xpassed", "partial", "not_meaningful", "not_run", "not_implemented",
-            "not_applicable")
-#: Outcomes of an item that executed (its call phase ran to a verdict).
-EXECUTED = frozenset({"passed", "failed", "xfailed", "xpassed", "partial", "not_meaningful"})
-#: Outcomes that fail a run.
-UNEXPECTED = frozenset({"failed", "xpassed"})
-#: Outcomes of claims that held but are not proven: a run fails on them only with ``--require-coverage``.
-NOT_PROVEN = frozenset({"partial", "not_meaningful"})
 #: Words of reports written before the outcomes were fixed → today's word.
 _LEGACY = {"not implemented": "not_implemented", "error": "failed", "skipped": "not_run"}
 #: Column order of the matrix.
 MODE_ORDER = (*LAYER_MODES, *(m for m in FAMILY_MODES if m not in LAYER_MODES),
               *(m for m in (*E2E_MODES, MIXED_MODE) if m not in LAYER_MODES))
-_SHORT = {"passed": "pass", "failed": "FAIL", "xfailed": "xfail", "xpassed": "XPASS", "not_run": "not run",
-          "not_implemented": "n/i", "not_applicable": "–", "partial": "partial", "not_meaningful": "not meaningful"}
 #: Severity for summarising a cell: the worst outcome wins.
 _RANK = {"failed": 0, "xpassed": 1, "not_run": 2, "not_meaningful": 3, "partial": 4, "xfailed": 5,
          "not_implemented": 6, "passed": 7, "not_applicable": 8}
@@ -146,104 +153,6 @@ def load_report(path: str | Path) -> dict:
     return data
 
 
-def summarize(records: Iterable[dict]) -> dict[str, int]:
-    """Outcome → count (in :data:`OUTCOMES` order)."""
-    counts = Counter(r["outcome"] for r in records)
-    return {o: counts[o] for o in OUTCOMES if counts[o]}
-
-
-def unexpected_failures(report: dict) -> list[dict]:
-    """Records that fail the run: ``failed`` and ``xpassed`` (a stale manifest entry)."""
-    return [r for r in report["records"] if r["outcome"] in UNEXPECTED]
-
-
-def not_run(report: dict) -> list[dict]:
-    """Records of items that were collected and never finished."""
-    return [r for r in report["records"] if r["outcome"] == "not_run"]
-
-
-def not_proven(report: dict) -> list[dict]:
-    """Records of claims that held but are not proven (:data:`NOT_PROVEN`)."""
-    return [r for r in report["records"] if r["outcome"] in NOT_PROVEN]
-
-
-def exit_status(reports: Sequence[dict], *, require_coverage: bool = False) -> int:
-    """The exit status of a run with these reports (the run's own, and ``moelora-conformance report``'s):
-    1 an unexpected failure or a stale manifest entry (:data:`UNEXPECTED`), or — with ``require_coverage``
-    — a claim not proven (:data:`NOT_PROVEN`); 5 nothing executed; else 0 (every failure expected by the
-    manifest)."""
-    records = [r for rep in reports for r in rep["records"]]
-    if any(r["outcome"] in UNEXPECTED for r in records):
-        return 1
-    if require_coverage and any(r["outcome"] in NOT_PROVEN for r in records):
-        return 1
-    if not any(r["outcome"] in EXECUTED for r in records):
-        return 5
-    return 0
-
-
-def _modes_of(records: Sequence[dict]) -> str:
-    return ", ".join(dict.fromkeys(r["mode"] for r in records))
-
-
-def _grouped(records: Sequence[dict], key) -> list[tuple[tuple, list[dict]]]:
-    groups: dict[tuple, list[dict]] = {}
-    for r in records:
-        groups.setdefault(key(r), []).append(r)
-    return list(groups.items())
-
-
-def coverage_text(coverage: dict[str, str], names: dict[str, str] | None = None) -> str:
-    """A record's coverage items, not met first: ``not met: 64 ragged requests (16 requests); ... · met: base
-    requests, ... · not applicable: ...``; ``names``: item id → its words in the claim (else the id)."""
-    names = names or {}
-    unmet = [f"{names.get(item, item)} {state.removeprefix('not met ')}".strip() for item, state in coverage.items()
-             if state.startswith("not met")]
-    met = [names.get(item, item) for item, state in coverage.items() if state == "met"]
-    other = [f"{names.get(item, item)} ({state})" for item, state in coverage.items()
-             if not state.startswith("not met") and state != "met"]
-    parts = [f"not met: {'; '.join(unmet)}" if unmet else "", f"met: {', '.join(met)}" if met else "",
-             f"not applicable: {'; '.join(other)}" if other else ""]
-    return " · ".join(p for p in parts if p)
-
-
-def not_proven_lines(report: dict) -> list[str]:
-    """One line per not-proven claim of ``report`` (modes with the same verdict merged): the outcome and,
-    for ``partial``, each coverage item met / not met; for ``not_meaningful``, why."""
-    lines = []
-    key = (lambda r: (r["property"], r["dtype"], r.get("model", ""), r["outcome"], r.get("reason") or r.get("message"),
-                      tuple((r.get("coverage") or {}).items())))
-    for (pid, dtype, model, outcome, reason, coverage), recs in _grouped(not_proven(report), key):
-        where = f"{pid} [{_modes_of(recs)}; {dtype}{'; ' + model if model else ''}]"
-        names = (recs[0].get("details") or {}).get("items")
-        detail = coverage_text(dict(coverage), names) if coverage else reason
-        lines.append(f"{where} {_SHORT[outcome]}: {detail}")
-    return lines
-
-
-def not_run_lines(report: dict) -> list[str]:
-    """One line per reason a claim did not run (items with the same reason merged), the reason first."""
-    lines = []
-    key = (lambda r: (r["property"], r.get("reason") or "did not finish (cut off: a time budget, an interrupt or a "
-                                                        "crash)"))
-    for (pid, reason), recs in _grouped(not_run(report), key):
-        lines.append(f"{pid} [{_modes_of(recs)}] not run: {reason}")
-    return lines
-
-
-def summary_line(report: dict) -> str:
-    """Outcome counts, and the not-proven claims by outcome (``... ; not proven: 4 (E05 partial × 4)``)."""
-    counts = ", ".join(f"{n} {o}" for o, n in summarize(report["records"]).items())
-    held = not_proven(report)
-    if not held:
-        return counts
-    by = {}
-    for r in held:
-        by[(r["property"], r["outcome"])] = by.get((r["property"], r["outcome"]), 0) + 1
-    return counts + f"; not proven: {len(held)} (" + ", ".join(
-        f"{pid} {_SHORT[o]} × {n}" for (pid, o), n in by.items()) + ")"
-
-
 def applicable(pid: str, mode: str) -> bool:
     """Whether property ``pid`` has ``mode`` (unknown properties: assume so)."""
     p = PROPERTIES.get(pid)
@@ -255,7 +164,7 @@ def cell(records: Sequence[dict], *, is_applicable: bool = True) -> str:
     dtype passed, otherwise each dtype's outcome ("fp32 pass · fp16 FAIL"). Without records: "–"
     (``not_applicable``) where the property has no such mode, "not run" where it has."""
     if not records:
-        return _SHORT["not_run"] if is_applicable else _SHORT["not_applicable"]
+        return SHORT["not_run"] if is_applicable else SHORT["not_applicable"]
     shown = [_shown(r) for r in records]
     if len(set(shown)) == 1:
         return shown[0]
@@ -266,7 +175,7 @@ def cell(records: Sequence[dict], *, is_applicable: bool = True) -> str:
 def _shown(record: dict) -> str:
     """A record's outcome as a cell shows it; "FAIL (oracle)" where a property other than P01 failed
     because its batch did not match the oracle (the fault is P01's kind, not the property's own)."""
-    text = _SHORT.get(record["outcome"], record["outcome"])
+    text = SHORT.get(record["outcome"], record["outcome"])
     if record["outcome"] == "failed" and record.get("check") == "oracle" and record.get("property") != "P01":
         text += " (oracle)"
     return text
