@@ -1,6 +1,7 @@
 """``moelora-conformance e2e`` (``moelora_conformance.e2e.command``): exit status 0 / 1 / 2 / 5, the
 JSON report the layer suite's ``report`` renders, the manifest's expected failures (and a stale
-entry failing the run), anyone's checkpoint through ``--model`` / ``--adapter``.
+entry failing the run), anyone's checkpoint through ``--model`` / ``--adapter``, the fixture run's rerun
+lines (the family and the fixtures directory, every option).
 
 Each run is a tiny workload (8 requests, prompts up to 16 tokens) on the reference backend or a
 faulty one from ``e2e_faults``; the state machine is off (``--state-machine-examples 0``) except in
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shlex
 
 import pytest
 
@@ -107,5 +109,11 @@ def test_the_fixtures_default_runs_the_chosen_families(fixture_set, tmp_path, ca
     assert main([*argv, "--families", "olmoe", "--json", str(out)]) == 0
     report = load_report(out)
     assert report["models"] == ["olmoe"] and {r["model"] for r in report["records"]} == {"olmoe"}
+    # a rerun names the fixtures and the family, never this run's temporary engine adapters
+    for r in report["records"]:
+        rerun = shlex.split(r["repro"]["rerun"])
+        assert rerun[rerun.index("--families") + 1] == "olmoe" and "--model" not in rerun, rerun
+        assert rerun[rerun.index("--fixtures") + 1] == str(fixture_set.root.resolve())
+        assert rerun[rerun.index("--requests") + 1] == "8" and rerun[rerun.index("--max-prompt-tokens") + 1] == "16"
     assert main([*argv, "--families", "gpt2"]) == 2
     assert "--families: unknown ['gpt2']" in capsys.readouterr().err

@@ -2,7 +2,8 @@
 budget, an interrupt or a dying worker does.
 
 ``MOELORA_TEST_CUT=<substring of a node id>`` picks the item; ``MOELORA_TEST_CUT_HOW`` is
-``interrupt`` (KeyboardInterrupt, as SIGINT from a budget gives) or ``crash`` (the process dies).
+``interrupt`` (KeyboardInterrupt, as SIGINT from a budget gives), ``crash`` (the process dies) or
+``fail`` (the item fails: with ``-x`` the run stops there).
 """
 
 import os
@@ -16,5 +17,7 @@ def pytest_runtest_call(item):
     if target and target in item.nodeid:
         if os.environ.get("MOELORA_TEST_CUT_HOW") == "crash":
             os._exit(3)
+        if os.environ.get("MOELORA_TEST_CUT_HOW") == "fail":
+            raise AssertionError("failed on purpose (MOELORA_TEST_CUT_HOW=fail)")
         raise KeyboardInterrupt
     return (yield)

@@ -3,7 +3,9 @@
 Covers: an item with two distinct failures (a delta failure on odd examples, a base-row failure on
 even ones: each kind of check is its own exception type, so Hypothesis keeps them apart) reports
 both, each with its own replay line, and each replay reproduces its own failure and only it; the
-failure text puts the checks and the repro first and leaves Hypothesis' full report to the log.
+failure text puts the checks and the repro first and leaves Hypothesis' full report to the log; once
+the fault is fixed, a replay says "did not reproduce: the failure is gone" and exits 0 (Hypothesis'
+``DidNotReproduce`` is not a failure of the fixed backend).
 """
 
 import os
@@ -45,3 +47,8 @@ def test_two_distinct_failures_get_two_replays_that_each_reproduce_only_their_ow
                               env={**os.environ, **env, "TRITON_INTERPRET": "1"})
         out = proc.stdout + proc.stderr
         assert proc.returncode == 1 and kind in out and other not in out, out[-3000:]
+    fixed = subprocess.run([sys.executable, "-m", *argv], cwd=tmp_path, capture_output=True, text=True,
+                           env={**os.environ, **env, "TRITON_INTERPRET": "1", "MOELORA_TWO_FAILURES_FIXED": "1"})
+    out = fixed.stdout + fixed.stderr
+    assert fixed.returncode == 0, out[-3000:]
+    assert "did not reproduce: the failure is gone" in out and "DidNotReproduce" not in out, out[-3000:]

@@ -3,13 +3,16 @@
 Covers: the fixed outcome words of a record (a collected item is ``not_run`` until its call passed;
 strict XPASS, setup errors, skips for another reason than a capability); an item cut off by an
 interrupt (a time budget's SIGINT) and every item after it are ``not_run`` in the JSON report, and
-the matrix shows "not run" for them and "–" only where a property has no such mode; a worker that
+the matrix shows "not run" for them and "–" only where a property has no such mode; after a ``-x``
+stop, the items of a mode the backend does not declare are ``not_implemented`` (known at collection),
+not ``not_run``; a worker that
 dies under xdist leaves its item ``failed``; split runs of one backend merge into one matrix row; a
 run in which every item is "not implemented" exits 5 and names the cause (a device the backend does
 not declare; a Triton backend on a CPU without ``TRITON_INTERPRET=1``); the report header records
 ``TRITON_INTERPRET`` and where the backend was imported from.
 """
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -113,6 +116,37 @@ def test_a_crashed_worker_leaves_its_item_failed():
     crashed = records["test_metadata_is_exact[eager-fp16]"]
     assert crashed["outcome"] == "failed" and "crashed" in crashed["message"], crashed
     assert records["test_metadata_is_exact[eager-fp32]"]["outcome"] == "passed"
+
+
+class NoBreakable(ReferenceBackend):
+    """The reference without the prefill ``breakable`` graph mode."""
+
+    name = "no-breakable"
+
+    def capabilities(self):
+        return dataclasses.replace(super().capabilities(), prefill_graph_modes=frozenset({"full"}))
+
+
+def make_no_breakable(spec):
+    return NoBreakable(spec)
+
+
+@pytest.mark.slow
+def test_undeclared_modes_stay_not_implemented_after_a_stop():
+    run = run_suite("test_plugin_outcomes:make_no_breakable", profile="interpret", max_examples=2,
+                    extra=["-p", "interrupting", "-x"],
+                    env=_env(MOELORA_TEST_CUT="test_metadata_is_exact[eager-fp32]", MOELORA_TEST_CUT_HOW="fail"))
+    assert run.returncode == 1, run.output[-3000:]
+    records = run.report["records"]
+    breakable = [r for r in records if r["mode"] == "prefill-breakable"]
+    assert breakable and all(r["outcome"] == "not_implemented" for r in breakable), breakable[:2]
+    assert all(r["reason"] == "not implemented: prefill graph mode breakable" for r in breakable)
+    others = [r for r in records if r["mode"] != "prefill-breakable" and r["outcome"] != "failed"]
+    assert others and {r["outcome"] for r in others} <= {"not_run", "passed"} and any(r["outcome"] == "not_run" for r in others)
+    lines = matrix_markdown([run.report]).splitlines()
+    head = [c.strip() for c in next(line for line in lines if line.startswith("| property")).split("|")]
+    row = [c.strip() for c in next(line for line in lines if line.startswith("| P01 ")).split("|")]
+    assert row[head.index("prefill-breakable")] == "n/i" and row[head.index("decode")] == "not run", row
 
 
 class CudaOnly(ReferenceBackend):

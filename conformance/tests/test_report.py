@@ -6,9 +6,12 @@ Covers: a cell is "pass" only when every dtype passed and otherwise names each d
 Markdown matrix has a row per property × backend and a column per mode and lists unexpected
 failures with their repro commands and unmatched manifest entries; a property other than P01 that
 fails the standard checks of its own batches is marked "FAIL (oracle)"; ``load_report`` refuses other
-JSON; ``moelora-conformance report`` renders files; ``moelora-conformance run`` runs the suite in a
-subprocess and prints the matrix with rich; repro blobs are found in Hypothesis' notes and the
-commands quote their arguments.
+JSON; ``moelora-conformance report`` renders files and exits as the run did (1 for an unexpected
+failure or a stale manifest entry, 0 when every failure is expected, 5 when nothing ran; ``partial``
+and ``not meaningful`` listed under "Not proven", each coverage item met / not met, and exit 1 only with
+``--require-coverage``; every ``not run`` with its reason); ``moelora-conformance run`` runs the suite in
+a subprocess and prints the matrix with rich; repro blobs are found in Hypothesis' notes and the
+commands quote their arguments, the rerun line keeping ``--no-shrink``.
 """
 
 import json
@@ -102,6 +105,44 @@ def test_report_command_renders_files(tmp_path, capsys):
     assert main(["report", str(tmp_path / "missing.json")]) == 2
 
 
+@pytest.mark.parametrize(("outcomes", "status", "covered"), [
+    (["passed", "xfailed"], 0, 0),                # every failure in the manifest
+    (["passed", "failed"], 1, 1),                 # an unexpected failure
+    (["passed", "xpassed"], 1, 1),                # a stale manifest entry
+    (["passed", "partial"], 0, 1),                # not proven: a failure only with --require-coverage
+    (["not_meaningful", "not_run"], 0, 1),
+    (["not_run", "not_implemented"], 5, 5),       # nothing ran
+])
+def test_report_exits_as_the_run_did(tmp_path, capsys, outcomes, status, covered):
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps(report("ref", [rec(f"P0{i + 1}", "eager", "fp32", o, reason=f"why {o}")
+                                           for i, o in enumerate(outcomes)])))
+    assert main(["report", str(p)]) == status
+    assert main(["report", str(p), "--require-coverage"]) == covered
+    capsys.readouterr()
+
+
+def test_not_proven_and_not_run_are_listed_with_their_items_and_reasons():
+    e05 = rec("E05", "eager", "fp32", "partial", model="m", reason="2 of 3 coverage items not met",
+              coverage={"requests": "not met (16 requests)", "base": "met", "per_expert": "not applicable on gpt_oss"},
+              details={"items": {"requests": "64 ragged requests", "base": "base requests",
+                                 "per_expert": "a legacy per-expert adapter"}})
+    text = matrix_markdown([report("ref", [
+        e05, {**e05, "mode": "full"},
+        rec("E02", "eager", "fp32", "not_meaningful", model="m", reason="every adapter it used is a no-op (a: x)"),
+        rec("E04", "full", "fp32", "not_run", reason="no step of this run was beyond the captured capacity"),
+        rec("P01", "decode", "fp32", "not_run", reason=""),
+    ])])
+    assert "; not proven: 3 (E05 partial × 2, E02 not meaningful × 1)" in text
+    proven = text.split("## Not proven")[1].split("## Not run")[0]
+    assert "- E05 [eager, full; fp32; m] partial: not met: 64 ragged requests (16 requests) · met: base requests · " \
+           "not applicable: a legacy per-expert adapter (not applicable on gpt_oss)" in proven
+    assert "- E02 [eager; fp32; m] not meaningful: every adapter it used is a no-op (a: x)" in proven
+    cut = text.split("## Not run")[1]
+    assert "- E04 [full] not run: no step of this run was beyond the captured capacity" in cut
+    assert "- P01 [decode] not run: did not finish (cut off" in cut
+
+
 @pytest.mark.slow
 def test_run_command_runs_the_suite_and_prints_the_matrix(tmp_path, capsys):
     status = main(["run", "--backend", "reference", "--profile", "interpret", "--max-examples", "2",
@@ -148,6 +189,7 @@ def test_repro_rerun_lines_for_derandomized_budgeted_and_replay_runs():
     assert "--max-examples" in seeded.rerun and "--hypothesis-seed=5" in seeded.rerun
     assert build_repro(profile="interpret", hypothesis_seed=None, **common).rerun == ""
     assert build_repro(profile="repro", hypothesis_seed=5, derandomized=True, **common).rerun == ""
+    assert "--no-shrink" in build_repro(profile="interpret", hypothesis_seed=5, no_shrink=True, **common).rerun
 
 
 def test_per_backend_options():

@@ -2,7 +2,8 @@
 wrong one (a check that cannot fail would let every backend through).
 
 Covers: the delta check (exact deltas pass; a delta 0.1 % off fails in fp32; fp16 output rounding
-is allowed, a real fp16 error is not; NaN fails); the bitwise check (one ulp fails); the standard
+is allowed, a real fp16 error is not; NaN fails); an output check's failure says "output", not
+"delta", and the case line shows each adapter module's rank and σ; the bitwise check (one ulp fails); the standard
 run checks on the reference (eager and each graph mode) and their failure on a base row nudged by
 one ulp and on a pad row that picked up LoRA; the metadata checks on the reference's metadata, and
 their failure on a stale tail, a lost token, a wrong per-request field, a launch count that misses
@@ -21,6 +22,7 @@ from moelora_conformance.harness import CheckContext, GraphLayer, Layer, Oracle,
 from moelora_conformance.harness.break_op import LiveRequests, StaticRequests, break_op_f64
 from moelora_conformance.harness.checks import (
     ACCUMULATION_LAMBDA,
+    OutputMismatch,
     accumulation_bound,
     assert_bitwise,
     assert_delta_close,
@@ -255,6 +257,15 @@ def test_run_checks_pass_on_the_reference_and_fail_on_a_nudged_base_row(data):
         bad.y[rows[0], 0] = torch.nextafter(bad.y[rows[0], 0], torch.tensor(float("inf")))
         with pytest.raises(AssertionError, match="base rows"):
             check_run(oracle, inp, bad, base, c, "nudged", outputs=False, deltas=False)
+    # an output off is named an output (its values are outputs, not deltas), and the case line shows
+    # every adapter module's own rank and σ
+    off = dataclasses.replace(run, y=run.y.clone() * 1.01)
+    with pytest.raises(OutputMismatch) as exc:
+        check_run(oracle, inp, off, base, c, "scaled", deltas=False, base_rows=False)
+    text = str(exc.value)
+    assert text.startswith("scaled: MoE output |") and ": output max_rel=" in text and "expected output " in text
+    assert "LoRA delta" not in text and "expected delta" not in text
+    assert all(f":r{r}/σ" in text for a in case.pool if a is not None for _, r, _ in a.modules), text
 
 
 @pytest.mark.parametrize("mode", ["decode", "prefill-full", "prefill-breakable"])

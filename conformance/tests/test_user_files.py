@@ -6,7 +6,9 @@ recorded when it made them (peft's in-memory ranks and σ for fused adapters —
 included —, the per-module formula for legacy ones, legacy + rsLoRA marked divergent); both commands
 pass on a fixture model given as a user's directory; every directory that is not a checkpoint or an
 adapter, a malformed ``--adapter``, ``--adapter`` without ``--model`` and ``--model`` with
-``--fixtures`` are usage errors (exit 2) whose message names what is missing, never a traceback.
+``--fixtures`` are usage errors (exit 2) whose message names what is missing, never a traceback; a
+no-op adapter (peft's default init) is named at load and its checks are "not meaningful" (exit 0;
+exit 1 with ``--require-coverage``), in hf-check's table and in checkpoint-pass's cells.
 """
 
 import math
@@ -55,6 +57,39 @@ def test_hf_check_and_the_pass_run_on_a_users_directories(fixture_set, tmp_path,
                      "--work-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "all pass" in out and "FAIL" not in out
+
+
+def test_a_noop_adapter_is_named_and_its_checks_are_not_meaningful(fixture_set, tmp_path, capsys):
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    from moelora_conformance.hf_check.hf_model import load_hf
+
+    model = fixture_set.model_dir(MODEL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        get_peft_model(load_hf(model), LoraConfig(r=4, target_modules=["q_proj", "gate_proj", "up_proj",
+                                                                       "down_proj"])).save_pretrained(str(tmp_path / "d"))
+    args = ["hf-check", "--model", str(model), "--adapter", f"silent={tmp_path / 'd'}"]
+    assert cli.main(args) == 0
+    out, err = (" ".join(t.split()) for t in capsys.readouterr())
+    assert "hf-check: warning: adapter 'silent' is a no-op: lora_B is exactly zero" in err
+    assert "not meaningful" in out and "not proven: 1 not meaningful (silent)" in out
+    assert cli.main([*args, "--require-coverage"]) == 1
+
+
+def test_checkpoint_pass_cells_of_noop_adapters_only_are_not_meaningful():
+    from moelora_conformance.checkpoint_pass.run import PassRow
+    from moelora_conformance.checkpoint_pass.table import summarize
+
+    def row(subject, mode):
+        return PassRow("m", "reference", mode, 0, "extend", "hf", subject, "moe", 1e-7, 1e-7, True, "")
+
+    rows = [row("silent", "eager"), row("(base)", "eager"), row("silent", "decode"), row("mine", "decode")]
+    cells = {s["mode"]: s for s in summarize(rows, {"silent": "lora_B is exactly zero (8 of 8 modules)"})}
+    assert cells["eager"]["noop"] and cells["eager"]["ok"] and "not meaningful" in cells["eager"]["notes"][-1]
+    assert not cells["decode"]["noop"]  # another adapter was compared there too
 
 
 def _not_a_model(tmp_path, fixture_set):

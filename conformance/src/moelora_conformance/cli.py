@@ -8,17 +8,20 @@ arguments and returns an exit status. Built in here:
   ...``: the oracle against HF transformers + PEFT on every fixture (built into a temporary directory
   unless given), or on your own checkpoint and adapters (expected ranks and σ read from the files);
   prints the table and exits 1 on any failure, 2 on a usage error (a directory that is not a
-  checkpoint or an adapter: what is missing is named).
+  checkpoint or an adapter: what is missing is named); a no-op adapter is named at load and its pair is
+  "not meaningful" (exit 0; 1 with ``--require-coverage``).
 
 Both exit 2 when the ``fixtures`` extra (transformers + peft) is not installed.
 
 The conformance suite's own subcommands:
 
 - ``run --backend X [--backend Y ...] --profile P [--manifest [X=]M] [--max-examples [X=]N]
-  [--dtypes [X=]fp32,fp16] [--json out.json]``: run the suite on each backend in a subprocess and print the
-  support matrix with rich; exit 1 on any unexpected failure (what ``nox -s conformance`` calls).
-- ``report results.json [...] [--output matrix.md]``: render the support matrix of JSON reports as
-  Markdown.
+  [--dtypes [X=]fp32,fp16] [--json out.json] [--require-coverage]``: run the suite on each backend in a
+  subprocess and print the support matrix with rich; exit 1 on any unexpected failure (what ``nox -s
+  conformance`` calls).
+- ``report results.json [...] [--output matrix.md] [--require-coverage]``: render the support matrix of
+  JSON reports as Markdown; exit as the runs did (1 an unexpected failure or a stale manifest entry —
+  or, with ``--require-coverage``, a claim not proven —, 5 nothing ran, else 0).
 - ``mutations [--write-docs [PATH]] [--only NAME]``: run the suite against every mutant of the
   reference backend (``moelora_conformance.faulty``) and print (or write) the table mutation →
   catching property → seconds; ``--write-docs`` also runs each without the metadata-only properties;
@@ -108,6 +111,8 @@ def _hf_check(parser: argparse.ArgumentParser) -> Handler:
                         help="with --model: one of your PEFT adapters, checked on it (repeatable)")
     parser.add_argument("--only-adapter", action="append", default=None, metavar="NAME",
                         help="check only this fixture adapter (repeatable)")
+    parser.add_argument("--require-coverage", action="store_true",
+                        help="a pair not proven (a no-op adapter: not meaningful) fails the run (exit 1)")
 
     def run(args: argparse.Namespace) -> int:
         if not require_fixtures_extra("hf-check"):
@@ -133,7 +138,9 @@ def _hf_check(parser: argparse.ArgumentParser) -> Handler:
                           f"{sorted(known)}", file=sys.stderr)
                     return 2
             rows = run_hf_check(fixtures, adapters=only)
-        return 0 if render(rows) else 1
+        from moelora_conformance.user_files import noop_adapters
+
+        return 0 if render(rows, noop=noop_adapters(fixtures), require_coverage=args.require_coverage) else 1
 
     return run
 
@@ -197,12 +204,14 @@ def _run(parser: argparse.ArgumentParser) -> Handler:
                         help="only these dtypes' items: a list for every backend, or BACKEND=LIST (repeatable; "
                              "default every dtype the backend declares)")
     parser.add_argument("-n", "--workers", type=int, default=None, help="pytest-xdist workers per run")
+    parser.add_argument("--require-coverage", action="store_true",
+                        help="a claim not proven (partial, not meaningful) fails the run (exit 1), as in e2e")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
 
     def run(args: argparse.Namespace) -> int:
         import os
 
-        from moelora_conformance.report import matrix_markdown, matrix_rich, unexpected_failures
+        from moelora_conformance.report import exit_status, matrix_markdown, matrix_rich, unexpected_failures
         from moelora_conformance.session import run_suite
 
         profile = args.profile or os.environ.get("MOELORA_PROFILE", "dev")
@@ -237,18 +246,22 @@ def _run(parser: argparse.ArgumentParser) -> Handler:
             matrix_rich(reports)
             if args.markdown:
                 args.markdown.write_text(matrix_markdown(reports))
+            if args.require_coverage and exit_status(reports, require_coverage=True) == 1:
+                status = 1
         return status
 
     return run
 
 
-@subcommand("report", help="render the support matrix (Markdown) of conformance JSON reports")
+@subcommand("report", help="render the support matrix (Markdown) of conformance JSON reports; exit as the runs did")
 def _report(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("reports", nargs="+", type=Path, help="JSON reports written by --report-json")
     parser.add_argument("--output", type=Path, default=None, help="write here instead of stdout")
+    parser.add_argument("--require-coverage", action="store_true",
+                        help="exit 1 when a claim is not proven (partial, not meaningful), as the run with it did")
 
     def run(args: argparse.Namespace) -> int:
-        from moelora_conformance.report import load_report, matrix_markdown
+        from moelora_conformance.report import exit_status, load_report, matrix_markdown
 
         try:
             reports = [load_report(p) for p in args.reports]
@@ -260,7 +273,9 @@ def _report(parser: argparse.ArgumentParser) -> Handler:
             args.output.write_text(text)
         else:
             print(text, end="")
-        return 0
+        # as the runs exited: 1 for an unexpected failure or a stale manifest entry, 0 when every failure is
+        # in the manifest, 5 when nothing ran (report.exit_status)
+        return exit_status(reports, require_coverage=args.require_coverage)
 
     return run
 

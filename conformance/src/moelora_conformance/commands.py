@@ -82,7 +82,11 @@ def user_files_or_exit(args, command: str):
         print(f"moelora-conformance {command}: give either --fixtures or --model, not both", file=sys.stderr)
         return False
     try:
-        return user_fixture_set(args.model, parse_adapters(adapters_given))
+        fixtures = user_fixture_set(args.model, parse_adapters(adapters_given))
     except UserFilesError as exc:
         print(f"moelora-conformance {command}: {exc}", file=sys.stderr)
         return False
+    for entry in fixtures.manifest["adapters"].values():  # at load: no-op adapters, config notes
+        for warning in entry.get("warnings", []):
+            print(f"moelora-conformance {command}: warning: {warning}", file=sys.stderr)
+    return fixtures

@@ -43,6 +43,7 @@ import pytest
 import torch
 from hypothesis import reproduce_failure, seed
 from hypothesis import settings as hypothesis_settings
+from hypothesis.errors import DidNotReproduce
 
 from moelora_conformance.diagnosis import executed_nothing, no_run_cause
 from moelora_conformance.failures import RunLog, failure_text, first_line, hypothesis_output
@@ -270,10 +271,19 @@ def _item_info(item: pytest.Item, state: RunState) -> dict | None:
             "max_examples": state.settings.max_examples}
 
 
+#: What a replay (``--moelora-replay``) whose example now passes reports: the item passes.
+REPLAY_GONE = "did not reproduce: the failure is gone (the replayed example passes every check)"
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
     """Run a property item with the profile's shrink bound and its warnings kept out of the terminal
-    (logged; :mod:`moelora_conformance.failures`)."""
+    (logged; :mod:`moelora_conformance.failures`).
+
+    A replay (``--moelora-replay``) whose example no longer fails is what a fix looks like: Hypothesis
+    raises ``DidNotReproduce`` ("completed successfully"), which is reported as :data:`REPLAY_GONE` and
+    the item passes. A blob that no longer fits the test's draws (the suite changed since it was
+    printed) replays nothing: the item is ``not_run`` with that reason."""
     state = run_state(item.config)
     if state is None or property_of(item) is None:
         return (yield)
@@ -281,6 +291,14 @@ def pytest_runtest_call(item: pytest.Item):
         warnings.simplefilter("always")
         try:
             return (yield)
+        except DidNotReproduce as exc:
+            if not item.config.getoption("moelora_replay"):
+                raise
+            if "completed successfully" in str(exc):
+                item.user_properties.append(("moelora_replay", REPLAY_GONE))
+                return None
+            pytest.skip(f"{NOT_RUN}: did not reproduce: the blob does not fit this test's draws any more ({exc}); "
+                        "rerun the search with the rerun line")
         finally:
             if caught and state.log is not None:
                 item.user_properties.append(("moelora_warnings", RunLog(state.log).warnings(item.nodeid, caught)))
@@ -319,7 +337,7 @@ def _summarize_failure(item: pytest.Item, call: pytest.CallInfo, report: pytest.
                         caps_profile=state.caps_profile, hypothesis_seed=state.seed,
                         blobs=[extract_blob(f) for f in failures], traces=[support.trace_lines(f) for f in failures],
                         messages=[first_line(f) for f in failures], derandomized=state.derandomized,
-                        max_examples=state.max_examples)
+                        max_examples=state.max_examples, no_shrink=item.config.getoption("moelora_no_shrink"))
     full = str(report.longrepr)
     log = RunLog(state.log) if state.log is not None else None
     if log is not None:
@@ -351,8 +369,20 @@ class _Recorder:
         for nodeid in nodeids:
             fields = item_fields(nodeid)
             if fields is not None and nodeid not in self.state.records:
-                self.state.records[nodeid] = new_record(nodeid, {**fields,
-                                                                 "max_examples": self.state.settings.max_examples})
+                budget = self.state.settings.max_examples
+                rec = self.state.records[nodeid] = new_record(nodeid, {**fields, "max_examples": budget})
+                # Known before anything runs: an item of an undeclared capability is not implemented even
+                # when the run stops (-x, an interrupt) before its skip is reported.
+                reason = self._not_implemented(fields)
+                if reason is not None:
+                    rec["outcome"], rec["reason"] = "not_implemented", reason
+
+    def _not_implemented(self, fields: dict) -> str | None:
+        suite = self.state.suite
+        dtype = next((d for d, name in DTYPE_NAMES.items() if name == fields["dtype"]), None)
+        if suite is None or dtype is None or fields["property"] not in PROPERTIES:
+            return None
+        return not_implemented_reason(suite, PROPERTIES[fields["property"]], fields["mode"], dtype)
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         if not hasattr(session.config, "workerinput"):
@@ -376,6 +406,7 @@ class _Recorder:
             info = fields
         text = str(report.longreprtext).strip().splitlines() if report.failed and report.longreprtext else []
         note = next((v for k, v in report.user_properties if k == "moelora_warnings"), None)
+        replay = next((v for k, v in report.user_properties if k == "moelora_replay"), None)
         rec = record_phase(self.state.records, nodeid=report.nodeid, info=info, when=report.when,
                            passed=report.passed, failed=report.failed, skipped=report.skipped,
                            duration=report.duration, wasxfail=getattr(report, "wasxfail", None),
@@ -384,6 +415,8 @@ class _Recorder:
                                       text[-1] if text else "")[:400])
         if note:
             rec["warnings"] = note
+        if replay and rec["outcome"] == "passed":
+            rec["message"] = replay
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -424,6 +457,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
                                   f"{replay}")
             if repro.get("rerun"):
                 tr.write_line(f"    rerun: {repro['rerun']}")
+    for rec in records:
+        if rec["outcome"] == "passed" and rec.get("message") == REPLAY_GONE:
+            tr.write_line(f"moelora replay of {rec['test']}: {REPLAY_GONE}", green=True)
     cut = [r for r in records if r["outcome"] == "not_run" and not r.get("reason")]  # started, never finished
     if cut:
         tr.write_line(f"{len(cut)} items did not finish (not_run): " + ", ".join(r["test"] for r in cut[:6])

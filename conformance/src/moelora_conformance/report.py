@@ -16,25 +16,51 @@ Outcomes (:data:`OUTCOMES`, fixed; DESIGN.md §7):
 - ``passed``: the item ran to the end and every check held;
 - ``failed``: a check failed, or setup / teardown raised, or the process running it crashed;
 - ``xfailed`` / ``xpassed``: a manifest entry's item failed as expected / passed (strict: the run fails);
+- ``partial``: the claim held, but not every one of its coverage items was met (the record's
+  ``coverage``: item → "met" / "not met (...)" / "not applicable ..."; the e2e suite's E05);
+- ``not_meaningful``: the claim held, but relied only on no-op adapters, so it proves the base model
+  only (the record's ``reason`` names them);
 - ``not_run``: collected but never finished — cut off by a time budget, an interrupt or a timeout,
-  or skipped for a reason other than a capability (e.g. a missing optional package);
+  or skipped for a reason other than a capability (e.g. a missing optional package); its ``reason``
+  says why wherever one is known;
 - ``not_implemented``: skipped because the backend does not declare the capability;
 - ``not_applicable``: a matrix cell for a mode the property does not have (no record is written).
 
 An item starts as ``not_run`` when it is collected and becomes ``passed`` only when its call phase
 passed: nothing that did not finish is ever reported as passed. JUnit XML comes from pytest's own
 ``--junitxml``.
+
+``partial`` and ``not_meaningful`` are *not proven*: not failures (a run with them exits 0), but listed
+apart — under "Not proven" in the matrix and in the summary line, each coverage item met or not met —
+and, with ``--require-coverage``, they fail the run (exit 1; :func:`exit_status`). The outcome words, the
+exit status and the not proven / not run lists are :mod:`moelora_conformance.outcomes` (re-exported here).
 """
 
 from __future__ import annotations
 
 import json
-from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 from moelora_conformance.e2e.properties import E2E_PROPERTIES
 from moelora_conformance.e2e.results import E2E_MODES, MIXED_MODE
+from moelora_conformance.outcomes import (  # noqa: F401 (re-exported: the report's outcome words)
+    EXECUTED,
+    NOT_PROVEN,
+    OUTCOMES,
+    SHORT,
+    UNEXPECTED,
+    coverage_text,
+    exit_status,
+    not_proven,
+    not_proven_lines,
+    not_run,
+    not_run_lines,
+    summarize,
+    summary_line,
+    unexpected_failures,
+)
 from moelora_conformance.properties.registry import PROPERTIES as LAYER_PROPERTIES
 from moelora_conformance.strategies.suite import FAMILY_MODES, LAYER_MODES
 
@@ -42,21 +68,14 @@ from moelora_conformance.strategies.suite import FAMILY_MODES, LAYER_MODES
 #: renders either).
 PROPERTIES = {**LAYER_PROPERTIES, **E2E_PROPERTIES}
 
-OUTCOMES = ("passed", "failed", "xfailed", "xpassed", "not_run", "not_implemented", "not_applicable")
-#: Outcomes of an item that executed (its call phase ran to a verdict).
-EXECUTED = frozenset({"passed", "failed", "xfailed", "xpassed"})
-#: Outcomes that fail a run.
-UNEXPECTED = frozenset({"failed", "xpassed"})
 #: Words of reports written before the outcomes were fixed → today's word.
 _LEGACY = {"not implemented": "not_implemented", "error": "failed", "skipped": "not_run"}
 #: Column order of the matrix.
 MODE_ORDER = (*LAYER_MODES, *(m for m in FAMILY_MODES if m not in LAYER_MODES),
               *(m for m in (*E2E_MODES, MIXED_MODE) if m not in LAYER_MODES))
-_SHORT = {"passed": "pass", "failed": "FAIL", "xfailed": "xfail", "xpassed": "XPASS", "not_run": "not run",
-          "not_implemented": "n/i", "not_applicable": "–"}
 #: Severity for summarising a cell: the worst outcome wins.
-_RANK = {"failed": 0, "xpassed": 1, "not_run": 2, "xfailed": 3, "not_implemented": 4, "passed": 5,
-         "not_applicable": 6}
+_RANK = {"failed": 0, "xpassed": 1, "not_run": 2, "not_meaningful": 3, "partial": 4, "xfailed": 5,
+         "not_implemented": 6, "passed": 7, "not_applicable": 8}
 
 
 #: Prefix of the skip reason of an undeclared capability (the outcome "not_implemented").
@@ -134,22 +153,6 @@ def load_report(path: str | Path) -> dict:
     return data
 
 
-def summarize(records: Iterable[dict]) -> dict[str, int]:
-    """Outcome → count (in :data:`OUTCOMES` order)."""
-    counts = Counter(r["outcome"] for r in records)
-    return {o: counts[o] for o in OUTCOMES if counts[o]}
-
-
-def unexpected_failures(report: dict) -> list[dict]:
-    """Records that fail the run: ``failed`` and ``xpassed`` (a stale manifest entry)."""
-    return [r for r in report["records"] if r["outcome"] in UNEXPECTED]
-
-
-def not_run(report: dict) -> list[dict]:
-    """Records of items that were collected and never finished."""
-    return [r for r in report["records"] if r["outcome"] == "not_run"]
-
-
 def applicable(pid: str, mode: str) -> bool:
     """Whether property ``pid`` has ``mode`` (unknown properties: assume so)."""
     p = PROPERTIES.get(pid)
@@ -161,7 +164,7 @@ def cell(records: Sequence[dict], *, is_applicable: bool = True) -> str:
     dtype passed, otherwise each dtype's outcome ("fp32 pass · fp16 FAIL"). Without records: "–"
     (``not_applicable``) where the property has no such mode, "not run" where it has."""
     if not records:
-        return _SHORT["not_run"] if is_applicable else _SHORT["not_applicable"]
+        return SHORT["not_run"] if is_applicable else SHORT["not_applicable"]
     shown = [_shown(r) for r in records]
     if len(set(shown)) == 1:
         return shown[0]
@@ -172,14 +175,15 @@ def cell(records: Sequence[dict], *, is_applicable: bool = True) -> str:
 def _shown(record: dict) -> str:
     """A record's outcome as a cell shows it; "FAIL (oracle)" where a property other than P01 failed
     because its batch did not match the oracle (the fault is P01's kind, not the property's own)."""
-    text = _SHORT.get(record["outcome"], record["outcome"])
+    text = SHORT.get(record["outcome"], record["outcome"])
     if record["outcome"] == "failed" and record.get("check") == "oracle" and record.get("property") != "P01":
         text += " (oracle)"
     return text
 
 
 #: Which of two records of one item a merged report keeps: the more decisive one.
-_MERGE_RANK = {"failed": 0, "xpassed": 1, "passed": 2, "xfailed": 2, "not_implemented": 3, "not_run": 4}
+_MERGE_RANK = {"failed": 0, "xpassed": 1, "passed": 2, "xfailed": 2, "partial": 2, "not_meaningful": 2,
+               "not_implemented": 3, "not_run": 4}
 
 
 def merge_reports(reports: Sequence[dict]) -> list[dict]:
@@ -209,12 +213,21 @@ def merge_reports(reports: Sequence[dict]) -> list[dict]:
     return list(merged.values())
 
 
+def _selected_modes(rep: dict) -> set[str] | None:
+    """The modes an e2e run was asked for (``--modes``; its state machine's "mixed" too), or None (every mode:
+    the layer suite, whose unselected items a split run may still cover)."""
+    modes = (rep.get("config") or {}).get("modes") if rep.get("suite") == "e2e" else None
+    return None if modes is None else {*modes, MIXED_MODE}
+
+
 def _grid(reports: Sequence[dict]) -> tuple[list[str], list[tuple[str, str, list[str]]]]:
     """(mode columns, rows of (property id, backend, cells)) over the merged reports."""
     modes_seen = {r["mode"] for rep in reports for r in rep["records"]}
-    # every mode of the properties present: a mode that never ran shows as "not run", not as absent
+    # every mode of the properties present: a mode that never ran shows as "not run", not as absent (an e2e
+    # run's modes that were not asked for are left out)
     modes_seen |= {m for rep in reports for r in rep["records"] if r["property"] in PROPERTIES
-                   for m in PROPERTIES[r["property"]].modes}
+                   for m in PROPERTIES[r["property"]].modes
+                   if _selected_modes(rep) is None or m in _selected_modes(rep)}
     columns = [m for m in MODE_ORDER if m in modes_seen] + sorted(modes_seen - set(MODE_ORDER))
     rows = []
     for pid in sorted({r["property"] for rep in reports for r in rep["records"]}):
@@ -235,18 +248,20 @@ def _title(pid: str) -> str:
 
 def _backend_line(rep: dict) -> str:
     b = rep["backend"]
-    counts = ", ".join(f"{n} {o}" for o, n in summarize(rep["records"]).items())
     runs = f", {rep['runs']} runs merged" if rep.get("runs", 1) > 1 else ""
     return (f"{b['name']} {b.get('version', '')} ({b.get('target', '')}) — profile {rep.get('profile')}, "
-            f"device {rep.get('device')}, {rep.get('duration', 0):.0f} s{runs}: {counts}")
+            f"device {rep.get('device')}, {rep.get('duration', 0):.0f} s{runs}: {summary_line(rep)}")
 
 
 LEGEND = ("pass: every dtype passed · FAIL: an unexpected failure · FAIL (oracle): one of the property's batches "
           "failed the standard checks every run gets (oracle, base rows, pad rows: P01's kind of fault) before the "
           "property's own claim was checked · xfail: an expected failure (manifest) · XPASS: a manifest entry that "
-          "passed (stale) · not run: collected but never finished (time budget, interrupt, crash) or not started "
-          "(a missing optional package, a split run that did not select it) · n/i: not implemented (capability "
-          "not declared) · –: not applicable (the property has no such mode)")
+          "passed (stale) · partial: held, but not every coverage item was met (not proven: listed below, each item "
+          "met / not met) · not meaningful: held only with no-op adapters, so it proves the base model only (not "
+          "proven) · not run: collected but never finished (time budget, interrupt, crash) or not started "
+          "(a missing optional package, a split run that did not select it, nothing exercised it), with its reason "
+          "below · n/i: not implemented (capability not declared) · –: not applicable (the property has no such "
+          "mode)")
 
 
 def _suite_name(reports: Sequence[dict]) -> str:
@@ -272,12 +287,16 @@ def matrix_markdown(reports: Sequence[dict]) -> str:
         for r in bad:
             lines.append(f"- **{rep['backend']['name']} {r['test']}**: {r.get('message', '')}")
             lines += [f"  - {key}: `{cmd}`" for key, cmd in repro_lines(r)]
-        cut = not_run(rep)
-        if cut:
-            lines.append(f"- {rep['backend']['name']}: {len(cut)} items not run: "
-                         + ", ".join(r["test"] for r in cut[:8]) + (" ..." if len(cut) > 8 else ""))
         for entry in rep.get("manifest_unmatched", []):
             lines.append(f"- {rep['backend']['name']}: manifest entry matched nothing: {entry}")
+    for title, of in (("Not proven", not_proven_lines), ("Not run", not_run_lines)):
+        found = [(rep, line) for rep in reports for line in of(rep)]
+        if found:
+            lines += ["", f"## {title}", ""]
+            lines += [f"- {rep['backend']['name']} {line}" if multi else f"- {line}" for rep, line in found]
+    warned = [w for rep in reports for w in rep.get("adapter_warnings", [])]
+    if warned:
+        lines += ["", "## Adapter warnings", "", *(f"- {w}" for w in dict.fromkeys(warned))]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -309,7 +328,7 @@ def matrix_rich(reports: Sequence[dict], console=None) -> None:
     for c in columns:
         table.add_column(c, justify="center")
     style = {"pass": "green", "FAIL": "bold red", "XPASS": "bold red", "xfail": "yellow", "not run": "bold yellow",
-             "n/i": "dim", "–": "dim"}
+             "n/i": "dim", "–": "dim", "partial": "yellow", "not meaningful": "yellow"}
     for pid, backend, cells in rows:
         styled = [f"[{style.get(c, 'red' if 'FAIL' in c or 'XPASS' in c else 'white')}]{c}[/]" for c in cells]
         table.add_row(_title(pid), *([backend] if multi else []), *styled)
@@ -321,8 +340,8 @@ def matrix_rich(reports: Sequence[dict], console=None) -> None:
             console.print(f"[bold red]{rep['backend']['name']} {r['test']}[/]: {r.get('message', '')}")
             for key, cmd in repro_lines(r):
                 console.print(f"  {key}: {cmd}", soft_wrap=True)
-        cut = not_run(rep)
-        if cut:
-            console.print(f"[bold yellow]{rep['backend']['name']}: {len(cut)} items not run[/]")
+        for title, of in (("not proven", not_proven_lines), ("not run", not_run_lines)):
+            for line in of(rep):
+                console.print(f"[yellow]{rep['backend']['name']} {title}:[/] {line}", soft_wrap=True, highlight=False)
         for entry in rep.get("manifest_unmatched", []):
             console.print(f"[yellow]{rep['backend']['name']}: manifest entry matched nothing: {entry}[/]")

@@ -13,8 +13,9 @@ one-line commands:
 - **rerun**: the failing run's profile with ``--hypothesis-seed=SEED`` repeats the whole search
   (the same examples in the same order), then shrinks again. A derandomized run (on CI, or with
   a manifest) has no seed: its rerun is the same command under ``CI=true``, which derandomizes.
-  Both carry the run's ``--max-examples`` (it changes the search); a failure under ``--profile
-  repro`` (a replay) gets no rerun line.
+  Both carry the run's ``--max-examples`` (it changes the search) and ``--no-shrink`` (a run that did
+  not shrink reports its first failing example, which a shrinking rerun would not); a failure under
+  ``--profile repro`` (a replay) gets no rerun line.
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def build_repro(*, test: str, backend: str, device: str, profile: str, caps_prof
                 hypothesis_seed: int | None, blob: tuple[str, str] | None = None,
                 trace: list[str] | tuple[str, ...] = (), derandomized: bool = False,
                 max_examples: int | None = None, blobs: list[tuple[str, str] | None] | None = None,
-                traces: list[list[str]] | None = None, messages: list[str] | None = None) -> Repro:
+                traces: list[list[str]] | None = None, messages: list[str] | None = None,
+                no_shrink: bool = False) -> Repro:
     """The :class:`Repro` of a failing item (commands quoted for a POSIX shell).
 
     Args:
@@ -118,6 +120,7 @@ def build_repro(*, test: str, backend: str, device: str, profile: str, caps_prof
         derandomized: the run's search was derandomized (then a missing seed is expected, and the
             rerun line sets ``CI=true``).
         max_examples: the run's ``--max-examples`` override, if any.
+        no_shrink: the run had ``--no-shrink``.
     """
     base = ["pytest", "-p", "moelora_conformance.plugin", "--backend", backend, "--device", device,
             "-k", test, "-p", "no:cacheprovider"]
@@ -130,7 +133,7 @@ def build_repro(*, test: str, backend: str, device: str, profile: str, caps_prof
     replay = replays[0] if replays else ""
     caps = [] if caps_profile == profile else ["--repro-caps", caps_profile]
     budget = [] if max_examples is None else ["--max-examples", str(max_examples)]
-    search = [*base, "--profile", profile, *caps, *budget]
+    search = [*base, "--profile", profile, *caps, *budget, *(["--no-shrink"] if no_shrink else [])]
     if profile != "repro" and hypothesis_seed is not None:  # a replay (repro) has no search to repeat
         rerun = shlex.join([*search, f"--hypothesis-seed={hypothesis_seed}"])
     elif profile != "repro" and derandomized:

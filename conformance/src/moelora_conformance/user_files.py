@@ -16,6 +16,11 @@ the checks compare the readers against):
 
 A directory that is not a checkpoint or an adapter is refused with :class:`UserFilesError` naming
 what is missing (no traceback; the commands exit 2).
+
+What each adapter changes is measured as the engine measures it (``moelora_core.checkpoint.adapter_effect``,
+on the checkpoint's layers read one at a time): each entry's ``noop`` is why the adapter is a no-op ("" when
+it is not) and ``warnings`` what to tell the user at load; the checks of a no-op adapter are "not
+meaningful" (:func:`noop_adapters`).
 """
 
 from __future__ import annotations
@@ -120,18 +125,36 @@ def _legacy_modules(path: Path, config: dict) -> dict[str, dict[str, dict[str, f
     return table
 
 
-def _check_readable(name: str, path: Path, model_dir: Path) -> None:
-    """moelora's reader must accept the adapter for the model (its refusal, named, otherwise)."""
-    from moelora_core.checkpoint import MoECheckpoint, read_adapter
+class _Layers:
+    """A checkpoint's decoder layers read on demand, the last one kept (the probe visits them in order)."""
+
+    def __init__(self, ckpt) -> None:
+        self.ckpt, self.index, self.layer = ckpt, None, None
+
+    def __getitem__(self, index: int):
+        if index != self.index:
+            self.index, self.layer = index, self.ckpt.layer(index)
+        return self.layer
+
+
+def _check_readable(name: str, path: Path, model_dir: Path):
+    """moelora's reader must accept the adapter for the model (its refusal, named, otherwise); returns
+    what the adapter changes (``adapter_effect`` with the checkpoint's base weights)."""
+    from moelora_core.checkpoint import MoECheckpoint, adapter_effect, read_adapter
     from moelora_core.errors import MoeLoraError
 
     with MoECheckpoint(model_dir) as ckpt:
-        config = ckpt.config
-    try:
-        read_adapter(path, config, name=name)
-    except MoeLoraError as exc:
-        raise UserFilesError(f"--adapter {name}={path}: refused by moelora's adapter reader: "
-                             f"{type(exc).__name__}: {exc}") from None
+        try:
+            read = read_adapter(path, ckpt.config, name=name)
+        except MoeLoraError as exc:
+            raise UserFilesError(f"--adapter {name}={path}: refused by moelora's adapter reader: "
+                                 f"{type(exc).__name__}: {exc}") from None
+        return adapter_effect(read, _Layers(ckpt))
+
+
+def noop_adapters(fixtures: FixtureSet) -> dict[str, str]:
+    """Adapter name → why it is a no-op, for the no-op adapters of a user fixture set (empty otherwise)."""
+    return {name: e["noop"] for name, e in fixtures.manifest["adapters"].items() if e.get("noop")}
 
 
 def _format(path: Path) -> str:
@@ -160,7 +183,7 @@ def user_fixture_set(model_dir: Path, adapters: dict[str, Path]) -> FixtureSet:
     for name, path in adapters.items():
         path = Path(path).resolve()
         config = check_adapter_dir(name, path)
-        _check_readable(name, path, model_dir)
+        effect = _check_readable(name, path, model_dir)
         fmt = _format(path)
         if fmt == "per_expert":
             modules = _legacy_modules(path, config)
@@ -178,7 +201,7 @@ def user_fixture_set(model_dir: Path, adapters: dict[str, Path]) -> FixtureSet:
         entries[name] = {"path": str(path), "model": model, "format": fmt, "kinds": ["user", fmt],
                          "r": int(config["r"]), "lora_alpha": config.get("lora_alpha"),
                          "use_rslora": bool(config.get("use_rslora")), "peft_divergent": divergent,
-                         "modules": modules}
+                         "modules": modules, "noop": effect.reason(), "warnings": list(effect.warnings())}
     manifest = {"version": VERSION, "source": "user", "pool_max_rank": rank,
                 "models": {model: {"path": str(model_dir)}}, "adapters": entries, "bad_adapters": {}}
     return FixtureSet(Path("/"), manifest)

@@ -20,6 +20,8 @@ if not os.environ.get("MOELORA_TWO_FAILURES"):
 def test_two_failures(moelora_suite, mode, dtype, data):
     n = data.draw(st.integers(0, 1000), label="n")
     trace(f"case: n={n}")
+    if os.environ.get("MOELORA_TWO_FAILURES_FIXED"):  # the faults fixed: a replay no longer fails
+        return
     if n % 2 and n > 10:
         raise DeltaMismatch(f"odd n={n}: a delta is off")
     if n % 2 == 0 and n > 10:

@@ -189,8 +189,25 @@ def test_model_mismatch_other_family_names(tmp_path):
     tensors, conf = _good(mixtral, fmt="per_expert")  # w1/w3/w2 under block_sparse_moe
     _refused(tmp_path, _cfg("qwen3_moe"), tensors, {**conf, "target_modules": ["q_proj"]}, ModelMismatchError,
              "block_sparse_moe.experts")
-    _refused(tmp_path, _cfg("qwen3_moe"), tensors, conf, ModelMismatchError, "names the experts of another model",
-             "['w1', 'w2', 'w3']")
+    # the config naming Mixtral's experts does not change that: the keys are another model's
+    _refused(tmp_path, _cfg("qwen3_moe"), tensors, conf, ModelMismatchError, "keys made for another model",
+             "block_sparse_moe.experts.0.w1")
+
+
+def test_other_family_expert_names_without_keys_are_served_with_a_note(tmp_path):
+    # peft 0.21.2 wraps nothing for target_modules entries that name no module of the model (w1 on a
+    # Qwen3-MoE; gate_proj on a transformers-5 Mixtral) and applies the rest of the file: so does moelora,
+    # and it says which entries added nothing (test_peft_formats.py writes such files with peft).
+    cfg = _cfg()
+    tensors, conf = _good(cfg)
+    dense = {k: v for k, v in tensors.items() if ".self_attn." in k}
+    path = write_adapter(tmp_path / "ad", dense, {**conf, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                            "w1", "w2", "w3"],
+                                                  "target_parameters": None})
+    read = read_adapter(path, cfg)
+    assert read.modules() and set(read.modules()) <= {"q", "k", "v", "o"}
+    assert len(read.config.notes) == 1 and "['w1', 'w2', 'w3']" in read.config.notes[0]
+    assert "add nothing" in read.config.notes[0]
 
 
 @pytest.mark.parametrize(

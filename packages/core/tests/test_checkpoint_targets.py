@@ -11,7 +11,10 @@ them (they were served before: target_modules=["k_proj"] with q/v/o keys in the 
   exclude_modules / layers_to_transform say: served, as peft serves them;
 - keys that name a module with a non-canonical index (``layers.00``, ``layers.١``): refused, in
   adapters and base checkpoints alike (an alias overwrote the real factor);
-- keys that carry an adapter name (``lora_A.default.weight``): refused with that reason.
+- keys that carry an adapter name (``lora_A.default.weight``): refused with that reason;
+- ``target_parameters`` entries by peft's "equals or ends with" rule (``expert_parameter``): the
+  short names peft writes (``gate_up_proj``), partial and full paths, one layer's path; another
+  parameter (the router's ``gate.weight``, a bias) or a misspelt path is not an expert parameter.
 """
 
 import json
@@ -27,7 +30,7 @@ from moelora_core.checkpoint import (
     MoEModelConfig,
     read_adapter,
 )
-from moelora_core.checkpoint.peft_config import parse_adapter_config
+from moelora_core.checkpoint.peft_config import expert_parameter, parse_adapter_config
 from moelora_core.checkpoint.peft_targets import targets_module
 from moelora_core.checkpoint.synthetic import (
     adapter_tensors,
@@ -234,3 +237,32 @@ def test_base_checkpoint_refuses_non_canonical_indices_like_the_adapter_reader(t
         MoECheckpoint(tmp_path)
     msg = str(exc.value)
     assert "non-canonical index" in msg and new in msg, msg
+
+
+#: The parameter paths of a 3-layer model's experts and router (transformers 5 names them so).
+_PARAMS = [f"model.layers.{i}.mlp.{p}" for i in range(3)
+           for p in ("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_bias", "gate.weight")]
+
+
+def _peft_names(entry: str) -> set[str]:
+    """Parameters peft 0.21.2 wraps for one target_parameters entry (BaseTuner._inject_parameters: the
+    path equals the entry or ends with "." + entry), written out here."""
+    return {p for p in _PARAMS if p == entry or p.endswith(f".{entry}")}
+
+
+@pytest.mark.parametrize("entry", [
+    "gate_up_proj", "down_proj", "experts.gate_up_proj", "mlp.experts.down_proj", "0.mlp.experts.gate_up_proj",
+    "layers.1.mlp.experts.down_proj", "model.layers.2.mlp.experts.gate_up_proj",
+    "gate.weight", "mlp.gate.weight", "gate_up_proj_bias", "experts", "mlp.experts", "p.experts.gate_up_proj",
+    "block_sparse_moe.experts.down_proj", "layers.01.mlp.experts.down_proj", "xmodel.layers.0.mlp.experts.down_proj",
+])
+def test_target_parameter_entries_follow_peft(entry):
+    wrapped = _peft_names(entry)
+    expert = {p.rsplit(".", 1)[-1] for p in wrapped}
+    served = expert_parameter(entry)
+    if served is None:
+        # peft wraps no expert parameter for it (another parameter, or nothing at all)
+        assert not (expert & {"gate_up_proj", "down_proj"}), (entry, wrapped)
+    else:
+        assert wrapped and expert == {served}, (entry, wrapped, served)
+    assert expert_parameter("block_sparse_moe.experts.down_proj", ("block_sparse_moe", "mlp")) == "down_proj"

@@ -3,14 +3,15 @@
     moelora-conformance checkpoint-pass [--fixtures DIR | --model DIR --adapter NAME=DIR ...]
         [--backends reference,triton,csgmv]
         [--models a,b] [--modes eager,decode,prefill-full,prefill-breakable] [--layers 0,1]
-        [--requests 40] [--work-dir DIR] [--json rows.json]
+        [--requests 40] [--work-dir DIR] [--json rows.json] [--require-coverage]
 
 Builds the fixtures into a temporary directory unless ``--fixtures`` names one, builds the pass's
 own adapters into ``--work-dir`` (default: a temporary directory) — or, with ``--model`` and
 ``--adapter NAME=DIR``, runs on your checkpoint and adapters (``user_files``: what each adapter must
 mean read from its files; legacy per-expert + rsLoRA left out, peft serves another σ) —, runs :mod:`.run`, prints the
-table and exits 1 on any failed comparison, 2 on a usage error (a missing ``fixtures`` extra, a
-backend that cannot run here — the Triton backends on a CPU need ``TRITON_INTERPRET=1``).
+table and exits 1 on any failed comparison (with ``--require-coverage`` also on a cell whose adapters are
+all no-ops: "not meaningful"), 2 on a usage error (a missing ``fixtures`` extra, a backend that cannot run
+here — the Triton backends on a CPU need ``TRITON_INTERPRET=1``). No-op adapters are named at load.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def _checkpoint_pass(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--requests", type=int, default=None, help="requests per batch (default: 40)")
     parser.add_argument("--work-dir", type=Path, default=None, help="where the pass's own adapters are built")
     parser.add_argument("--json", type=Path, default=None, help="also write every comparison as JSON")
+    parser.add_argument("--require-coverage", action="store_true",
+                        help="a cell not proven (only no-op adapters compared: not meaningful) fails the run (exit 1)")
 
     def run(args: argparse.Namespace) -> int:
         if not require_fixtures_extra("checkpoint-pass"):
@@ -131,6 +134,9 @@ def _checkpoint_pass(parser: argparse.ArgumentParser) -> Handler:
                 return 2
         if args.json:
             args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
-        return 0 if render(rows) else 1
+        from moelora_conformance.user_files import noop_adapters
+
+        noop = noop_adapters(user) if user is not None else {}
+        return 0 if render(rows, noop=noop, require_coverage=args.require_coverage) else 1
 
     return run

@@ -2,14 +2,22 @@
 report and support matrix.
 
     moelora-conformance e2e [--backend X ...] [--model DIR --adapter NAME=DIR ...] [--fixtures DIR]
-        [--modes eager,decode_graph,full,breakable] [--manifest [X=]M] [--json out.json]
-        [--markdown matrix.md] [--requests 64] [--max-new-tokens 8] [--state-machine-examples 20]
+        [--families F,...] [--modes eager,decode_graph,full,breakable] [--properties E01,...]
+        [--manifest [X=]M] [--json out.json] [--markdown matrix.md] [--requests 64] [--max-new-tokens 8]
+        [--state-machine-examples 20] [--require-coverage] [engine capacity options]
 
 Without ``--model`` it runs the CI-sized default on fixtures built locally (:mod:`.suite`): every
 fixture family with ``reference``, one per other backend, each with the engine adapters
-(:mod:`.adapters`). Exit status: 0 every claim held (expected failures allowed), 1 a failure or a
-stale manifest entry, 2 a usage error (bad arguments, a directory that is not a checkpoint, an
-adapter the reader refuses, an unknown backend, a bad manifest), 5 nothing ran.
+(:mod:`.adapters`). Exit status: 0 every claim held (expected failures allowed; ``partial`` and ``not
+meaningful`` claims are listed as not proven), 1 a failure or a stale manifest entry (or, with
+``--require-coverage``, a claim not proven), 2 a usage error (bad arguments, a directory that is not a
+checkpoint, an adapter the reader refuses, an unknown backend, a bad manifest), 5 nothing ran.
+
+Every record's rerun line (``run.rerun_line``) is a command that reproduces its run: the same inputs
+(absolute ``--model`` / ``--adapter`` paths; for the fixtures, ``--families F`` and ``--fixtures DIR``
+when one was given — built fixtures are the same bytes every build, so a rerun rebuilds them rather
+than pointing into this run's deleted temporary directory), every option that shaped it, and its
+mode's workload claims or the state machine. No-op adapters are named on stderr at load.
 """
 
 from __future__ import annotations
@@ -74,6 +82,10 @@ def _e2e(parser: argparse.ArgumentParser) -> Handler:
                         help="comma-separated fixture families for every backend (default: all with reference, "
                              "one per other backend)")
     parser.add_argument("--modes", default=",".join(_modes()), help="comma-separated engine modes (default: all)")
+    parser.add_argument("--properties", default=None,
+                        help="comma-separated claims to check (default all, E01-E06; E06 alone serves no workload)")
+    parser.add_argument("--require-coverage", action="store_true",
+                        help="a claim not proven (partial, not meaningful) fails the run (exit 1); the main job's")
     parser.add_argument("--manifest", action="append", default=None,
                         help="expected failures: PATH for every backend, or BACKEND=PATH (repeatable)")
     parser.add_argument("--json", type=Path, default=None, help="JSON report (several backends: NAME-BACKEND.json)")
@@ -84,6 +96,19 @@ def _e2e(parser: argparse.ArgumentParser) -> Handler:
                         help="longest prompt (default: the model's context minus --max-new-tokens)")
     parser.add_argument("--max-loras", type=int, default=None, help="adapter slots (default: adapters - 1)")
     parser.add_argument("--seed", type=int, default=0, help="the workload's seed (default 0)")
+    parser.add_argument("--arrival-steps", type=int, default=None,
+                        help="arrivals spread over this many steps (default: twice the requests)")
+    defaults = _config_defaults()
+    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
+                        help=f"the step's token budget (default {defaults.max_num_batched_tokens})")
+    parser.add_argument("--prefill-token-buckets", default=_csv(defaults.prefill_token_buckets),
+                        help=f"captured prefill buckets, tokens (default {_csv(defaults.prefill_token_buckets)})")
+    parser.add_argument("--max-num-requests", type=int, default=defaults.max_num_requests,
+                        help=f"request slots of the prefill graph (default {defaults.max_num_requests})")
+    parser.add_argument("--decode-batch-buckets", default=_csv(defaults.decode_batch_buckets),
+                        help=f"captured decode buckets, requests (default {_csv(defaults.decode_batch_buckets)})")
+    parser.add_argument("--kv-cache-tokens", type=int, default=defaults.kv_cache_tokens,
+                        help=f"KV cache locations (default {defaults.kv_cache_tokens})")
     parser.add_argument("--state-machine-examples", type=int, default=20,
                         help="examples of the stateful engine properties (E06; 0 skips them; default 20)")
     parser.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16 (default float32)")
@@ -106,6 +131,17 @@ def _e2e(parser: argparse.ArgumentParser) -> Handler:
         bad = [m for m in modes if m not in _modes()]
         if bad or not modes:
             return _usage(f"--modes: unknown {bad}; known {list(_modes())}")
+        from moelora_conformance.e2e.properties import E2E_PROPERTIES
+
+        properties = [p.strip() for p in (args.properties or ",".join(E2E_PROPERTIES)).split(",") if p.strip()]
+        unknown = [p for p in properties if p not in E2E_PROPERTIES]
+        if unknown or not properties:
+            return _usage(f"--properties: unknown {unknown}; known {list(E2E_PROPERTIES)}")
+        try:
+            buckets = {name: tuple(int(v) for v in getattr(args, name).split(",") if v.strip())
+                       for name in ("prefill_token_buckets", "decode_batch_buckets")}
+        except ValueError as exc:
+            return _usage(f"bucket lists are comma-separated integers: {exc}")
         if args.adapter and args.model is None:
             return _usage("--adapter needs --model (the checkpoint the adapters were made for)")
         if args.requests < 2 or args.max_new_tokens < 1:
@@ -128,8 +164,10 @@ def _e2e(parser: argparse.ArgumentParser) -> Handler:
 
         config = E2EConfig(requests=args.requests, max_new_tokens=args.max_new_tokens, seed=args.seed,
                            max_prompt_tokens=args.max_prompt_tokens, max_loras=args.max_loras,
-                           state_machine_examples=args.state_machine_examples,
-                           require_adapter_kinds=args.model is None, modes=tuple(modes))
+                           state_machine_examples=args.state_machine_examples, modes=tuple(modes),
+                           properties=tuple(properties), arrival_steps=args.arrival_steps,
+                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_requests=args.max_num_requests,
+                           kv_cache_tokens=args.kv_cache_tokens, **buckets)
         with tempfile.TemporaryDirectory(prefix="moelora-e2e-") as tmp:
             if args.model is not None:
                 adapters = _adapters(args.adapter)
@@ -141,7 +179,7 @@ def _e2e(parser: argparse.ArgumentParser) -> Handler:
                 why = _check_model(args.model, adapters)
                 if why:
                     return _usage(why)
-                plan = {b: [(args.model.name, args.model, adapters)] for b in backends}
+                plan = {b: [(args.model.name, args.model, adapters)] for b in backends}  # inputs: run.model_inputs
             else:
                 plan = _fixture_plan(args, backends, Path(tmp))
                 if isinstance(plan, int):
@@ -155,6 +193,32 @@ def _modes() -> tuple[str, ...]:
     from moelora_conformance.e2e.results import E2E_MODES
 
     return E2E_MODES
+
+
+def _config_defaults():
+    from moelora_conformance.e2e.run import E2EConfig
+
+    return E2EConfig()
+
+
+def _csv(values) -> str:
+    return ",".join(map(str, values))
+
+
+def _rerun_extra(args, backend: str) -> list[str]:
+    """The options every rerun line of ``backend`` ends with: its manifest (absolute), ``--no-hf``,
+    ``--require-coverage``."""
+    from moelora_conformance.cli import _per_backend
+
+    out = []
+    manifest = _per_backend(args.manifest, backend)
+    if manifest:
+        out += ["--manifest", str(Path(manifest).resolve())]
+    if args.no_hf:
+        out.append("--no-hf")
+    if args.require_coverage:
+        out.append("--require-coverage")
+    return out
 
 
 def _load(backend: str):
@@ -183,24 +247,30 @@ def _fixture_plan(args, backends: list[str], tmp: Path):
     root = tmp / "engine-adapters"
     build_engine_adapters(root, needed)
     dirs = engine_adapter_dirs(root, needed)
-    return {b: [(f, fixtures.model_dir(f), dict(dirs[f])) for f in fams] for b, fams in chosen.items()}
+    # a rerun names the family (and the user's fixtures directory): the fixtures and engine adapters are
+    # rebuilt byte-identically, where this run's temporary directory is gone once it exits
+    given = ["--fixtures", str(args.fixtures.resolve())] if args.fixtures else []
+    return {b: [(f, fixtures.model_dir(f), dict(dirs[f]), [*given, "--families", f]) for f in fams]
+            for b, fams in chosen.items()}
 
 
 def _run(plan: dict, args, config, manifests: dict, json_path) -> int:
     from moelora_conformance.e2e.suite import run_e2e
-    from moelora_conformance.report import EXECUTED, matrix_markdown, matrix_rich, unexpected_failures
+    from moelora_conformance.report import exit_status, matrix_markdown, matrix_rich, summary_line
 
     def progress(r):
         print(f"{_PREFIX}: {r.test} {r.outcome} ({r.duration:.1f} s){': ' + r.message if r.message else ''}",
               flush=True)
 
+    def warn(message: str) -> None:
+        print(f"{_PREFIX}: warning: {message}", file=sys.stderr, flush=True)
+
     reports, many = [], len(plan) > 1
     for backend, models in plan.items():
-        print(f"{_PREFIX}: {backend} on {', '.join(m for m, _, _ in models)} ({args.dtype}, {args.device})",
-              flush=True)
+        print(f"{_PREFIX}: {backend} on {', '.join(m[0] for m in models)} ({args.dtype}, {args.device})", flush=True)
         report = run_e2e(backend, models, config=config, dtype=args.dtype, device=args.device,
                          manifest=manifests[backend], hf=not args.no_hf, record_path=args.record_jsonl,
-                         progress=progress)
+                         progress=progress, rerun_extra=_rerun_extra(args, backend), warn=warn)
         reports.append(report)
         out = json_path(args.json, backend, many)
         if out is not None:
@@ -208,9 +278,12 @@ def _run(plan: dict, args, config, manifests: dict, json_path) -> int:
     matrix_rich(reports)
     if args.markdown:
         args.markdown.write_text(matrix_markdown(reports))
-    if any(unexpected_failures(rep) for rep in reports):
-        return 1
-    if not any(r["outcome"] in EXECUTED for rep in reports for r in rep["records"]):
+    status = exit_status(reports, require_coverage=args.require_coverage)
+    for rep in reports:
+        print(f"{_PREFIX}: {rep['backend']['target']}: {summary_line(rep)}", flush=True)
+    if status == 5:
         print(f"{_PREFIX}: nothing ran (every claim not run or not implemented)", file=sys.stderr)
-        return 5
-    return 0
+    elif status == 1 and not any(r["outcome"] in ("failed", "xpassed") for rep in reports for r in rep["records"]):
+        print(f"{_PREFIX}: --require-coverage: claims not proven (partial, not meaningful) fail this run",
+              file=sys.stderr)
+    return status

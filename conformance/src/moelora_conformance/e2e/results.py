@@ -2,9 +2,14 @@
 the layer suite's words (:data:`moelora_conformance.report.OUTCOMES`), so the e2e report, the
 expected-failure manifest and the support matrix are the layer suite's own (DESIGN.md §7, §9).
 
-Every part of the e2e suite returns these: the workload checks (:mod:`.workload_checks`), and the
+Every part of the e2e suite returns these: the workload checks (:mod:`.checks`), and the
 stateful engine properties (``moelora_conformance.e2e.stateful.run_state_machine``). A record is
 ``not_run`` until a check decides it: nothing that did not finish is ever reported as passed.
+
+Two outcomes say a claim held but is not proven (``conformance/docs/suite.md``, "Statuses"):
+``partial`` (a claim with coverage items — E05 — whose items were not all met: ``coverage`` says which)
+and ``not_meaningful`` (the claim relied only on no-op adapters: it held for the base model only). Neither
+fails a run unless ``--require-coverage`` is given.
 """
 
 from __future__ import annotations
@@ -32,9 +37,11 @@ class E2EResult:
         mode: one of :data:`E2E_MODES`, or :data:`MIXED_MODE`.
         dtype: "fp32" / "fp16" / "bf16" (:data:`DTYPE_NAMES`).
         model: the model it ran on (fixture name, or the directory's name).
-        outcome: "passed", "failed", "not_run", "not_implemented" (later "xfailed" / "xpassed" from
-            the manifest); :data:`moelora_conformance.report.OUTCOMES`.
-        message: the first line of a failure, or why it did not run.
+        outcome: "passed", "failed", "partial", "not_meaningful", "not_run", "not_implemented" (later
+            "xfailed" / "xpassed" from the manifest); :data:`moelora_conformance.report.OUTCOMES`.
+        message: the first line of a failure, why it did not run, or why it is not proven.
+        coverage: the claim's coverage items → "met", "not met (...)" or "not applicable ..." (E05);
+            empty for claims without items.
         duration: seconds.
         details: what was measured (counts, max |Δlogprob|, tokens compared, passes by label), JSON-able.
         repro: a command (or a seed) that replays it, or None.
@@ -50,6 +57,7 @@ class E2EResult:
     duration: float = 0.0
     details: dict = field(default_factory=dict)
     repro: str | None = None
+    coverage: dict[str, str] = field(default_factory=dict)
 
     @property
     def test(self) -> str:
@@ -68,6 +76,17 @@ class E2EResult:
 
     def not_run(self, message: str) -> E2EResult:
         self.outcome, self.message = "not_run", message
+        return self
+
+    def partial(self, message: str, coverage: dict[str, str], /, **details) -> E2EResult:
+        """Held, but not every coverage item was met (``coverage``: item → its state)."""
+        self.outcome, self.message, self.coverage = "partial", message, dict(coverage)
+        self.details.update(details)
+        return self
+
+    def not_meaningful(self, message: str) -> E2EResult:
+        """Held, but only with no-op adapters: it proves the base model only (``message`` says which)."""
+        self.outcome, self.message = "not_meaningful", message
         return self
 
     def to_record(self) -> dict:
@@ -103,6 +122,6 @@ def checking(result: E2EResult):
         result.failed(f"{type(exc).__name__}: {exc}")
     else:
         if result.outcome == "not_run" and not result.message:
-            result.passed()
+            result.passed()  # (a verdict the block gave — partial, not_run with its reason — is kept)
     finally:
         result.duration += time.perf_counter() - start

@@ -5,19 +5,39 @@ stateful engine properties (E06, ``moelora_conformance.e2e.stateful`` when it is
 8 new tokens, 3 slots for 5 adapters) and set the graphs' capacity *below* the workload's peaks, so
 one run has steps that fit a captured graph and steps beyond it (E03 / E04): a 64-token step budget
 with prefill buckets up to 48 tokens and 8 request slots, decode buckets up to 8 requests.
+
+Every record carries a rerun line (:func:`rerun_line`): the ``moelora-conformance e2e`` command that
+reproduces its run — the inputs (``--model`` / ``--adapter`` as absolute paths, or the fixture family),
+every setting of :class:`E2EConfig` as its option, the dtype and device, and the options the caller
+adds (manifest, ``--no-hf``, ``--require-coverage``); the workload claims of one mode
+(``--modes M --properties E01,...,E05``) or the state machine (``--properties E06``).
+
+What each adapter changes is taken from the eager engine (``Engine.adapter_effect``): the no-op
+adapters are named through ``warn`` at load, meet no E05 adapter item, and a claim that relied only on
+them is ``not_meaningful`` (:func:`.checks.not_meaningful`).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import shlex
 import time
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moelora_conformance.e2e.checks import Capacity, check_graph_paths, check_graph_vs_eager, check_hf, check_workload
+from moelora_conformance.e2e.checks import (
+    Capacity,
+    check_graph_paths,
+    check_graph_vs_eager,
+    check_hf,
+    check_workload,
+    not_meaningful,
+)
 from moelora_conformance.e2e.engine_checks import HFReference
-from moelora_conformance.e2e.properties import STATEFUL
+from moelora_conformance.e2e.properties import E2E_PROPERTIES, STATEFUL
 from moelora_conformance.e2e.results import DTYPE_NAMES, E2E_MODES, E2EResult
 from moelora_conformance.e2e.workload import Served, make_workload, serve
 
@@ -30,6 +50,8 @@ MODE_ARGS: dict[str, dict] = {
 }
 #: The module that holds the state machine (E06).
 STATEFUL_MODULE = "moelora_conformance.e2e.stateful"
+#: The claims checked on the served workload (every mode); E06 is the state machine's.
+WORKLOAD_PROPERTIES: tuple[str, ...] = tuple(p for p in E2E_PROPERTIES if p != STATEFUL)
 
 
 @dataclass(frozen=True)
@@ -45,8 +67,9 @@ class E2EConfig:
         max_num_batched_tokens: the step's token budget (chunked prefill).
         prefill_token_buckets, max_num_requests, decode_batch_buckets: the captured capacity.
         kv_cache_tokens: KV locations. state_machine_examples: E06's Hypothesis examples (0: skip E06).
-        require_adapter_kinds: E05 requires >= 3 ranks, an rsLoRA and a legacy per-expert adapter (where the
-            family has one: ``checks.not_applicable_items``).
+        modes: the engine modes whose records are reported (eager always runs: the graph modes' reference).
+        properties: the claims to check (default all): without a workload claim (E01-E05) no workload is
+            served; without E06 the state machine does not run.
     """
 
     requests: int = 64
@@ -61,12 +84,44 @@ class E2EConfig:
     decode_batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
     kv_cache_tokens: int = 8192
     state_machine_examples: int = 20
-    require_adapter_kinds: bool = True
     modes: tuple[str, ...] = field(default=E2E_MODES)
+    properties: tuple[str, ...] = field(default=tuple(E2E_PROPERTIES))
 
     @property
     def capacity(self) -> Capacity:
         return Capacity(max(self.prefill_token_buckets), self.max_num_requests, max(self.decode_batch_buckets))
+
+    def options(self) -> list[str]:
+        """The ``moelora-conformance e2e`` options that set every field but ``modes`` and ``properties``."""
+        out = ["--requests", str(self.requests), "--max-new-tokens", str(self.max_new_tokens), "--seed", str(self.seed)]
+        for flag, value in (("--arrival-steps", self.arrival_steps), ("--max-prompt-tokens", self.max_prompt_tokens),
+                            ("--max-loras", self.max_loras)):
+            if value is not None:
+                out += [flag, str(value)]
+        return [*out, "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+                "--prefill-token-buckets", ",".join(map(str, self.prefill_token_buckets)),
+                "--max-num-requests", str(self.max_num_requests),
+                "--decode-batch-buckets", ",".join(map(str, self.decode_batch_buckets)),
+                "--kv-cache-tokens", str(self.kv_cache_tokens),
+                "--state-machine-examples", str(self.state_machine_examples)]
+
+
+def model_inputs(model_dir: Path, adapters: dict[str, Path]) -> list[str]:
+    """``--model DIR --adapter NAME=DIR ...`` with absolute paths (a rerun line works from any directory)."""
+    out = ["--model", str(Path(model_dir).resolve())]
+    for name, path in sorted(adapters.items()):
+        out += ["--adapter", f"{name}={Path(path).resolve()}"]
+    return out
+
+
+def rerun_line(backend: str, inputs: Sequence[str], config: E2EConfig, *, dtype: str, device: str,
+               mode: str | None = None, extra: Sequence[str] = ()) -> str:
+    """The command that reruns one record's run (module doc): the workload claims of engine mode
+    ``mode``, or (``mode`` None) the state machine E06."""
+    what = ["--modes", mode, "--properties", ",".join(WORKLOAD_PROPERTIES)] if mode else ["--properties", STATEFUL]
+    argv = ["moelora-conformance", "e2e", "--backend", backend, *inputs, *what, *config.options(),
+            "--dtype", dtype, "--device", device, *extra]
+    return shlex.join(argv)
 
 
 def adapter_kinds(adapters: dict[str, Path], model_config) -> dict[str, dict]:
@@ -88,20 +143,25 @@ def adapter_kinds(adapters: dict[str, Path], model_config) -> dict[str, dict]:
 
 def _make_engine(model_dir: Path, adapters: dict[str, Path], *, backend: str, mode: str, dtype: str, device: str,
                  config: E2EConfig, max_loras: int, rank: int):
+    from moelora_core.checkpoint import AdapterWarning
     from moelora_runner import Engine
 
     engine = Engine(model_dir, backend=backend, dtype=dtype, device=device, max_loras=max_loras, max_lora_rank=rank,
                     max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_tokens=config.kv_cache_tokens,
                     prefill_token_buckets=config.prefill_token_buckets, max_num_requests=config.max_num_requests,
                     decode_batch_buckets=config.decode_batch_buckets, check_host_sync=True, **MODE_ARGS[mode])
-    for name, path in adapters.items():
-        engine.load_adapter(name, path)
+    with warnings.catch_warnings():  # named once, through run_model's ``warn``, not once per mode
+        warnings.simplefilter("ignore", AdapterWarning)
+        for name, path in adapters.items():
+            engine.load_adapter(name, path)
     return engine
 
 
 def run_model(backend: str, model_dir: Path, adapters: dict[str, Path], *, config: E2EConfig = E2EConfig(),
               dtype: str = "float32", device: str = "cpu", model_name: str | None = None,
-              hf: bool = True, record_path: str | Path | None = None, progress=None) -> list[E2EResult]:
+              hf: bool = True, record_path: str | Path | None = None, progress=None,
+              inputs: Sequence[str] | None = None, rerun_extra: Sequence[str] = (),
+              warn: Callable[[str], None] | None = None) -> list[E2EResult]:
     """The e2e suite of ``backend`` on one model: every mode of ``config.modes`` (eager always runs
     first: it is the graph modes' reference), E01-E05, then E06.
 
@@ -113,6 +173,9 @@ def run_model(backend: str, model_dir: Path, adapters: dict[str, Path], *, confi
         hf: compare against HF + PEFT (E02; needs transformers + peft).
         record_path: JSONL file for the graph-vs-eager measurements (the GPU tolerance rows).
         progress: called with each finished record.
+        inputs: the rerun lines' input options (default :func:`model_inputs`; the fixture run passes
+            ``--families F``). rerun_extra: options the rerun lines end with (the caller's manifest, ...).
+        warn: called with each adapter warning at load (no-op adapters, config notes).
 
     Returns:
         One record per property × mode (failed ones say why; a mode whose engine could not be built or
@@ -133,23 +196,46 @@ def run_model(backend: str, model_dir: Path, adapters: dict[str, Path], *, confi
     workload = make_workload(sorted(adapters), vocab=info.config.vocab_size, max_prompt_tokens=max_prompt,
                              n=config.requests, max_new_tokens=config.max_new_tokens, seed=config.seed,
                              arrival_steps=config.arrival_steps or 2 * config.requests)
-    reference, why_not = _hf_reference(model_dir, adapters, hf, dtype, device)
-    repro = (f"moelora-conformance e2e --backend {backend} --model {model_dir} "
-             + " ".join(f"--adapter {n}={p}" for n, p in sorted(adapters.items()))
-             + f" --modes {{mode}} --seed {config.seed} --dtype {dtype} --device {device}")
+    inputs = list(inputs) if inputs is not None else model_inputs(model_dir, adapters)
+
+    def rerun(mode: str | None) -> str:
+        return rerun_line(backend, inputs, config, dtype=dtype, device=device, mode=mode, extra=rerun_extra)
+
+    selected = set(config.properties)
     results: list[E2EResult] = []
+    noop: dict[str, str] = {}
+    effects_known = False
+
+    def adapter_effects(engine) -> None:
+        nonlocal effects_known
+        if effects_known:
+            return
+        effects_known = True
+        for n in sorted(adapters):
+            effect = engine.adapter_effect(n)
+            if effect is None:  # an engine whose adapter pool did not measure it
+                continue
+            if effect.noop:
+                noop[n] = effect.reason()
+            for message in effect.warnings():
+                (warn or (lambda m: None))(message)
+
+    workload_modes = ("eager", *(m for m in config.modes if m != "eager")) if selected & set(WORKLOAD_PROPERTIES) \
+        else ()
+    reference, why_not = _hf_reference(model_dir, adapters, hf, dtype, device) if workload_modes else (None, "")
     eager: Served | None = None
-    for mode in ("eager", *(m for m in config.modes if m != "eager")):
-        base = E2EResult("E00", backend, mode, dt, name, repro=repro.replace("{mode}", mode))
+    for mode in workload_modes:
+        base = E2EResult("E00", backend, mode, dt, name, repro=rerun(mode))
         start = time.perf_counter()
         try:
             engine = _make_engine(model_dir, adapters, backend=backend, mode=mode, dtype=dtype, device=device,
                                   config=config, max_loras=max_loras, rank=rank)
+            adapter_effects(engine)
             served = serve(engine, workload)
             served_s = time.perf_counter() - start
         except Exception as exc:  # the engine or the backend crashed: every claim of this mode failed, named
             props = ["E02", "E05"] if mode == "eager" else ["E01", "E02", "E03", "E04", "E05"]
-            for p in props:
+            for p in (p for p in props if p in selected):
                 rec = E2EResult(p, backend, mode, dt, name, repro=base.repro, duration=time.perf_counter() - start)
                 if isinstance(exc, EngineConfigError):
                     # the backend does not declare this mode, dtype or device: not implemented, as in the layer suite
@@ -161,8 +247,8 @@ def run_model(backend: str, model_dir: Path, adapters: dict[str, Path], *, confi
                     notify(rec)
             continue
         mode_records = [check_workload(base, served, workload, adapter_kinds=kinds, max_loras=max_loras,
-                                       require_kinds=config.require_adapter_kinds, n=config.requests,
-                                       max_prompt_tokens=max_prompt, family=info.config.model_type)]
+                                       n=config.requests, max_prompt_tokens=max_prompt,
+                                       family=info.config.model_type, noop=frozenset(noop))]
         mode_records[0].duration += served_s  # the engine run is the workload claim's (E05) time
         if mode == "eager":
             eager = served
@@ -173,6 +259,8 @@ def run_model(backend: str, model_dir: Path, adapters: dict[str, Path], *, confi
                 mode_records.append(E2EResult("E01", backend, mode, dt, name).failed("the eager reference run failed"))
             mode_records += check_graph_paths(base, served, config.capacity, last_fallback=engine.runner.last_fallback)
         mode_records.append(check_hf(base, served, workload, reference, dtype=dtype, why_not=why_not))
+        not_meaningful(mode_records, workload.adapters(), noop)
+        mode_records = [r for r in mode_records if r.property in selected]
         elapsed = time.perf_counter() - start
         for rec in mode_records:
             rec.details.setdefault("mode_seconds", round(elapsed, 2))
@@ -180,12 +268,29 @@ def run_model(backend: str, model_dir: Path, adapters: dict[str, Path], *, confi
             results += mode_records
             for rec in mode_records:
                 notify(rec)
-    if config.state_machine_examples:
-        for rec in run_stateful(backend, model_dir, adapters, config=config, max_loras=max_loras, dtype=dtype,
-                                device=device, model_name=name):
+    if config.state_machine_examples and STATEFUL in selected:
+        if not effects_known:  # no workload ran: the no-op test without base weights (exact zeros)
+            adapter_effects(_ReadOnly(adapters, info.config))
+        records = run_stateful(backend, model_dir, adapters, config=config, max_loras=max_loras, dtype=dtype,
+                               device=device, model_name=name)
+        not_meaningful(records, set(adapters), noop)
+        for rec in records:
+            rec.repro = rerun(None)
             results.append(rec)
             notify(rec)
     return results
+
+
+class _ReadOnly:
+    """``adapter_effect(name)`` of adapters read for a model without an engine (exact-zero tests only)."""
+
+    def __init__(self, adapters: dict[str, Path], model_config) -> None:
+        self.adapters, self.model_config = adapters, model_config
+
+    def adapter_effect(self, name: str):
+        from moelora_core.checkpoint import adapter_effect, read_adapter
+
+        return adapter_effect(read_adapter(Path(self.adapters[name]), self.model_config, name=name))
 
 
 def _hf_reference(model_dir: Path, adapters: dict[str, Path], hf: bool, dtype: str,

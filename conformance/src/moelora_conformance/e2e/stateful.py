@@ -573,8 +573,25 @@ def run_state_machine(*, backend: str, model_dir: str | Path, adapters: Mapping[
                 raise
         result.details.update(cls.stats, modes=list(declared if mode == MIXED_MODE else (mode,)),
                               max_loras=max_loras, adapters=len(paths), max_lora_rank=rank)
-        result.repro = (f"run_state_machine(backend={backend!r}, model_dir={str(model_dir)!r}, "
-                        f"adapters=..., max_examples={max_examples}, max_loras={max_loras}, modes=({mode!r},), "
-                        f"seed={seed!r})")
+        result.repro = _rerun(backend, model_dir, paths, max_examples=max_examples, max_loras=max_loras,
+                              mode=mode, seed=seed, step_count=step_count, dtype=dtype, device=device,
+                              default_engine=engine_class.__name__ == "Engine"
+                              and engine_class.__module__.startswith("moelora_runner"))
         results.append(result)
     return results
+
+
+def _rerun(backend: str, model_dir: Path, adapters: dict[str, Path], *, max_examples: int, max_loras: int, mode: str,
+           seed: int | None, step_count: int, dtype: str, device: str, default_engine: bool) -> str:
+    """The rerun line of one E06 record: the ``moelora-conformance e2e --properties E06`` command where the
+    run is one the command makes (the engine itself, the mixed mode, seed 0, 30 steps), else the Python call
+    (an engine mutant, another mode, seed or step count)."""
+    from moelora_conformance.e2e.run import E2EConfig, model_inputs, rerun_line
+
+    if default_engine and mode == MIXED_MODE and seed == 0 and step_count == 30:
+        config = E2EConfig(state_machine_examples=max_examples, max_loras=max_loras)
+        return rerun_line(backend, model_inputs(model_dir, adapters), config, dtype=dtype, device=device)
+    paths = {n: str(p) for n, p in adapters.items()}
+    return (f"run_state_machine(backend={backend!r}, model_dir={str(model_dir)!r}, adapters={paths!r}, "
+            f"max_examples={max_examples}, max_loras={max_loras}, modes=({mode!r},), seed={seed!r}, "
+            f"step_count={step_count}, dtype={dtype!r}, device={device!r})")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -44,11 +45,17 @@ class AdapterVersions:
         return ({k: t * factor if ".lora_B." in k else t.clone() for k, t in tensors.items()}, dict(config))
 
     def load(self, engine, name: str, v: int) -> None:
-        """Register version ``v`` of ``name`` on ``engine`` (a directory, or in-memory tensors)."""
-        if v == 0:
-            engine.load_adapter(name, self.paths[name])
-        else:
-            engine.load_adapter_from_tensors(name, *self.version(name, v))
+        """Register version ``v`` of ``name`` on ``engine`` (a directory, or in-memory tensors). The engine's
+        warnings on no-op adapters are silenced here: the run named the user's adapters once, at its start,
+        and a version may carry another (no-op) adapter's files on purpose."""
+        from moelora_core.checkpoint import AdapterWarning
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", AdapterWarning)
+            if v == 0:
+                engine.load_adapter(name, self.paths[name])
+            else:
+                engine.load_adapter_from_tensors(name, *self.version(name, v))
 
 
 def adapter_max_rank(path: Path) -> int:

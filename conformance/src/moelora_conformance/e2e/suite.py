@@ -44,9 +44,9 @@ def load_e2e_manifest(path: str | Path | None) -> Manifest:
 
 
 def apply_manifest(records: list[E2EResult], manifest: Manifest) -> list[str]:
-    """Expected failures: a matching failed record becomes ``xfailed``, a matching passed one
-    ``xpassed`` (a stale entry fails the run, as in the layer suite). Returns the entries that matched
-    no record."""
+    """Expected failures: a matching failed record becomes ``xfailed``, a matching one that held (passed,
+    partial or not meaningful) ``xpassed`` (a stale entry fails the run, as in the layer suite). Returns the
+    entries that matched no record."""
     matched = set()
     for r in records:
         entry = manifest.match(r.property, r.mode, r.dtype)
@@ -55,30 +55,42 @@ def apply_manifest(records: list[E2EResult], manifest: Manifest) -> list[str]:
         matched.add(entry.index)
         if r.outcome == "failed":
             r.outcome, r.message = "xfailed", f"{entry.reason} (was: {r.message})"
-        elif r.outcome == "passed":
+        elif r.outcome in ("passed", "partial", "not_meaningful"):  # it held: the entry is stale
             r.outcome, r.message = "xpassed", f"manifest entry passed (stale): {entry.reason}"
     return [e.describe() for e in manifest.entries if e.index not in matched]
 
 
-def run_e2e(backend: str, models: list[tuple[str, Path, dict[str, Path]]], *, config: E2EConfig,
+def run_e2e(backend: str, models: list[tuple], *, config: E2EConfig,
             dtype: str = "float32", device: str = "cpu", manifest: Manifest | None = None, hf: bool = True,
             record_path: str | Path | None = None,
-            progress: Callable[[E2EResult], None] | None = None) -> dict:
-    """The e2e suite of one backend on every (model name, model dir, adapters) of ``models``; the
-    report (module doc). E06 runs once per backend, on the first model."""
+            progress: Callable[[E2EResult], None] | None = None, rerun_extra: list[str] | tuple[str, ...] = (),
+            warn: Callable[[str], None] | None = None) -> dict:
+    """The e2e suite of one backend on every (model name, model dir, adapters[, rerun inputs]) of
+    ``models``; the report (module doc). E06 runs once per backend, on the first model.
+
+    ``rerun_extra``: options every rerun line ends with (``run.rerun_line``); ``warn``: called with each
+    adapter warning at load (they are also kept in the report's ``adapter_warnings``)."""
     start = time.perf_counter()
     records: list[E2EResult] = []
-    for i, (name, model_dir, adapters) in enumerate(models):
+    warnings: list[str] = []
+
+    def warned(message: str) -> None:
+        if message not in warnings:
+            warnings.append(message)
+            (warn or (lambda m: None))(message)
+
+    for i, (name, model_dir, adapters, *inputs) in enumerate(models):
         cfg = config if i == 0 else _without_state_machine(config)
         records += run_model(backend, model_dir, adapters, config=cfg, dtype=dtype, device=device, model_name=name,
-                             hf=hf, record_path=record_path, progress=progress)
+                             hf=hf, record_path=record_path, progress=progress, inputs=inputs[0] if inputs else None,
+                             rerun_extra=rerun_extra, warn=warned)
     unmatched = apply_manifest(records, manifest) if manifest is not None else []
     return {"suite": "e2e", "backend": {"name": backend.rsplit(":", 1)[-1] if ":" in backend else backend,
                                         "target": backend, "version": ""},
             "profile": "e2e", "device": device, "dtype": dtype, "duration": time.perf_counter() - start,
-            "config": asdict(config), "models": [m for m, _, _ in models],
+            "config": asdict(config), "models": [m[0] for m in models],
             "manifest": str(manifest.path) if manifest is not None and manifest.path else None,
-            "manifest_unmatched": unmatched, "python": platform.python_version(),
+            "manifest_unmatched": unmatched, "python": platform.python_version(), "adapter_warnings": warnings,
             "records": [r.to_record() for r in records]}
 
 

@@ -137,23 +137,26 @@ def assert_delta_close(
     *,
     rounded: tuple[torch.Tensor, ...] = (),
     accumulation: torch.Tensor | None = None,
+    quantity: str = "LoRA delta",
 ) -> None:
-    """The LoRA delta ``actual_lora - actual_base`` equals ``expected_delta`` within the policy.
+    """The LoRA delta ``actual_lora - actual_base`` equals ``expected_delta`` within the policy (an
+    output is checked the same way with ``actual_base`` zero and ``quantity="output"``).
 
     Args:
         rounded: the outputs that were rounded to the case dtype (their ``u·|out|`` is allowed).
         accumulation: same shape as ``expected_delta``: the fp32 accumulation error allowed per
             element (:func:`accumulation_bound`), or None for none.
+        quantity: what is compared, as the failure message names it ("LoRA delta", "output").
 
     Raises:
-        AssertionError: with the max / RMS relative errors of the delta, the bounds, and the first
-            coordinates off.
+        AssertionError: with the max / RMS relative errors of ``quantity``, the bounds, and the first
+            coordinates off (expected and actual ``quantity``).
     """
     tol = ctx.policy.lookup(ctx.dtype, ctx.device)
     a = actual_lora.detach().to("cpu", torch.float64) - actual_base.detach().to("cpu", torch.float64)
     e = expected_delta.detach().to("cpu", torch.float64)
     if a.shape != e.shape:
-        raise AssertionError(f"{ctx.what(what)}: delta shape {tuple(a.shape)} != expected {tuple(e.shape)}")
+        raise AssertionError(f"{ctx.what(what)}: {quantity} shape {tuple(a.shape)} != expected {tuple(e.shape)}")
     allowance = torch.zeros_like(e)
     u = UNIT_ROUNDOFF[ctx.dtype]
     for t in rounded:
@@ -176,13 +179,13 @@ def assert_delta_close(
         return
     bad = err > tol.max_rel * (scale if scale > 0 else 1.0)
     lines = [
-        f"{ctx.what(what)}: LoRA delta max_rel={max_rel:.3e} (bound {tol.max_rel:.1e}), rms_rel={rms_rel:.3e} "
+        f"{ctx.what(what)}: {quantity} max_rel={max_rel:.3e} (bound {tol.max_rel:.1e}), rms_rel={rms_rel:.3e} "
         f"(bound {tol.rms_rel:.1e}) [{tol.name}; rounding allowance {'on' if rounded else 'off'}; "
         f"fp32 accumulation allowance {'on' if accumulation is not None else 'off'}]"
     ]
     for idx in bad.nonzero()[:5].tolist():
         i = tuple(idx)
-        lines.append(f"    at {i}: expected delta {float(e[i]):.6g}, actual {float(a[i]):.6g}")
+        lines.append(f"    at {i}: expected {quantity} {float(e[i]):.6g}, actual {float(a[i]):.6g}")
     lines.append(f"  seed={ctx.seed}")
     raise AssertionError("\n".join(lines))
 

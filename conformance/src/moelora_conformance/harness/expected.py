@@ -286,12 +286,12 @@ def _check_outputs(layers, run: LayerOutput, exp: Expected, inp: BatchInputs, ct
         # the policy's bounds after the derived roundings (the MoE's and y's own) are allowed
         assert_delta_close(_rows(lay.y, r), torch.zeros_like(lay.want.y), lay.want.y, ctx,
                            f"{what}: {lay.name} output", rounded=(_rows(lay.y, r),),
-                           accumulation=lay.want.output_rounding)
+                           accumulation=lay.want.output_rounding, quantity="output")
     for mod, t in run.dense.items():
         # the output's own rounding and the delta's (a small output next to a large delta carries them)
         assert_delta_close(_rows(t, r), torch.zeros_like(exp.dense[mod]), exp.dense[mod], ctx,
                            f"{what}: dense {mod} output", rounded=(_rows(t, r),),
-                           accumulation=exp.dense_accumulation[mod])
+                           accumulation=exp.dense_accumulation[mod], quantity="output")
     want_in = break_op_f64(inp.x, run.dense, inp.batch)
     assert_close(run.moe_in, want_in, ctx, f"{what}: harness break op (MoE input)")
 

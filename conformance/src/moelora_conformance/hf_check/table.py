@@ -14,9 +14,10 @@ _SHORT = {"hf-memory": "mem", "readers": "disk", "readers σ·√2": "disk·σ�
           "reference-backend": "backend"}
 
 
-def summarize(rows: Iterable[CheckRow]) -> list[dict]:
+def summarize(rows: Iterable[CheckRow], noop: dict[str, str] | None = None) -> list[dict]:
     """One entry per (model, adapter): sources checked, worst error of the comparisons expected to
-    agree, smallest visible LoRA delta, pass/fail and notes (first failures, documented divergences)."""
+    agree, smallest visible LoRA delta, pass/fail and notes (first failures, documented divergences);
+    ``noop`` (adapter → why it is a no-op): a passing pair of a no-op adapter is "not meaningful"."""
     groups: dict[tuple[str, str], list[CheckRow]] = {}
     for r in rows:
         groups.setdefault((r.model, r.adapter), []).append(r)
@@ -28,8 +29,11 @@ def summarize(rows: Iterable[CheckRow]) -> list[dict]:
         diverged = [r for r in rs if r.ok and r.expect == "diverge"]
         if diverged:
             notes.append(f"peft σ differs, as documented (disk vs peft up to {max(r.max_rel for r in diverged):.1e})")
+        why = (noop or {}).get(adapter, "")
+        if why:
+            notes.append(f"not meaningful: the adapter is a no-op ({why}): the checks prove the base model only")
         out.append({
-            "model": model, "adapter": adapter,
+            "model": model, "adapter": adapter, "noop": bool(why),
             "sources": ",".join(dict.fromkeys(_SHORT.get(r.source, r.source) for r in rs)),
             "max_rel": max((r.max_rel for r in equal), default=0.0),
             "min_delta": min(deltas) if deltas else None,
@@ -38,8 +42,10 @@ def summarize(rows: Iterable[CheckRow]) -> list[dict]:
     return out
 
 
-def render(rows: list[CheckRow], console: Console | None = None) -> bool:
-    """Print the table; return whether every check passed."""
+def render(rows: list[CheckRow], console: Console | None = None, *, noop: dict[str, str] | None = None,
+           require_coverage: bool = False) -> bool:
+    """Print the table; return whether the run passes: every check passed and — with
+    ``require_coverage`` — no pair is "not meaningful" (a no-op adapter of ``noop``)."""
     console = console or Console(width=max(Console().width, 150))
     table = Table(title="oracle vs HF transformers + PEFT (fp32, max relative error bound 1e-5)",
                   caption="sources: mem = weights from the transformers/peft modules; disk = moelora_core.checkpoint "
@@ -49,15 +55,20 @@ def render(rows: list[CheckRow], console: Console | None = None) -> bool:
                     ("max rel err", {"justify": "right"}), ("min LoRA Δ", {"justify": "right"}),
                     ("result", {}), ("notes", {"overflow": "fold"})):
         table.add_column(col, **kw)
-    summary = summarize(rows)
+    summary = summarize(rows, noop)
     for s in summary:
         delta = "—" if s["min_delta"] is None else f"{s['min_delta']:.2f}"
-        result = "[green]PASS[/green]" if s["ok"] else "[bold red]FAIL[/bold red]"
+        result = "[bold red]FAIL[/bold red]" if not s["ok"] else \
+            "[yellow]not meaningful[/yellow]" if s["noop"] else "[green]PASS[/green]"
         table.add_row(s["model"], s["adapter"], s["sources"], str(s["checks"]), f"{s['max_rel']:.2e}", delta,
-                      result, "\n".join(s["notes"][:3]))
+                      result, "\n".join(s["notes"][-3:] if s["noop"] else s["notes"][:3]))
     console.print(table)
     ok = all(s["ok"] for s in summary)
     failed = sum(not s["ok"] for s in summary)
+    unproven = [s["adapter"] for s in summary if s["ok"] and s["noop"]]
+    tail = f"; not proven: {len(unproven)} not meaningful ({', '.join(unproven)})" if unproven else ""
     console.print(f"{len(summary)} model/adapter pairs, {len(rows)} checks: "
-                  + ("[green]all pass[/green]" if ok else f"[bold red]{failed} pair(s) fail[/bold red]"))
-    return ok
+                  + ("[green]all pass[/green]" if ok else f"[bold red]{failed} pair(s) fail[/bold red]") + tail)
+    if unproven and require_coverage:
+        console.print("--require-coverage: pairs not proven (not meaningful) fail this run")
+    return ok and not (require_coverage and unproven)

@@ -72,7 +72,9 @@ class SlotAdapter:
         raise KeyError(module)
 
     def describe(self) -> str:
-        mods = ",".join(f"{m}:r{r}" for m, r, _ in self.modules)
+        """``r{r}/a{α}[/rs][/layout][module:r{rank}/σ{σ}, ...]``: each module's own rank and σ (a
+        σ-handling fault shows in the case line)."""
+        mods = ",".join(f"{m}:r{r}/σ{lora_scaling(r, a, self.use_rslora):.5g}" for m, r, a in self.modules)
         layout = "" if self.expert_layout == "per_expert" else f"/{self.expert_layout}"
         return f"r{self.rank}/a{self.alpha:g}{'/rs' if self.use_rslora else ''}{layout}[{mods}]"
 

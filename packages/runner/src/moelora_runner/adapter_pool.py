@@ -4,7 +4,10 @@
 - **Register** (``register`` from a directory, ``register_tensors`` from in-memory PEFT tensors):
   the adapter is read and validated by ``moelora_core.checkpoint.read_adapter`` for this model, the
   pool's R and dtype, and checked against every layer's pool (``LoRAWeights.validate``) — all before
-  anything changes. A refusal raises the reader's own class and leaves the pool as it was.
+  anything changes. A refusal raises the reader's own class and leaves the pool as it was. What the
+  adapter changes (``moelora_core.checkpoint.adapter_effect``: no-op modules and adapters) is measured
+  on the whole adapter, before a parallel rank's shard is taken, and kept in
+  ``RegisteredAdapter.effect``.
 - **Slots on demand**: ``acquire(name)`` (the scheduler, when it admits a request) returns the
   adapter's slot, loading it into a free slot or else the least recently used slot whose adapter is
   neither pinned nor used by a running request. Loading is ``load_adapter_into_slot`` (atomic over
@@ -34,7 +37,14 @@ from typing import Any
 import torch
 
 from moelora_core.backend import notify_slot_loaded
-from moelora_core.checkpoint import AdapterWeights, ModelMismatchError, MoEModelConfig, read_adapter
+from moelora_core.checkpoint import (
+    AdapterEffect,
+    AdapterWeights,
+    ModelMismatchError,
+    MoEModelConfig,
+    adapter_effect,
+    read_adapter,
+)
 from moelora_core.checkpoint.slot_loader import load_adapter_into_slot, refuse_layout_mismatch
 from moelora_core.errors import MoeLoraError
 from moelora_core.layer_spec import MOE_MODULES
@@ -44,11 +54,13 @@ from moelora_runner.errors import AdapterInUseError, AdapterPinnedError, NoFreeS
 
 @dataclass(frozen=True)
 class RegisteredAdapter:
-    """A registered adapter: its validated weights (on the host) and where they came from."""
+    """A registered adapter: its validated weights (on the host), where they came from, and what it
+    changes (``effect``: no-op modules and the no-op verdict; None only for entries made by hand)."""
 
     name: str
     weights: AdapterWeights
     source: str  # the directory, or "<tensors>"
+    effect: AdapterEffect | None = None
 
 
 class AdapterPool:
@@ -62,13 +74,18 @@ class AdapterPool:
         shard: this rank's slice of an adapter read for the whole model (tensor / expert parallelism:
             ``moelora_runner.parallel.sharding.shard_adapter``); None keeps it whole. Applied once at
             registration, before the pools validate it.
+        inspect: measures what an adapter (read for the whole model, before ``shard``) changes; default
+            ``adapter_effect`` without base weights (the exact-zero tests only). The engine passes its
+            base weights for the probe.
     """
 
     def __init__(self, pools: Sequence[LoRAWeights], backend: object, model_config: MoEModelConfig,
                  on_event: Callable[[str, str], None] | None = None,
-                 shard: Callable[[AdapterWeights], AdapterWeights] | None = None) -> None:
+                 shard: Callable[[AdapterWeights], AdapterWeights] | None = None,
+                 inspect: Callable[[AdapterWeights], AdapterEffect] | None = None) -> None:
         self.pools = list(pools)
         self._shard = shard or (lambda weights: weights)
+        self._inspect = inspect or adapter_effect
         self.backend = backend
         self._backends: list[object] = [backend]
         self.model_config = model_config
@@ -146,13 +163,13 @@ class AdapterPool:
         self._check_name(name)
         self._refuse_if_in_use(name, "reload")
         try:
-            weights = self._shard(read_adapter(path, self.model_config, name=name, dtype=self.dtype,
-                                               max_rank=self.max_rank))
+            whole = read_adapter(path, self.model_config, name=name, dtype=self.dtype, max_rank=self.max_rank)
+            weights = self._shard(whole)
             self._validate_against_pools(weights)
         except MoeLoraError as exc:
             self._on_event("refusal", type(exc).__name__)
             raise
-        return self._install(RegisteredAdapter(name, weights, str(path)))
+        return self._install(RegisteredAdapter(name, weights, str(path), self._inspect(whole)))
 
     def register_tensors(self, name: str, tensors: Mapping[str, torch.Tensor], config: Any) -> RegisteredAdapter:
         """Register an adapter from in-memory PEFT tensors (what RL weight sync hands over).
@@ -194,13 +211,14 @@ class AdapterPool:
                 (directory / "adapter_config.json").write_text(text)
                 save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()},
                           str(directory / "adapter_model.safetensors"))
-                weights = self._shard(read_adapter(directory, self.model_config, name=name, dtype=self.dtype,
-                                                   max_rank=self.max_rank))
+                whole = read_adapter(directory, self.model_config, name=name, dtype=self.dtype,
+                                     max_rank=self.max_rank)
+                weights = self._shard(whole)
             self._validate_against_pools(weights)
         except MoeLoraError as exc:
             self._on_event("refusal", type(exc).__name__)
             raise
-        return self._install(RegisteredAdapter(name, weights, "<tensors>"))
+        return self._install(RegisteredAdapter(name, weights, "<tensors>", self._inspect(whole)))
 
     def unregister(self, name: str) -> None:
         """Forget ``name`` and clear its slot in every layer.

@@ -17,7 +17,9 @@ an adapter refused at start-up (its error class and message on stderr) — where
 output is written, 130 after Ctrl-C: the requests that had finished are written (in input order; the
 file is rewritten, so an earlier run's results never remain), one line says so, no traceback. A request
 whose ``max_new_tokens`` the model's context cut carries ``warnings`` in its output line and a line on
-stderr.
+stderr. A no-op adapter (peft's default ``init_lora_weights=True`` saves lora_B = 0) is served, with a
+warning on stderr at load (``moelora: warning: adapter 'x' is a no-op: ...``; the rule is
+``moelora_core.checkpoint.adapter_effect``), as are the reader's notes on a config.
 
 ``--tp N`` / ``--ep N`` (:mod:`moelora_runner.parallel`): started as a plain command, ``generate``
 checks the layout against the model's config (a refusal exits 2 before any worker starts), then
@@ -33,8 +35,10 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
+from moelora_core.checkpoint import AdapterWarning
 from moelora_core.errors import MoeLoraError
 from moelora_core.layer_spec import EXPERT_LAYOUTS
 from moelora_runner.errors import GenerateInterrupted
@@ -194,12 +198,18 @@ def serve(args: argparse.Namespace, rank: int = 0) -> int:
                         decode_batch_buckets=args.decode_batch_buckets)
     except MoeLoraError as exc:
         return _fail(f"moelora: cannot start: {type(exc).__name__}: {exc}")
+    notes = []
     for name, path in args.adapter:
         try:
-            engine.load_adapter(name, path)
+            with warnings.catch_warnings():  # printed below as one line each, not as Python warnings
+                warnings.simplefilter("ignore", AdapterWarning)
+                engine.load_adapter(name, path)
         except MoeLoraError as exc:
             return _fail(f"moelora: adapter {name!r} refused: {type(exc).__name__}: {exc}")
+        notes += engine.adapter_warnings(name)
     console = Console(stderr=True, quiet=not lead)
+    for note in notes:  # a no-op adapter is served, and named (moelora_core.checkpoint.adapter_effect)
+        console.print(f"moelora: warning: {note}", style="yellow", highlight=False, soft_wrap=True)
     console.print(cli_report.sizing_line(engine), highlight=False, soft_wrap=True)
     server = None
     if args.metrics_port is not None and lead:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -45,7 +46,7 @@ from typing import Any
 import torch
 
 from moelora_core.backend import load_backend
-from moelora_core.checkpoint import read_checkpoint
+from moelora_core.checkpoint import AdapterEffect, AdapterWarning, adapter_effect, read_checkpoint
 from moelora_core.errors import MoeLoraError
 from moelora_core.layer_spec import EXPERT_LAYOUTS
 from moelora_core.weights import LoRAWeights
@@ -214,8 +215,12 @@ class Engine:
         pools = [LoRAWeights(spec) for _ in range(config.num_layers)]
         layout = self.parallel
         shard = (lambda w: shard_adapter(w, config, layout)) if layout.parallel else None
-        self.adapters = self.adapter_pool_class(pools, self.backend, config, on_event=self.metrics_.adapter_event,
-                                                shard=shard)
+        # The no-op probe needs the whole base weights: one rank holds a shard of them, so parallel
+        # engines run the exact-zero tests only (moelora_core.checkpoint.adapter_effect).
+        base = None if layout.parallel else [layer.w for layer in self.model.layers]
+        self.adapters = self.adapter_pool_class(
+            pools, self.backend, config, on_event=self.metrics_.adapter_event, shard=shard,
+            inspect=lambda w: adapter_effect(w, base, dtype=self.dtype, device=self.device))
         self.kv = KVCache(num_layers=config.num_layers, num_kv_heads=layout.heads(config)[1],
                           head_dim=config.head_dim, num_tokens=kv_cache_tokens, max_requests=max_num_seqs,
                           max_context=min(self.info.max_context, kv_cache_tokens), dtype=self.dtype,
@@ -291,16 +296,40 @@ class Engine:
         """Register the PEFT adapter at ``path`` as ``name`` (read and validated now; a slot is filled on
         demand). A registered name is reloaded: the new weights serve every later request.
 
+        A no-op adapter (every module's lora_B or lora_A exactly zero, or its delta on the probe within
+        the dtype's tolerance: ``moelora_core.checkpoint.adapter_effect``) is served, with an
+        ``AdapterWarning`` naming it; so are the reader's notes on its config (:meth:`adapter_warnings`).
+
         Raises:
             the checkpoint reader's refusals (``moelora_core.checkpoint.ADAPTER_REFUSALS``): nothing changed.
             AdapterInUseError: reload of an adapter a running or waiting request uses.
         """
-        self.adapters.register(name, path)
+        self._warn(self.adapters.register(name, path))
 
     def load_adapter_from_tensors(self, name: str, tensors: Mapping[str, torch.Tensor], config: Any) -> None:
         """Register an adapter from in-memory PEFT tensors and its config (RL weight sync); the same
-        validation and refusals as :meth:`load_adapter` (see ``AdapterPool.register_tensors``)."""
-        self.adapters.register_tensors(name, tensors, config)
+        validation, refusals and warnings as :meth:`load_adapter` (see ``AdapterPool.register_tensors``)."""
+        self._warn(self.adapters.register_tensors(name, tensors, config))
+
+    @staticmethod
+    def _warn(entry) -> None:
+        for message in entry.effect.warnings() if entry.effect is not None else ():
+            warnings.warn(message, AdapterWarning, stacklevel=3)
+
+    def adapter_effect(self, name: str) -> AdapterEffect | None:
+        """What registered adapter ``name`` changes: per module its delta on the probe, the no-op verdict
+        (None only for an entry a custom adapter pool registered without measuring it).
+
+        Raises:
+            UnknownAdapterError: not registered.
+        """
+        return self.adapters.get(name).effect
+
+    def adapter_warnings(self, name: str) -> tuple[str, ...]:
+        """The warnings :meth:`load_adapter` issued for ``name`` (empty for an adapter that changes every
+        module it holds and whose config the reader served as written)."""
+        effect = self.adapter_effect(name)
+        return () if effect is None else effect.warnings()
 
     def unload_adapter(self, name: str) -> None:
         """Forget ``name`` and zero its slot.

@@ -11,9 +11,12 @@ supported families, adapter formats and refusals.
   (per layer, module → ``ModuleLoRA`` with its σ), cast to the compute dtype.
 - :func:`load_adapter_into_slot`: an adapter into one slot of every layer's ``LoRAWeights``,
   validated first, so a refusal changes nothing.
+- :func:`adapter_effect`: whether an adapter (each module) changes anything — the no-op adapters
+  the engine and the suite name at load (:class:`AdapterWarning`).
 - Refusals: one class per kind (:mod:`.errors`), subclasses of ``moelora_core.AdapterError``.
 """
 
+from moelora_core.checkpoint.adapter_effect import AdapterEffect, AdapterWarning, ModuleEffect, adapter_effect
 from moelora_core.checkpoint.adapter_reader import AdapterWeights, read_adapter
 from moelora_core.checkpoint.base_reader import MoECheckpoint, read_checkpoint
 from moelora_core.checkpoint.errors import (
@@ -48,8 +51,10 @@ __all__ = [
     "OLMOE",
     "QWEN2_MOE",
     "QWEN3_MOE",
+    "AdapterEffect",
     "AdapterFormatError",
     "AdapterRefusal",
+    "AdapterWarning",
     "AdapterWeights",
     "CheckpointError",
     "CheckpointFormatError",
@@ -63,6 +68,7 @@ __all__ = [
     "MoEModelConfig",
     "ModelMismatchError",
     "ModelWeights",
+    "ModuleEffect",
     "NonFiniteWeightError",
     "PeftAdapterConfig",
     "RankTooLargeError",
@@ -71,6 +77,7 @@ __all__ = [
     "UnsupportedModelError",
     "UnsupportedTargetError",
     "VocabularyTargetError",
+    "adapter_effect",
     "load_adapter_into_slot",
     "read_adapter",
     "read_checkpoint",

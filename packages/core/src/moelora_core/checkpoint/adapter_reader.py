@@ -412,6 +412,8 @@ def read_adapter(
         supported_leaves=frozenset(DENSE_LEAVES.values()) | frozenset(fam.expert_leaves),
         foreign_leaves=ALL_EXPERT_LEAVES - frozenset(fam.expert_leaves),
         architecture=model.architecture,
+        expert_blocks=fam.expert_blocks,
+        family=f"a {fam.display}",
     )
     src = TensorSource.from_directory(directory, stem="adapter_model",
                                       error=lambda subject, problem: AdapterFormatError(name, subject, problem))

@@ -14,8 +14,27 @@ matching key wins. The path PEFT matches is the module's path in the transformer
 
 The fields that decide which modules peft wraps (``target_modules``, ``exclude_modules``,
 ``layers_to_transform``, ``layers_pattern``, ``target_parameters``) are kept, type-checked, for
-:mod:`.peft_targets`. A field of the wrong JSON type is refused by name (``target_modules: [1, 2]``,
-a string ``target_parameters``) rather than iterated character by character; a single string
+:mod:`.peft_targets`.
+
+``target_parameters`` entries follow peft 0.21.2's rule (``BaseTuner._inject_parameters``): an entry
+names every parameter whose path *equals* it or *ends with* ``"." + entry``. peft writes the short
+names itself: ``LoraConfig(target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"])`` on a
+Qwen3-MoE / OLMoE / Mixtral (``w1``/``w2``/``w3``) model is saved as ``target_modules: ["q_proj"]``,
+``target_parameters: ["gate_up_proj", "down_proj"]`` and, for the fused gate_up of rank 2r, α 2α,
+``rank_pattern`` / ``alpha_pattern`` keys ``".*\\.gate_up_proj"``. So ``gate_up_proj``,
+``experts.gate_up_proj``, ``mlp.experts.gate_up_proj`` and ``model.layers.0.mlp.experts.gate_up_proj``
+are all served (:func:`expert_parameter`); an entry naming any other parameter (the router's
+``gate.weight``, which peft's ``"all-linear"`` adds on transformers 5 MoE models; an expert bias) is
+refused with the rule it breaks. The adapter reader applies the same rule (:meth:`PeftAdapterConfig.
+targets_parameter`) to decide which parameter each fused wrapper holds.
+
+A list-form ``target_modules`` entry naming another family's expert projections (``w1`` on a
+Qwen3-MoE, ``gate_proj`` on a Mixtral) matches no module of the model: peft wraps nothing for it and
+applies the rest of the file, so moelora serves the rest too and says so in
+:attr:`PeftAdapterConfig.notes` (a file that holds such *keys* is still refused, by the key reader).
+
+A field of the wrong JSON type is refused by name (``target_modules: [1, 2]``, a string
+``target_parameters``) rather than iterated character by character; a single string
 ``modules_to_save`` is read as one module name, since any ``modules_to_save`` is refused anyway and
 the refusal should name the module (``"lm_head"`` → :class:`VocabularyTargetError`).
 """
@@ -47,6 +66,37 @@ _VARIANT_FIELDS: tuple[str, ...] = (
 )
 #: The expert parameters moelora applies LoRA to through ``target_parameters``.
 EXPERT_PARAMETERS: tuple[str, str] = ("gate_up_proj", "down_proj")
+#: A list index as torch names it (ASCII digits, no leading zero).
+_INDEX = re.compile(r"0|[1-9][0-9]*")
+
+
+def expert_parameter(entry: str, blocks: tuple[str, ...] = ("mlp",)) -> str | None:
+    """The expert parameter (``"gate_up_proj"`` / ``"down_proj"``) a ``target_parameters`` entry names
+    by peft's rule, or None.
+
+    peft wraps every parameter whose path equals the entry or ends with ``"." + entry``; the expert
+    parameters' paths are ``model.layers.<L>.<block>.experts.<param>``, so the entry must be that path
+    or one of its dot-boundary tails (``gate_up_proj``, ``experts.gate_up_proj``,
+    ``mlp.experts.gate_up_proj``, ``layers.0.mlp.experts.gate_up_proj``, ...).
+
+    Args:
+        entry: one ``target_parameters`` entry as written.
+        blocks: the MoE block names of the family (``Family.expert_blocks``).
+    """
+    parts = entry.split(".")
+    if parts[-1] not in EXPERT_PARAMETERS or len(parts) > 6:
+        return None
+    template = ("model", "layers", None, "block", "experts")
+    for part, want in zip(parts[-2::-1], template[::-1]):
+        if want is None:
+            if not _INDEX.fullmatch(part):
+                return None
+        elif want == "block":
+            if part not in blocks:
+                return None
+        elif part != want:
+            return None
+    return parts[-1]
 
 
 @dataclass(frozen=True)
@@ -64,6 +114,8 @@ class PeftAdapterConfig:
         layers_to_transform: the layer index (int) or indices peft restricts list-form
             ``target_modules`` to, or None (every layer).
         layers_pattern: names of the module list holding the layers (``"layers"``), or None.
+        notes: what the reader served differently from what the config seems to ask, one sentence
+            each (target_modules entries that match no module of the model); shown as warnings.
     """
 
     name: str
@@ -75,6 +127,7 @@ class PeftAdapterConfig:
     exclude_modules: tuple[str, ...] | str | None = None
     layers_to_transform: tuple[int, ...] | int | None = None
     layers_pattern: tuple[str, ...] | None = None
+    notes: tuple[str, ...] = ()
 
     def targets_parameter(self, param_path: str) -> bool:
         """Whether ``target_parameters`` names ``param_path`` (PEFT's rule: equal, or ends with
@@ -144,6 +197,8 @@ def parse_adapter_config(
     supported_leaves: frozenset[str],
     foreign_leaves: frozenset[str] = frozenset(),
     architecture: str | None = None,
+    expert_blocks: tuple[str, ...] = ("mlp",),
+    family: str = "this",
 ) -> PeftAdapterConfig:
     """Validate an ``adapter_config.json`` object and apply the config-level refusals.
 
@@ -153,19 +208,24 @@ def parse_adapter_config(
         supported_leaves: module leaf names a list-form ``target_modules`` may hold (the model's
             attention projections and its family's per-expert projections).
         foreign_leaves: leaf names that only another model family has (Mixtral's ``w1`` for a
-            Qwen3-MoE model): an adapter naming them was made for another model.
+            Qwen3-MoE model): they match no module of the model, so peft wraps nothing for them;
+            served without them, named in ``notes`` (keys of such modules are refused by the key reader).
+        expert_blocks: the family's MoE block names (``Family.expert_blocks``) for
+            :func:`expert_parameter`.
+        family: the family's display name, for the notes.
         architecture: the model's ``*ForCausalLM`` class; an adapter whose recorded
             ``auto_mapping.base_model_class`` differs was made for another model.
 
     Raises:
         AdapterFormatError: not LoRA; malformed r / α / patterns; a target field of the wrong type
             or an invalid regular expression; lora bias, fan_in_fan_out, or a LoRA variant.
-        ModelMismatchError: made for another architecture, or names another family's experts.
+        ModelMismatchError: made for another architecture.
         DoRAError: ``use_dora``.
         VocabularyTargetError: ``trainable_token_indices``, or embedding / LM-head targets or
             ``modules_to_save``.
-        UnsupportedTargetError: other ``modules_to_save``; a list-form target or a target parameter
-            that is not an attention projection or an expert projection.
+        UnsupportedTargetError: other ``modules_to_save``; a list-form target that is not an
+            attention projection or an expert projection; a ``target_parameters`` entry that names
+            no expert parameter by peft's rule (:func:`expert_parameter`), e.g. the router's ``gate.weight``.
     """
     peft_type = raw.get("peft_type")
     if peft_type != "LORA":
@@ -182,9 +242,11 @@ def parse_adapter_config(
     layers_to_transform, layers_pattern = _layer_filter(raw, name)
     leaves = [_leaf(t) for t in targets] if isinstance(targets, tuple) else []
     foreign = sorted({t for t in leaves if t in foreign_leaves})
+    notes = []
     if foreign:
-        raise ModelMismatchError(name, "adapter_config.json target_modules", "names the experts of another model "
-                                 "family", expected=f"a subset of {sorted(supported_leaves)}", found=foreign)
+        notes.append(f"target_modules {foreign} name another model family's expert projections and match no module "
+                     f"of {family} model; peft wraps nothing for them, so they add nothing (served without them)")
+        leaves = [t for t in leaves if t not in foreign_leaves]
     if raw.get("use_dora"):
         raise DoRAError(name, "adapter_config.json use_dora", "DoRA adapters are not supported", found=True)
     if raw.get("trainable_token_indices"):
@@ -214,13 +276,22 @@ def parse_adapter_config(
                                      found=raw[field])
     unsupported = sorted({t for t in leaves if t not in supported_leaves})
     if unsupported:
-        raise UnsupportedTargetError(name, "adapter_config.json target_modules", "targets moelora does not serve",
+        why = ("LoRA on the shared expert's sigmoid gate (mlp.shared_expert_gate) is not served (peft's 'all-linear' "
+               "targets it on Qwen2-MoE: list the targets instead); " if "shared_expert_gate" in unsupported else "")
+        raise UnsupportedTargetError(name, "adapter_config.json target_modules", f"{why}targets moelora does not serve",
                                      expected=f"a subset of {sorted(supported_leaves)}", found=unsupported)
-    bad_params = [p for p in params if _leaf(p) not in EXPERT_PARAMETERS or ".experts." not in f".{p}"]
+    bad_params = [p for p in params if expert_parameter(p, expert_blocks) is None]
     if bad_params:
-        raise UnsupportedTargetError(name, "adapter_config.json target_parameters", "parameters moelora does not "
-                                     "serve", expected="mlp.experts.gate_up_proj / mlp.experts.down_proj",
-                                     found=bad_params)
+        router = [p for p in bad_params if _leaf(p) in ("weight", "bias") and p.split(".")[-2:-1] in (["gate"],
+                                                                                                   ["router"])]
+        why = ("LoRA on the router is not served (peft's 'all-linear' adds the router's gate.weight on transformers 5 "
+               "MoE models: list the targets instead, e.g. target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj', "
+               "'gate_proj', 'up_proj', 'down_proj']); " if router else "")
+        raise UnsupportedTargetError(
+            name, "adapter_config.json target_parameters",
+            f"{why}each entry must name an expert parameter by peft's rule: equal to, or a dot-boundary tail of, "
+            f"model.layers.L.{expert_blocks[-1]}.experts.gate_up_proj / .down_proj",
+            expected="e.g. 'gate_up_proj', 'experts.down_proj', 'mlp.experts.gate_up_proj'", found=bad_params)
     try:
         lora = AdapterConfig(
             r=raw.get("r"),
@@ -241,12 +312,13 @@ def parse_adapter_config(
         exclude_modules=exclude,
         layers_to_transform=layers_to_transform,
         layers_pattern=layers_pattern,
+        notes=tuple(notes),
     )
 
 
 def read_adapter_config(directory: Path, *, name: str, **checks: object) -> PeftAdapterConfig:
     """Read and validate ``directory/adapter_config.json``; ``checks`` are the keyword arguments of
-    :func:`parse_adapter_config` (supported_leaves, foreign_leaves, architecture).
+    :func:`parse_adapter_config` (supported_leaves, foreign_leaves, architecture, expert_blocks, family).
 
     Also refuses an adapter shipped with ``added_tokens.json`` (its tokenizer grew the vocabulary).
 
