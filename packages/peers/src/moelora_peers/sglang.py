@@ -28,3 +28,10 @@ def virtual_experts(spec: LoRALayerSpec) -> PeerBackend:
     from moelora_peers.sglang_hooks import make_path
 
     return PeerBackend(spec, partial(make_path, virtual=True))
+
+
+def grouped(spec: LoRALayerSpec) -> PeerBackend:
+    """``moelora_peers.sglang:grouped``: the plan-based runner's stages (``resolve_plans`` for the device)."""
+    from moelora_peers.sglang_grouped import make_path
+
+    return PeerBackend(spec, make_path)

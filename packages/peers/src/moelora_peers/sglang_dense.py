@@ -6,7 +6,10 @@ chunked_backend.py) call ``chunked_sgmv_lora_shrink_forward(x, A, batch_info, nu
 ``chunked_sgmv_lora_expand_forward(shrink, B, batch_info, slice_offsets, max_slice_size,
 base_output)``; one module is one slice here (the protocol's ``dense_delta`` is per module), so
 every call is the single-slice form SGLang uses for ``o_proj``. σ is applied by the expand kernel
-from ``batch_info.scalings[slot]`` (one σ per adapter, SGLang's ``lora_alpha / r``).
+from ``batch_info.scalings[slot]``. SGLang fills that vector with one σ per adapter (``lora_alpha /
+r`` of the adapter config: SGLang 0.5.23 reads no ``rank_pattern`` / ``alpha_pattern``); the view
+passed here carries the module's own σ per slot (``LoRAWeights.scalings(module)``), so the kernels
+are tested on what the adapter file means (conformance/docs/peers.md, "σ per module").
 
 The batch info SGLang's kernels read has SGLang's field names (moelora's ``LoRABatchInfo`` follows
 them) with one difference written here: SGLang gives the base model a pool slot of rank 0
@@ -29,8 +32,9 @@ from moelora_peers import sglang_modules
 from moelora_peers.sglang_pool import SGLangPool
 
 
-def sglang_batch_view(info: LoRABatchInfo) -> types.SimpleNamespace:
-    """The fields SGLang's csgmv kernels read, base segments on an extra rank-0 slot (module docstring)."""
+def sglang_batch_view(info: LoRABatchInfo, scalings: torch.Tensor) -> types.SimpleNamespace:
+    """The fields SGLang's csgmv kernels read, base segments on an extra rank-0 slot, ``scalings``
+    [L] fp32 the module's σ per slot (module docstring)."""
     L = info.lora_ranks.shape[0]
     wi = info.weight_indices
     return types.SimpleNamespace(
@@ -38,7 +42,7 @@ def sglang_batch_view(info: LoRABatchInfo) -> types.SimpleNamespace:
         seg_indptr=info.seg_indptr, permutation=info.permutation,
         weight_indices=torch.where(wi < 0, torch.full_like(wi, L), wi),
         lora_ranks=torch.cat([info.lora_ranks, info.lora_ranks.new_zeros(1)]),
-        scalings=torch.cat([info.scalings, info.scalings.new_zeros(1)]),
+        scalings=torch.cat([scalings.to(torch.float32), scalings.new_zeros(1, dtype=torch.float32)]),
     )
 
 
@@ -54,12 +58,8 @@ def csgmv_dense_delta(pool: SGLangPool, module: str, x: torch.Tensor, out: torch
     expand = sglang_modules.module("csgmv_expand").chunked_sgmv_lora_expand_forward
     b = pool.buffers(weights)
     A, B = b.dense_a[module], b.dense_b[module]
-    view = sglang_batch_view(info)
+    view = sglang_batch_view(info, weights.scalings(module))
     xs = x if x.is_contiguous() else x.contiguous()
     inter = shrink(x=xs.to(A.dtype), weights=A, batch_info=view, num_slices=1)
-    # No ``slice_offsets_cpu``: the kernel then grids over (column tiles, slices, segments), the
-    # form ``run_lora_b_sgemm`` takes when its caller passes no ``output_offset_cpu``. (SGLang's
-    # layers pass a host tensor, read with ``.tolist()``; on a CPU machine the graph emulator cannot
-    # tell a host tensor from device data and would refuse that read during capture.)
     expand(x=inter, weights=B, batch_info=view, slice_offsets=pool.slice_offsets(module),
-           max_slice_size=B.shape[1], base_output=out)
+           max_slice_size=B.shape[1], base_output=out, slice_offsets_cpu=pool.slice_offsets_cpu(module))

@@ -163,8 +163,20 @@ class SGLangHooksPath:
         lora_info = self.lora_info(weights, info)
         a = layer.alignment or (None, None, None, None)
         mapping = lora_info.token_lora_mapping if self.virtual else None
+        # SGLang's MoE caches are in the model dtype, the LoRA buffers' dtype, and its kernels rely on
+        # it: ``_fused_moe_lora_kernel`` reads the weights through a pointer cast to the *output's*
+        # element type (``tl.pointer_type(c_ptr.dtype.element_ty)``), so an fp32 output over fp16
+        # weights reads garbage (conformance/docs/peers.md, "SGLang's kernels assume one dtype").
+        # moelora's protocol lets the caller keep fp32 intermediates: the inputs then run in the model
+        # dtype and the delta lands in a model-dtype buffer that is added to ``out``, as SGLang's
+        # caches would hold it.
+        dt = self.spec.dtype
+        inp = inp if inp.dtype == dt else inp.to(dt)
+        target = out if out.dtype == dt else torch.zeros(out.shape, dtype=dt, device=out.device)
         with _capture(info.use_cuda_graph):
-            fn(inp, out, topk_weights, topk_ids, lora_info, mapping, *a, routing_cache=layer.routing_cache)
+            fn(inp, target, topk_weights, topk_ids, lora_info, mapping, *a, routing_cache=layer.routing_cache)
+        if target is not out:
+            out.add_(target.to(out.dtype))
 
     # --- for the suite's exact check of SGLang's own alignment (property P07) ---------------------------
 

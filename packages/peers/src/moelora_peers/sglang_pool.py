@@ -11,9 +11,10 @@ layer, per slot (L slots, E experts, R the pool's max rank, each adapter zero-pa
 - dense modules: ``A`` [L, R, in], ``B`` [L, out, R], σ *not* folded: the csgmv expand kernel
   multiplies by ``scalings[slot]`` at run time.
 
-SGLang folds one σ per adapter (``lora_alpha / r`` of the adapter config); moelora's pool carries one
-σ per module (rank_pattern / alpha_pattern): the copy folds each module's own σ, which is what
-SGLang's fold computes for an adapter without patterns (conformance/docs/peers.md).
+SGLang folds one σ per adapter (``lora_alpha / r`` of the adapter config: 0.5.23 reads no
+rank_pattern / alpha_pattern); moelora's pool carries one σ per module: the copy folds each module's
+own σ, which is what SGLang's fold computes for an adapter without patterns, so the kernels are
+tested on what the adapter file means (conformance/docs/peers.md, "σ per module").
 
 Expert layouts: "per_expert" only here (SGLang's ``experts_shared_outer_loras`` stores
 ``gate_up_a`` / ``down_b`` with expert dim 1; the paths do not declare ``shared_expert_factors``).
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moelora_core.graphs import mark_host_memory
 from moelora_core.layer_spec import DENSE_LORA_MODULES, LoRALayerSpec
 from moelora_core.weights import LoRAWeights
 
@@ -46,15 +48,25 @@ class SGLangPool:
 
     Args:
         spec: the layer spec (sizes, dtype, device).
+        fold_dense: fold σ into the dense B too (vLLM's layout: ``LoRALayerWeights.optimize()`` folds
+            every module's σ and the punica kernels run with scale 1.0); SGLang's dense B is unfolded.
     """
 
-    def __init__(self, spec: LoRALayerSpec) -> None:
+    def __init__(self, spec: LoRALayerSpec, fold_dense: bool = False) -> None:
         self.spec = spec
+        self.fold_dense = fold_dense
         self._copies: dict[int, SGLangLayerBuffers] = {}
         # The expand kernel's slice offsets per dense module ([0, out]), made once as SGLang's layers
-        # make ``output_offset`` at init (no host-to-device copy per call).
-        self._offsets_dev = {m: torch.tensor([0, shape[1]], dtype=torch.int32).to(spec.device)
-                             for m, shape in spec.dense_shapes.items()}
+        # make ``output_offset`` and ``output_offset_cpu`` at init (no host-to-device copy per call).
+        # The host copy is read with ``.tolist()`` inside the kernel wrapper; on a CPU machine it is
+        # registered as host memory so moelora's graph emulator knows it is not device data.
+        self._offsets = {m: mark_host_memory(torch.tensor([0, shape[1]], dtype=torch.int32))
+                         for m, shape in spec.dense_shapes.items()}
+        self._offsets_dev = {m: t.clone().to(spec.device) for m, t in self._offsets.items()}
+
+    def slice_offsets_cpu(self, module: str) -> torch.Tensor:
+        """[2] int32 on the host (SGLang's ``output_offset_cpu``)."""
+        return self._offsets[module]
 
     def slice_offsets(self, module: str) -> torch.Tensor:
         """[2] int32 on the device: the expand kernel's slice boundaries of dense ``module``."""
@@ -106,6 +118,5 @@ class SGLangPool:
         mine.down_a[slot].copy_(weights.factors("down")[0][slot].expand_as(mine.down_a[slot]))
         mine.down_b[slot].copy_(folded("down").expand_as(mine.down_b[slot]))
         for m in mine.dense_a:
-            A, B = weights.factors(m)
-            mine.dense_a[m][slot].copy_(A[slot])
-            mine.dense_b[m][slot].copy_(B[slot])
+            mine.dense_a[m][slot].copy_(weights.factors(m)[0][slot])
+            mine.dense_b[m][slot].copy_(folded(m) if self.fold_dense else weights.factors(m)[1][slot])
