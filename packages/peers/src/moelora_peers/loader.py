@@ -159,6 +159,11 @@ class PeerImporter(importlib.abc.MetaPathFinder):
         if file.is_file():
             self.loaded.append(str(file.relative_to(self.dist.root)))
             return importlib.util.spec_from_file_location(fullname, file)
+        if any(name.startswith(fullname + ".") for name in self.stubs):
+            # a package that holds only stubbed modules (absent from a partial copy such as the GPU folder)
+            spec = importlib.machinery.ModuleSpec(fullname, _ShellLoader(), is_package=True)
+            spec.submodule_search_locations = [str(base)]
+            return spec
         return None
 
 

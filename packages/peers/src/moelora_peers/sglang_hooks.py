@@ -21,7 +21,8 @@ moelora's info (``base_backend._add_moe_lora_info``: ``seg_indptr`` / ``req_to_l
 ``adapter_enabled``, ``token_lora_mapping``), and the capture flag around a graph family's calls
 (``get_is_capture_mode()``: SGLang's graph runner sets it while capturing).
 
-CPU substitutes (no CUDA device; each named in the cells' records, conformance/docs/peers.md):
+CPU substitutes (no CUDA device; each named in the cells' records, conformance/docs/peers.md; the
+legacy ones also on a GPU machine without SGLang's JIT toolchain, :func:`jit_align_available`):
 
 - legacy, eager: the JIT CUDA ``moe_lora_align_block_size`` → SGLang's own CPU fallback
   ``_naive_moe_lora_align_block_size`` (``lora_moe_runners.py``), for every batch (SGLang takes it
@@ -36,6 +37,9 @@ CPU substitutes (no CUDA device; each named in the cells' records, conformance/d
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
 from functools import partial
 
 import torch
@@ -122,7 +126,7 @@ class SGLangHooksPath:
             return _Layer(None, {})  # build_lora_hooks: one routing cache per layer
         lora_info = self.lora_info(None, info)
         with _capture(info.use_cuda_graph):
-            if is_cuda():
+            if jit_align_available():
                 alignment = self.runners._compute_lora_alignment(topk_ids, lora_info)
             else:
                 alignment = self._cpu_alignment(topk_ids, lora_info, info.use_cuda_graph)
@@ -185,6 +189,13 @@ class SGLangHooksPath:
         return AlignOutput(sorted_ids, expert_ids, ntpp), LEGACY_BLOCK_M
 
 
+def jit_align_available() -> bool:
+    """Whether SGLang's JIT CUDA align can run here: a CUDA device, its JIT runtime (apache-tvm-ffi)
+    and a CUDA compiler (``load_jit`` compiles ``moe_lora_align_kernel.cu`` on first use)."""
+    return is_cuda() and importlib.util.find_spec("tvm_ffi") is not None and (
+        shutil.which("nvcc") is not None or bool(os.environ.get("CUDA_HOME")))
+
+
 def capabilities(virtual: bool) -> Capabilities:
     """What the two hook paths declare (conformance/docs/peers.md, "Capabilities")."""
     return Capabilities(
@@ -203,7 +214,7 @@ def make_path(spec: LoRALayerSpec, *, virtual: bool) -> PeerPath:
     """The :class:`~moelora_peers.peer_backend.PeerPath` of the legacy or virtual-experts path."""
     path = SGLangHooksPath(spec, virtual)
     subs = {}
-    if not is_cuda():
+    if (virtual and not sglang_modules.native_moe_align_available()) or (not virtual and not jit_align_available()):
         subs = ({"sgl_kernel moe_align_block_size": "virtual_experts._align_block_size_torch (SGLang's torch "
                  "fallback, eager)"} if virtual else
                 {"JIT moe_lora_align_block_size (eager)": "lora_moe_runners._naive_moe_lora_align_block_size "

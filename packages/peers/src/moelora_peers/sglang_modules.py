@@ -18,6 +18,7 @@ never runs. conformance/docs/peers.md lists the stubs and the files.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import types
 
 from moelora_peers.loader import PeerImporter, import_peer, install
@@ -37,7 +38,8 @@ STUBS: dict[str, str] = {
     "sglang.srt.batch_invariant_ops": _S + "srt_batch_invariant_ops",
 }
 
-#: On a machine without CUDA: peer module → its CPU substitute (``moelora_peers.substitutes``).
+#: Without SGLang's native align (no CUDA, or no ``sgl_kernel``): peer module → its substitute
+#: (``moelora_peers.substitutes``).
 CPU_SUBSTITUTES: dict[str, str] = {
     "sglang.srt.layers.moe.moe_runner.triton_utils.moe_align_block_size":
         "moelora_peers.substitutes.sglang_moe_align_block_size",
@@ -68,10 +70,16 @@ MODULES: dict[str, str] = {
 }
 
 
+def native_moe_align_available() -> bool:
+    """Whether SGLang's native ``moe_align_block_size`` can run: a CUDA device and ``sgl_kernel`` (the
+    compiled kernel wheel). Otherwise :data:`CPU_SUBSTITUTES` apply (on a GPU without sgl_kernel too)."""
+    return is_cuda() and importlib.util.find_spec("sgl_kernel") is not None
+
+
 @functools.cache
 def importer() -> PeerImporter:
     """The SGLang finder (installed once per process)."""
-    stubs = dict(STUBS) if is_cuda() else {**STUBS, **CPU_SUBSTITUTES}
+    stubs = dict(STUBS) if native_moe_align_available() else {**STUBS, **CPU_SUBSTITUTES}
     return install("sglang", stubs, RUN_INIT)
 
 
