@@ -91,3 +91,18 @@ def test_peer_files_come_from_one_root() -> None:
     for peer in (sglang_modules, vllm_modules):
         root = peer.importer().dist.root
         assert (Path(root) / peer.importer().dist.name).is_dir()
+
+
+@pytest.mark.skipif(not (is_cuda() or __import__("os").environ.get("TRITON_INTERPRET") == "1"),
+                    reason="needs CUDA or the Triton interpreter")
+def test_one_expert_route_keeps_ids_past_e() -> None:
+    # docs F4: with one local expert (groups_per_slot == 1) route_bucket_ids folds every nonnegative
+    # id into the slot's bucket, so a pair routed to a fused shared expert (id >= E) is aligned as
+    # expert 0's and gets its LoRA.
+    routing = sglang_modules.import_peer(sglang_modules.importer(), "sglang.kernels.ops.lora.common.routing")
+    dev = "cuda" if is_cuda() else "cpu"
+    topk_ids = torch.tensor([[0], [1]], dtype=I32, device=dev)  # E = 1: id 1 is past the routed experts
+    route = routing.build_route(torch.tensor([0, 0], dtype=I32, device=dev), group_ids=topk_ids, groups_per_slot=1,
+                                max_loras=1, block_size=16, view="aligned")
+    rows = route.sorted_pair_ids[: int(route.num_pairs_post_padded.reshape(-1)[0])].tolist()
+    assert 1 in rows, "SGLang's one-expert route now drops ids >= E: update docs F4 and the grouped manifest"

@@ -197,9 +197,11 @@ def jit_align_available() -> bool:
 
 
 def capabilities(virtual: bool) -> Capabilities:
-    """What the two hook paths declare (conformance/docs/peers.md, "Capabilities")."""
+    """What the two hook paths declare (conformance/docs/peers.md, "Capabilities"). The virtual-experts
+    expand (``invoke_fused_moe_kernel`` with ``a_output_slices=2``) asserts fp16 / bf16."""
+    dtypes = {torch.float16, torch.bfloat16} if virtual else {torch.float32, torch.float16, torch.bfloat16}
     return Capabilities(
-        dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
+        dtypes=frozenset(dtypes),
         devices=frozenset({"cpu", "cuda"}),
         graph_families=frozenset({"decode", "prefill"}),
         prefill_graph_modes=frozenset({"full", "breakable"}),

@@ -36,6 +36,7 @@ STUBS: dict[str, str] = {
     "sglang.srt.model_executor.forward_batch_info": _S + "srt_model_executor_forward_batch_info",
     "sglang.srt.layers.moe.utils": _S + "srt_layers_moe_utils",
     "sglang.srt.batch_invariant_ops": _S + "srt_batch_invariant_ops",
+    "sglang.srt.layers.moe.moe_runner.triton_utils": _S + "srt_layers_moe_moe_runner_triton_utils",
 }
 
 #: Without SGLang's native align (no CUDA, or no ``sgl_kernel``): peer module → its substitute
