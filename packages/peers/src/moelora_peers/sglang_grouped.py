@@ -52,7 +52,7 @@ from moelora_core.forward_mode import ForwardMode
 from moelora_core.layer_spec import LoRALayerSpec
 from moelora_core.weights import LoRAWeights
 from moelora_peers import sglang_modules
-from moelora_peers.peer_backend import PeerPath
+from moelora_peers.peer_backend import PeerPath, peer_capabilities
 from moelora_peers.sglang_dense import csgmv_dense_delta
 from moelora_peers.sglang_pool import SGLangPool
 from moelora_peers.stubs._platform import cuda_capability, is_cuda
@@ -178,15 +178,7 @@ class SGLangGroupedPath:
 
 def capabilities() -> Capabilities:
     """What the grouped path declares (conformance/docs/peers.md, "Capabilities")."""
-    return Capabilities(
-        dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
-        devices=frozenset({"cpu", "cuda"}),
-        graph_families=frozenset({"decode", "prefill"}),
-        prefill_graph_modes=frozenset({"full", "breakable"}),
-        fused_shared_experts=True,
-        shared_moe_alignment=True,
-        slot_load_hook=True,
-    )
+    return peer_capabilities({torch.float32, torch.float16, torch.bfloat16})
 
 
 def make_path(spec: LoRALayerSpec) -> PeerPath:

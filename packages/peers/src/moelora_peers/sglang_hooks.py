@@ -51,7 +51,7 @@ from moelora_core.layer_spec import LoRALayerSpec
 from moelora_core.weights import LoRAWeights
 from moelora_kernels.align import moe_lora_align_block_size
 from moelora_peers import sglang_modules
-from moelora_peers.peer_backend import PeerPath
+from moelora_peers.peer_backend import PeerPath, peer_capabilities
 from moelora_peers.sglang_dense import csgmv_dense_delta
 from moelora_peers.sglang_pool import SGLangPool
 from moelora_peers.stubs._platform import is_cuda
@@ -200,16 +200,7 @@ def capabilities(virtual: bool) -> Capabilities:
     """What the two hook paths declare (conformance/docs/peers.md, "Capabilities"). The virtual-experts
     expand (``invoke_fused_moe_kernel`` with ``a_output_slices=2``) asserts fp16 / bf16."""
     dtypes = {torch.float16, torch.bfloat16} if virtual else {torch.float32, torch.float16, torch.bfloat16}
-    return Capabilities(
-        dtypes=frozenset(dtypes),
-        devices=frozenset({"cpu", "cuda"}),
-        graph_families=frozenset({"decode", "prefill"}),
-        prefill_graph_modes=frozenset({"full", "breakable"}),
-        virtual_experts=virtual,
-        fused_shared_experts=True,
-        shared_moe_alignment=True,
-        slot_load_hook=True,
-    )
+    return peer_capabilities(dtypes, virtual_experts=virtual)
 
 
 def make_path(spec: LoRALayerSpec, *, virtual: bool) -> PeerPath:

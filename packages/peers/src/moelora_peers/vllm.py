@@ -39,7 +39,7 @@ from moelora_core.forward_mode import ForwardMode
 from moelora_core.graphs import mark_host_memory
 from moelora_core.layer_spec import LoRALayerSpec
 from moelora_peers import vllm_modules
-from moelora_peers.peer_backend import PeerBackend, PeerPath
+from moelora_peers.peer_backend import PeerBackend, PeerPath, peer_capabilities
 from moelora_peers.sglang_pool import SGLangPool
 from moelora_peers.stubs._platform import is_cuda
 
@@ -151,16 +151,7 @@ class VLLMBackend(PeerBackend):
 
 def capabilities() -> Capabilities:
     """What vLLM's fused path declares (conformance/docs/peers.md, "Capabilities")."""
-    return Capabilities(
-        # lora_shrink / lora_expand (the dense path) assert fp16 / bf16 inputs and weights.
-        dtypes=frozenset({torch.float16, torch.bfloat16}),
-        devices=frozenset({"cpu", "cuda"}),
-        graph_families=frozenset({"decode", "prefill"}),
-        prefill_graph_modes=frozenset({"full", "breakable"}),
-        fused_shared_experts=True,
-        shared_moe_alignment=True,
-        slot_load_hook=True,
-    )
+    return peer_capabilities({torch.float16, torch.bfloat16})
 
 
 def make_path(spec: LoRALayerSpec) -> PeerPath:

@@ -5,21 +5,9 @@ Provides: ``tensor_model_parallel_all_gather`` / ``tensor_model_parallel_all_red
 passes: they raise) and ``get_tensor_model_parallel_world_size`` / ``_rank`` (1 / 0: one rank).
 """
 
-from __future__ import annotations
+from moelora_peers.stubs._tp import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, no_tp
 
-
-def _no_tp(*_args, **_kwargs):
-    raise NotImplementedError("moelora_peers: tensor-parallel collectives are not part of the layer suite "
-                              "(the peer's fully_sharded path is not run)")
-
-
-tensor_model_parallel_all_gather = _no_tp
-tensor_model_parallel_all_reduce = _no_tp
-
-
-def get_tensor_model_parallel_world_size() -> int:
-    return 1
-
-
-def get_tensor_model_parallel_rank() -> int:
-    return 0
+IS_PACKAGE = True
+tensor_model_parallel_all_gather = tensor_model_parallel_all_reduce = no_tp
+__all__ = ["get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size",
+           "tensor_model_parallel_all_gather", "tensor_model_parallel_all_reduce"]
