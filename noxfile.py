@@ -264,3 +264,26 @@ def e2e(session: nox.Session) -> None:
     session.run("moelora-conformance", "make-fixtures", str(fixtures), env=CPU_ENV)
     _run_e2e(session, fixtures, list(session.posargs))
     session.log(f"reports in {REPORTS}: e2e-<backend>.json, e2e-matrix.md")
+
+
+@nox.session
+def peers(session: nox.Session) -> None:
+    """The field's own code through the suite: SGLang 0.5.23's MoE-LoRA paths (legacy, virtual
+    experts, grouped) and vLLM 0.34.0's fused path as backends (packages/peers), each through the
+    layer suite (interpret profile, 1 example per item, a fixed Hypothesis seed, no shrinking) with
+    its expected-failure manifest (packages/peers/manifests, each entry citing
+    conformance/docs/peers.md). The peers are installed with ``--no-deps`` (their metadata pins a
+    torch that ci/constraints/cpu.txt forbids); their small dependencies come from
+    ci/constraints/peers.txt. Writes .reports/peers.json (one record per cell) and
+    .reports/peers-matrix.md; red on an unexpected failure, a stale manifest entry or a refused path.
+
+    Extra arguments go to ``python -m moelora_peers.grid run`` (``nox -s peers -- --path sglang:legacy``).
+    """
+    peers_constraints = ROOT / "ci" / "constraints" / "peers.txt"
+    _install_moelora(session)
+    session.install("-c", str(CONSTRAINTS), "-c", str(peers_constraints), "--no-deps", "sglang", "vllm")
+    session.install("-c", str(CONSTRAINTS), "-c", str(peers_constraints), "msgspec", "pydantic")
+    session.install("-c", str(CONSTRAINTS), "--no-deps", "--no-build-isolation", "-e", "./packages/peers[test]")
+    REPORTS.mkdir(exist_ok=True)
+    session.run("python", "-m", "pytest", "packages/peers/tests", "-q", "-p", "no:cacheprovider", env=CPU_ENV)
+    session.run("python", "-m", "moelora_peers.grid", "run", "--out", str(REPORTS), *session.posargs, env=CPU_ENV)

@@ -1,0 +1,1 @@
+"""SGLang's and vLLM's released MoE-LoRA kernels as moelora backends."""

@@ -1,0 +1,233 @@
+"""The peers grid: every peer path through the layer suite, one record per cell (``nox -s peers``).
+
+``python -m moelora_peers.grid run --out .reports`` runs, per path of :data:`PATHS`, ``moelora-conformance
+run`` (interpret profile, a small fixed example budget and Hypothesis seed, so a manifest entry
+names a deterministic cell) with the path's manifest (``packages/peers/manifests/<peer>-<version>-
+<path>.toml``, expected failures citing conformance/docs/peers.md), then writes:
+
+- ``.reports/peers.json``: a header (the peers' versions and their own torch / transformers pins, the
+  versions this run used, each path's CPU substitutes) and one record per cell: ``peer``, ``version``,
+  ``path``, ``property``, ``mode``, ``dtype``, ``status`` (pass / fail / not_implemented / refused /
+  not_run), ``expected`` (a manifest entry matched), ``reason``, ``replay`` (the line that reruns it),
+  ``cpu_substitutes`` (what stood in for CUDA-only helpers in that cell);
+- ``.reports/peers-matrix.md``: the matrix (path × property, modes and dtypes folded) and the
+  failures with their replay lines.
+
+Exit status 1 when a cell fails unexpectedly, a manifest entry is stale (an XPASS) or a path is
+refused (its factory cannot be built: the error is the reason of every cell of that path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
+#: Statuses of a cell.
+STATUSES = ("pass", "fail", "not_implemented", "refused", "not_run")
+_STATUS = {"passed": "pass", "failed": "fail", "xfailed": "fail", "xpassed": "fail",
+           "not_implemented": "not_implemented", "not_run": "not_run"}
+
+
+@dataclass(frozen=True)
+class PeerPathSpec:
+    """One row of the grid: ``peer`` / ``path``, its ``--backend`` target."""
+
+    peer: str
+    path: str
+    target: str
+
+
+PATHS: tuple[PeerPathSpec, ...] = (
+    PeerPathSpec("sglang", "legacy", "moelora_peers.sglang:legacy"),
+    PeerPathSpec("sglang", "virtual_experts", "moelora_peers.sglang:virtual_experts"),
+    PeerPathSpec("sglang", "grouped", "moelora_peers.sglang:grouped"),
+    PeerPathSpec("vllm", "fused", "moelora_peers.vllm:fused"),
+)
+
+
+def manifest_path(peer: str, version: str, path: str) -> Path:
+    """The expected-failure manifest of one peer release's path."""
+    return MANIFESTS / f"{peer}-{version}-{path}.toml"
+
+
+def probe(spec: PeerPathSpec) -> dict:
+    """Build the path's backend on a tiny spec (a fresh process: the finders are per process):
+    {"version", "cpu_substitutes", "pins", "name"} or {"refused": error}."""
+    code = f"""
+import json, torch
+from moelora_core.backend import load_backend
+from moelora_core.layer_spec import LoRALayerSpec
+spec = LoRALayerSpec(16, 16, 2, 1, {{}}, 1, 4)
+b = load_backend({spec.target!r})(spec)
+from moelora_peers import {spec.peer}_modules as m
+d = m.importer().dist
+print(json.dumps({{"name": b.name, "version": b.version, "cpu_substitutes": b.cpu_substitutes,
+                  "pins": d.pins("torch", "transformers", "triton"), "files": len(m.importer().loaded)}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+        return {"refused": lines[-1] if lines else f"exit status {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_path(spec: PeerPathSpec, info: dict, out: Path, max_examples: int, seed: int, workers: int) -> Path:
+    """``moelora-conformance run`` on one path; returns its JSON report's path."""
+    report = out / f"peers-{spec.peer}-{spec.path}.json"
+    cmd = ["moelora-conformance", "run", "--backend", spec.target, "--profile", "interpret",
+           "--max-examples", str(max_examples), "-n", str(workers), "--json", str(report)]
+    manifest = manifest_path(spec.peer, info["version"], spec.path)
+    if manifest.exists():
+        cmd += ["--manifest", str(manifest)]
+    cmd += ["--", "--no-shrink", f"--hypothesis-seed={seed}"]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=False)
+    return report
+
+
+def _replay(record: dict, target: str, max_examples: int, seed: int) -> str:
+    repro = record.get("repro") or {}
+    if repro.get("replays") or repro.get("replay"):
+        return (repro.get("replays") or [repro.get("replay")])[0]
+    return (f"pytest -p moelora_conformance.plugin --backend {target} --device cpu -k '{record.get('test', '')}' "
+            f"-p no:cacheprovider --profile interpret --max-examples {max_examples} --no-shrink "
+            f"--hypothesis-seed={seed}")
+
+
+def cells(spec: PeerPathSpec, info: dict, report: dict | None, max_examples: int, seed: int) -> list[dict]:
+    """One record per cell of a path (module docstring)."""
+    base = {"peer": spec.peer, "version": info.get("version"), "path": spec.path}
+    if "refused" in info or report is None:
+        reason = info.get("refused") or "the path's conformance run wrote no report"
+        return [{**base, "property": "*", "mode": "*", "dtype": "*", "status": "refused" if "refused" in info
+                 else "not_run", "expected": False, "reason": reason, "replay": None, "cpu_substitutes": {}}]
+    out = []
+    subs = info.get("cpu_substitutes") or {}
+    for rec in report["records"]:
+        outcome = rec["outcome"]
+        status = _STATUS.get(outcome, "not_run")
+        mode = rec.get("mode", "")
+        touched = {k: v for k, v in subs.items() if _touches(k, mode)}
+        out.append({**base, "property": rec.get("property"), "mode": mode, "dtype": rec.get("dtype"),
+                    "status": status, "expected": outcome == "xfailed", "stale": outcome == "xpassed",
+                    "reason": rec.get("reason") or rec.get("message") or "",
+                    "replay": _replay(rec, spec.target, max_examples, seed) if status == "fail" else None,
+                    "cpu_substitutes": touched, "outcome": outcome})
+    return out
+
+
+def _touches(substitute: str, mode: str) -> bool:
+    """Whether a CPU substitute named ``substitute`` ran in cells of ``mode`` (names that say "(eager)"
+    or "(graph families)" touch those modes only)."""
+    if "(eager)" in substitute:
+        return mode == "eager"
+    if "(graph families)" in substitute:
+        return mode != "eager"
+    return True
+
+
+def matrix(records: list[dict]) -> str:
+    """The Markdown matrix: one row per path, one column per property (worst status over modes and
+    dtypes; ``xfail`` where every failure is expected), then the unexpected failures."""
+    short = {"pass": "pass", "fail": "FAIL", "not_implemented": "n/i", "refused": "refused", "not_run": "not run"}
+    rank = {"fail": 0, "refused": 1, "not_run": 2, "not_implemented": 3, "pass": 4}
+    props = sorted({r["property"] for r in records if r["property"] != "*"})
+    rows: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        rows[(r["peer"], r["version"], r["path"])][r["property"]].append(r)
+    lines = ["| peer | version | path | " + " | ".join(props) + " |", "|---" * (3 + len(props)) + "|"]
+    for (peer, version, path), by_prop in rows.items():
+        if "*" in by_prop:
+            lines.append(f"| {peer} | {version} | {path} | " + " | ".join(short[by_prop['*'][0]['status']]
+                                                                          for _ in props) + " |")
+            continue
+        shown = []
+        for p in props:
+            recs = by_prop.get(p, [])
+            if not recs:
+                shown.append("–")
+                continue
+            worst = min(recs, key=lambda r: rank[r["status"]])
+            cell = short[worst["status"]]
+            if worst["status"] == "fail" and all(r["expected"] for r in recs if r["status"] == "fail"):
+                cell = "xfail"
+            if any(r["cpu_substitutes"] for r in recs if r["status"] in ("pass", "fail")):
+                cell += "*"
+            shown.append(cell)
+        lines.append(f"| {peer} | {version} | {path} | " + " | ".join(shown) + " |")
+    lines += ["", "`*`: the cell ran with a CPU substitute (see the records' `cpu_substitutes`); `xfail`: failures "
+              "expected by the path's manifest (conformance/docs/peers.md analyses each).", ""]
+    bad = [r for r in records if (r["status"] == "fail" and not r["expected"]) or r.get("stale")
+           or r["status"] == "refused"]
+    if bad:
+        lines.append("## Unexpected\n")
+        for r in bad:
+            what = "stale manifest entry (XPASS)" if r.get("stale") else r["status"]
+            lines.append(f"- {r['peer']} {r['path']} {r['property']} {r['mode']} {r['dtype']}: {what}: "
+                         f"{r['reason'][:300]}")
+            if r.get("replay"):
+                lines.append(f"  - replay: `{r['replay']}`")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m moelora_peers.grid", description=__doc__.splitlines()[0])
+    ap.add_argument("command", choices=["run", "render"], help="run the grid, or render existing reports")
+    ap.add_argument("--out", default=".reports", help="report folder")
+    ap.add_argument("--max-examples", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=20261206)
+    ap.add_argument("-n", "--workers", type=int, default=2)
+    ap.add_argument("--path", action="append", default=None, help="peer:path to run (repeatable; default all)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    chosen = [p for p in PATHS if args.path is None or f"{p.peer}:{p.path}" in args.path]
+    header = {"python": platform.python_version(), "environment": {k: v for k, v in os.environ.items()
+                                                                  if k.startswith(("MOELORA_", "TRITON_"))},
+              "max_examples": args.max_examples, "hypothesis_seed": args.seed, "paths": {}}
+    try:
+        import torch
+        import triton
+        header["versions"] = {"torch": torch.__version__, "triton": triton.__version__}
+    except ImportError:  # pragma: no cover
+        header["versions"] = {}
+    records: list[dict] = []
+    for spec in chosen:
+        info = probe(spec)
+        header["paths"][f"{spec.peer}:{spec.path}"] = info
+        report_path = out / f"peers-{spec.peer}-{spec.path}.json"
+        if args.command == "run" and "refused" not in info:
+            report_path = run_path(spec, info, out, args.max_examples, args.seed, args.workers)
+        report = json.loads(report_path.read_text()) if report_path.exists() else None
+        records += cells(spec, info, report, args.max_examples, args.seed)
+    (out / "peers.json").write_text(json.dumps({"header": header, "records": records}, indent=1))
+    head = [f"# Peers grid ({', '.join(f'{k}: {v}' for k, v in header['versions'].items())}, "
+            f"{args.max_examples} example(s) per item, Hypothesis seed {args.seed})", ""]
+    for key, info in header["paths"].items():
+        if "refused" in info:
+            head.append(f"- {key}: refused: {info['refused']}")
+        else:
+            pins = ", ".join(info.get("pins", {}).values()) or "no torch pin"
+            subs = "; ".join(f"{k} → {v}" for k, v in info.get("cpu_substitutes", {}).items()) or "none"
+            head.append(f"- {key} {info['version']} (the release pins {pins}; ran on torch "
+                        f"{header['versions'].get('torch')}): CPU substitutes: {subs}")
+    (out / "peers-matrix.md").write_text("\n".join(head) + "\n\n" + matrix(records))
+    counts = defaultdict(int)
+    for r in records:
+        counts[r["status"]] += 1
+    print(f"peers grid: {dict(counts)}; reports: {out / 'peers.json'}, {out / 'peers-matrix.md'}")
+    bad = [r for r in records if (r["status"] == "fail" and not r["expected"]) or r.get("stale")
+           or r["status"] == "refused"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

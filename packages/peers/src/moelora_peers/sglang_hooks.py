@@ -1,0 +1,222 @@
+"""SGLang 0.5.23's MoE-LoRA hooks as its csgmv LoRA backend runs them: the ``legacy`` and
+``virtual_experts`` paths.
+
+Both run SGLang's call sites in ``sglang/srt/lora/lora_moe_runners.py`` unchanged:
+``_add_lora_gate_up_delta`` (before the activation) and ``_add_lora_down_delta`` (router-weighted),
+on a ``LoRAInfo`` built from moelora's batch info and the SGLang-layout copy of the pool
+(:mod:`moelora_peers.sglang_pool`):
+
+- ``legacy`` (``lora_use_virtual_experts=False``, SGLang's default): the per-slot alignment of
+  ``_compute_lora_alignment`` (BLOCK_M 64; one per layer, shared by both stages as
+  ``build_lora_hooks`` shares it), then ``fused_moe_lora`` (``fused_moe_lora_kernel.py``: shrink and
+  expand, the block configs of ``_get_moe_lora_block_config``, ``adapter_enabled``, ``lora_ids``);
+- ``virtual_experts`` (``--lora-use-virtual-experts``): ``merged_experts_fused_moe_lora_add``
+  (``virtual_experts.py``: (slot, expert) → ``slot * E + expert``, the split-K shrink, SGLang's base
+  ``invoke_fused_moe_kernel`` as the expand with ``fuse_add_to_output`` and the token mask), its
+  routing cached per layer in one ``routing_cache`` shared by both stages as ``build_lora_hooks``
+  shares it.
+
+What is written here (small; each follows the SGLang function named): the ``LoRAInfo`` fields from
+moelora's info (``base_backend._add_moe_lora_info``: ``seg_indptr`` / ``req_to_lora`` per request,
+``adapter_enabled``, ``token_lora_mapping``), and the capture flag around a graph family's calls
+(``get_is_capture_mode()``: SGLang's graph runner sets it while capturing).
+
+CPU substitutes (no CUDA device; each named in the cells' records, conformance/docs/peers.md; the
+legacy ones also on a GPU machine without SGLang's JIT toolchain, :func:`jit_align_available`):
+
+- legacy, eager: the JIT CUDA ``moe_lora_align_block_size`` → SGLang's own CPU fallback
+  ``_naive_moe_lora_align_block_size`` (``lora_moe_runners.py``), for every batch (SGLang takes it
+  on CUDA for sparse batches only);
+- legacy, graph families: the JIT CUDA align → moelora's Triton ``moe_lora_align_block_size``
+  writing SGLang's capture buffers (``cg_buffers``) — same contract (DESIGN.md §4), graph-safe,
+  where SGLang's CPU fallback syncs (``.cpu().tolist()``) and cannot be captured;
+- virtual_experts: SGLang's native ``moe_align_block_size`` (sgl_kernel, CUDA) → SGLang's own
+  pure-torch fallback ``_align_block_size_torch`` (``virtual_experts.py``, "for platforms where the
+  CUDA JIT kernel is unavailable"), run eagerly (not under ``torch.compile``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from functools import partial
+
+import torch
+
+from moelora_core.align import AlignOutput, align_capacity
+from moelora_core.batch_info import LoRABatchInfo
+from moelora_core.capabilities import Capabilities
+from moelora_core.layer_spec import LoRALayerSpec
+from moelora_core.weights import LoRAWeights
+from moelora_kernels.align import moe_lora_align_block_size
+from moelora_peers import sglang_modules
+from moelora_peers.peer_backend import PeerPath, peer_capabilities
+from moelora_peers.sglang_dense import csgmv_dense_delta
+from moelora_peers.sglang_pool import SGLangPool
+from moelora_peers.stubs._platform import is_cuda
+
+#: BLOCK_M of the legacy alignment (``_compute_lora_alignment``: ``shrink_config = {"BLOCK_SIZE_M": 64}``).
+LEGACY_BLOCK_M = 64
+I32 = torch.int32
+
+
+def _capture(on: bool):
+    """SGLang's capture flag (``get_is_capture_mode``) for the duration of a call."""
+    return sglang_modules.module("capture").capture_mode(on)
+
+
+class _Layer:
+    """What one layer's two stages share (as ``build_lora_hooks``'s closures share it): the legacy
+    alignment, or the virtual-experts routing cache."""
+
+    def __init__(self, alignment: tuple | None, routing_cache: dict | None) -> None:
+        self.alignment = alignment  # (sorted_token_ids [L, P], expert_ids [L, P/64], ntpp [L], lora_ids [L])
+        self.routing_cache = routing_cache
+
+
+class SGLangHooksPath:
+    """The legacy / virtual-experts call sites on one spec (module docstring)."""
+
+    def __init__(self, spec: LoRALayerSpec, virtual: bool) -> None:
+        self.spec = spec
+        self.virtual = virtual
+        self.runners = sglang_modules.module("runners")
+        self.pool = SGLangPool(spec)
+        self._cg: dict[int, dict[str, torch.Tensor]] = {}
+
+    # --- LoRAInfo from moelora's info (base_backend._add_moe_lora_info) ----------------------------
+
+    def lora_info(self, weights: LoRAWeights | None, info: LoRABatchInfo):
+        """SGLang's ``LoRAInfo`` for ``info`` (weights None: the alignment reads no weight)."""
+        b = self.pool.buffers(weights) if weights is not None else None
+        return self.runners.LoRAInfo(
+            gate_up_lora_a_weights=b and b.gate_up_a, gate_up_lora_b_weights=b and b.gate_up_b,
+            down_lora_a_weights=b and b.down_a, down_lora_b_weights=b and b.down_b,
+            seg_indptr=info.moe.seg_indptr, req_to_lora=info.moe.req_to_lora, lora_ranks=info.lora_ranks,
+            adapter_enabled=info.moe.adapter_enabled, token_lora_mapping=info.moe.token_lora_mapping,
+            max_lora_rank=self.spec.R, num_experts=self.spec.E, has_active_lora=info.has_active_lora,
+            experts_shared_outer_loras=False, cg_buffers=self._cg_buffers(info) if info.use_cuda_graph else None,
+            lora_use_virtual_experts=self.virtual,
+        )
+
+    def _cg_buffers(self, info: LoRABatchInfo) -> dict[str, torch.Tensor]:
+        """The family's capture buffers of ``_compute_lora_alignment`` (SGLang allocates them with the
+        graph runner's MoE-LoRA buffers), sized from the family's token capacity; one set per family
+        (keyed by the family's static token-mapping buffer)."""
+        M = info.moe.token_lora_mapping.numel()
+        key = info.moe.token_lora_mapping.data_ptr()
+        cg = self._cg.get(key)
+        if cg is None:
+            s = self.spec
+            P = align_capacity(M, s.top_k, s.E, LEGACY_BLOCK_M)
+            dev = s.device
+            cg = self._cg[key] = {
+                "sorted_token_ids_lora": torch.empty(s.max_loras * P, dtype=I32, device=dev),
+                "expert_ids_lora": torch.empty(s.max_loras * (P // LEGACY_BLOCK_M), dtype=I32, device=dev),
+                "num_tokens_post_padded_lora": torch.empty(s.max_loras, dtype=I32, device=dev),
+                "lora_ids": torch.arange(s.max_loras, dtype=I32, device=dev),
+            }
+        return cg
+
+    # --- the layer's alignment ----------------------------------------------------------------------
+
+    def align(self, topk_ids: torch.Tensor, info: LoRABatchInfo) -> _Layer:
+        if self.virtual:
+            return _Layer(None, {})  # build_lora_hooks: one routing cache per layer
+        lora_info = self.lora_info(None, info)
+        with _capture(info.use_cuda_graph):
+            if jit_align_available():
+                alignment = self.runners._compute_lora_alignment(topk_ids, lora_info)
+            else:
+                alignment = self._cpu_alignment(topk_ids, lora_info, info.use_cuda_graph)
+        return _Layer(alignment, None)
+
+    def _cpu_alignment(self, topk_ids: torch.Tensor, lora_info, graph: bool) -> tuple:
+        s = self.spec
+        L, M = s.max_loras, topk_ids.shape[0]
+        P = align_capacity(M, s.top_k, s.E, LEGACY_BLOCK_M)
+        if not graph:
+            sorted_ids, expert_ids, ntpp = self.runners._naive_moe_lora_align_block_size(
+                topk_ids, lora_info.seg_indptr, lora_info.req_to_lora, s.E, LEGACY_BLOCK_M, L, P,
+                P // LEGACY_BLOCK_M, lora_info.adapter_enabled, topk_ids.device)
+            lora_ids = torch.arange(L, dtype=I32, device=topk_ids.device)
+        else:
+            cg = lora_info.cg_buffers
+            out = AlignOutput(cg["sorted_token_ids_lora"][: L * P].view(L, P),
+                              cg["expert_ids_lora"][: L * (P // LEGACY_BLOCK_M)].view(L, -1),
+                              cg["num_tokens_post_padded_lora"][:L])
+            ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+            moe_lora_align_block_size(ids, lora_info.token_lora_mapping, s.E, LEGACY_BLOCK_M, L,
+                                      lora_info.adapter_enabled, out=out)
+            sorted_ids, expert_ids, ntpp, lora_ids = out[0], out[1], out[2], cg["lora_ids"][:L]
+        return sorted_ids.view(L, -1), expert_ids.view(L, -1), ntpp, lora_ids
+
+    # --- the two stages (lora_moe_runners._add_lora_*_delta) ------------------------------------------
+
+    def gate_up(self, x, topk_ids, gate_up_out, weights, info, layer: _Layer) -> None:
+        # The gate_up stage takes topk_weights for their shape only (mul_routed_weight=False).
+        topk_weights = torch.empty(topk_ids.shape, dtype=torch.float32, device=x.device)
+        self._stage(self.runners._add_lora_gate_up_delta, x, gate_up_out, topk_weights, topk_ids, weights, info,
+                    layer)
+
+    def down(self, h, topk_ids, topk_weights, down_out, weights, info, layer: _Layer) -> None:
+        self._stage(self.runners._add_lora_down_delta, h, down_out, topk_weights, topk_ids, weights, info, layer)
+
+    def _stage(self, fn, inp, out, topk_weights, topk_ids, weights, info, layer: _Layer) -> None:
+        lora_info = self.lora_info(weights, info)
+        a = layer.alignment or (None, None, None, None)
+        mapping = lora_info.token_lora_mapping if self.virtual else None
+        # SGLang's MoE caches are in the model dtype, the LoRA buffers' dtype, and its kernels rely on
+        # it: ``_fused_moe_lora_kernel`` reads the weights through a pointer cast to the *output's*
+        # element type (``tl.pointer_type(c_ptr.dtype.element_ty)``), so an fp32 output over fp16
+        # weights reads garbage (conformance/docs/peers.md, "SGLang's kernels assume one dtype").
+        # moelora's protocol lets the caller keep fp32 intermediates: the inputs then run in the model
+        # dtype and the delta lands in a model-dtype buffer that is added to ``out``, as SGLang's
+        # caches would hold it.
+        dt = self.spec.dtype
+        inp = inp if inp.dtype == dt else inp.to(dt)
+        target = out if out.dtype == dt else torch.zeros(out.shape, dtype=dt, device=out.device)
+        with _capture(info.use_cuda_graph):
+            fn(inp, target, topk_weights, topk_ids, lora_info, mapping, *a, routing_cache=layer.routing_cache)
+        if target is not out:
+            out.add_(target.to(out.dtype))
+
+    # --- for the suite's exact check of SGLang's own alignment (property P07) ---------------------------
+
+    def alignment(self, topk_ids: torch.Tensor, info: LoRABatchInfo) -> tuple:
+        sorted_ids, expert_ids, ntpp, _ = self.align(topk_ids, info).alignment
+        return AlignOutput(sorted_ids, expert_ids, ntpp), LEGACY_BLOCK_M
+
+
+def jit_align_available() -> bool:
+    """Whether SGLang's JIT CUDA align can run here: a CUDA device, its JIT runtime (apache-tvm-ffi)
+    and a CUDA compiler (``load_jit`` compiles ``moe_lora_align_kernel.cu`` on first use)."""
+    return is_cuda() and importlib.util.find_spec("tvm_ffi") is not None and (
+        shutil.which("nvcc") is not None or bool(os.environ.get("CUDA_HOME")))
+
+
+def capabilities(virtual: bool) -> Capabilities:
+    """What the two hook paths declare (conformance/docs/peers.md, "Capabilities"). The virtual-experts
+    expand (``invoke_fused_moe_kernel`` with ``a_output_slices=2``) asserts fp16 / bf16."""
+    dtypes = {torch.float16, torch.bfloat16} if virtual else {torch.float32, torch.float16, torch.bfloat16}
+    return peer_capabilities(dtypes, virtual_experts=virtual)
+
+
+def make_path(spec: LoRALayerSpec, *, virtual: bool) -> PeerPath:
+    """The :class:`~moelora_peers.peer_backend.PeerPath` of the legacy or virtual-experts path."""
+    path = SGLangHooksPath(spec, virtual)
+    subs = {}
+    if (virtual and not sglang_modules.native_moe_align_available()) or (not virtual and not jit_align_available()):
+        subs = ({"sgl_kernel moe_align_block_size": "virtual_experts._align_block_size_torch (SGLang's torch "
+                 "fallback, eager)"} if virtual else
+                {"JIT moe_lora_align_block_size (eager)": "lora_moe_runners._naive_moe_lora_align_block_size "
+                 "(SGLang's CPU fallback)",
+                 "JIT moe_lora_align_block_size (graph families)": "moelora_kernels.align.moe_lora_align_block_size"})
+    return PeerPath(
+        peer="sglang", path="virtual_experts" if virtual else "legacy",
+        version=sglang_modules.importer().dist.version, capabilities=capabilities(virtual),
+        on_slot_loaded=path.pool.on_slot_loaded, align=path.align, gate_up=path.gate_up, down=path.down,
+        dense=partial(csgmv_dense_delta, path.pool),
+        alignment=None if virtual else path.alignment, cpu_substitutes=subs,
+    )

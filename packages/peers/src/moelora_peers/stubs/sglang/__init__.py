@@ -1,0 +1,1 @@
+"""Stand-ins for SGLang 0.5.23 server modules (see ``moelora_peers.stubs``)."""

@@ -1,0 +1,1 @@
+"""Stand-ins for vLLM server modules (see ``moelora_peers.stubs``)."""
