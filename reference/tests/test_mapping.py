@@ -44,7 +44,7 @@ def test_adapter_enabled_marks_used_slots_only():
     (lambda: token_lora_mapping([1, 2], [0], 4), r"seg_indptr\[0\]"),
     (lambda: token_lora_mapping([0, 3, 2], [0, 1], 4), r"seg_indptr\[2\]"),
     (lambda: token_lora_mapping([0, 5], [0], 4), r"seg_indptr\[-1\]"),
-    (lambda: token_lora_mapping([0, 1], [-2], 4), r"req_to_lora\[0\]"),
+    (lambda: token_lora_mapping([0, 1], [-2], 4), r"req_weight_indices\[0\]"),
     (lambda: adapter_enabled([0, 3], 3), r"token_lora_mapping\[1\]"),
 ])
 def test_malformed_inputs_raise(call, field):
@@ -59,13 +59,13 @@ def test_twin_equals_host_lists_and_repeat_interleave(plan, data):
     req_tail = data.draw(st.integers(0, 3), label="graph request tail")
     T = batch.num_tokens
     indptr = [*batch.req_seg_indptr, *([T] * req_tail)]
-    slots = [*batch.req_to_lora, *([-1] * req_tail)]
+    slots = [*batch.req_weight_indices, *([-1] * req_tail)]
     got = token_lora_mapping(torch.tensor(indptr, dtype=torch.int32), torch.tensor(slots, dtype=torch.int32), T + tail)
     host = torch.tensor([*batch.token_lora_mapping, *([-1] * tail)], dtype=torch.int32)
     assert_exact(got, host, what="token_lora_mapping vs BatchSpec")
     lens = torch.tensor(batch.seq_lens, dtype=torch.long)
     other = torch.full((T + tail,), -1, dtype=torch.int32)
-    other[:T] = torch.repeat_interleave(torch.tensor(batch.req_to_lora, dtype=torch.int32), lens)
+    other[:T] = torch.repeat_interleave(torch.tensor(batch.req_weight_indices, dtype=torch.int32), lens)
     assert_exact(got, other, what="token_lora_mapping vs repeat_interleave")
     assert_exact(adapter_enabled(got, 4), torch.tensor(batch.adapter_enabled, dtype=torch.int32),
                  what="adapter_enabled")

@@ -20,12 +20,12 @@ def spec(mode=ForwardMode.EXTEND, reqs=(Request(0, 3), Request(NO_ADAPTER, 2)), 
 @pytest.mark.parametrize(
     ("reqs", "field"),
     [
-        ((Request(3, 1),), "requests[0].adapter_id"),  # == max_loras
-        ((Request(0, 1), Request(-2, 1)), "requests[1].adapter_id"),  # below the sentinel
+        ((Request(3, 1),), "requests[0].slot"),  # == max_loras
+        ((Request(0, 1), Request(-2, 1)), "requests[1].slot"),  # below the sentinel
         ((Request(0, -1),), "requests[0].extend_len"),  # negative length
         ((Request(0, 0),), "requests[0].extend_len"),  # empty request
         ((Request(0, 1, prefix_len=-5),), "requests[0].prefix_len"),
-        ((Request(True, 1),), "requests[0].adapter_id"),  # bool is not a slot
+        ((Request(True, 1),), "requests[0].slot"),  # bool is not a slot
     ],
 )
 def test_invalid_request_fields_are_named(reqs, field):
@@ -78,7 +78,7 @@ def test_derived_host_lists():
     assert b.num_tokens == 9
     assert b.req_seg_indptr == (0, 2, 3, 6, 8, 9)
     # slot 2 has rank 0: its request behaves as a base request
-    assert b.req_to_lora == (1, -1, 0, -1, 0)
+    assert b.req_weight_indices == (1, -1, 0, -1, 0)
     assert b.token_lora_mapping == (1, 1, -1, 0, 0, 0, -1, -1, 0)
     assert b.adapter_enabled == (1, 1, 0)
     assert b.has_active_lora
