@@ -32,7 +32,9 @@ from moelora_core import (
     assert_exact,
     load_backend,
 )
+from moelora_core.backend import check_protocol
 from moelora_core.backend_checks import GraphCapacity
+from moelora_core.errors import RenamedError
 from moelora_reference.backend import ReferenceBackend, make_backend
 from moelora_reference.oracle import dense_lora_forward, moe_block_forward
 
@@ -337,6 +339,12 @@ def test_guard_catches_a_host_sync(guard):  # the guard used above can fail
     (lambda b, i: (b.init_graph("prefill", GraphCapacity.prefill(8, 2)),
                    b.init_graph("prefill", GraphCapacity.prefill(16, 2))), "prefill"),
     (lambda b, i: b.init_graph("decode", GraphCapacity.decode(0)), "max_bs"),
+    (lambda b, i: b.init_graph("decode", GraphCapacity.prefill(8, 2)), "capacity: the decode family takes"),
+    (lambda b, i: (b.init_graph("prefill", GraphCapacity.prefill(8, 2)),
+                   b.prepare(BatchSpec(ForwardMode.IDLE, [], 2, (0, 0), (0, 0)), "prefill",
+                             GraphCapacity.prefill(16, 2))), "bucket: .* not within"),
+    (lambda b, i: b.prepare(BatchSpec(ForwardMode.IDLE, [], 2, (0, 0), (0, 0)), None, GraphCapacity.prefill(8, 2)),
+     "bucket: an eager prepare"),
     (lambda b, i: b.dense_delta("v", torch.zeros(2, 8), torch.zeros(2, 6), i[1], i[0]), "module"),
     (lambda b, i: b.dense_delta("q", torch.zeros(3, 8), torch.zeros(3, 6), i[1], i[0]), "x"),
     (lambda b, i: b.moe_gate_up_delta(torch.zeros(2, 8), torch.zeros(2, 1, dtype=torch.int32),
@@ -368,6 +376,29 @@ def test_bad_calls_raise_clear_errors(call, field):
     info = backend.prepare(BatchSpec(ForwardMode.EXTEND, [Request(0, 2)], 2, (2, 0), (1.0, 0.0)))
     with pytest.raises(InvalidFieldError, match=field):
         call(backend, (info, LoRAWeights(small_spec())))
+
+
+def test_the_previous_protocol_names_its_replacement():
+    backend = make_backend(small_spec())
+    with pytest.raises(RenamedError, match=r"init_graph\('decode', GraphCapacity.decode\(max_bs, tokens_per_request\)\)"):
+        backend.init_decode_graph(4, 1)
+    with pytest.raises(RenamedError, match=r"init_graph\('prefill', GraphCapacity.prefill"):
+        backend.init_prefill_graph(16, 4)
+
+    class OldStyle:  # a third-party backend written for the previous protocol
+        def capabilities(self):
+            return backend.capabilities()
+
+        def init_decode_graph(self, max_bs, tokens_per_request=1): ...
+
+        def prepare(self, batch, family=None): ...
+
+    with pytest.raises(RenamedError, match=r"OldStyle.init_decode_graph.*implement init_graph\(family, capacity\)"):
+        check_protocol(OldStyle())
+    OldStyle.init_graph = lambda self, family, capacity: None
+    with pytest.raises(RenamedError, match=r"prepare\(batch, family=None, bucket=None\)"):
+        check_protocol(OldStyle())
+    check_protocol(backend)
 
 
 def test_weights_of_another_pool_are_refused():

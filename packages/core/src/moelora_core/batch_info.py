@@ -32,6 +32,7 @@ naming their replacement.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
 import torch
@@ -108,26 +109,20 @@ class LoRABatchInfo:
     use_cuda_graph: bool
     private: dict[str, Any] = field(default_factory=dict)
 
-    def __init__(self, *, num_tokens: int, req_seg_indptr: torch.Tensor, req_weight_indices: torch.Tensor,
-                 token_lora_mapping: torch.Tensor, adapter_enabled: torch.Tensor, num_segments: int, max_len: int,
-                 seg_indptr: torch.Tensor, weight_indices: torch.Tensor, permutation: torch.Tensor | None,
-                 has_active_lora: bool, use_cuda_graph: bool, private: dict[str, Any] | None = None,
-                 **removed: Any) -> None:
-        for name in removed:
-            raise RenamedError(f"LoRABatchInfo({name}=...)", REMOVED_FIELDS.get(name, "no such field"))
-        self.num_tokens = num_tokens
-        self.req_seg_indptr = req_seg_indptr
-        self.req_weight_indices = req_weight_indices
-        self.token_lora_mapping = token_lora_mapping
-        self.adapter_enabled = adapter_enabled
-        self.num_segments = num_segments
-        self.max_len = max_len
-        self.seg_indptr = seg_indptr
-        self.weight_indices = weight_indices
-        self.permutation = permutation
-        self.has_active_lora = has_active_lora
-        self.use_cuda_graph = use_cuda_graph
-        self.private = {} if private is None else private
+    def __init__(self, **fields: Any) -> None:
+        # Keyword-only, checked here so that a call of the previous version (moe=..., seg_lens=...) is
+        # told what replaces the old field before anything else.
+        for name in fields:
+            if name in REMOVED_FIELDS:
+                raise RenamedError(f"LoRABatchInfo({name}=...)", REMOVED_FIELDS[name])
+        known = {f.name for f in dataclass_fields(LoRABatchInfo)}
+        unknown, missing = set(fields) - known, known - set(fields) - {"private"}
+        if unknown or missing:
+            raise TypeError(f"LoRABatchInfo: unknown fields {sorted(unknown)}, missing fields {sorted(missing)}")
+        for name, value in fields.items():
+            setattr(self, name, value)
+        if "private" not in fields:
+            self.private = {}
 
     def __getattr__(self, name: str) -> Any:
         # Only called for names the instance does not have: the previous version's fields say what
