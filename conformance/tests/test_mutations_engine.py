@@ -20,10 +20,10 @@ pytest.importorskip("moelora_runner")
 
 from moelora_conformance.e2e.stateful_histories import HISTORIES, run_history
 from moelora_conformance.faulty import E2E_MUTANTS, FACTORIES
-from moelora_core import BatchSpec, ForwardMode, GraphCapacity, LoRALayerSpec, Request
-from moelora_reference.backend import ReferenceBackend
 from moelora_conformance.faulty.engine_campaign import MODEL, campaign_adapters
 from moelora_conformance.faulty.engine_mutants import CAUGHT_BY_HISTORY, ENGINE_MUTANTS
+from moelora_core import BatchSpec, ForwardMode, GraphCapacity, LoRALayerSpec, Request
+from moelora_reference.backend import ReferenceBackend
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "mutations.md"
 
