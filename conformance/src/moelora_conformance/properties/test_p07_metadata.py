@@ -3,10 +3,10 @@ are valid whatever the segmentation, the dense segmentation covers each adapter 
 alignment block holds one expert, and graph tails are reset.
 
 Eager: the drawn batch. Graph families: the drawn batch, a drawn larger batch, the drawn batch in
-the smallest bucket that holds it, the drawn batch again and an IDLE batch, in the same static
-buffers — each prepared batch must read exactly as if it were the first (tails reset to -1 / the last
-live offset, in a bucket's views too, which the larger batch wrote; launch counts that still cover
-the larger batch's segments). The alignment is checked over every token row the kernels see (graph
+the smallest bucket that holds it, and an IDLE batch in the whole family, in the same static buffers
+— each prepared batch must read exactly as if it were the first (tails reset to -1 / the last live
+offset, in a bucket's views too, which the larger batch wrote; launch counts that still cover the
+larger batch's segments). The alignment is checked over every token row the kernels see (graph
 mode: the whole capacity of the family or bucket, pad rows mapped to -1).
 """
 
@@ -45,9 +45,9 @@ def test_metadata_is_exact(moelora_suite, mode, dtype, data):
         cap = capacity_for(family, [b, larger], extra_requests=data.draw(st.integers(0, 3), label="request slack"),
                            extra_tokens=data.draw(st.integers(0, 16), label="token slack"))
         bucket = capacity_for(family, [b])
-        # a count frozen on the first batch, then tails after a larger one: in a smaller bucket's views
-        # and in the whole family
-        batches = [(b, None), (larger, None), (b, bucket), (b, None), (idle, None)]
+        # a count frozen on the first batch, then tails after a larger one: in a smaller bucket's views,
+        # and in the whole family (an IDLE batch leaves nothing live: every entry is a tail)
+        batches = [(b, None), (larger, None), (b, bucket), (idle, None)]
         trace(f"capacity: {cap}; bucket of batch 2: {bucket}")
         backend.init_graph(family, cap)
     for i, (batch, bucket) in enumerate(batches):
