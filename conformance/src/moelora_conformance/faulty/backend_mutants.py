@@ -49,7 +49,7 @@ class CsgmvMoEReadsChunks(CsgmvBackend):
 
     name = "mutant-csgmv-moe-reads-chunks"
     max_examples = KERNEL_MUTANT_BUDGET
-    moe_fields = ("seg_indptr", "weight_indices")  # FAULT: chunks, not the per-request fields
+    mapping_fields = ("seg_indptr", "weight_indices")  # FAULT: chunks, not the per-request fields
 
 
 def _tiles_dropping_the_last_partial(batch: BatchSpec, tile: int = PREFILL_TILE) -> Segmentation:

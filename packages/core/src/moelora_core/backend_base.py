@@ -73,7 +73,7 @@ class BackendBase:
     token_mapper: TokenMapper = staticmethod(map_tokens_torch)
     #: The (offsets, slots) fields the token mapper reads as the requests: always the request segments
     #: (csgmv chunks are not requests); a class attribute so the suite's mutants can name others.
-    moe_fields: tuple[str, str] = PER_REQUEST
+    mapping_fields: tuple[str, str] = PER_REQUEST
     #: The delta calls require weights in the spec's dtype (kernels) or read any dtype (torch).
     weights_same_dtype: bool = True
     #: Accepted ``topk_ids`` dtypes, or None for any integer dtype.
@@ -85,7 +85,7 @@ class BackendBase:
         self.version = version
         self.spec = spec
         self._families: dict[str, GraphFamily] = {}
-        self._eager = EagerMetadata(spec.device, spec.max_loras, self.token_mapper, self.moe_fields)
+        self._eager = EagerMetadata(spec.device, spec.max_loras, self.token_mapper, self.mapping_fields)
 
     # --- what a subclass decides ---------------------------------------------------------------
 
@@ -142,7 +142,7 @@ class BackendBase:
         launch, segmentation = self.family_layout(family, capacity, capacity)
         self.check_family_sizes(family, launch)
         self._families[family] = GraphFamily.allocate(family, capacity, launch, segmentation, self.spec.device,
-                                                      self.token_mapper, self.moe_fields)
+                                                      self.token_mapper, self.mapping_fields)
 
     def init_decode_graph(self, *args: object, **kwargs: object) -> None:
         raise RenamedError("init_decode_graph(max_bs, tokens_per_request)",

@@ -195,8 +195,8 @@ def host_lists(batch: BatchSpec, seg: Segmentation) -> dict[str, list]:
 
 
 def _map_on_device(mapper: TokenMapper, t: dict[str, torch.Tensor], max_loras: int,
-                   moe_fields: tuple[str, str]) -> None:
-    indptr, slots = moe_fields
+                   mapping_fields: tuple[str, str]) -> None:
+    indptr, slots = mapping_fields
     mapper(t[indptr], t[slots], max_loras, t["token_lora_mapping"], t["adapter_enabled"])
 
 
@@ -222,15 +222,15 @@ class EagerMetadata:
     Args:
         device: where the tensors live. max_loras: slots of the pool.
         mapper: writes the token map on the device.
-        moe_fields: the (offsets, slots) fields the mapper reads (:data:`PER_REQUEST`).
+        mapping_fields: the (offsets, slots) fields the mapper reads (:data:`PER_REQUEST`).
     """
 
     def __init__(self, device: torch.device, max_loras: int, mapper: TokenMapper = map_tokens_torch,
-                 moe_fields: tuple[str, str] = PER_REQUEST) -> None:
+                 mapping_fields: tuple[str, str] = PER_REQUEST) -> None:
         self.device = device
         self.max_loras = max_loras
         self.mapper = mapper
-        self.moe_fields = moe_fields
+        self.mapping_fields = mapping_fields
         self._int = PinnedStaging(0, I32, device)
         self._long = PinnedStaging(0, I64, device)
 
@@ -267,7 +267,7 @@ class EagerMetadata:
         if batch.forward_mode is ForwardMode.IDLE:  # no token, no kernel: nothing is enabled
             t["adapter_enabled"].zero_()
         else:
-            _map_on_device(self.mapper, t, L, self.moe_fields)
+            _map_on_device(self.mapper, t, L, self.mapping_fields)
         return t, sizes
 
 
@@ -282,7 +282,7 @@ class GraphFamily:
             repeat it).
         sizes: the launch sizes at that capacity: the buffers' lengths.
         segmentation: the backend's segmentation of a batch at the family's capacity.
-        mapper: the device token mapper. moe_fields: the (offsets, slots) fields it reads.
+        mapper: the device token mapper. mapping_fields: the (offsets, slots) fields it reads.
         buffers: field name → its static buffer.
         buckets: bucket capacity → (its launch sizes, its segmentation function), filled by the backend
             on a bucket's first prepare.
@@ -293,7 +293,7 @@ class GraphFamily:
     sizes: LaunchSizes
     segmentation: Callable[[BatchSpec], Segmentation]
     mapper: TokenMapper = map_tokens_torch
-    moe_fields: tuple[str, str] = PER_REQUEST
+    mapping_fields: tuple[str, str] = PER_REQUEST
     buffers: dict[str, StaticBuffer] = field(default_factory=dict)
     buckets: dict[GraphCapacity, tuple[LaunchSizes, Callable[[BatchSpec], Segmentation]]] = field(
         default_factory=dict)
@@ -303,9 +303,10 @@ class GraphFamily:
     @classmethod
     def allocate(cls, name: str, capacity: GraphCapacity, sizes: LaunchSizes,
                  segmentation: Callable[[BatchSpec], Segmentation], device: torch.device,
-                 mapper: TokenMapper = map_tokens_torch, moe_fields: tuple[str, str] = PER_REQUEST) -> GraphFamily:
+                 mapper: TokenMapper = map_tokens_torch,
+                 mapping_fields: tuple[str, str] = PER_REQUEST) -> GraphFamily:
         """The family's static buffers and staging, filled with their tail values."""
-        fam = cls(name, capacity, sizes, segmentation, mapper, moe_fields)
+        fam = cls(name, capacity, sizes, segmentation, mapper, mapping_fields)
         fam.buckets[capacity] = (sizes, segmentation)
         staged = staged_fields(sizes.request_segments)
         for field_name, kind, fill in staged + MAPPING_FIELDS:
@@ -362,5 +363,5 @@ class GraphFamily:
                 t["permutation"] = buf["permutation"].write(seg.permutation + tail, rows=sizes.tokens, stage=stage)
         t["token_lora_mapping"] = buf["token_lora_mapping"].view(sizes.tokens)
         t["adapter_enabled"] = buf["adapter_enabled"].view(sizes.slots)
-        _map_on_device(self.mapper, t, sizes.slots, self.moe_fields)
+        _map_on_device(self.mapper, t, sizes.slots, self.mapping_fields)
         return t
