@@ -36,6 +36,8 @@ also measures the tree before one backend per engine (its ``ModelRunner`` takes 
 backend per bucket), so a before/after pair runs one script.
 
     python benchmarks/bench_engine.py --out bench_engine.json        # ~5 min on an H200 (model build ~1-2)
+    python benchmarks/bench_engine.py --decode-bs 1,64,256 --prefill 1x128,64x128 --reuse-checkpoint \
+        --out after.json      # selected regimes; the checkpoint an earlier run built in --workdir
 
 Tensor / expert parallel (``--tp N`` / ``--ep N``, under torchrun; NVLink multicast off): every rank holds
 its slice of the model and adapters (``Engine(tp=, ep=)``), rank 0 builds the checkpoint and writes the
@@ -517,11 +519,18 @@ def environment(device: torch.device, backend: str) -> dict:
     return env
 
 
+def _built(workdir: Path) -> bool:
+    """Whether ``workdir`` holds a complete ``build_checkpoint`` (the model and every adapter)."""
+    return (workdir / "model" / "model.safetensors").exists() and all(
+        (workdir / f"r{r}" / "adapter_config.json").exists() for r in RANKS)
+
+
 def run(*, shape: str, device: torch.device, backend: str, workdir: Path, runs: int, warmup: int, seed: int = 0,
-        tp: int = 1, ep: int = 1, **regimes) -> dict:
-    """Build the model and adapters under ``workdir``, run every regime of the shape (``regimes``
-    overrides ``REGIMES[shape]``); the JSON record. With ``tp`` / ``ep`` above 1 (a process group
-    running): rank 0 builds, every rank then loads its slice and runs the same regimes."""
+        tp: int = 1, ep: int = 1, reuse: bool = False, **regimes) -> dict:
+    """Build the model and adapters under ``workdir`` (``reuse``: keep a complete build already there,
+    made from the same seed by an earlier run), run every regime of the shape (``regimes`` overrides
+    ``REGIMES[shape]``); the JSON record. With ``tp`` / ``ep`` above 1 (a process group running): rank 0
+    builds, every rank then loads its slice and runs the same regimes."""
     regimes = {**REGIMES[shape], **regimes}
     t0 = time.perf_counter()
     parallel = max(tp, ep) > 1
@@ -532,6 +541,8 @@ def run(*, shape: str, device: torch.device, backend: str, workdir: Path, runs: 
             dirs = build_checkpoint(MODELS[shape], workdir, device=device, seed=seed)
         dist.barrier()
         dirs = {"model": workdir / "model", **{r: workdir / f"r{r}" for r in RANKS}}  # build_checkpoint's layout
+    elif reuse and _built(workdir):
+        dirs = {"model": workdir / "model", **{r: workdir / f"r{r}" for r in RANKS}}
     else:
         dirs = build_checkpoint(MODELS[shape], workdir, device=device, seed=seed)
     build_s = time.perf_counter() - t0
@@ -569,6 +580,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-bs", default=None, metavar="1,64,256",
                         help="decode batch sizes (default: the shape's)")
     parser.add_argument("--no-prefill", action="store_true", help="decode regimes only")
+    parser.add_argument("--prefill", default=None, metavar="1x128,64x128",
+                        help="prefill regimes as REQUESTSxTOKENS (default: the shape's)")
+    parser.add_argument("--reuse-checkpoint", action="store_true",
+                        help="keep the model and adapters a previous run built in --workdir (same seed)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (under torchrun)")
     args = parser.parse_args(argv)
@@ -577,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
                  runs=10) if args.quick else dict(runs=args.runs)
     if args.decode_bs:
         extra["decode_bs"] = tuple(int(b) for b in args.decode_bs.split(","))
+    if args.prefill:
+        extra["prefill"] = tuple(tuple(int(v) for v in case.split("x")) for case in args.prefill.split(","))
     if args.no_prefill:
         extra["prefill"] = ()
     device = torch.device(args.device)
@@ -593,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
         device = worker_device(args.device, local)
         init_group(rank=rank, world=world, device=device)
     record = run(shape=args.shape, device=device, backend=args.backend, workdir=args.workdir,
-                 warmup=args.warmup, tp=args.tp, ep=args.ep, **extra)
+                 warmup=args.warmup, tp=args.tp, ep=args.ep, reuse=args.reuse_checkpoint, **extra)
     if rank != 0:
         return 1 if record["errors"] else 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
