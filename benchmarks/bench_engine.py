@@ -25,7 +25,19 @@ has zero), a CUDA event pair around each, synchronised after each; median, p10 a
 median host time to issue it (``host_us``: close to ``median_us`` means launch-bound). Every measured
 forward is checked to have run in its mode (no silent eager fallback).
 
+Each regime's runner is its own engine's: one backend instance, built for it and told of every
+loaded slot, serves its eager passes and its graphs. Memory (the record's ``memory``): the adapter
+pools' bytes (``adapter_pool_bytes``: every slot of every layer's ``LoRAWeights``) and, per runner, the backend
+instances it holds, the bytes of its graph buffers (``graph_buffer_bytes``: the backends' static
+metadata buffers and the static forward batches, distinct storages) and the device memory its
+construction and capture took (``allocated_bytes`` / ``reserved_bytes``: ``torch.cuda`` deltas, the
+graphs' private pools and any backend copy of the adapters included; None on a CPU). The same file
+also measures the tree before one backend per engine (its ``ModelRunner`` takes ``make_backend``, one
+backend per bucket), so a before/after pair runs one script.
+
     python benchmarks/bench_engine.py --out bench_engine.json        # ~5 min on an H200 (model build ~1-2)
+    python benchmarks/bench_engine.py --decode-bs 1,64,256 --prefill 1x128,64x128 --reuse-checkpoint \
+        --out after.json      # selected regimes; the checkpoint an earlier run built in --workdir
 
 Tensor / expert parallel (``--tp N`` / ``--ep N``, under torchrun; NVLink multicast off): every rank holds
 its slice of the model and adapters (``Engine(tp=, ep=)``), rank 0 builds the checkpoint and writes the
@@ -45,6 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import inspect
 import json
 import math
 import platform
@@ -271,6 +284,9 @@ class Bench:
         self.cases: list[dict] = []
         self.capture_s: dict[str, float] = {}
         self.errors: list[str] = []
+        adapters = self.engine.adapters
+        self.memory: dict = {"adapter_pool_bytes": adapters.slot_bytes() * adapters.max_loras, "runners": {}}
+        self._allocated_at: dict[int, tuple[int, int] | None] = {}
 
     def _kv(self, tokens: int, requests: int, context: int):
         from moelora_runner.kv_cache import KVCache
@@ -281,11 +297,37 @@ class Bench:
                        device=self.device)
 
     def _runner(self, kv, graphs, log: PassLog):
+        """A runner with a backend instance of its own (told of every loaded slot), as its own engine would
+        have; ``make_backend`` too where the tree's ``ModelRunner`` builds one backend per bucket."""
+        from moelora_core.backend import notify_slot_loaded
         from moelora_runner.model_runner import ModelRunner
 
         e = self.engine
-        return ModelRunner(e.model, e.backend, e.adapters, kv, self.device, check_host_sync=True, on_pass=log,
-                           graphs=graphs, make_backend=self.make_backend)
+        before = _device_memory(self.device)
+        backend = self.make_backend()
+        for slot in range(e.adapters.max_loras):
+            for pool in e.adapters.pools:
+                notify_slot_loaded(backend, slot, pool)
+        kwargs = dict(check_host_sync=True, on_pass=log, graphs=graphs)
+        if "make_backend" in inspect.signature(ModelRunner).parameters:  # the tree before one backend per engine
+            kwargs["make_backend"] = self.make_backend
+        runner = ModelRunner(e.model, backend, e.adapters, kv, self.device, **kwargs)
+        self._allocated_at[id(runner)] = before
+        return runner
+
+    def _record_memory(self, name: str, runner) -> None:
+        """The runner's backend instances, graph-buffer bytes and device-memory deltas (module doc)."""
+        backends, buffers = graph_buffers(runner)
+        row = {"backend_instances": len(backends), "graph_buffer_bytes": buffers, "allocated_bytes": None,
+               "reserved_bytes": None}
+        before, now = self._allocated_at.get(id(runner)), _device_memory(self.device)
+        if before is not None and now is not None:
+            row["allocated_bytes"], row["reserved_bytes"] = now[0] - before[0], now[1] - before[1]
+        self.memory["runners"][name] = row
+        mib = lambda b: "-" if b is None else f"{b / 2**20:.1f} MiB"
+        print(f"  memory {name:<24} {row['backend_instances']} backend(s), graph buffers "
+              f"{mib(row['graph_buffer_bytes'])}, allocated {mib(row['allocated_bytes'])}, reserved "
+              f"{mib(row['reserved_bytes'])}", flush=True)
 
     def _time(self, runner, log: PassLog, plan, mode: str, **labels) -> dict:
         """Measure one case; a failure is recorded in its row (and ``errors``), not raised, so one run
@@ -332,6 +374,7 @@ class Bench:
             print(f"  capture {name} FAILED: {type(exc).__name__}: {exc}", flush=True)
             return False
         self.capture_s[name] = time.perf_counter() - t0
+        self._record_memory(name, runner)
         return True
 
     def decode(self, batch_sizes, context: int) -> None:
@@ -390,6 +433,43 @@ class Bench:
             torch.cuda.empty_cache()
 
 
+def _device_memory(device: torch.device) -> tuple[int, int] | None:
+    """(allocated, reserved) bytes on a CUDA device after a synchronisation; None elsewhere."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+
+
+def graph_buffers(runner) -> tuple[set[int], int]:
+    """(ids of the backend instances ``runner`` holds, bytes of its graph buffers: every backend's
+    static metadata buffers of the graph families and every static forward batch, distinct storages).
+    Reads both layouts: one backend and one buffer set per family, or one backend and one static batch
+    per bucket (the tree before one backend per engine)."""
+    backends = {id(runner.backend): runner.backend}
+    storages: dict[int, int] = {}
+    for graph in (runner.decode_graph, runner.prefill_graph):
+        if graph is None:
+            continue
+        holders = [graph, *graph.buckets.values()]
+        for holder in holders:
+            backend = getattr(holder, "backend", None)
+            if backend is not None:
+                backends[id(backend)] = backend
+        tensors = []
+        for backend in {id(getattr(h, "backend", None)): getattr(h, "backend", None) for h in holders}.values():
+            with contextlib.suppress(Exception):  # a family this backend never initialised
+                tensors += list(backend.static_buffers(graph.family).values())
+        for holder in holders:
+            static = getattr(holder, "static", None)
+            if static is not None:
+                tensors += [b.tensor for b in static.buffers.values()]
+        for t in tensors:
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return set(backends), sum(storages.values())
+
+
 def verdicts(cases: list[dict]) -> list[dict]:
     """The issue's targets against the measured medians (those whose regimes ran)."""
 
@@ -439,11 +519,18 @@ def environment(device: torch.device, backend: str) -> dict:
     return env
 
 
+def _built(workdir: Path) -> bool:
+    """Whether ``workdir`` holds a complete ``build_checkpoint`` (the model and every adapter)."""
+    return (workdir / "model" / "model.safetensors").exists() and all(
+        (workdir / f"r{r}" / "adapter_config.json").exists() for r in RANKS)
+
+
 def run(*, shape: str, device: torch.device, backend: str, workdir: Path, runs: int, warmup: int, seed: int = 0,
-        tp: int = 1, ep: int = 1, **regimes) -> dict:
-    """Build the model and adapters under ``workdir``, run every regime of the shape (``regimes``
-    overrides ``REGIMES[shape]``); the JSON record. With ``tp`` / ``ep`` above 1 (a process group
-    running): rank 0 builds, every rank then loads its slice and runs the same regimes."""
+        tp: int = 1, ep: int = 1, reuse: bool = False, **regimes) -> dict:
+    """Build the model and adapters under ``workdir`` (``reuse``: keep a complete build already there,
+    made from the same seed by an earlier run), run every regime of the shape (``regimes`` overrides
+    ``REGIMES[shape]``); the JSON record. With ``tp`` / ``ep`` above 1 (a process group running): rank 0
+    builds, every rank then loads its slice and runs the same regimes."""
     regimes = {**REGIMES[shape], **regimes}
     t0 = time.perf_counter()
     parallel = max(tp, ep) > 1
@@ -454,6 +541,8 @@ def run(*, shape: str, device: torch.device, backend: str, workdir: Path, runs: 
             dirs = build_checkpoint(MODELS[shape], workdir, device=device, seed=seed)
         dist.barrier()
         dirs = {"model": workdir / "model", **{r: workdir / f"r{r}" for r in RANKS}}  # build_checkpoint's layout
+    elif reuse and _built(workdir):
+        dirs = {"model": workdir / "model", **{r: workdir / f"r{r}" for r in RANKS}}
     else:
         dirs = build_checkpoint(MODELS[shape], workdir, device=device, seed=seed)
     build_s = time.perf_counter() - t0
@@ -468,7 +557,8 @@ def run(*, shape: str, device: torch.device, backend: str, workdir: Path, runs: 
               "ranks": list(RANKS), "adapters": list(ADAPTER_NAMES), "regimes": regimes, "runs": runs,
               "warmup": warmup,
               "model_bytes": bench.engine.model.bytes(), "build_s": build_s, "load_s": load_s,
-              "capture_s": bench.capture_s, "cases": bench.cases, "verdicts": verdicts(bench.cases),
+              "capture_s": bench.capture_s, "memory": bench.memory, "cases": bench.cases,
+              "verdicts": verdicts(bench.cases),
               "errors": bench.errors, "total_s": time.perf_counter() - t0}
     for v in record["verdicts"]:
         print(f"{'met ' if v['met'] else 'MISS'}  {v['target']}: {v['value']:.2f} (bound {v['bound']})", flush=True)
@@ -490,6 +580,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-bs", default=None, metavar="1,64,256",
                         help="decode batch sizes (default: the shape's)")
     parser.add_argument("--no-prefill", action="store_true", help="decode regimes only")
+    parser.add_argument("--prefill", default=None, metavar="1x128,64x128",
+                        help="prefill regimes as REQUESTSxTOKENS (default: the shape's)")
+    parser.add_argument("--reuse-checkpoint", action="store_true",
+                        help="keep the model and adapters a previous run built in --workdir (same seed)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (under torchrun)")
     args = parser.parse_args(argv)
@@ -498,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
                  runs=10) if args.quick else dict(runs=args.runs)
     if args.decode_bs:
         extra["decode_bs"] = tuple(int(b) for b in args.decode_bs.split(","))
+    if args.prefill:
+        extra["prefill"] = tuple(tuple(int(v) for v in case.split("x")) for case in args.prefill.split(","))
     if args.no_prefill:
         extra["prefill"] = ()
     device = torch.device(args.device)
@@ -514,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
         device = worker_device(args.device, local)
         init_group(rank=rank, world=world, device=device)
     record = run(shape=args.shape, device=device, backend=args.backend, workdir=args.workdir,
-                 warmup=args.warmup, tp=args.tp, ep=args.ep, **extra)
+                 warmup=args.warmup, tp=args.tp, ep=args.ep, reuse=args.reuse_checkpoint, **extra)
     if rank != 0:
         return 1 if record["errors"] else 0
     args.out.parent.mkdir(parents=True, exist_ok=True)

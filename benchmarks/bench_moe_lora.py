@@ -182,8 +182,8 @@ class Problem:
         for n in self.lens:
             indptr.append(indptr[-1] + n)
         self.seg_indptr = torch.tensor(indptr, dtype=torch.int32, device=DEVICE)
-        self.req_to_lora = torch.tensor(self.slots, dtype=torch.int32, device=DEVICE)
-        self.mapping, self.enabled = token_lora_mapping(self.seg_indptr, self.req_to_lora, max_loras=MAX_LORAS,
+        self.req_weight_indices = torch.tensor(self.slots, dtype=torch.int32, device=DEVICE)
+        self.mapping, self.enabled = token_lora_mapping(self.seg_indptr, self.req_weight_indices, max_loras=MAX_LORAS,
                                                         num_tokens=M)
         self.w_gu, self.w_d = base["w_gu"], base["w_d"]
         self.bm_base = moe_block_m(M, k, E)

@@ -40,10 +40,10 @@ def make_refusing_backend(spec):
     class Refusing(_reference()):
         name = "refusing"
 
-        def prepare(self, batch, family=None):
+        def prepare(self, batch, family=None, bucket=None):
             if family is not None and batch.bs > 1:
                 return Fallback(f"{batch.bs} requests (test backend refuses more than one)")
-            return super().prepare(batch, family)
+            return super().prepare(batch, family, bucket)
 
     return Refusing(spec)
 

@@ -8,7 +8,9 @@
   fixture family on ``reference`` run in the main job (``nox -s conformance``), not here.
 - ``test_faults_are_caught``: faulty backends (``e2e_faults``) fail exactly the claims they break:
   a wrong graph-mode delta fails E01 and E02 in the graph modes and passes eagerly; a backend that
-  silently falls back fails E03 naming the step and the reason.
+  silently falls back fails E03 naming the step and the reason; a backend whose buckets share one
+  buffer set and keep a larger batch's request tail (``faulty.e2e_mutants``, the suite's own mutant)
+  fails E01 in the prefill graph.
 - ``test_capacity_labels``: the capacity a step is held to, on hand-made steps (both limits, both
   phases, every mode).
 - ``test_e05_adapter_items_are_computed_per_family``: E05's legacy per-expert item is "not applicable"
@@ -26,15 +28,16 @@ from moelora_conformance.e2e.checks import Capacity, check_workload
 from moelora_conformance.e2e.results import E2EResult
 from moelora_conformance.e2e.run import E2EConfig, run_model
 from moelora_conformance.e2e.workload import Served, StepRecord, make_workload
+from moelora_conformance.faulty import target
 
 MODEL = "qwen3_moe"
 #: The smaller workload of the kernel backends and the fault tests.
 SMALL = dict(requests=16, max_new_tokens=4, max_prompt_tokens=40, arrival_steps=6, state_machine_examples=0)
 
 
-def _run(fixture_set, engine_adapters, backend, model=MODEL, **config):
+def _run(fixture_set, engine_adapters, backend, model=MODEL, hf=True, **config):
     return run_model(backend, fixture_set.model_dir(model), engine_adapters[model], config=E2EConfig(**config),
-                     model_name=model)
+                     model_name=model, hf=hf)
 
 
 def _by(records):
@@ -78,10 +81,14 @@ def test_faults_are_caught(fixture_set, engine_adapters):
     assert wrong[("E02", "eager")].outcome == "passed"
     _assert_small(wrong[("E05", "eager")])
     refusing = _by(_run(fixture_set, engine_adapters, "e2e_faults:make_refusing_backend", modes=("eager", "breakable"),
-                        **SMALL))
+                        hf=False, **SMALL))
     e03 = refusing[("E03", "breakable")]
     assert e03.outcome == "failed" and "backend_fallback" in e03.message and "did not run on their graph" in e03.message
     assert refusing[("E01", "breakable")].outcome == "passed"  # eager fallbacks are right: only E03 sees it
+    stale = _by(_run(fixture_set, engine_adapters, target("stale-tail-across-buckets"), modes=("eager", "full"),
+                     hf=False, **SMALL))
+    assert stale[("E01", "full")].outcome == "failed" and "full vs eager" in stale[("E01", "full")].message
+    assert stale[("E03", "full")].outcome == "passed"  # it ran on its graphs: only the outputs show the tail
 
 
 def test_capacity_labels():

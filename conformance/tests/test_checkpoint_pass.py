@@ -56,7 +56,7 @@ def test_batches_mix_every_slot_and_base_past_32_requests():
     dec = decode_batch(ranks, scalings, num_adapters=3, seed=5)
     for batch in (ext, dec):
         assert batch.bs > 32 and min(batch.seq_lens) >= 2
-        assert set(batch.req_to_lora) == {NO_ADAPTER, 0, 1, 2}
+        assert set(batch.req_weight_indices) == {NO_ADAPTER, 0, 1, 2}
     assert ext.forward_mode is ForwardMode.EXTEND and len(set(ext.seq_lens)) > 1
     assert dec.forward_mode is ForwardMode.DECODE and dec.tokens_per_request == 2
 

@@ -20,6 +20,7 @@ from moelora_backends.triton_backend import TritonBackend
 from moelora_conformance.faulty import FACTORIES, MUTANTS
 from moelora_conformance.faulty.backend_mutants import BACKEND_MUTANTS
 from moelora_core import BatchSpec, ForwardMode, LoRALayerSpec, Request
+from moelora_core.backend_checks import GraphCapacity
 from moelora_reference.segments import tile_segments
 
 L = 3
@@ -48,7 +49,7 @@ def test_frozen_segment_count_keeps_the_capture_batch_count():
     counts = {}
     for cls in (CsgmvBackend, BACKEND_MUTANTS["csgmv-frozen-segment-count"]):
         backend = cls(_spec())
-        backend.init_decode_graph(8, 1)
+        backend.init_graph("decode", GraphCapacity.decode(8, 1))
         counts[cls] = [backend.prepare(b, "decode").num_segments for b in (small, large)]
     clean, mutant = counts.values()
     assert clean[0] == clean[1] and clean[0] >= 4  # the capacity, fixed at capture
@@ -61,8 +62,8 @@ def test_moe_reads_chunks_maps_tokens_by_the_sorted_chunks():
     want = torch.tensor(batch.token_lora_mapping, dtype=torch.int32)
     clean = CsgmvBackend(_spec()).prepare(batch)
     mutant = BACKEND_MUTANTS["csgmv-moe-reads-chunks"](_spec()).prepare(batch)
-    assert torch.equal(clean.moe.token_lora_mapping, want)
-    assert not torch.equal(mutant.moe.token_lora_mapping, want)
+    assert torch.equal(clean.token_lora_mapping, want)
+    assert not torch.equal(mutant.token_lora_mapping, want)
 
 
 @pytest.mark.parametrize(("name", "batch"), [
@@ -70,7 +71,7 @@ def test_moe_reads_chunks_maps_tokens_by_the_sorted_chunks():
     ("triton-runs-merged-wrongly", _extend((3, 0), (4, 0), (2, 1))),  # requests 0 and 1 form one run of 7
 ])
 def test_tile_mutants_cut_other_tiles_than_the_twin(name, batch):
-    want = tile_segments(list(batch.seq_lens), list(batch.req_to_lora), 16, merge=True)
+    want = tile_segments(list(batch.seq_lens), list(batch.req_weight_indices), 16, merge=True)
     clean = TritonBackend.prefill_graph_segments(batch)
     bad = BACKEND_MUTANTS[name].prefill_graph_segments(batch)
     assert tuple(clean.seg_indptr) == want.seg_indptr and tuple(clean.weight_indices) == want.weight_indices

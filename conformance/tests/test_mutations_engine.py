@@ -1,5 +1,5 @@
 """The engine-level faulty variants (``faulty/engine_mutants.py``) are caught by the stateful engine
-properties (E06).
+properties (E06); the backend faults only an engine shows (``faulty/e2e_mutants.py``) hold their fault.
 
 Covers: every engine mutant is registered with the named history of its fault class; each one fails
 that history (an explicit sequence of the state machine's rules, with its invariants) on the fixtures'
@@ -7,6 +7,9 @@ that history (an explicit sequence of the state machine's rules, with its invari
 (``packages/runner/tests/test_engine_state_machine.py::test_named_history``); the docs table lists
 each as caught. The random search's catch (20 examples, seed 0) is ``moelora-conformance mutations
 --engine`` (seconds in ``docs/mutations.md``), not run here: it costs about 30 s per mutant on 2 cores.
+``stale-tail-across-buckets`` keeps a larger bucket's requests in a smaller bucket's views where the
+reference resets them (the e2e catch itself: ``e2e/test_e2e_workload.py::test_faults_are_caught``), and
+the docs table lists it as caught.
 """
 
 from pathlib import Path
@@ -16,8 +19,11 @@ import pytest
 pytest.importorskip("moelora_runner")
 
 from moelora_conformance.e2e.stateful_histories import HISTORIES, run_history
+from moelora_conformance.faulty import E2E_MUTANTS, FACTORIES
 from moelora_conformance.faulty.engine_campaign import MODEL, campaign_adapters
 from moelora_conformance.faulty.engine_mutants import CAUGHT_BY_HISTORY, ENGINE_MUTANTS
+from moelora_core import BatchSpec, ForwardMode, GraphCapacity, LoRALayerSpec, Request
+from moelora_reference.backend import ReferenceBackend
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "mutations.md"
 
@@ -44,3 +50,30 @@ def test_the_docs_table_lists_every_engine_mutant_as_caught():
         rows = [line for line in text.splitlines() if line.startswith(f"| `{name}` |")]
         assert len(rows) == 1, f"{name} missing from {DOCS.name}"
         assert "NOT CAUGHT" not in rows[0], rows[0]
+
+
+def test_stale_tail_across_buckets_keeps_a_larger_buckets_requests():
+    spec = LoRALayerSpec(8, 8, 4, 2, {}, 3, 4)
+    pool = (3, (4, 4, 4), (1.0, 1.0, 1.0))
+    larger = BatchSpec(ForwardMode.EXTEND, [Request(s, 2) for s in (0, 1, 2, 0, 1, 2)], *pool)  # offsets 0, 2, .., 12
+    small = BatchSpec(ForwardMode.EXTEND, [Request(1, 9)], *pool)
+    infos = {}
+    for cls in (ReferenceBackend, E2E_MUTANTS["stale-tail-across-buckets"]):
+        backend = cls(spec)
+        backend.init_graph("prefill", GraphCapacity.prefill(16, 6))
+        backend.prepare(larger, "prefill")
+        infos[cls] = backend.prepare(small, "prefill", GraphCapacity.prefill(12, 4))
+    clean, mutant = infos.values()
+    assert clean.req_seg_indptr.tolist() == [0, 9, 9, 9, 9]
+    assert mutant.req_seg_indptr.tolist() == [0, 9, 4, 6, 8]  # the larger batch's offsets, left behind
+    assert clean.token_lora_mapping.tolist() == [1] * 9 + [-1] * 3
+    assert mutant.token_lora_mapping.tolist() != clean.token_lora_mapping.tolist()  # live rows get another slot
+    assert "stale-tail-across-buckets" in FACTORIES
+
+
+def test_the_docs_table_lists_every_e2e_mutant_as_caught():
+    text = DOCS.read_text()
+    for name, cls in E2E_MUTANTS.items():
+        assert cls.__doc__.strip() and "FAULT" not in cls.__doc__
+        rows = [line for line in text.splitlines() if line.startswith(f"| `{name}` |")]
+        assert len(rows) == 1 and "NOT CAUGHT" not in rows[0] and "E01" in rows[0], rows

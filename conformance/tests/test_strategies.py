@@ -172,7 +172,7 @@ def test_idle_batches_are_drawable():
     def collect(case):
         m = case.materialize()
         assert m.x.shape[0] == 0 and case.batch.bs == 0 and m.token_lora_mapping.numel() == 0
-        assert not case.batch.has_active_lora and all(s == NO_ADAPTER for s in case.batch.req_to_lora)
+        assert not case.batch.has_active_lora and all(s == NO_ADAPTER for s in case.batch.req_weight_indices)
         seen.append(case)
 
     collect()

@@ -284,7 +284,7 @@ def test_histories_reload_used_slots_after_a_lora_batch(mode):
         seen["histories"] += 1
         seen["with a reload"] += any(step.reload for step in history.steps)
         pool, lora_ran = case.pool, False
-        wanted = {r.adapter_id for r in case.batch.requests if r.adapter_id >= 0}
+        wanted = {r.slot for r in case.batch.requests if r.slot >= 0}
         for step in history.steps:
             if step.reload is None:
                 lora_ran = lora_ran or (step.mode == mode and step.inputs.batch.has_active_lora)

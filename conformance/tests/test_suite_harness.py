@@ -40,6 +40,7 @@ from moelora_conformance.strategies import (
     moe_lora_cases,
 )
 from moelora_core import DEFAULT_POLICY, BatchSpec, ForwardMode, LoRALayerSpec, LoRAWeights, ModuleLoRA, Request
+from moelora_core.backend_checks import GraphCapacity
 from moelora_reference.backend import make_backend
 from moelora_reference.oracle import dense_lora_forward
 
@@ -308,14 +309,12 @@ def test_metadata_checks_pass_on_the_reference_and_fail_on_faults():
     big, small = _pool_batch([0, -1, 2, 1], [3, 1, 2, 2]), _pool_batch([2, 0], [1, 2])
     info = backend.prepare(small)
     check_batch_metadata(info, small, ctx(), graph=False, num_experts=4, max_loras=3)
-    backend.init_prefill_graph(12, 6)
+    backend.init_graph("prefill", GraphCapacity.prefill(12, 6))
     backend.prepare(big, "prefill")
     info = backend.prepare(small, "prefill")
     check_batch_metadata(info, small, ctx(), graph=True, num_experts=4, max_loras=3)
-    stale = dataclasses.replace(
-        info, moe=dataclasses.replace(info.moe, token_lora_mapping=info.moe.token_lora_mapping.clone())
-    )
-    stale.moe.token_lora_mapping[5] = 1  # a tail entry left from the larger batch
+    stale = dataclasses.replace(info, token_lora_mapping=info.token_lora_mapping.clone())
+    stale.token_lora_mapping[5] = 1  # a tail entry left from the larger batch
     with pytest.raises(AssertionError, match="token_lora_mapping"):
         check_batch_metadata(stale, small, ctx(), graph=True, num_experts=4, max_loras=3)
     wrong = dataclasses.replace(info, req_weight_indices=info.req_weight_indices.clone())

@@ -26,8 +26,8 @@ class HostListsBackend(ReferenceBackend):
     name = "host-lists"
     how = "idiom"
 
-    def prepare(self, batch, family=None):
-        info = super().prepare(batch, family)
+    def prepare(self, batch, family=None, bucket=None):
+        info = super().prepare(batch, family, bucket)
         if family is not None:
             return info
         dev, values = self.spec.device, list(batch.token_lora_mapping)
@@ -38,7 +38,7 @@ class HostListsBackend(ReferenceBackend):
             t = torch.tensor(values, dtype=I32, device="cpu").to(dev)
         else:  # "direct": torch.tensor(..., device=dev), read by the deltas (a blocking copy on CUDA)
             t = torch.tensor(values, dtype=I32, device=dev)
-        info.moe.token_lora_mapping = t
+        info.token_lora_mapping = t
         return info
 
 

@@ -100,5 +100,5 @@ def test_rows_that_disagree_with_the_metadata_are_refused():
 
 def test_preparing_a_graph_family_before_its_init_is_refused():
     backend, w = _inspected()
-    with pytest.raises(MalformedCallError, match="before init_decode_graph"):
+    with pytest.raises(MalformedCallError, match=r"before init_graph\(.decode."):
         backend.prepare(_batch(w), "decode")

@@ -5,8 +5,8 @@ fp16, virtual experts on and off): the layer harness and ``moe_forward`` equal t
 deltas equal the oracle, base rows are bit-identical to a LoRA-disabled run, all under a host-sync
 guard; the same through the prefill and decode families' static buffers with activations padded to
 capacity (pad rows add nothing); a small batch after a larger one equals a fresh eager run with
-every tail reset; over capacity returns Fallback leaving every static buffer unchanged, and the eager
-run is right; static buffers keep their addresses and the families share no storage; an inactive
+every tail reset, in the whole family or in a smaller bucket's views of its buffers; over capacity
+returns Fallback leaving every static buffer unchanged, and the eager run is right; static buffers keep their addresses and the families share no storage; an inactive
 eager batch leaves NaN-poisoned outputs untouched; bad calls raise clear errors.
 """
 
@@ -32,6 +32,9 @@ from moelora_core import (
     assert_exact,
     load_backend,
 )
+from moelora_core.backend import check_protocol
+from moelora_core.backend_checks import GraphCapacity
+from moelora_core.errors import RenamedError
 from moelora_reference.backend import ReferenceBackend, make_backend
 from moelora_reference.oracle import dense_lora_forward, moe_block_forward
 
@@ -80,7 +83,7 @@ def padded_inputs(m, capacity, seed):
 def check_dense(backend, m, info, case, guard, rows):
     """Dense deltas equal the oracle on the live rows; rows mapped to -1 stay bit-identical."""
     T = m.x.shape[0]
-    mapping = info.moe.token_lora_mapping
+    mapping = info.token_lora_mapping
     for module, W in m.dense_weights.items():
         xin = torch.zeros(rows, W.shape[1], dtype=case.dtype)
         xin[:T] = m.dense_x[module]
@@ -141,10 +144,10 @@ def init_family(backend, family, batch, req_slack, tok_slack):
     if family == "decode":
         tpr = batch.tokens_per_request if batch.bs else 1
         max_bs = max(1, batch.bs + req_slack)
-        backend.init_decode_graph(max_bs, tpr)
+        backend.init_graph("decode", GraphCapacity.decode(max_bs, tpr))
         return max_bs * tpr
     cap = max(1, batch.num_tokens + tok_slack)
-    backend.init_prefill_graph(cap, max(1, batch.bs + req_slack))
+    backend.init_graph("prefill", GraphCapacity.prefill(cap, max(1, batch.bs + req_slack)))
     return cap
 
 
@@ -163,7 +166,7 @@ def test_graph_family_equals_oracle_and_pad_rows_add_nothing(family, data, guard
     info = backend.prepare(batch, family)
     assert not isinstance(info, Fallback), info
     assert info.use_cuda_graph and info.has_active_lora and info.num_tokens == cap
-    assert_exact(info.moe.token_lora_mapping,
+    assert_exact(info.token_lora_mapping,
                  torch.tensor([*batch.token_lora_mapping, *[-1] * (cap - batch.num_tokens)], dtype=torch.int32),
                  what="token_lora_mapping", seed=case.seed)
     x, ids, w = padded_inputs(m, cap, case.seed)
@@ -174,7 +177,7 @@ def test_graph_family_equals_oracle_and_pad_rows_add_nothing(family, data, guard
     close(y[:T], oracle(m), case, f"{family} graph harness")
     close(y_fused[:T], oracle(m), case, f"{family} graph moe_forward")
     base = layer(backend, m, info, x, ids, w, lora=False)
-    rows = info.moe.token_lora_mapping == -1  # base tokens and every pad row
+    rows = info.token_lora_mapping == -1  # base tokens and every pad row
     assert_bit_identical(y[rows], base[rows], "base and pad rows vs LoRA disabled")
     check_dense(backend, m, info, case, guard, cap)
 
@@ -193,17 +196,26 @@ def test_small_batch_after_a_larger_one_equals_a_fresh_eager_run(family, data, l
     x, ids, w = padded_inputs(m, cap, case.seed)
     info_big = backend.prepare(big, family)
     layer(backend, m, info_big, x, ids, w)
-    info = backend.prepare(small, family)
+    # the small batch in the whole family, or in the smallest bucket that holds it: views of the same
+    # buffers the big batch wrote (DESIGN.md §6)
+    in_bucket = data.draw(st.booleans(), label="in a smaller bucket") and n > 0
+    bucket = None
+    if in_bucket:
+        bucket = (GraphCapacity.decode(n, big.tokens_per_request) if family == "decode"
+                  else GraphCapacity.prefill(small.num_tokens, n))
+    info = backend.prepare(small, family, bucket)
     for name, t in info.device_tensors().items():
         assert t.data_ptr() == info_big.device_tensors()[name].data_ptr(), f"{name} moved"
     Ts, bs = small.num_tokens, small.bs
-    buf = backend.static_buffers(family)
-    for name, tail in (("moe.token_lora_mapping", -1), ("weight_indices", -1), ("req_weight_indices", -1),
-                       ("moe.req_to_lora", -1), ("seg_lens", 0)):
-        start = Ts if name == "moe.token_lora_mapping" else bs
+    buf = info.device_tensors()  # the views the replay reads
+    assert info.num_tokens == (bucket.max_tokens if in_bucket else cap)
+    for name, tail in (("token_lora_mapping", -1), ("weight_indices", -1), ("req_weight_indices", -1)):
+        start = Ts if name == "token_lora_mapping" else bs
         assert bool((buf[name][start:] == tail).all()), f"{name} tail not reset: {buf[name].tolist()}"
-    for name in ("seg_indptr", "req_seg_indptr", "moe.seg_indptr"):
+    for name in ("seg_indptr", "req_seg_indptr"):
         assert bool((buf[name][bs:] == Ts).all()), f"{name} tail != last live offset {Ts}: {buf[name].tolist()}"
+    rows = info.num_tokens
+    x, ids, w = x[:rows], ids[:rows], w[:rows]
     y = layer(backend, m, info, x, ids, w)  # rows >= Ts still hold the big batch's activations
     eager = make_backend(m.spec)
     y_eager = layer(eager, m, eager.prepare(small), m.x[:Ts], m.topk_ids[:Ts], m.topk_weights[:Ts])
@@ -225,23 +237,23 @@ def test_fallback_over_capacity_writes_nothing_and_eager_is_right(data, layer):
         tpr = batch.tokens_per_request
         over = data.draw(st.sampled_from(["requests", "tokens_per_request"]), label="what overflows")
         if over == "requests" and batch.bs > 1:
-            backend.init_decode_graph(batch.bs - 1, tpr)
+            backend.init_graph("decode", GraphCapacity.decode(batch.bs - 1, tpr))
         else:
-            backend.init_decode_graph(batch.bs, tpr + 1)
-            first = BatchSpec(ForwardMode.DECODE, [Request(batch.requests[0].adapter_id, tpr + 1)], batch.max_loras,
+            backend.init_graph("decode", GraphCapacity.decode(batch.bs, tpr + 1))
+            first = BatchSpec(ForwardMode.DECODE, [Request(batch.requests[0].slot, tpr + 1)], batch.max_loras,
                               batch.lora_ranks, batch.scalings)
     else:
         family = "prefill"
         over = data.draw(st.sampled_from(["requests", "tokens", "extend_in_decode"]), label="what overflows")
         if over == "extend_in_decode":
             family = "decode"
-            backend.init_decode_graph(batch.bs, 1)
-            first = BatchSpec(ForwardMode.DECODE, [Request(batch.requests[0].adapter_id, 1)], batch.max_loras,
+            backend.init_graph("decode", GraphCapacity.decode(batch.bs, 1))
+            first = BatchSpec(ForwardMode.DECODE, [Request(batch.requests[0].slot, 1)], batch.max_loras,
                               batch.lora_ranks, batch.scalings)
         elif over == "requests" and batch.bs > 1:
-            backend.init_prefill_graph(batch.num_tokens, batch.bs - 1)
+            backend.init_graph("prefill", GraphCapacity.prefill(batch.num_tokens, batch.bs - 1))
         else:
-            backend.init_prefill_graph(max(first.num_tokens, batch.num_tokens - 1), batch.bs)
+            backend.init_graph("prefill", GraphCapacity.prefill(max(first.num_tokens, batch.num_tokens - 1), batch.bs))
     if family == "prefill" and batch.num_tokens == first.num_tokens and batch.bs == first.bs:
         return  # a one-request batch that fits: nothing can overflow (covered by other draws)
     assert not isinstance(backend.prepare(first, family), Fallback)
@@ -261,9 +273,9 @@ def small_spec(**kw):
 
 def test_static_buffers_keep_addresses_and_families_share_no_storage():
     backend = make_backend(small_spec())
-    backend.init_decode_graph(4, 2)
-    backend.init_prefill_graph(32, 5)
-    backend.init_prefill_graph(32, 5)  # same capacities: a no-op
+    backend.init_graph("decode", GraphCapacity.decode(4, 2))
+    backend.init_graph("prefill", GraphCapacity.prefill(32, 5))
+    backend.init_graph("prefill", GraphCapacity.prefill(32, 5))  # same capacities: a no-op
     ptrs = {f: {n: t.data_ptr() for n, t in backend.static_buffers(f).items()} for f in ("decode", "prefill")}
     batches = [
         BatchSpec(ForwardMode.DECODE, [Request(0, 2), Request(-1, 2), Request(1, 2)], 2, (4, 2), (1.0, 2.0)),
@@ -324,8 +336,15 @@ def test_guard_catches_a_host_sync(guard):  # the guard used above can fail
      r"batch.lora_ranks\[0\]"),
     (lambda b, i: b.prepare(BatchSpec(ForwardMode.IDLE, [], 2, (0, 0), (0, 0)), "verify"), "family"),
     (lambda b, i: b.prepare(BatchSpec(ForwardMode.IDLE, [], 2, (0, 0), (0, 0)), "decode"), "not initialised"),
-    (lambda b, i: (b.init_prefill_graph(8, 2), b.init_prefill_graph(16, 2)), "prefill"),
-    (lambda b, i: b.init_decode_graph(0), "max_bs"),
+    (lambda b, i: (b.init_graph("prefill", GraphCapacity.prefill(8, 2)),
+                   b.init_graph("prefill", GraphCapacity.prefill(16, 2))), "prefill"),
+    (lambda b, i: b.init_graph("decode", GraphCapacity.decode(0)), "max_bs"),
+    (lambda b, i: b.init_graph("decode", GraphCapacity.prefill(8, 2)), "capacity: the decode family takes"),
+    (lambda b, i: (b.init_graph("prefill", GraphCapacity.prefill(8, 2)),
+                   b.prepare(BatchSpec(ForwardMode.IDLE, [], 2, (0, 0), (0, 0)), "prefill",
+                             GraphCapacity.prefill(16, 2))), "bucket: .* not within"),
+    (lambda b, i: b.prepare(BatchSpec(ForwardMode.IDLE, [], 2, (0, 0), (0, 0)), None, GraphCapacity.prefill(8, 2)),
+     "bucket: an eager prepare"),
     (lambda b, i: b.dense_delta("v", torch.zeros(2, 8), torch.zeros(2, 6), i[1], i[0]), "module"),
     (lambda b, i: b.dense_delta("q", torch.zeros(3, 8), torch.zeros(3, 6), i[1], i[0]), "x"),
     (lambda b, i: b.moe_gate_up_delta(torch.zeros(2, 8), torch.zeros(2, 1, dtype=torch.int32),
@@ -357,6 +376,29 @@ def test_bad_calls_raise_clear_errors(call, field):
     info = backend.prepare(BatchSpec(ForwardMode.EXTEND, [Request(0, 2)], 2, (2, 0), (1.0, 0.0)))
     with pytest.raises(InvalidFieldError, match=field):
         call(backend, (info, LoRAWeights(small_spec())))
+
+
+def test_the_previous_protocol_names_its_replacement():
+    backend = make_backend(small_spec())
+    with pytest.raises(RenamedError, match=r"init_graph\('decode', GraphCapacity.decode\(max_bs, tokens_per_request\)\)"):
+        backend.init_decode_graph(4, 1)
+    with pytest.raises(RenamedError, match=r"init_graph\('prefill', GraphCapacity.prefill"):
+        backend.init_prefill_graph(16, 4)
+
+    class OldStyle:  # a third-party backend written for the previous protocol
+        def capabilities(self):
+            return backend.capabilities()
+
+        def init_decode_graph(self, max_bs, tokens_per_request=1): ...
+
+        def prepare(self, batch, family=None): ...
+
+    with pytest.raises(RenamedError, match=r"OldStyle.init_decode_graph.*implement init_graph\(family, capacity\)"):
+        check_protocol(OldStyle())
+    OldStyle.init_graph = lambda self, family, capacity: None
+    with pytest.raises(RenamedError, match=r"prepare\(batch, family=None, bucket=None\)"):
+        check_protocol(OldStyle())
+    check_protocol(backend)
 
 
 def test_weights_of_another_pool_are_refused():

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from moelora_conformance.profiles import PROFILES, current_profile
 from moelora_conformance.strategies import capped, moe_lora_cases
 from moelora_core import DEFAULT_POLICY, BatchSpec, Fallback, ForwardMode
+from moelora_core.backend_checks import GraphCapacity
 from moelora_core.graphs import graph_pools, host_sync_guard
 from moelora_reference.backend import make_backend
 from moelora_reference.oracle import dense_lora_forward, moe_block_forward
@@ -49,9 +50,9 @@ def init(backend, family, batch, slack=0):
     """Initialise ``family`` for ``batch`` (+ slack requests / tokens); returns the token capacity."""
     if family == "decode":
         tpr = batch.tokens_per_request if batch.bs else 1
-        backend.init_decode_graph(batch.bs + 1 + slack, tpr)
+        backend.init_graph("decode", GraphCapacity.decode(batch.bs + 1 + slack, tpr))
         return (batch.bs + 1 + slack) * tpr
-    backend.init_prefill_graph(batch.num_tokens + 1 + slack, batch.bs + 1 + slack)
+    backend.init_graph("prefill", GraphCapacity.prefill(batch.num_tokens + 1 + slack, batch.bs + 1 + slack))
     return batch.num_tokens + 1 + slack
 
 

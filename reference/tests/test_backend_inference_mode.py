@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from moelora_core import BatchSpec, ForwardMode, LoRALayerSpec, LoRAWeights, ModuleLoRA, MoEBaseWeights, Request
+from moelora_core.backend_checks import GraphCapacity
 from moelora_reference.backend import make_backend
 
 H, I, E, K, L, R = 16, 16, 4, 2, 3, 8  # noqa: E741
@@ -44,14 +45,14 @@ def _session(init_inside: bool, serve_inside: bool, run_layer):
     extend = BatchSpec(ForwardMode.EXTEND, [Request(0, 5), Request(-1, 2), Request(2, 3)], L, ranks, scalings)
     decode = BatchSpec(ForwardMode.DECODE, [Request(2, 1), Request(0, 1), Request(-1, 1)], L, ranks, scalings)
     with torch.inference_mode(init_inside):
-        backend.init_decode_graph(4, 1)
-        backend.init_prefill_graph(16, 4)
+        backend.init_graph("decode", GraphCapacity.decode(4, 1))
+        backend.init_graph("prefill", GraphCapacity.prefill(16, 4))
         backend.prepare(extend)  # the first eager prepare grows the staging buffers
     outputs = []
     with torch.inference_mode(serve_inside):
         for n, (batch, family) in enumerate(((extend, None), (decode, "decode"), (extend, "prefill"), (decode, None))):
             info = backend.prepare(batch, family)
-            T = info.moe.token_lora_mapping.numel()
+            T = info.token_lora_mapping.numel()
             gen = torch.Generator().manual_seed(n)
             x = torch.randn(T, H, generator=gen)
             ids = torch.randint(0, E, (T, K), generator=gen, dtype=torch.int32)

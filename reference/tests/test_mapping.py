@@ -2,7 +2,8 @@
 
 Covers: graph-capacity tails (-1 past the last live offset, tail segments empty), empty segments,
 IDLE, refusals; Hypothesis: the twin equals the BatchSpec's host lists and a repeat_interleave
-formulation, in eager and graph (capacity-padded) form.
+formulation, in eager and graph (capacity-padded) form, and so does the device mapper of backends
+without a mapping kernel (``moelora_core.metadata.map_tokens_torch``), ``adapter_enabled`` included.
 """
 
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from moelora_conformance.profiles import PROFILES, current_profile
 from moelora_conformance.strategies import batch_plans, capped
 from moelora_core import InvalidFieldError, assert_exact
+from moelora_core.metadata import map_tokens_torch
 from moelora_reference.mapping import adapter_enabled, token_lora_mapping
 
 # The float64 loop oracle and the loop twins run on the CPU: bound the sizes whatever the profile.
@@ -40,11 +42,11 @@ def test_adapter_enabled_marks_used_slots_only():
 
 
 @pytest.mark.parametrize("call, field", [
-    (lambda: token_lora_mapping([0, 2], [0, 1], 4), "seg_indptr"),  # lengths differ
-    (lambda: token_lora_mapping([1, 2], [0], 4), r"seg_indptr\[0\]"),
-    (lambda: token_lora_mapping([0, 3, 2], [0, 1], 4), r"seg_indptr\[2\]"),
-    (lambda: token_lora_mapping([0, 5], [0], 4), r"seg_indptr\[-1\]"),
-    (lambda: token_lora_mapping([0, 1], [-2], 4), r"req_to_lora\[0\]"),
+    (lambda: token_lora_mapping([0, 2], [0, 1], 4), "req_seg_indptr"),  # lengths differ
+    (lambda: token_lora_mapping([1, 2], [0], 4), r"req_seg_indptr\[0\]"),
+    (lambda: token_lora_mapping([0, 3, 2], [0, 1], 4), r"req_seg_indptr\[2\]"),
+    (lambda: token_lora_mapping([0, 5], [0], 4), r"req_seg_indptr\[-1\]"),
+    (lambda: token_lora_mapping([0, 1], [-2], 4), r"req_weight_indices\[0\]"),
     (lambda: adapter_enabled([0, 3], 3), r"token_lora_mapping\[1\]"),
 ])
 def test_malformed_inputs_raise(call, field):
@@ -59,13 +61,18 @@ def test_twin_equals_host_lists_and_repeat_interleave(plan, data):
     req_tail = data.draw(st.integers(0, 3), label="graph request tail")
     T = batch.num_tokens
     indptr = [*batch.req_seg_indptr, *([T] * req_tail)]
-    slots = [*batch.req_to_lora, *([-1] * req_tail)]
-    got = token_lora_mapping(torch.tensor(indptr, dtype=torch.int32), torch.tensor(slots, dtype=torch.int32), T + tail)
+    slots = [*batch.req_weight_indices, *([-1] * req_tail)]
+    indptr_t, slots_t = torch.tensor(indptr, dtype=torch.int32), torch.tensor(slots, dtype=torch.int32)
+    got = token_lora_mapping(indptr_t, slots_t, T + tail)
     host = torch.tensor([*batch.token_lora_mapping, *([-1] * tail)], dtype=torch.int32)
     assert_exact(got, host, what="token_lora_mapping vs BatchSpec")
     lens = torch.tensor(batch.seq_lens, dtype=torch.long)
     other = torch.full((T + tail,), -1, dtype=torch.int32)
-    other[:T] = torch.repeat_interleave(torch.tensor(batch.req_to_lora, dtype=torch.int32), lens)
+    other[:T] = torch.repeat_interleave(torch.tensor(batch.req_weight_indices, dtype=torch.int32), lens)
     assert_exact(got, other, what="token_lora_mapping vs repeat_interleave")
-    assert_exact(adapter_enabled(got, 4), torch.tensor(batch.adapter_enabled, dtype=torch.int32),
-                 what="adapter_enabled")
+    enabled = torch.tensor(batch.adapter_enabled, dtype=torch.int32)
+    assert_exact(adapter_enabled(got, 4), enabled, what="adapter_enabled")
+    mapping_out, enabled_out = torch.full((T + tail,), 7, dtype=torch.int32), torch.full((4,), 7, dtype=torch.int32)
+    map_tokens_torch(indptr_t, slots_t, 4, mapping_out, enabled_out)  # poisoned outputs: every element written
+    assert_exact(mapping_out, got, what="map_tokens_torch vs the twin")
+    assert_exact(enabled_out, enabled, what="map_tokens_torch adapter_enabled")

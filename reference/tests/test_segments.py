@@ -88,7 +88,7 @@ def test_chunks_back_to_requests_refuses_a_request_split_across_slots():
     (lambda: csgmv_segments([0], 0), "chunk_size"),
     (lambda: csgmv_segments([-2], 4), r"token_lora_mapping\[0\]"),
     (lambda: tile_segments([1], [0], 0), "tile"),
-    (lambda: request_segments([1, 2], [0]), "req_to_lora"),
+    (lambda: request_segments([1, 2], [0]), "req_weight_indices"),
     (lambda: request_segments([-1], [0]), r"seq_lens\[0\]"),
     (lambda: chunk_segments_to_requests(request_segments([2], [0]), [0, 3]), "req_seg_indptr"),
 ])
@@ -110,7 +110,7 @@ def assert_covers(seg, batch, what):
 @given(plan=batch_plans(4, caps=CAPS), chunk=st.sampled_from([1, 2, 16, 64]))
 def test_every_segmentation_describes_the_batch(plan, chunk):
     batch = plan.batch
-    lens, slots = batch.seq_lens, batch.req_to_lora
+    lens, slots = batch.seq_lens, batch.req_weight_indices
 
     per_request = request_segments(lens, slots)
     assert_covers(per_request, batch, "request_segments")
@@ -127,7 +127,7 @@ def test_every_segmentation_describes_the_batch(plan, chunk):
     assert all(1 <= n <= chunk for n in csgmv.seg_lens)
     per_slot = {s: sum(1 for t in batch.token_lora_mapping if t == s) for s in set(batch.token_lora_mapping)}
     assert {s: csgmv.weight_indices.count(s) for s in per_slot} == {s: math.ceil(c / chunk) for s, c in per_slot.items()}
-    assert chunk_segments_to_requests(csgmv, batch.req_seg_indptr) == (batch.req_to_lora, batch.token_lora_mapping)
+    assert chunk_segments_to_requests(csgmv, batch.req_seg_indptr) == (batch.req_weight_indices, batch.token_lora_mapping)
 
     tiles = tile_segments(lens, slots)
     assert_covers(tiles, batch, "tile_segments")

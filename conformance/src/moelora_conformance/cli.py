@@ -26,7 +26,7 @@ The conformance suite's own subcommands:
   reference backend (``moelora_conformance.faulty``) and print (or write) the table mutation →
   catching property → seconds; ``--write-docs`` also runs each without the metadata-only properties;
   exit 1 if one is not caught; ``--engine`` runs the engine-level mutants against the stateful engine
-  properties (E06) instead.
+  properties (E06) and the backend faults only an engine shows against the e2e workload instead.
 - ``checkpoint-pass [--fixtures DIR] [--backends reference,triton,csgmv]``: every backend × layer mode
   on the real checkpoints and PEFT adapters, against the oracle and HF + PEFT per adapter; prints
   the table, exits 1 on any failed comparison (:mod:`moelora_conformance.checkpoint_pass.command`).
@@ -288,7 +288,8 @@ def _mutations(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--profile", default="interpret", help="moelora profile (default interpret)")
     parser.add_argument("--seed", type=int, default=0, help="--hypothesis-seed of every run (default 0)")
     parser.add_argument("--engine", action="store_true",
-                        help="run the engine-level mutants against the E06 state machine (needs moelora_runner)")
+                        help="run the engine-level mutants against the E06 state machine and the backend faults "
+                             "only an engine shows against the e2e workload (needs moelora_runner)")
     parser.add_argument("--fixtures", type=Path, default=None,
                         help="--engine: a directory built by make-fixtures (default: build into a temporary directory)")
 
@@ -325,7 +326,8 @@ def _mutations(parser: argparse.ArgumentParser) -> Handler:
 
 
 def _engine_mutations(args: argparse.Namespace) -> int:
-    """``mutations --engine``: every engine mutant against the state machine and its named history."""
+    """``mutations --engine``: every engine mutant against the state machine and its named history, then
+    every backend mutant of ``faulty.e2e_mutants`` against the e2e workload."""
     import importlib.util
 
     if importlib.util.find_spec("moelora_runner") is None:
@@ -333,27 +335,36 @@ def _engine_mutations(args: argparse.Namespace) -> int:
         return 2
     if not require_fixtures_extra("mutations --engine"):
         return 2
-    from moelora_conformance.faulty.engine_campaign import run_engine_campaign
+    from moelora_conformance.faulty.e2e_mutants import E2E_MUTANTS
+    from moelora_conformance.faulty.engine_campaign import run_e2e_campaign, run_engine_campaign
     from moelora_conformance.faulty.engine_mutants import ENGINE_MUTANTS
     from moelora_conformance.fixtures import build_fixtures
 
-    unknown = set(args.only or []) - set(ENGINE_MUTANTS)
+    unknown = set(args.only or []) - set(ENGINE_MUTANTS) - set(E2E_MUTANTS)
     if unknown:
-        print(f"moelora-conformance mutations: unknown {sorted(unknown)}; known {sorted(ENGINE_MUTANTS)}",
-              file=sys.stderr)
+        print(f"moelora-conformance mutations: unknown {sorted(unknown)}; known "
+              f"{sorted({*ENGINE_MUTANTS, *E2E_MUTANTS})}", file=sys.stderr)
         return 2
+    only = args.only or [*ENGINE_MUTANTS, *E2E_MUTANTS]
 
     def progress(r):
         where = f"E06 ({r.message[:90]})" if r.caught else "NOT CAUGHT"
         print(f"{r.name:28s} {where}  {r.seconds:.1f} s; history {r.history}: "
               f"{'caught' if r.history_caught else 'NOT CAUGHT'}", flush=True)
 
+    def e2e_progress(r):
+        where = f"{r.property} {r.mode} ({r.message[:90]})" if r.caught else "NOT CAUGHT"
+        print(f"{r.name:28s} {where}  {r.seconds:.1f} s", flush=True)
+
     with tempfile.TemporaryDirectory(prefix="moelora-fixtures-") as tmp:
         fixtures = fixtures_or_exit(args.fixtures, "mutations") if args.fixtures else build_fixtures(Path(tmp))
         if fixtures is None:
             return 2
-        results = run_engine_campaign(fixtures, args.only, seed=args.seed, progress=progress)
-    return 0 if all(r.caught and r.history_caught for r in results) else 1
+        engine = [n for n in only if n in ENGINE_MUTANTS]
+        backends = [n for n in only if n in E2E_MUTANTS]
+        results = run_engine_campaign(fixtures, engine, seed=args.seed, progress=progress) if engine else []
+        e2e = run_e2e_campaign(fixtures, backends, seed=args.seed, progress=e2e_progress) if backends else []
+    return 0 if all(r.caught and r.history_caught for r in results) and all(r.caught for r in e2e) else 1
 
 
 # Subcommands kept in their own modules register themselves on import.

@@ -59,9 +59,9 @@ from moelora_conformance.repro import build_repro, distinct_failures, extract_bl
 from moelora_conformance.run_state import RUN_STATE, RunState, build_run_state, run_state
 from moelora_conformance.strategies.shapes import DTYPE_NAMES
 from moelora_conformance.strategies.suite import family_of, suite_caps
-from moelora_core.backend import load_backend
+from moelora_core.backend import check_protocol, load_backend
 from moelora_core.capabilities import Capabilities
-from moelora_core.errors import InvalidFieldError
+from moelora_core.errors import InvalidFieldError, RenamedError
 from moelora_core.layer_spec import LoRALayerSpec
 
 PROPERTIES_DIR = Path(__file__).resolve().parent / "properties"
@@ -106,6 +106,10 @@ def _probe_capabilities(factory, device: torch.device) -> tuple[str, str, Capabi
     caps = backend.capabilities()
     if not isinstance(caps, Capabilities):
         raise pytest.UsageError(f"capabilities() of the backend returned {type(caps).__name__}, not Capabilities")
+    try:
+        check_protocol(backend)  # a backend written for the previous protocol: name what replaces it
+    except RenamedError as exc:
+        raise pytest.UsageError(str(exc)) from None
     return getattr(backend, "name", "?"), str(getattr(backend, "version", "?")), caps
 
 

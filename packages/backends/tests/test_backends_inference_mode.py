@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from moelora_core import BatchSpec, ForwardMode, LoRALayerSpec, LoRAWeights, ModuleLoRA, Request, load_backend
+from moelora_core.backend_checks import GraphCapacity
 
 pytestmark = pytest.mark.interpreter
 H, I, E, K, L, R = 16, 16, 4, 2, 3, 8  # noqa: E741
@@ -49,7 +50,7 @@ def _mode(inside: bool):
 
 def _deltas(backend, weights, info, seed):
     """The three delta calls on fresh random inputs of the info's token rows; their outputs."""
-    T = info.moe.token_lora_mapping.numel()
+    T = info.token_lora_mapping.numel()
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=gen)
     ids = torch.randint(0, E, (T, K), generator=gen, dtype=torch.int32)
@@ -69,8 +70,8 @@ def _session(name, init_inside: bool, serve_inside: bool):
     backend = load_backend(name)(spec)
     extend, decode = _batches(weights)
     with _mode(init_inside):
-        backend.init_decode_graph(4, 1)
-        backend.init_prefill_graph(16, 4)
+        backend.init_graph("decode", GraphCapacity.decode(4, 1))
+        backend.init_graph("prefill", GraphCapacity.prefill(16, 4))
         backend.prepare(extend)  # the first eager prepare grows the staging buffers
     outputs = []
     with _mode(serve_inside):

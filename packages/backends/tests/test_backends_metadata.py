@@ -2,11 +2,13 @@
 eagerly and in the graph families' static buffers.
 
 Covers, for both backends: the capabilities (every one declared; the CPU only under the Triton
-interpreter); on drawn batches, eagerly: per-request fields, token mapping (the mapping kernel),
-enabled slots, ranks, σ and the segmentation equal to the twins of ``moelora_reference.segments``,
-host numbers the batch's; in a graph family after a larger batch: the same values with every tail
-reset (offsets to the last live offset, slots and mappings -1, lengths 0, permutation tail = the pad
-rows), host numbers the capacities, addresses unchanged; the decode and prefill families share no
+interpreter); on drawn batches, eagerly: request segments, token mapping (the mapping kernel),
+enabled slots and the segmentation equal to the twins of ``moelora_reference.segments``, host
+numbers the batch's; in a graph family after a larger batch: the same values with every tail reset
+(offsets to the last live offset, slots and mappings -1, permutation tail = the pad rows), host
+numbers the capacities, addresses unchanged; the same in the smallest bucket that holds the batch
+(views of the family's buffers, tails reset up to the bucket's lengths, host numbers within the
+family's); the decode and prefill families share no
 storage; a batch over capacity returns ``Fallback`` and writes nothing; an eager IDLE batch launches
 no kernel; refusals (uninitialised or re-initialised family, unknown family, slot count, rank > R).
 """
@@ -30,6 +32,7 @@ from moelora_core import (
     assert_exact,
     load_backend,
 )
+from moelora_core.backend_checks import GraphCapacity
 from moelora_core.graphs.triton_launches import intercept_triton_launches
 from moelora_reference import segments as twin
 
@@ -46,7 +49,7 @@ def _spec(**kw):
 
 
 def _expected_segments(name, batch, family, capacity_tokens=None):
-    lens, slots = list(batch.seq_lens), list(batch.req_to_lora)
+    lens, slots = list(batch.seq_lens), list(batch.req_weight_indices)
     if name == "csgmv":
         size = chunk_size_for(batch.num_tokens if family is None else capacity_tokens)
         return twin.csgmv_segments(list(batch.token_lora_mapping), size)
@@ -57,35 +60,32 @@ def _expected_segments(name, batch, family, capacity_tokens=None):
     return twin.request_segments(lens, slots)
 
 
-def _check(name, info, batch, *, family=None, cap_requests=None, cap_tokens=None, cap_segments=None):
-    """Every device field against the host lists; tails past the live entries reset."""
+def _check(name, info, batch, *, family=None, cap_requests=None, cap_tokens=None, cap_segments=None,
+           chunk_tokens=None):
+    """Every device field against the host lists; tails past the live entries reset (``chunk_tokens``:
+    the family's token capacity, which sets csgmv's chunk size; default ``cap_tokens``)."""
     T, bs = batch.num_tokens, batch.bs
     graph = family is not None
     R = cap_requests if graph else bs
     N = cap_tokens if graph else T
-    seg = _expected_segments(name, batch, family, cap_tokens)
+    seg = _expected_segments(name, batch, family, chunk_tokens or cap_tokens)
     S = cap_segments if graph else seg.num_segments
     ex = lambda t, want, what, dtype=torch.int32: assert_exact(t, torch.tensor(want, dtype=dtype), what=what)
     offsets = list(batch.req_seg_indptr) + [T] * (R - bs)
-    slots = list(batch.req_to_lora) + [-1] * (R - bs)
+    slots = list(batch.req_weight_indices) + [-1] * (R - bs)
     ex(info.req_seg_indptr, offsets, "req_seg_indptr")
     ex(info.req_weight_indices, slots, "req_weight_indices")
-    ex(info.moe.seg_indptr, offsets, "moe.seg_indptr")
-    ex(info.moe.req_to_lora, slots, "moe.req_to_lora")
-    ex(info.moe.token_lora_mapping, list(batch.token_lora_mapping) + [-1] * (N - T), "moe.token_lora_mapping")
-    ex(info.moe.adapter_enabled, list(batch.adapter_enabled), "moe.adapter_enabled")
-    ex(info.lora_ranks, list(batch.lora_ranks), "lora_ranks")
-    ex(info.scalings, list(batch.scalings), "scalings", torch.float32)
+    ex(info.token_lora_mapping, list(batch.token_lora_mapping) + [-1] * (N - T), "token_lora_mapping")
+    ex(info.adapter_enabled, list(batch.adapter_enabled), "adapter_enabled")
     live = seg.num_segments
     ex(info.seg_indptr, list(seg.seg_indptr) + [T] * (S - live), "seg_indptr")
-    ex(info.seg_lens, list(seg.seg_lens) + [0] * (S - live), "seg_lens")
     ex(info.weight_indices, list(seg.weight_indices) + [-1] * (S - live), "weight_indices")
     if seg.permutation is None:
         assert info.permutation is None
     else:
         ex(info.permutation, list(seg.permutation) + list(range(T, N)), "permutation", torch.int64)
-    assert (info.bs, info.num_tokens, info.num_segments) == (R, N, S)
-    assert info.use_cuda_graph is graph and info.forward_mode is batch.forward_mode
+    assert (info.req_weight_indices.numel(), info.num_tokens, info.num_segments) == (R, N, S)
+    assert info.use_cuda_graph is graph
     assert info.has_active_lora is (True if graph else batch.has_active_lora)
     if not graph:
         assert info.max_len == seg.max_len
@@ -133,11 +133,11 @@ def test_graph_metadata_resets_tails_after_a_larger_batch(name, family, data):
     backend = BACKENDS[name](_spec())
     cap_requests = large.bs + data.draw(st.integers(0, 2), label="request slack")
     if family == "decode":
-        backend.init_decode_graph(cap_requests, tpr)
+        backend.init_graph("decode", GraphCapacity.decode(cap_requests, tpr))
         cap_tokens = cap_requests * tpr
     else:
         cap_tokens = large.num_tokens + data.draw(st.integers(0, 9), label="token slack")
-        backend.init_prefill_graph(cap_tokens, cap_requests)
+        backend.init_graph("prefill", GraphCapacity.prefill(cap_tokens, cap_requests))
     first = backend.prepare(large, family)
     cap_segments = first.num_segments
     ptrs = {k: t.data_ptr() for k, t in first.device_tensors().items()}
@@ -148,13 +148,21 @@ def test_graph_metadata_resets_tails_after_a_larger_batch(name, family, data):
                cap_segments=cap_segments)
         assert {k: t.data_ptr() for k, t in info.device_tensors().items()} == ptrs
         assert info.max_len == first.max_len
+    # the small batch in the smallest bucket that holds it, after the large batch filled the buffers
+    bucket = (GraphCapacity.decode(small.bs, tpr) if family == "decode"
+              else GraphCapacity.prefill(small.num_tokens, small.bs))
+    info = backend.prepare(small, family, bucket)
+    _check(name, info, small, family=family, cap_requests=bucket.max_requests, cap_tokens=bucket.max_tokens,
+           cap_segments=info.weight_indices.numel(), chunk_tokens=cap_tokens)
+    assert {k: t.data_ptr() for k, t in info.device_tensors().items()} == ptrs
+    assert info.num_segments <= cap_segments and info.max_len <= first.max_len
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_families_share_no_storage_and_prefill_capacity_follows_the_tile_bound(name):
     backend = BACKENDS[name](_spec())
-    backend.init_decode_graph(5, 2)
-    backend.init_prefill_graph(40, 7)
+    backend.init_graph("decode", GraphCapacity.decode(5, 2))
+    backend.init_graph("prefill", GraphCapacity.prefill(40, 7))
     dec = backend.static_buffers("decode")
     pre = backend.static_buffers("prefill")
     spans = lambda bufs: [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in bufs.values()]
@@ -176,8 +184,8 @@ def test_families_share_no_storage_and_prefill_capacity_follows_the_tile_bound(n
 def test_over_capacity_falls_back_and_writes_nothing(name, over):
     backend = BACKENDS[name](_spec())
     pool = (L, (4, 2, 0), (1.0, 2.0, 0.0))
-    backend.init_decode_graph(3, 1)
-    backend.init_prefill_graph(12, 3)
+    backend.init_graph("decode", GraphCapacity.decode(3, 1))
+    backend.init_graph("prefill", GraphCapacity.prefill(12, 3))
     fits = {"decode": BatchSpec(ForwardMode.DECODE, [Request(0, 1), Request(1, 1)], *pool),
             "prefill": BatchSpec(ForwardMode.EXTEND, [Request(0, 5), Request(-1, 3)], *pool)}
     too_big = {
@@ -208,7 +216,7 @@ def test_an_eager_idle_or_base_batch_launches_nothing(name):
     with intercept_triton_launches(count):
         info = backend.prepare(BatchSpec(ForwardMode.IDLE, (), *pool))
     assert not launches and info.num_tokens == 0 and not info.has_active_lora
-    assert_exact(info.moe.adapter_enabled, torch.zeros(L, dtype=torch.int32), what="IDLE adapter_enabled")
+    assert_exact(info.adapter_enabled, torch.zeros(L, dtype=torch.int32), what="IDLE adapter_enabled")
     base = backend.prepare(BatchSpec(ForwardMode.EXTEND, [Request(-1, 3), Request(1, 2)], *pool))
     assert not base.has_active_lora  # slot 1 has rank 0: its tokens are base tokens
 
@@ -226,11 +234,11 @@ def test_bad_calls_are_refused(name):
         backend.prepare(BatchSpec(ForwardMode.EXTEND, [Request(0, 2)], 2, (4, 4), (1.0, 1.0)))
     with pytest.raises(InvalidFieldError, match="max_rank"):
         backend.prepare(BatchSpec(ForwardMode.EXTEND, [Request(0, 2)], L, (5, 4, 4), (1.0, 1.0, 1.0)))
-    backend.init_prefill_graph(16, 2)
-    backend.init_prefill_graph(16, 2)  # the same capacities again: a no-op
+    backend.init_graph("prefill", GraphCapacity.prefill(16, 2))
+    backend.init_graph("prefill", GraphCapacity.prefill(16, 2))  # the same capacities again: a no-op
     with pytest.raises(InvalidFieldError, match="allocated once"):
-        backend.init_prefill_graph(32, 2)
+        backend.init_graph("prefill", GraphCapacity.prefill(32, 2))
     with pytest.raises(InvalidFieldError, match="max_bs"):
-        backend.init_decode_graph(0, 1)
+        backend.init_graph("decode", GraphCapacity.decode(0, 1))
     with pytest.raises(InvalidFieldError, match="segments per launch"):  # refused before anything is allocated
-        BACKENDS[name](_spec()).init_prefill_graph(MAX_CHUNK * 70000, 1)
+        BACKENDS[name](_spec()).init_graph("prefill", GraphCapacity.prefill(MAX_CHUNK * 70000, 1))

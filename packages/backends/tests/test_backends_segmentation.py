@@ -98,15 +98,15 @@ def _batches(draw):
 
 @given(batch=_batches(), chunk=st.sampled_from((1, 2, 3, 16, 32)))
 def test_segmentations_equal_their_twins(batch, chunk):
-    lens, slots = list(batch.seq_lens), list(batch.req_to_lora)
+    lens, slots = list(batch.seq_lens), list(batch.req_weight_indices)
     _same(request_segments(batch), twin.request_segments(lens, slots), "per request")
     _same(adapter_segments(batch), twin.decode_adapter_segments(lens, slots), "by adapter")
     _same(tile_segments(batch), twin.tile_segments(lens, slots, PREFILL_TILE, merge=True), "merged tiles")
     mine = chunk_segments(batch, chunk)
     theirs = twin.csgmv_segments(list(batch.token_lora_mapping), chunk)
     _same(mine, theirs, "csgmv chunks")
-    req_to_lora, mapping = twin.chunk_segments_to_requests(theirs, batch.req_seg_indptr)
-    assert req_to_lora == batch.req_to_lora and mapping == batch.token_lora_mapping
+    req_weight_indices, mapping = twin.chunk_segments_to_requests(theirs, batch.req_seg_indptr)
+    assert req_weight_indices == batch.req_weight_indices and mapping == batch.token_lora_mapping
 
 
 @given(batch=_batches(), slack_requests=st.integers(0, 3), slack_tokens=st.integers(0, 16))

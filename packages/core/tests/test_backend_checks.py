@@ -1,11 +1,13 @@
 """moelora_core.backend_checks: the argument checks every backend shares.
 
-Covers: a batch of another slot count or with a rank above R; init sizes that are not ints >= 1
-(bool included); decode / prefill capacities from the init arguments; every Fallback reason (non-DECODE
-batch in the decode family, another tokens_per_request, too many requests, too many tokens) and the
-batches that fit (IDLE in the decode family, exactly at capacity); a repeated init with the same
-capacities (no-op) and with others (refused); unknown and uninitialised families; weights of
-another pool or dtype; unknown dense modules; argument shapes and topk_ids dtypes.
+Covers: a batch of another slot count or with a rank above R; capacity sizes that are not ints >= 1
+(bool included); decode / prefill capacities from their constructors, and a capacity of the other
+family's kind refused; every Fallback reason (non-DECODE batch in the decode family, another
+tokens_per_request, too many requests, too many tokens) and the batches that fit (IDLE in the decode
+family, exactly at capacity); a repeated init with the same capacity (no-op) and with another
+(refused); a bucket within its family's capacity and one outside it; unknown and uninitialised
+families; the previous version's name ``FamilyCapacity`` naming its replacement; weights of another
+pool or dtype; unknown dense modules; argument shapes and topk_ids dtypes.
 """
 
 from types import SimpleNamespace
@@ -15,8 +17,10 @@ import torch
 
 from moelora_core import BatchSpec, ForwardMode, InvalidFieldError, LoRALayerSpec, LoRAWeights, Request
 from moelora_core.backend_checks import (
-    FamilyCapacity,
+    GraphCapacity,
     check_batch,
+    check_bucket,
+    check_capacity,
     check_dense_module,
     check_init_sizes,
     check_shape,
@@ -40,7 +44,7 @@ def _batch(mode=ForwardMode.EXTEND, requests=(Request(0, 3), Request(-1, 2)), ra
 
 def _info(tokens):
     # The shape checks read only the info's token count.
-    return SimpleNamespace(moe=SimpleNamespace(token_lora_mapping=torch.full((tokens,), -1, dtype=torch.int32)))
+    return SimpleNamespace(num_tokens=tokens)
 
 
 def _field(call):
@@ -59,12 +63,31 @@ def test_a_batch_of_the_spec_passes_and_others_are_refused_by_field():
 @pytest.mark.parametrize("value", [0, -1, True, 2.0, "4", None])
 def test_init_sizes_must_be_ints_of_at_least_one(value):
     assert _field(lambda: check_init_sizes({"max_bs": 4, "tokens_per_request": value})) == "tokens_per_request"
-    assert _field(lambda: FamilyCapacity.prefill(value, 4)) == "max_num_tokens"
+    assert _field(lambda: GraphCapacity.prefill(value, 4)) == "max_num_tokens"
 
 
-def test_capacities_follow_the_init_arguments():
-    assert FamilyCapacity.decode(5, 2) == FamilyCapacity("decode", 5, 10, 2)
-    assert FamilyCapacity.prefill(40, 7) == FamilyCapacity("prefill", 7, 40, None)
+def test_capacities_follow_their_constructors_and_fit_their_family():
+    assert GraphCapacity.decode(5, 2) == GraphCapacity(5, 10, 2)
+    assert GraphCapacity.prefill(40, 7) == GraphCapacity(7, 40, None)
+    assert check_capacity("decode", GraphCapacity.decode(5, 2)) == GraphCapacity(5, 10, 2)
+    with pytest.raises(InvalidFieldError, match=r"the prefill family takes GraphCapacity.prefill") as exc:
+        check_capacity("prefill", GraphCapacity.decode(5))
+    assert exc.value.field == "capacity"
+    assert _field(lambda: check_capacity("decode", GraphCapacity.prefill(8, 2))) == "capacity"
+    assert _field(lambda: check_capacity("decode", GraphCapacity(2, 5, 2))) == "capacity"  # 5 != 2 x 2
+    assert _field(lambda: check_capacity("decode", (4, 1))) == "capacity"
+    assert _field(lambda: check_capacity("verify", GraphCapacity.decode(4))) == "family"
+    with pytest.raises(ImportError, match="renamed or removed: GraphCapacity"):
+        from moelora_core.backend_checks import FamilyCapacity  # noqa: F401
+
+
+def test_a_bucket_lies_within_its_family():
+    family = GraphCapacity.prefill(32, 8)
+    assert check_bucket("prefill", family, None) is family
+    assert check_bucket("prefill", family, GraphCapacity.prefill(16, 8)) == GraphCapacity.prefill(16, 8)
+    for outside in (GraphCapacity.prefill(48, 8), GraphCapacity.prefill(16, 9), GraphCapacity.decode(8)):
+        assert _field(lambda outside=outside: check_bucket("prefill", family, outside)) == "bucket"
+    assert _field(lambda: check_bucket("decode", GraphCapacity.decode(8, 2), GraphCapacity.decode(4, 1))) == "bucket"
 
 
 @pytest.mark.parametrize("batch, reason", [
@@ -73,36 +96,38 @@ def test_capacities_follow_the_init_arguments():
     (_batch(ForwardMode.DECODE, [Request(0, 1)] * 4), "4 requests > capacity 3 of the decode graph"),
 ])
 def test_decode_fallback_reasons(batch, reason):
-    assert FamilyCapacity.decode(3, 1).fallback_reason(batch) == reason
+    assert GraphCapacity.decode(3, 1).fallback_reason(batch, "decode") == reason
 
 
 def test_prefill_fallback_reasons_and_batches_that_fit():
-    prefill = FamilyCapacity.prefill(12, 3)
-    assert prefill.fallback_reason(_batch(requests=[Request(0, 1)] * 4)) == "4 requests > capacity 3 of the prefill graph"
-    assert prefill.fallback_reason(_batch(requests=[Request(1, 13)])) == "13 tokens > capacity 12 of the prefill graph"
+    prefill = GraphCapacity.prefill(12, 3)
+    assert prefill.fallback_reason(_batch(requests=[Request(0, 1)] * 4), "prefill") == \
+        "4 requests > capacity 3 of the prefill graph"
+    assert prefill.fallback_reason(_batch(requests=[Request(1, 13)]), "prefill") == \
+        "13 tokens > capacity 12 of the prefill graph"
     assert prefill.fallback_reason(_batch(requests=[Request(0, 6), Request(-1, 4), Request(1, 2)])) is None  # full
     assert prefill.fallback_reason(_batch(ForwardMode.DECODE, [Request(0, 1)])) is None  # decode in prefill: fits
-    decode = FamilyCapacity.decode(3, 2)
+    decode = GraphCapacity.decode(3, 2)
     assert decode.fallback_reason(_batch(ForwardMode.IDLE, ())) is None
     assert decode.fallback_reason(_batch(ForwardMode.DECODE, [Request(0, 2)] * 3)) is None
 
 
 def test_a_family_is_allocated_once():
-    first = FamilyCapacity.prefill(16, 2)
-    assert needs_allocation(None, first)
-    assert not needs_allocation(first, FamilyCapacity.prefill(16, 2))
+    first = GraphCapacity.prefill(16, 2)
+    assert needs_allocation(None, first, "prefill")
+    assert not needs_allocation(first, GraphCapacity.prefill(16, 2), "prefill")
     with pytest.raises(InvalidFieldError, match="allocated once") as exc:
-        needs_allocation(first, FamilyCapacity.prefill(32, 2))
+        needs_allocation(first, GraphCapacity.prefill(32, 2), "prefill")
     assert exc.value.field == "prefill"
     # (2, 2) and (4, 1) hold the same tokens: still other capacities
     with pytest.raises(InvalidFieldError, match="allocated once"):
-        needs_allocation(FamilyCapacity.decode(2, 2), FamilyCapacity.decode(4, 1))
+        needs_allocation(GraphCapacity.decode(2, 2), GraphCapacity.decode(4, 1), "decode")
 
 
 def test_only_initialised_families_are_found():
     families = {"decode": "decode state"}
     assert initialised_family(families, "decode") == "decode state"
-    with pytest.raises(InvalidFieldError, match=r"init_prefill_graph first"):
+    with pytest.raises(InvalidFieldError, match=r"call init_graph\('prefill', capacity\) first"):
         initialised_family(families, "prefill")
     with pytest.raises(InvalidFieldError, match="'verify'") as exc:
         initialised_family(families, "verify")

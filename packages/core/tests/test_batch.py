@@ -1,8 +1,10 @@
 """BatchSpec: validation errors name the field; derived host lists match the requests.
 
-Covers: adapter id outside [-1, max_loras); negative / zero lengths; DECODE with unequal lengths;
+Covers: slot outside [-1, max_loras); negative / zero lengths; DECODE with unequal lengths;
 IDLE with requests; rank/σ table lengths; lengths that do not sum to the token count; the -1
-sentinel never confused with slot 0; rank-0 slots behaving as base.
+sentinel never confused with slot 0; rank-0 slots behaving as base; the previous version's names
+(``Request.adapter_id``, ``BatchSpec.req_to_lora``, ``effective_adapter``) and ``LoRABatchInfo``'s
+removed fields raising an error that names their replacement.
 """
 
 import pytest
@@ -20,12 +22,12 @@ def spec(mode=ForwardMode.EXTEND, reqs=(Request(0, 3), Request(NO_ADAPTER, 2)), 
 @pytest.mark.parametrize(
     ("reqs", "field"),
     [
-        ((Request(3, 1),), "requests[0].adapter_id"),  # == max_loras
-        ((Request(0, 1), Request(-2, 1)), "requests[1].adapter_id"),  # below the sentinel
+        ((Request(3, 1),), "requests[0].slot"),  # == max_loras
+        ((Request(0, 1), Request(-2, 1)), "requests[1].slot"),  # below the sentinel
         ((Request(0, -1),), "requests[0].extend_len"),  # negative length
         ((Request(0, 0),), "requests[0].extend_len"),  # empty request
         ((Request(0, 1, prefix_len=-5),), "requests[0].prefix_len"),
-        ((Request(True, 1),), "requests[0].adapter_id"),  # bool is not a slot
+        ((Request(True, 1),), "requests[0].slot"),  # bool is not a slot
     ],
 )
 def test_invalid_request_fields_are_named(reqs, field):
@@ -78,7 +80,7 @@ def test_derived_host_lists():
     assert b.num_tokens == 9
     assert b.req_seg_indptr == (0, 2, 3, 6, 8, 9)
     # slot 2 has rank 0: its request behaves as a base request
-    assert b.req_to_lora == (1, -1, 0, -1, 0)
+    assert b.req_weight_indices == (1, -1, 0, -1, 0)
     assert b.token_lora_mapping == (1, 1, -1, 0, 0, 0, -1, -1, 0)
     assert b.adapter_enabled == (1, 1, 0)
     assert b.has_active_lora
@@ -103,3 +105,20 @@ def test_scalings_must_be_fp32_numbers(bad):
     # Regression: 'x' raised a raw ValueError; 1e39 was accepted and became Inf when staged as fp32.
     with pytest.raises(InvalidFieldError, match=r"scalings\[1\]"):
         spec(scalings=(2.0, bad, 0.0))
+
+
+def test_old_names_name_their_replacement():
+    from moelora_core import LoRABatchInfo, RenamedError
+
+    b = spec()
+    for call, new in ((lambda: Request(0, 3).adapter_id, "Request.slot"),
+                      (lambda: Request(adapter_id=0, extend_len=3), r"Request\(slot=...\)"),
+                      (lambda: b.req_to_lora, "BatchSpec.req_weight_indices"),
+                      (lambda: b.effective_adapter(0), "BatchSpec.effective_slot")):
+        with pytest.raises(RenamedError, match=new):
+            call()
+    assert Request(slot=1, extend_len=2) == Request(1, 2, 0) and b.req_weight_indices == (0, NO_ADAPTER)
+    with pytest.raises(ImportError, match="token_lora_mapping, adapter_enabled"):
+        from moelora_core import MoELoRABatchInfo  # noqa: F401
+    with pytest.raises(RenamedError, match=r"LoRABatchInfo\(seg_lens=...\).*seg_indptr\[1:\]"):
+        LoRABatchInfo(seg_lens=None)

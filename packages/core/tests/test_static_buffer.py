@@ -1,5 +1,6 @@
 """StaticBuffer and PinnedStaging: in-place writes keep data_ptr, tails are reset, over-capacity
-writes change nothing."""
+writes change nothing; a bucket's view (``rows``) starts at the buffer's address and its write resets
+the view's tail only (what the bucket's graph reads)."""
 
 import pytest
 import torch
@@ -15,6 +16,20 @@ def test_write_keeps_address_and_resets_tail():
     buf.write([2])  # a small batch after it: nothing stale may remain
     assert buf.tensor.tolist() == [2, -1, -1, -1, -1, -1, -1, -1]
     assert buf.tensor.data_ptr() == ptr
+
+
+def test_a_bucket_writes_its_view_and_resets_its_tail():
+    buf = StaticBuffer("req_weight_indices", 8, dtype=torch.int32, device="cpu", fill=-1)
+    buf.write([3, 1, 2, 0, 0, 1])  # a larger bucket's batch
+    view = buf.write([2], rows=4)  # a bucket of 4 requests: views of the same memory
+    assert view.data_ptr() == buf.data_ptr() and view.tolist() == [2, -1, -1, -1]
+    assert buf.tensor.tolist()[4:] == [0, 1, -1, -1], "past the view: what the larger batch left, unread"
+    assert buf.view(4).data_ptr() == buf.data_ptr() and buf.view().numel() == 8
+    with pytest.raises(InvalidFieldError, match="exceed capacity 2"):
+        buf.write([1, 2, 3], rows=2)
+    with pytest.raises(InvalidFieldError, match="rows"):
+        buf.view(9)
+    assert buf.tensor.tolist()[:4] == [2, -1, -1, -1], "a refused write changes nothing"
 
 
 def test_tail_fill_override_for_segment_pointers():

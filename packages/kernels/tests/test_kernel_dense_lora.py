@@ -48,7 +48,7 @@ SEGMENTATIONS = ("request", "decode_adapter", "tile", "csgmv")
 
 
 def segments_of(batch, kind, chunk):
-    lens, slots = batch.seq_lens, batch.req_to_lora
+    lens, slots = batch.seq_lens, batch.req_weight_indices
     if kind == "request":
         return seg.request_segments(lens, slots)
     if kind == "decode_adapter":

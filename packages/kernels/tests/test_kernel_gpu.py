@@ -97,7 +97,7 @@ class _Layer:
         self.ids = torch.zeros(M_cap, k, dtype=torch.int32, device=dev)
         self.tw = torch.zeros(M_cap, k, device=dev)
         self.seg_indptr = torch.zeros(bs_cap + 1, dtype=torch.int32, device=dev)
-        self.req_to_lora = torch.full((bs_cap,), -1, dtype=torch.int32, device=dev)
+        self.req_weight_indices = torch.full((bs_cap,), -1, dtype=torch.int32, device=dev)
         self.perm = torch.arange(M_cap, device=dev)
         self.chunk_indptr = torch.zeros(M_cap + L + 2, dtype=torch.int32, device=dev)
         self.chunk_slots = torch.full((M_cap + L + 1,), -1, dtype=torch.int32, device=dev)
@@ -111,7 +111,7 @@ class _Layer:
     def step(self):
         """Everything a layer runs: mapping, alignments, base MoE + fused deltas, unfused and virtual
         deltas, dense segmented and chunked deltas."""
-        token_lora_mapping(self.seg_indptr, self.req_to_lora, max_loras=self.L, mapping_out=self.mapping,
+        token_lora_mapping(self.seg_indptr, self.req_weight_indices, max_loras=self.L, mapping_out=self.mapping,
                            adapter_enabled_out=self.enabled)
         moe_lora_align_block_size(self.ids, self.mapping, self.E, 16, self.L, self.enabled, out=self.align)
         moe_align_block_size(self.ids, self.E, 16, out=self.base_align)
@@ -124,8 +124,8 @@ class _Layer:
         virtual = torch.zeros_like(gate_up)
         virtual_moe_lora_delta("gate_up", self.x, virtual, self.w, valign, top_k=self.k)
         dense = torch.zeros(self.M_cap, self.H, dtype=self.x.dtype, device=self.x.device)
-        t = segmented_lora_a(self.x, self.q_A, self.seg_indptr, self.req_to_lora, self.q_ranks, max_len=self.M_cap)
-        segmented_lora_b(t, self.q_B, self.seg_indptr, self.req_to_lora, self.q_ranks, self.q_scalings, dense,
+        t = segmented_lora_a(self.x, self.q_A, self.seg_indptr, self.req_weight_indices, self.q_ranks, max_len=self.M_cap)
+        segmented_lora_b(t, self.q_B, self.seg_indptr, self.req_weight_indices, self.q_ranks, self.q_scalings, dense,
                          max_len=self.M_cap)
         chunked = torch.zeros_like(dense)
         t = chunked_sgmv_shrink(self.x, self.q_A, self.chunk_indptr, self.chunk_slots, self.q_ranks, self.perm,
@@ -143,7 +143,7 @@ class _Layer:
         for ln in lens:
             indptr.append(indptr[-1] + ln)
         self.seg_indptr.copy_(torch.tensor(indptr + [n] * (self.bs_cap - bs), dtype=torch.int32))
-        self.req_to_lora.copy_(torch.tensor(list(slots) + [-1] * (self.bs_cap - bs), dtype=torch.int32))
+        self.req_weight_indices.copy_(torch.tensor(list(slots) + [-1] * (self.bs_cap - bs), dtype=torch.int32))
         self.x.copy_(torch.randn(self.M_cap, self.H, generator=gen, device=dev))
         logits = torch.randn(self.M_cap, self.E, generator=gen, device=dev)
         w, i = torch.topk(torch.softmax(logits, -1), self.k)

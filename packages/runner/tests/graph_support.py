@@ -100,8 +100,8 @@ def _graph_prepare_hook(name: str, hook):
 
     def factory(spec):
         class Hooked(_reference()):
-            def prepare(self, batch, family=None):
-                info = super().prepare(batch, family)
+            def prepare(self, batch, family=None, bucket=None):
+                info = super().prepare(batch, family, bucket)
                 if family is None or isinstance(info, Fallback):
                     return info
                 return hook(self, batch, info)
@@ -132,16 +132,27 @@ make_reallocating_backend = _graph_prepare_hook(
     "reallocating", lambda backend, batch, info: dataclasses.replace(info, weight_indices=info.weight_indices.clone()))
 
 
+#: ``id`` of every backend :func:`make_counting_backend` built.
+BACKENDS_BUILT: list[int] = []
+
+
+def make_counting_backend(spec):
+    """The reference backend, recording every instance the factory builds (``BACKENDS_BUILT``)."""
+    backend = _reference()(spec)
+    BACKENDS_BUILT.append(id(backend))
+    return backend
+
+
 def make_two_request_backend(spec):
     """A backend whose graph families hold at most two requests (``Fallback`` beyond)."""
 
     class TwoRequests(_reference()):
         name = "two-requests"
 
-        def prepare(self, batch, family=None):
+        def prepare(self, batch, family=None, bucket=None):
             if family is not None and batch.bs > 2:
                 return Fallback(f"{batch.bs} requests > 2 (test backend)")
-            return super().prepare(batch, family)
+            return super().prepare(batch, family, bucket)
 
     return TwoRequests(spec)
 

@@ -130,7 +130,7 @@ def assert_snapshot_equal(before: dict, after: dict) -> None:
 
 
 def slots_used(spec) -> set[int]:
-    return {r.adapter_id for r in spec.requests if r.adapter_id != NO_ADAPTER}
+    return {r.slot for r in spec.requests if r.slot != NO_ADAPTER}
 
 
 # --- a third-party backend, loaded by "module:factory" ------------------------------------------------

@@ -4,7 +4,7 @@
   the ``tiny`` shape, read back by the engine's readers (ranks 16 and 64, four slots pinned), and the
   measurement loop over every regime and mode on the CPU graph emulator under the host-sync guard:
   one row per regime × adapters × mode, each measured forward checked to have run in its mode, the
-  JSON record complete.
+  JSON record complete (with each runner's backend count and graph-buffer bytes).
 - ``test_a_host_sync_in_a_measured_forward_is_recorded``: a host read slipped into the LM head fails
   the guard in every measured forward; each row records it, the case is measured without the guard,
   and the other cases still run (one GPU call reports every case).
@@ -61,6 +61,11 @@ def test_tiny_benchmark_runs_every_regime_on_the_emulator(bench, tmp_path):
     assert set(record["capture_s"]) == {"decode"} | {f"prefill-{n}x{length}-{m}" for n, length in regimes["prefill"]
                                                      for m in ("full", "breakable")}
     assert record["errors"] == []
+    memory = record["memory"]
+    assert memory["adapter_pool_bytes"] > 0 and set(memory["runners"]) == set(record["capture_s"])
+    for name, row in memory["runners"].items():  # one backend per runner, its graph buffers counted
+        assert row["backend_instances"] == 1 and row["graph_buffer_bytes"] > 0, (name, row)
+        assert row["allocated_bytes"] is None  # CUDA's allocator only
     json.dumps(record)  # the record is JSON
 
 

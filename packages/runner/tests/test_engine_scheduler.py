@@ -54,7 +54,7 @@ def test_adapter_cap_per_batch_never_counts_base_requests(make_engine, engine_ad
     outputs = engine.generate(requests)
     assert all(o.finish_reason == "length" for o in outputs)
     assert rec.max_distinct_adapters() == 2
-    assert any(len(s.adapters) == 2 and any(r.adapter_id == -1 for r in s.batch_spec.requests) for s in rec.steps)
+    assert any(len(s.adapters) == 2 and any(r.slot == -1 for r in s.batch_spec.requests) for s in rec.steps)
 
 
 def test_admission_is_first_come_first_served(make_engine):

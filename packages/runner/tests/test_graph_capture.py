@@ -9,13 +9,17 @@ CUDA graphs and ``set_sync_debug_mode("error")`` with ``MOELORA_RUNNER_DEVICE=cu
   ``breakable`` fails under the guard at replay (in ``full`` the same read fails the capture), and one
   in the LM head after the replay fails under the guard in every mode.
 - ``test_capture_never_runs_with_has_active_lora_false``: every capture batch (an IDLE batch) was
-  prepared with ``has_active_lora`` True, one capture per bucket built, each bucket on its own backend
-  instance; a backend that answers the capture batch with False is refused with
+  prepared with ``has_active_lora`` True, one capture per bucket built, every bucket on the engine's
+  one backend instance; a backend that answers the capture batch with False is refused with
   ``GraphCaptureError`` (at the first use of a lazy bucket, and at start-up capture).
+- ``test_one_backend_per_engine_and_buckets_alias_one_buffer_set``: the backend factory runs once per
+  engine, whatever the buckets; two buckets of a family read views of one buffer set (the backend's
+  metadata and the static batch start at the same addresses, the smaller inside the larger), and the
+  decode and prefill families share no storage.
 - ``test_backend_static_buffers_that_move_are_refused``: a backend returning a fresh metadata tensor
   after capture is refused by name instead of replaying the captured one.
-- ``test_every_bucket_backend_hears_every_slot_load``: each bucket's backend instance gets the slot
-  hook for every slot of every layer pool when it is built and again at every later load.
+- ``test_slot_loads_reach_the_backend_once``: the backend hears of every slot load, reload and clear
+  once per layer pool, however many buckets were captured.
 """
 
 from __future__ import annotations
@@ -95,8 +99,7 @@ def test_capture_never_runs_with_has_active_lora_false(make_engine, engine_adapt
     captures = [(b, active) for b, bs, active in gs.GRAPH_PREPARES if bs == 0]
     assert engine.runner.prefill_graph.buckets and engine.runner.decode_graph.buckets
     assert len(captures) == len(buckets) and all(active for _, active in captures), captures
-    assert sorted(i for i, _ in captures) == sorted(id(b.backend) for b in buckets)
-    assert len({id(b.backend) for b in buckets} | {id(engine.backend)}) == len(buckets) + 1, "one backend per bucket"
+    assert {i for i, _ in captures} == {id(engine.backend)}, "every bucket on the engine's one backend"
     assert all(b.capture_info.has_active_lora and b.capture_info.use_cuda_graph for b in buckets)
 
     inactive = make_engine(MODEL, backend="graph_support:make_inactive_capture_backend", dtype=gs.DTYPE, **SMALL,
@@ -117,21 +120,45 @@ def test_backend_static_buffers_that_move_are_refused(make_engine):
         engine.step()
 
 
-def test_every_bucket_backend_hears_every_slot_load(make_engine, engine_adapters):
+def test_one_backend_per_engine_and_buckets_alias_one_buffer_set(make_engine):
+    gs.BACKENDS_BUILT.clear()
+    engine = make_engine(MODEL, adapters=False, backend="graph_support:make_counting_backend", dtype=gs.DTYPE,
+                         **{**SMALL, "prefill_token_buckets": (4, 8)}, **gs.MODES["full"])
+    engine.runner.capture_all()
+    engine.generate([REQUEST])
+    assert gs.BACKENDS_BUILT == [id(engine.backend)], "one backend instance per engine"
+    families = {"decode": engine.runner.decode_graph, "prefill": engine.runner.prefill_graph}
+    storages = {}
+    for family, runner in families.items():
+        small, large = (runner.buckets[s] for s in runner.sizes)
+        assert small.backend is large.backend is engine.backend and small.static is large.static
+        a, b = small.capture_info.device_tensors(), large.capture_info.device_tensors()
+        assert a.keys() == b.keys()
+        for name in a:  # the smaller bucket's view starts where the larger one's does, and is no longer
+            assert a[name].data_ptr() == b[name].data_ptr() and a[name].numel() <= b[name].numel(), (family, name)
+        assert small.capture_info.num_tokens < large.capture_info.num_tokens
+        views = [runner.static.forward_batch(None, tokens=x.tokens, requests=x.requests) for x in (small, large)]
+        assert views[0].input_ids.data_ptr() == views[1].input_ids.data_ptr()
+        assert (views[0].num_tokens, views[1].num_tokens) == (small.tokens, large.tokens)
+        storages[family] = {t.untyped_storage().data_ptr() for t in b.values()}
+    assert not storages["decode"] & storages["prefill"], "decode and prefill families share no storage"
+
+
+def test_slot_loads_reach_the_backend_once(make_engine, engine_adapters):
     rs.HOOK_CALLS.clear()
     engine = make_engine(MODEL, adapters=False, backend="runner_support:make_hooked_backend", dtype=gs.DTYPE,
                          **{**SMALL, "max_loras": 1}, **gs.MODES["full"])
     (a, path_a), (b, path_b) = engine_adapters[MODEL][:2]
     engine.load_adapter(a, path_a)
     engine.load_adapter(b, path_b)
-    pools = {id(p) for p in engine.adapters.pools}
-    engine.generate([dict(REQUEST, adapter=a)])  # the prefill and decode buckets are built after a's load
-    buckets = [*engine.runner.prefill_graph.buckets.values(), *engine.runner.decode_graph.buckets.values()]
-    assert len(buckets) == 2
-    for bucket in buckets:  # told of slot 0 in every pool when attached
-        assert {(s, p) for i, s, p in rs.HOOK_CALLS if i == id(bucket.backend)} == {(0, p) for p in pools}
+    pools = sorted(id(p) for p in engine.adapters.pools)
+    engine.runner.capture_all()
+    assert len(engine.runner.prefill_graph.buckets) + len(engine.runner.decode_graph.buckets) == 3
+    assert rs.HOOK_CALLS == [], "capturing buckets announces nothing"
+    engine.generate([dict(REQUEST, adapter=a)])  # a is loaded into slot 0
+    assert sorted(p for i, s, p in rs.HOOK_CALLS) == pools and {(i, s) for i, s, _ in rs.HOOK_CALLS} == \
+        {(id(engine.backend), 0)}, "one call per layer pool, on the one backend"
     before = len(rs.HOOK_CALLS)
-    engine.generate([dict(REQUEST, request_id="b", adapter=b)])  # b evicts a: every instance hears it
+    engine.generate([dict(REQUEST, request_id="b", adapter=b)])  # b evicts a: the backend hears it once per pool
     later = rs.HOOK_CALLS[before:]
-    for backend in (engine.backend, *(bucket.backend for bucket in buckets)):
-        assert sorted(p for i, s, p in later if i == id(backend)) == sorted(pools), backend
+    assert sorted(p for _, _, p in later) == pools and {i for i, _, _ in later} == {id(engine.backend)}

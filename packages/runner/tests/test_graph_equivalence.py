@@ -109,7 +109,7 @@ def test_more_than_32_requests_in_one_prefill_replay(backend, mode, make_engine,
     got = engine.generate(requests)
     assert len(recorder.steps) == 1, "all 45 prompts in one step"
     spec = recorder.steps[0].batch_spec
-    runs = 1 + sum(a.adapter_id != b.adapter_id for a, b in zip(spec.requests, spec.requests[1:]))
+    runs = 1 + sum(a.slot != b.slot for a, b in zip(spec.requests, spec.requests[1:]))
     assert spec.bs == 45 and runs > 32, (spec.bs, runs)
     assert gs.passes(engine) == {("prefill", mode, ""): 1}
     assert engine.graphs.max_num_requests == 64 and engine.runner.prefill_graph.buckets[64].requests == 64

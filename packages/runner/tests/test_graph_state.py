@@ -7,9 +7,10 @@ buffers written in place, tails reset), on the CPU emulator (real CUDA graphs wi
   base-only batch of two requests, then a one-request batch on an adapter. The two small batches give
   bitwise the outputs (CPU; within ``graph_vs_eager`` on CUDA) of the same batches on fresh engines
   of the same configuration, and the engine captured each bucket once.
-- ``test_static_batch_tails_are_reset``: a :class:`StaticForwardBatch` written with a larger then a
-  smaller step holds the smaller step's values and the pad values (token 0, position 0, the null KV
-  location, the padding row) everywhere else, at unchanged addresses.
+- ``test_static_batch_tails_are_reset``: a :class:`StaticForwardBatch` (one per graph family) written
+  with a larger step then a smaller step in a smaller bucket holds, in that bucket's views, the smaller
+  step's values and the pad values (token 0, position 0, the null KV location, the padding row)
+  everywhere else, at unchanged addresses; the live batch it returns is the views of the step's rows.
 """
 
 from __future__ import annotations
@@ -86,14 +87,19 @@ def test_static_batch_tails_are_reset():
     addresses = {n: b.tensor.data_ptr() for n, b in static.buffers.items()}
     static.write(_host(12, 4, base=50))
     small = _host(4, 2, base=7)
-    static.write(small)
+    live = static.write(small, tokens=8, requests=3)  # the bucket of 8 tokens / 3 requests
     pads = {"input_ids": 0, "positions": 0, "out_cache_loc": 0, "token_rows": 9, "req_pool_indices": 9, "seq_lens": 0}
-    for name, buffer in static.buffers.items():
-        live = list(getattr(small, name))
-        assert buffer.tensor.tolist() == live + [pads[name]] * (buffer.capacity - len(live)), name
+    for name, pad in pads.items():
+        buffer, rows = static.buffers[name], 3 if name in ("req_pool_indices", "seq_lens") else 8
+        want = list(getattr(small, name))
+        assert buffer.tensor.tolist()[:rows] == want + [pad] * (rows - len(want)), name
         assert buffer.tensor.data_ptr() == addresses[name], f"{name} moved"
-    fb = static.forward_batch(lora_info=None)
-    assert fb.num_tokens == 12 and fb.max_context == 16 and fb.logits_indices.numel() == 0
+        assert getattr(live, name).tolist() == want and getattr(live, name).data_ptr() == addresses[name], name
+    assert live.num_tokens == 4 and live.max_context == small.max_context
+    fb = static.forward_batch(lora_info=None, tokens=8, requests=3)
+    assert fb.num_tokens == 8 and fb.seq_lens.numel() == 3 and fb.max_context == 16 and fb.logits_indices.numel() == 0
     with pytest.raises(InvalidFieldError, match="exceed capacity"):
         static.write(_host(16, 4, base=0))
+    with pytest.raises(InvalidFieldError, match="exceed capacity"):
+        static.write(_host(12, 4, base=0), tokens=8, requests=4)
     assert static.buffers["input_ids"].tensor.tolist()[:4] == list(small.input_ids), "a refused write changes nothing"

@@ -3,12 +3,14 @@
 Built by :func:`make_backend` (the built-in name ``reference``). It declares every capability and
 is checked against the readable oracle; third-party backends are checked against the same suite.
 
-Metadata (``prepare``): one segment per request (``seg_indptr = req_seg_indptr``, ``weight_indices
-= req_to_lora``, no permutation), built from the ``BatchSpec``'s host lists only — the token mapping
-too — by the metadata machinery every built-in backend shares (:mod:`moelora_core.metadata`, through
+Metadata (``prepare``): one segment per request (the backend segments are the request segments
+themselves, no permutation), staged from the ``BatchSpec``'s host lists by the metadata machinery
+every built-in backend shares (:mod:`moelora_core.metadata`, through
 :class:`moelora_core.backend_base.BackendBase`): pinned staging into fresh tensors sized to the batch
-(eager) or in place into a graph family's ``StaticBuffer``s with tails reset (graph). Over capacity
-returns ``Fallback`` before any write. The argument checks (batch, graph-family capacities and
+(eager) or in place into views of a graph family's ``StaticBuffer``s with tails reset (graph); the
+token map is written on the device from the request segments
+(:func:`moelora_core.metadata.map_tokens_torch`). Over capacity returns ``Fallback`` before any
+write. The argument checks (batch, graph-family capacities and
 ``Fallback`` reasons, delta shapes) are those of :mod:`moelora_core.backend_checks`.
 
 Deltas: for every (token, k) pair, gather the slot's and expert's A and B and run two batched
@@ -32,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from moelora_core.backend_base import BackendBase
+from moelora_core.backend_checks import GraphCapacity
 from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.batch import BatchSpec
 from moelora_core.batch_info import LoRABatchInfo
@@ -54,8 +57,6 @@ class ReferenceBackend(BackendBase):
     """
 
     name = "reference"
-    #: The token mapping is staged from host lists (no kernel).
-    token_mapper = None
     #: The reference computes in fp32 from weights of any dtype and takes any integer topk_ids.
     weights_same_dtype = False
     topk_id_dtypes = None
@@ -84,10 +85,12 @@ class ReferenceBackend(BackendBase):
     def eager_segmentation(self, batch: BatchSpec) -> Segmentation:
         return Segmentation.per_request(batch)
 
-    def family_layout(self, family: str, max_requests: int, max_tokens: int, tokens_per_request: int | None):
+    def family_layout(self, family: str, capacity: GraphCapacity, family_capacity: GraphCapacity):
         # One segment per request; the longest is a decode request's tokens or the whole capacity.
-        max_len = tokens_per_request if tokens_per_request is not None else max_tokens
-        sizes = LaunchSizes(max_requests, max_tokens, self.spec.max_loras, max_requests, max_len, False)
+        tpr = capacity.tokens_per_request
+        max_len = tpr if tpr is not None else capacity.max_tokens
+        sizes = LaunchSizes(capacity.max_requests, capacity.max_tokens, self.spec.max_loras, capacity.max_requests,
+                            max_len, False, request_segments=True)
         return sizes, Segmentation.per_request
 
     # --- the pair index: (slot, expert) or virtual expert -------------------------------------------
@@ -95,7 +98,7 @@ class ReferenceBackend(BackendBase):
     def _pair_index(self, topk_ids: torch.Tensor, info: LoRABatchInfo):
         """(valid [T, k] bool, index tuple into the [L, E, ...] weights, slot [T, k] long)."""
         L, E = self.spec.max_loras, self.spec.E
-        slot = info.moe.token_lora_mapping.long()[:, None].expand_as(topk_ids)
+        slot = info.token_lora_mapping.long()[:, None].expand_as(topk_ids)
         ids = topk_ids.long()
         if self.spec.virtual_experts:
             virtual = torch.where((slot >= 0) & (slot < L) & (ids >= 0) & (ids < E), slot * E + ids,
@@ -117,7 +120,7 @@ class ReferenceBackend(BackendBase):
                 info: LoRABatchInfo) -> torch.Tensor:
         """valid pairs whose slot is enabled and has this module (rank > 0)."""
         ranks = weights.ranks(module).long()[slot]
-        enabled = info.moe.adapter_enabled.long()[slot]
+        enabled = info.adapter_enabled.long()[slot]
         return valid & (ranks > 0) & (enabled > 0)
 
     # --- deltas --------------------------------------------------------------------------------
@@ -166,7 +169,7 @@ class ReferenceBackend(BackendBase):
                             info: LoRABatchInfo) -> None:
         """out [T, out] += σ·B(A x) of dense ``module`` (arguments checked by ``BackendBase``)."""
         L = self.spec.max_loras
-        slot = info.moe.token_lora_mapping.long()[:, None]  # [T, 1]
+        slot = info.token_lora_mapping.long()[:, None]  # [T, 1]
         valid = (slot >= 0) & (slot < L)
         s = torch.where(valid, slot, torch.zeros_like(slot))
         A, B = weights.factors(module)

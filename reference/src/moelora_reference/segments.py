@@ -101,16 +101,16 @@ class Segments:
         return tuple(out)
 
 
-def _requests(seq_lens, req_to_lora) -> tuple[list[int], list[int]]:
+def _requests(seq_lens, req_weight_indices) -> tuple[list[int], list[int]]:
     lens = _as_int_list("seq_lens", seq_lens)
-    slots = _as_int_list("req_to_lora", req_to_lora)
+    slots = _as_int_list("req_weight_indices", req_weight_indices)
     if len(lens) != len(slots):
-        raise InvalidFieldError("req_to_lora", f"has {len(slots)} entries for {len(lens)} requests")
+        raise InvalidFieldError("req_weight_indices", f"has {len(slots)} entries for {len(lens)} requests")
     for r, (n, s) in enumerate(zip(lens, slots)):
         if n < 0:
             raise InvalidFieldError(f"seq_lens[{r}]", f"must be >= 0, got {n}")
         if s < NO_ADAPTER:
-            raise InvalidFieldError(f"req_to_lora[{r}]", f"slot {s} is below NO_ADAPTER (-1)")
+            raise InvalidFieldError(f"req_weight_indices[{r}]", f"slot {s} is below NO_ADAPTER (-1)")
     return lens, slots
 
 
@@ -121,26 +121,27 @@ def _offsets(lens: Sequence[int]) -> list[int]:
     return out
 
 
-def request_segments(seq_lens: Sequence[int] | torch.Tensor, req_to_lora: Sequence[int] | torch.Tensor) -> Segments:
+def request_segments(seq_lens: Sequence[int] | torch.Tensor,
+                     req_weight_indices: Sequence[int] | torch.Tensor) -> Segments:
     """One segment per request, in batch order.
 
     Args:
         seq_lens: [bs] tokens per request (>= 0).
-        req_to_lora: [bs] slot per request (``NO_ADAPTER`` = base).
+        req_weight_indices: [bs] slot per request (``NO_ADAPTER`` = base).
 
     Returns:
-        ``Segments`` with S = bs, ``weight_indices = req_to_lora``, no permutation,
+        ``Segments`` with S = bs, ``weight_indices = req_weight_indices``, no permutation,
         ``segment_request = 0..bs-1``.
 
     Raises:
         InvalidFieldError: lengths of different sizes, a negative length, a slot below -1.
     """
-    lens, slots = _requests(seq_lens, req_to_lora)
+    lens, slots = _requests(seq_lens, req_weight_indices)
     return Segments(tuple(_offsets(lens)), tuple(slots), None, tuple(range(len(lens))))
 
 
 def decode_adapter_segments(
-    seq_lens: Sequence[int] | torch.Tensor, req_to_lora: Sequence[int] | torch.Tensor
+    seq_lens: Sequence[int] | torch.Tensor, req_weight_indices: Sequence[int] | torch.Tensor
 ) -> Segments:
     """Requests stably sorted by slot; one segment per run of equal slots; a token permutation.
 
@@ -148,14 +149,14 @@ def decode_adapter_segments(
 
     Args:
         seq_lens: [bs] tokens per request.
-        req_to_lora: [bs] slot per request.
+        req_weight_indices: [bs] slot per request.
 
     Returns:
         ``Segments`` with one segment per distinct slot of the batch (ascending, ``NO_ADAPTER``
         first), ``permutation`` [N] = the token rows of the requests in sorted order (each
         request's rows kept in order), ``segment_request`` None.
     """
-    lens, slots = _requests(seq_lens, req_to_lora)
+    lens, slots = _requests(seq_lens, req_weight_indices)
     starts = _offsets(lens)
     order = sorted(range(len(lens)), key=lambda r: slots[r])  # Python's sort is stable
     permutation: list[int] = []
@@ -208,7 +209,7 @@ def csgmv_segments(token_lora_mapping: Sequence[int] | torch.Tensor, chunk_size:
 
 def tile_segments(
     seq_lens: Sequence[int] | torch.Tensor,
-    req_to_lora: Sequence[int] | torch.Tensor,
+    req_weight_indices: Sequence[int] | torch.Tensor,
     tile: int = PREFILL_TILE,
     *,
     merge: bool = False,
@@ -223,7 +224,7 @@ def tile_segments(
 
     Args:
         seq_lens: [bs] tokens per request.
-        req_to_lora: [bs] slot per request.
+        req_weight_indices: [bs] slot per request.
         tile: tokens per tile (>= 1).
         merge: merge adjacent same-slot requests before cutting.
 
@@ -233,7 +234,7 @@ def tile_segments(
     Raises:
         InvalidFieldError: ``tile < 1``, or as :func:`request_segments`.
     """
-    lens, slots = _requests(seq_lens, req_to_lora)
+    lens, slots = _requests(seq_lens, req_weight_indices)
     if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
         raise InvalidFieldError("tile", f"must be an int >= 1, got {tile!r}")
     runs: list[tuple[int, int, int]] = []  # (length, slot, first request)
@@ -269,7 +270,7 @@ def chunk_segments_to_requests(
         req_seg_indptr: [bs + 1] token offsets of the requests (batch order), last = N.
 
     Returns:
-        (req_to_lora [bs], token_lora_mapping [N]) as host tuples; an empty request maps to
+        (req_weight_indices [bs], token_lora_mapping [N]) as host tuples; an empty request maps to
         ``NO_ADAPTER``.
 
     Raises:
@@ -281,10 +282,10 @@ def chunk_segments_to_requests(
     if not indptr or indptr[0] != 0 or indptr[-1] != len(mapping):
         raise InvalidFieldError("req_seg_indptr", f"must run from 0 to the {len(mapping)} tokens of the segments, "
                                                   f"got {indptr[:1]}..{indptr[-1:]}")
-    req_to_lora = []
+    req_weight_indices = []
     for r in range(len(indptr) - 1):
         slots = {mapping[t] for t in range(indptr[r], indptr[r + 1])}
         if len(slots) > 1:
             raise InvalidFieldError(f"request {r}", f"its tokens sit in segments of slots {sorted(slots)}")
-        req_to_lora.append(slots.pop() if slots else NO_ADAPTER)
-    return tuple(req_to_lora), mapping
+        req_weight_indices.append(slots.pop() if slots else NO_ADAPTER)
+    return tuple(req_weight_indices), mapping

@@ -229,11 +229,11 @@ class EngineStateMachine(RuleBasedStateMachine):
             state, rid = item.state, item.state.request_id
             tracked = self.tracked[rid].version
             if state.adapter is None:
-                assert req.adapter_id == NO_ADAPTER, f"base request {rid} served by slot {req.adapter_id}"
+                assert req.slot == NO_ADAPTER, f"base request {rid} served by slot {req.slot}"
                 continue
-            assert req.adapter_id == state.slot and slots[state.slot] == state.adapter, (
-                f"request {rid} of adapter {state.adapter!r} served by slot {req.adapter_id}, which holds "
-                f"{slots[req.adapter_id] if 0 <= req.adapter_id < len(slots) else None!r} (its slot: {state.slot})")
+            assert req.slot == state.slot and slots[state.slot] == state.adapter, (
+                f"request {rid} of adapter {state.adapter!r} served by slot {req.slot}, which holds "
+                f"{slots[req.slot] if 0 <= req.slot < len(slots) else None!r} (its slot: {state.slot})")
             assert self.version.get(state.adapter) == tracked, (
                 f"request {rid} admitted with {state.adapter!r} v{tracked} is served with "
                 f"v{self.version.get(state.adapter)}")

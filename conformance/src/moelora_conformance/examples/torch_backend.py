@@ -7,10 +7,14 @@ What makes it "production-style" (each a habit the suite once raised false alarm
 
 - **Host metadata as engines stage it**: host lists become tensors with ``device="cpu"`` (pinned
   where CUDA is) and reach the device with ``.to(device, non_blocking=True)`` (eager) or
-  ``static.copy_(host, non_blocking=True)`` (graph families, tails reset on the device).
+  ``static[:n].copy_(host, non_blocking=True)`` (graph families, tails reset on the device).
+- **One buffer set per graph family**: ``init_graph`` allocates the family's buffers once, at its
+  largest bucket; ``prepare(batch, family, bucket)`` writes the views ``[:n]`` of the bucket's
+  capacity and resets their tails, so every bucket's graph reads the same memory.
 - **σ folded once, into its own copy**: the slot-load hook (``on_slot_loaded``, capability
   ``slot_load_hook``) copies the slot's A and σ·B (fp32) into the backend's private stacks, in
-  place, so graphs captured earlier see the new adapter; the pool is never written.
+  place, so graphs captured earlier see the new adapter; the pool is never written. An engine holds
+  one instance, so one copy.
 - **Rounding as fused MoE-LoRA kernels do**: the shrink output ``A x`` and the delta ``σ·B(A x)``
   are rounded to the activation dtype before the delta is added (vLLM's fused_moe_lora kernels
   keep both in fp16 / bf16).
@@ -31,15 +35,16 @@ from dataclasses import dataclass, field
 import torch
 
 from moelora_core.backend_checks import (
-    FamilyCapacity,
+    GraphCapacity,
     check_batch,
-    check_init_sizes,
+    check_bucket,
+    check_capacity,
     initialised_family,
     needs_allocation,
 )
 from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.batch import BatchSpec
-from moelora_core.batch_info import LoRABatchInfo, MoELoRABatchInfo
+from moelora_core.batch_info import LoRABatchInfo
 from moelora_core.capabilities import Capabilities, Fallback
 from moelora_core.layer_spec import DENSE_MODULES, MOE_MODULES, LoRALayerSpec
 from moelora_core.weights import LoRAWeights, module_index
@@ -49,14 +54,14 @@ F32, I32, I64 = torch.float32, torch.int32, torch.int64
 
 #: Metadata fields staged from host lists: name → (length kind, tail value on the device).
 _FIELDS = {
-    "req_seg_indptr": ("req+1", None), "req_to_lora": ("req", -1), "seq_lens": ("req", 0),
-    "lora_ranks": ("slots", 0), "adapter_enabled": ("slots", 0), "token_lora_mapping": ("tok", -1),
+    "req_seg_indptr": ("req+1", None), "req_weight_indices": ("req", -1), "adapter_enabled": ("slots", 0),
+    "token_lora_mapping": ("tok", -1),
 }
 
 
 @dataclass
 class _Family:
-    capacity: FamilyCapacity
+    capacity: GraphCapacity
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -127,73 +132,60 @@ class TorchBackend:
 
     # --- graph families and prepare ---------------------------------------------------------------
 
-    def init_decode_graph(self, max_bs: int, tokens_per_request: int = 1) -> None:
-        check_init_sizes({"max_bs": max_bs, "tokens_per_request": tokens_per_request})
-        self._init("decode", FamilyCapacity("decode", max_bs, max_bs * tokens_per_request, tokens_per_request))
-
-    def init_prefill_graph(self, max_num_tokens: int, max_num_requests: int) -> None:
-        check_init_sizes({"max_num_tokens": max_num_tokens, "max_num_requests": max_num_requests})
-        self._init("prefill", FamilyCapacity("prefill", max_num_requests, max_num_tokens, None))
-
-    def _sizes(self, requests: int, tokens: int) -> dict[str, int]:
-        per = {"req+1": requests + 1, "req": requests, "slots": self.spec.max_loras, "tok": tokens}
-        return {name: per[kind] for name, (kind, _) in _FIELDS.items()}
-
-    def _init(self, name: str, capacity: FamilyCapacity) -> None:
-        existing = self._families.get(name)
-        if not needs_allocation(existing.capacity if existing else None, capacity):
+    def init_graph(self, family: str, capacity: GraphCapacity) -> None:
+        check_capacity(family, capacity)
+        existing = self._families.get(family)
+        if not needs_allocation(existing.capacity if existing else None, capacity, family):
             return
         dev = self.spec.device
         fam = _Family(capacity)
         for f, n in self._sizes(capacity.max_requests, capacity.max_tokens).items():
             fam.buffers[f] = torch.zeros(n, dtype=I32, device=dev)
-        fam.buffers["scalings"] = torch.zeros(self.spec.max_loras, dtype=F32, device=dev)
         fam.buffers["token_slot"] = torch.zeros(capacity.max_tokens, dtype=I64, device=dev)
-        self._families[name] = fam
+        self._families[family] = fam
+
+    def _sizes(self, requests: int, tokens: int) -> dict[str, int]:
+        per = {"req+1": requests + 1, "req": requests, "slots": self.spec.max_loras, "tok": tokens}
+        return {name: per[kind] for name, (kind, _) in _FIELDS.items()}
 
     def _host(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device="cpu", pin_memory=self._pin)
 
-    def prepare(self, batch: BatchSpec, family: str | None = None) -> LoRABatchInfo | Fallback:
+    def prepare(self, batch: BatchSpec, family: str | None = None,
+                bucket: GraphCapacity | None = None) -> LoRABatchInfo | Fallback:
         check_batch(batch, self.spec)
-        lists = {"req_seg_indptr": list(batch.req_seg_indptr), "req_to_lora": list(batch.req_to_lora),
-                 "seq_lens": list(batch.seq_lens), "lora_ranks": list(batch.lora_ranks),
-                 "adapter_enabled": list(batch.adapter_enabled),
-                 "token_lora_mapping": list(batch.token_lora_mapping)}
+        lists = {"req_seg_indptr": list(batch.req_seg_indptr), "req_weight_indices": list(batch.req_weight_indices),
+                 "adapter_enabled": list(batch.adapter_enabled), "token_lora_mapping": list(batch.token_lora_mapping)}
         dev = self.spec.device
         if family is None:
             t = {f: self._host(v, I32).to(dev, non_blocking=True) for f, v in lists.items()}
-            t["scalings"] = self._host(list(batch.scalings), F32).to(dev, non_blocking=True)
             t["token_slot"] = t["token_lora_mapping"].clamp(min=0).to(I64)
             return self._info(batch, t, batch.bs, batch.num_tokens, max(batch.seq_lens, default=0), False)
         fam = initialised_family(self._families, family)
-        reason = fam.capacity.fallback_reason(batch)
+        cap = check_bucket(family, fam.capacity, bucket)
+        reason = cap.fallback_reason(batch, family)
         if reason is not None:
             return Fallback(reason)
-        buf = fam.buffers
+        # the bucket's views of the family's buffers: every bucket reads the same memory
+        view = {f: fam.buffers[f][:n] for f, n in self._sizes(cap.max_requests, cap.max_tokens).items()}
         for f, values in lists.items():
             n, tail = len(values), _FIELDS[f][1]
             if n:
-                buf[f][:n].copy_(self._host(values, I32), non_blocking=True)
-            # tails reset on the device: request offsets repeat the last live one
-            buf[f][n:].fill_(batch.num_tokens if tail is None else tail)
-        buf["scalings"].copy_(self._host(list(batch.scalings), F32), non_blocking=True)
-        buf["token_slot"].copy_(buf["token_lora_mapping"].clamp(min=0))
-        cap = fam.capacity
+                view[f][:n].copy_(self._host(values, I32), non_blocking=True)
+            # tails reset on the device, up to the bucket's length: request offsets repeat the last live one
+            view[f][n:].fill_(batch.num_tokens if tail is None else tail)
+        view["token_slot"] = fam.buffers["token_slot"][: cap.max_tokens]
+        view["token_slot"].copy_(view["token_lora_mapping"].clamp(min=0))
         max_len = cap.tokens_per_request if cap.tokens_per_request is not None else cap.max_tokens
-        return self._info(batch, buf, cap.max_requests, cap.max_tokens, max_len, True)
+        return self._info(batch, view, cap.max_requests, cap.max_tokens, max_len, True)
 
     def _info(self, batch: BatchSpec, t: dict[str, torch.Tensor], bs: int, tokens: int, max_len: int,
               graph: bool) -> LoRABatchInfo:
-        moe = MoELoRABatchInfo(seg_indptr=t["req_seg_indptr"], req_to_lora=t["req_to_lora"],
-                               adapter_enabled=t["adapter_enabled"], token_lora_mapping=t["token_lora_mapping"],
-                               num_experts=self.spec.E, max_loras=self.spec.max_loras)
         return LoRABatchInfo(
-            forward_mode=batch.forward_mode, bs=bs, num_tokens=tokens, num_segments=bs, max_len=max_len,
-            seg_indptr=t["req_seg_indptr"], seg_lens=t["seq_lens"], weight_indices=t["req_to_lora"],
-            lora_ranks=t["lora_ranks"], scalings=t["scalings"], permutation=None,
-            req_seg_indptr=t["req_seg_indptr"], req_weight_indices=t["req_to_lora"],
-            has_active_lora=True if graph else batch.has_active_lora, use_cuda_graph=graph, moe=moe,
+            num_tokens=tokens, req_seg_indptr=t["req_seg_indptr"], req_weight_indices=t["req_weight_indices"],
+            token_lora_mapping=t["token_lora_mapping"], adapter_enabled=t["adapter_enabled"], num_segments=bs,
+            max_len=max_len, seg_indptr=t["req_seg_indptr"], weight_indices=t["req_weight_indices"],
+            permutation=None, has_active_lora=True if graph else batch.has_active_lora, use_cuda_graph=graph,
             private={"token_slot": t["token_slot"]},
         )
 
@@ -202,7 +194,7 @@ class TorchBackend:
     def moe_align(self, topk_ids: torch.Tensor, info: LoRABatchInfo) -> PairIndex:
         """The layer's pair index (shared by its two delta calls)."""
         ids = topk_ids.to(I64)
-        token = info.moe.token_lora_mapping[: ids.shape[0], None]
+        token = info.token_lora_mapping[: ids.shape[0], None]
         valid = (token >= 0) & (ids >= 0) & (ids < self.spec.E)
         slot = info.private["token_slot"][: ids.shape[0], None].expand_as(ids)
         return PairIndex(valid, torch.where(valid, slot, 0), torch.where(valid, ids, 0))
@@ -254,7 +246,7 @@ class TorchBackend:
         shrink = gather_matvec(x[:, None, :], mine.A[module], (slot,))  # [T, 1, R]
         delta = gather_matvec(shrink, mine.B[module], (slot,))[:, 0]  # [T, out] fp32
         rank = mine.ranks[module_index(module)].to(I64)[slot[:, 0]]
-        active = (info.moe.token_lora_mapping[: x.shape[0]] >= 0) & (rank > 0)
+        active = (info.token_lora_mapping[: x.shape[0]] >= 0) & (rank > 0)
         out.copy_(torch.where(active[:, None], (out.to(F32) + delta).to(out.dtype), out))
 
     def moe_forward(self, x, topk_ids, topk_weights, base_weights: MoEBaseWeights, weights, info):  # pragma: no cover

@@ -6,6 +6,9 @@
   :data:`MUTANTS` when ``moelora_backends`` is installed (each with its example budget).
 - :mod:`.beyond_caps`: reference faults that only sizes past the ``interpret`` caps reach
   (:data:`CAP_MUTANTS`: top_k > 2, R > 16, H or I > 64); loadable like the others, not in ``MUTANTS``.
+- :mod:`.e2e_mutants`: backend faults that show when an engine captures several graph buckets over one
+  buffer set per family (:data:`E2E_MUTANTS`); the e2e suite must catch each one
+  (``moelora-conformance mutations --engine``); loadable like the others, not in ``MUTANTS``.
 
 Load one as a backend with ``--backend moelora_conformance.faulty:<factory>`` (factories below, one
 per mutation).
@@ -14,6 +17,7 @@ per mutation).
 import importlib.util
 
 from moelora_conformance.faulty.beyond_caps import CAP_MUTANTS
+from moelora_conformance.faulty.e2e_mutants import E2E_MUTANTS
 from moelora_conformance.faulty.mutants import MUTANTS
 
 if importlib.util.find_spec("moelora_backends") is not None:
@@ -24,7 +28,7 @@ if importlib.util.find_spec("moelora_backends") is not None:
 
 
 def _factory(name: str):
-    cls = {**MUTANTS, **CAP_MUTANTS}[name]
+    cls = {**MUTANTS, **CAP_MUTANTS, **E2E_MUTANTS}[name]
 
     def make_backend(spec):
         return cls(spec)
@@ -35,7 +39,7 @@ def _factory(name: str):
 
 
 #: ``--backend moelora_conformance.faulty:<factory name>`` for each mutation.
-FACTORIES = {name: _factory(name) for name in [*MUTANTS, *CAP_MUTANTS]}
+FACTORIES = {name: _factory(name) for name in [*MUTANTS, *CAP_MUTANTS, *E2E_MUTANTS]}
 globals().update({f.__name__: f for f in FACTORIES.values()})
 
 
@@ -44,4 +48,4 @@ def target(name: str) -> str:
     return f"moelora_conformance.faulty:{FACTORIES[name].__name__}"
 
 
-__all__ = ["CAP_MUTANTS", "FACTORIES", "MUTANTS", "target", *(f.__name__ for f in FACTORIES.values())]
+__all__ = ["CAP_MUTANTS", "E2E_MUTANTS", "FACTORIES", "MUTANTS", "target", *(f.__name__ for f in FACTORIES.values())]

@@ -34,8 +34,8 @@ class CsgmvFrozenSegmentCount(CsgmvBackend):
     name = "mutant-csgmv-frozen-segment-count"
     max_examples = KERNEL_MUTANT_BUDGET
 
-    def prepare(self, batch, family=None):
-        info = super().prepare(batch, family)
+    def prepare(self, batch, family=None, bucket=None):
+        info = super().prepare(batch, family, bucket)
         if family == "decode" and not isinstance(info, Fallback):
             if not hasattr(self, "_captured_segments"):
                 self._captured_segments = self._families["decode"].segmentation(batch).num_segments
@@ -49,11 +49,11 @@ class CsgmvMoEReadsChunks(CsgmvBackend):
 
     name = "mutant-csgmv-moe-reads-chunks"
     max_examples = KERNEL_MUTANT_BUDGET
-    moe_fields = ("seg_indptr", "weight_indices")  # FAULT: chunks, not the per-request fields
+    mapping_fields = ("seg_indptr", "weight_indices")  # FAULT: chunks, not the per-request fields
 
 
 def _tiles_dropping_the_last_partial(batch: BatchSpec, tile: int = PREFILL_TILE) -> Segmentation:
-    runs = slot_runs(zip(batch.req_to_lora, batch.seq_lens))
+    runs = slot_runs(zip(batch.req_weight_indices, batch.seq_lens))
     # FAULT: the last partial tile is never cut (cut_runs ranges over range(0, n, tile))
     tiles = [(slot, min(tile, n - start)) for slot, n in runs for start in range(0, n - n % tile, tile)]
     return segmentation_of(tiles)
@@ -69,7 +69,7 @@ class TritonTilesDropLastPartial(TritonBackend):
 
 
 def _tiles_merging_runs_wrongly(batch: BatchSpec, tile: int = PREFILL_TILE) -> Segmentation:
-    requests = zip(batch.req_to_lora, batch.seq_lens)
+    requests = zip(batch.req_weight_indices, batch.seq_lens)
     # FAULT: a run takes its last request's length instead of the sum (slot_runs sums the lengths)
     runs = [(slot, [n for _, n in run][-1]) for slot, run in groupby(requests, key=itemgetter(0))]
     return segmentation_of(cut_runs(runs, tile))

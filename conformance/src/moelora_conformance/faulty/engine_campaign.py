@@ -1,10 +1,13 @@
 """The engine mutants' campaign (``moelora-conformance mutations --engine``): each engine-level faulty
 variant (:mod:`.engine_mutants`) against the E06 state machine's random search (the CI-sized run:
 reference backend, one fixture family, 5 adapters on 3 slots, 20 examples, modes drawn, a fixed seed)
-and against the named history of its fault class.
+and against the named history of its fault class; and each backend fault only an engine shows
+(:mod:`.e2e_mutants`) against the e2e workload (E01-E05) in every engine mode.
 
-A mutant is *caught* when the machine's record fails; the seconds are the machine's wall time until
-then (shrinking included, bounded by ``shrink_seconds``).
+An engine mutant is *caught* when the machine's record fails; the seconds are the machine's wall time
+until then (shrinking included, bounded by ``shrink_seconds``). A backend mutant of :mod:`.e2e_mutants`
+is caught by the first failed claim of the e2e run; the seconds are the run's wall time until that
+record (the eager reference run included).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from moelora_conformance.e2e.results import E2E_MODES
 from moelora_conformance.fixtures.manifest import FixtureSet
 
 #: The fixture family and adapters of the campaign, in the named histories' order (0: MoE + attention,
@@ -69,6 +73,63 @@ def run_engine_campaign(fixtures: FixtureSet, names: list[str] | None = None, *,
     results = []
     for name in names or list(ENGINE_MUTANTS):
         results.append(run_engine_mutation(name, fixtures, **kwargs))
+        if progress is not None:
+            progress(results[-1])
+    return results
+
+
+@dataclass(frozen=True)
+class E2EMutationResult:
+    """One backend mutant of :mod:`.e2e_mutants` on the e2e workload: the first failed claim (property,
+    mode, the first line of its message) and the seconds until it was recorded."""
+
+    name: str
+    caught: bool
+    property: str
+    mode: str
+    message: str
+    seconds: float
+
+
+#: The e2e workload of the backend mutants: the e2e tests' smaller one (16 requests, prompts up to 40
+#: tokens, arriving over 6 steps), every engine mode, no HF comparison, no state machine.
+E2E_WORKLOAD = dict(requests=16, max_new_tokens=4, max_prompt_tokens=40, arrival_steps=6, state_machine_examples=0,
+                    require_adapter_kinds=False)
+
+
+def run_e2e_mutation(name: str, fixtures: FixtureSet, *, seed: int = 0,
+                     modes: tuple[str, ...] = E2E_MODES) -> E2EMutationResult:
+    """The e2e suite (:func:`moelora_conformance.e2e.run.run_model`) on backend mutant ``name`` over
+    the campaign's model and adapters; caught by its first failed record."""
+    from moelora_conformance.e2e.run import E2EConfig, run_model
+    from moelora_conformance.faulty import target
+
+    first: list[tuple[object, float]] = []
+    start = time.perf_counter()
+
+    def progress(record) -> None:
+        if record.outcome == "failed" and not first:
+            first.append((record, time.perf_counter() - start))
+
+    records = run_model(target(name), fixtures.model_dir(MODEL), campaign_adapters(fixtures),
+                        config=E2EConfig(seed=seed, modes=modes, **E2E_WORKLOAD), model_name=MODEL, hf=False,
+                        progress=progress)
+    if not first:
+        return E2EMutationResult(name, False, "", "", "", time.perf_counter() - start)
+    record, seconds = first[0]
+    assert record in records
+    return E2EMutationResult(name, True, record.property, record.mode, record.message.splitlines()[0], seconds)
+
+
+def run_e2e_campaign(fixtures: FixtureSet, names: list[str] | None = None, *, progress=None,
+                     **kwargs) -> list[E2EMutationResult]:
+    """Every backend mutant of :mod:`.e2e_mutants` in ``names`` (default: all); ``progress(result)``
+    after each."""
+    from moelora_conformance.faulty.e2e_mutants import E2E_MUTANTS
+
+    results = []
+    for name in names or list(E2E_MUTANTS):
+        results.append(run_e2e_mutation(name, fixtures, **kwargs))
         if progress is not None:
             progress(results[-1])
     return results

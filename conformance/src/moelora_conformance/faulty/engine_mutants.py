@@ -1,8 +1,7 @@
 """Engine-level faults: each class below is ``moelora_runner.Engine`` with one known fault of the
 public serving trackers put back into one of its components (the pool, the step's batch, a graph
 runner), through the engine's component hooks (``Engine.adapter_pool_class``,
-``Engine.model_runner_class``, ``Engine._plan``, ``GraphRunner.bucket_class``) — never through a
-switch in the production code.
+``Engine.model_runner_class``, ``Engine._plan``) — never through a switch in the production code.
 
 They are not layer backends: the layer suite cannot load them. The stateful engine properties catch
 them (``moelora_conformance.e2e.stateful.run_state_machine(engine_class=...)``;
@@ -21,7 +20,6 @@ from moelora_core.batch import BatchSpec, Request
 from moelora_runner.adapter_pool import AdapterPool
 from moelora_runner.engine import Engine
 from moelora_runner.graph_config import GraphConfig
-from moelora_runner.graph_runner import GraphBucket
 from moelora_runner.model_runner import ModelRunner, StepPlan
 
 
@@ -56,7 +54,7 @@ class MixedBatchOneMapping(Engine):
         if not chunks or len(chunks) == len(items):
             return plan
         spec = plan.host.batch_spec
-        slot = spec.requests[chunks[0]].adapter_id
+        slot = spec.requests[chunks[0]].slot
         # FAULT: the decodes take the prefill chunk's slot.
         requests = [r if i in chunks else Request(slot, r.extend_len, r.prefix_len)
                     for i, r in enumerate(spec.requests)]
@@ -64,25 +62,20 @@ class MixedBatchOneMapping(Engine):
         return StepPlan(plan.batch, replace(plan.host, batch_spec=new), plan.rows)
 
 
-class _StaleTailBucket(GraphBucket):
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        # FAULT: the static batch's tails keep the previous (larger) batch's rows.
-        for name, old in list(self.static.buffers.items()):
-            self.static.buffers[name] = _StaleTailBuffer(old.name, old.capacity, dtype=old.tensor.dtype,
-                                                         device=old.tensor.device, fill=old.fill)
-
-
 class _StaleDecodeTailRunner(ModelRunner):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if self.decode_graph is not None:
-            self.decode_graph.bucket_class = _StaleTailBucket
+            static = self.decode_graph.static
+            # FAULT: the decode family's static batch keeps the previous (larger) batch's rows in its tails.
+            for name, old in list(static.buffers.items()):
+                static.buffers[name] = _StaleTailBuffer(old.name, old.capacity, dtype=old.tensor.dtype,
+                                                        device=old.tensor.device, fill=old.fill)
 
 
 class DecodeBucketTailKept(Engine):
-    """A decode-graph bucket's static batch is not reset past the live rows: a smaller batch replayed
-    in a bucket after a larger one runs its pad rows on the larger batch's tokens, positions and KV
+    """The decode graph's static batch is not reset past the live rows: a smaller batch replayed in a
+    bucket after a larger one runs its pad rows on the larger batch's tokens, positions and KV
     locations, so they write K/V (without that request's LoRA) into another request's cache."""
 
     model_runner_class = _StaleDecodeTailRunner

@@ -29,11 +29,12 @@ def _with_slots(batch: BatchSpec, slots: list[int]) -> BatchSpec:
 class _StaleTailBuffer(StaticBuffer):
     """A static buffer whose write leaves the tail as the previous batch left it."""
 
-    def padded(self, values, tail_fill=None):
+    def padded(self, values, tail_fill=None, rows=None):
+        rows = self.capacity if rows is None else rows
         previous = getattr(self, "_last", [self.fill] * self.capacity)
         # FAULT: the tail keeps the previous (larger) batch's entries instead of the reset value.
-        full = [*values, *previous[len(values):]]
-        self._last = full
+        full = [*values, *previous[len(values):rows]]
+        self._last = full + previous[rows:]
         return full
 
 
@@ -43,11 +44,19 @@ class StaleTail(ReferenceBackend):
 
     name = "mutant-stale-tail"
 
-    def _init_family(self, name, max_requests, max_tokens, tpr, sizes):
-        super()._init_family(name, max_requests, max_tokens, tpr, sizes)
-        old = self._families[name].buffers["moe.token_lora_mapping"]
-        self._families[name].buffers["moe.token_lora_mapping"] = _StaleTailBuffer(
-            old.name, old.capacity, dtype=old.tensor.dtype, device=old.tensor.device, fill=old.fill)
+    def init_graph(self, family, capacity):
+        super().init_graph(family, capacity)
+        fam = self._families[family]
+        mapper = fam.mapper
+
+        def mapper_keeping_the_tail(indptr, slots, max_loras, mapping_out, enabled_out):
+            before = mapping_out.clone()
+            mapper(indptr, slots, max_loras, mapping_out, enabled_out)
+            # FAULT: rows past the live tokens keep the previous batch's mapping instead of -1.
+            live = torch.arange(mapping_out.numel(), device=mapping_out.device) < indptr[-1]
+            mapping_out.copy_(torch.where(live, mapping_out, before))
+
+        fam.mapper = mapper_keeping_the_tail
 
 
 class BaseToSlotZero(ReferenceBackend):
@@ -55,9 +64,9 @@ class BaseToSlotZero(ReferenceBackend):
 
     name = "mutant-base-to-slot-0"
 
-    def prepare(self, batch, family=None):
+    def prepare(self, batch, family=None, bucket=None):
         # FAULT: -1 is clamped to slot 0 instead of meaning "no adapter".
-        return super().prepare(_with_slots(batch, [max(r.adapter_id, 0) for r in batch.requests]), family)
+        return super().prepare(_with_slots(batch, [max(r.slot, 0) for r in batch.requests]), family, bucket)
 
 
 class UpUsesGateA(ReferenceBackend):
@@ -117,7 +126,7 @@ class SentinelToOtherAdapter(ReferenceBackend):
         if not self.spec.virtual_experts:
             return super()._pair_index(topk_ids, info)
         L, E = self.spec.max_loras, self.spec.E
-        slot = info.moe.token_lora_mapping.long()[:, None].expand_as(topk_ids)
+        slot = info.token_lora_mapping.long()[:, None].expand_as(topk_ids)
         ids = topk_ids.long()
         # FAULT: the id >= 0 test is missing, so slot·E + (-1) lands on slot s-1's last expert.
         virtual = torch.where((slot >= 0) & (slot < L) & (ids < E), slot * E + ids, torch.full_like(ids, -1))
@@ -132,7 +141,7 @@ class HostSync(ReferenceBackend):
     name = "mutant-host-sync"
 
     def moe_down_delta(self, h, topk_ids, topk_weights, down_out, weights, info):
-        if int(info.moe.adapter_enabled.sum()) == 0:  # FAULT: a host read of device data
+        if int(info.adapter_enabled.sum()) == 0:  # FAULT: a host read of device data
             return
         super().moe_down_delta(h, topk_ids, topk_weights, down_out, weights, info)
 
@@ -142,10 +151,10 @@ class RequestCap32(ReferenceBackend):
 
     name = "mutant-32-request-cap"
 
-    def prepare(self, batch, family=None):
+    def prepare(self, batch, family=None, bucket=None):
         # FAULT: only the first 32 requests keep their adapter.
-        slots = [r.adapter_id if i < 32 else NO_ADAPTER for i, r in enumerate(batch.requests)]
-        return super().prepare(_with_slots(batch, slots), family)
+        slots = [r.slot if i < 32 else NO_ADAPTER for i, r in enumerate(batch.requests)]
+        return super().prepare(_with_slots(batch, slots), family, bucket)
 
 
 class SharedScratch(ReferenceBackend):
@@ -153,12 +162,12 @@ class SharedScratch(ReferenceBackend):
 
     name = "mutant-shared-scratch"
 
-    def _init_family(self, name, max_requests, max_tokens, tpr, sizes):
-        super()._init_family(name, max_requests, max_tokens, tpr, sizes)
-        other = self._families.get("prefill" if name == "decode" else "decode")
+    def init_graph(self, family, capacity):
+        super().init_graph(family, capacity)
+        other = self._families.get("prefill" if family == "decode" else "decode")
         if other is None:
             return
-        for key, mine in self._families[name].buffers.items():
+        for key, mine in self._families[family].buffers.items():
             theirs = other.buffers[key]
             big, small = (theirs, mine) if theirs.capacity >= mine.capacity else (mine, theirs)
             small.tensor = big.tensor[: small.capacity]  # FAULT: one scratch for both families
@@ -242,7 +251,7 @@ class ExpertIdEOffByOne(ReferenceBackend):
         if self.spec.virtual_experts:
             return super()._pair_index(topk_ids, info)
         L, E = self.spec.max_loras, self.spec.E
-        slot = info.moe.token_lora_mapping.long()[:, None].expand_as(topk_ids)
+        slot = info.token_lora_mapping.long()[:, None].expand_as(topk_ids)
         ids = topk_ids.long()
         valid = (slot >= 0) & (slot < L) & (ids >= 0) & (ids <= E)  # FAULT: <= E where ids < E
         flat = torch.where(valid, slot * E + ids, torch.zeros_like(ids)) % (L * E)  # a flat read past slot s

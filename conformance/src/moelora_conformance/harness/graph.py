@@ -28,6 +28,7 @@ import torch
 from moelora_conformance.harness.break_op import LiveRequests, StaticRequests
 from moelora_conformance.harness.inputs import BatchInputs, pad_rows
 from moelora_conformance.harness.layer import Layer, LayerOutput, all_base
+from moelora_core.backend_checks import GraphCapacity
 from moelora_core.batch_info import LoRABatchInfo
 from moelora_core.capabilities import Fallback
 from moelora_core.errors import InvalidFieldError
@@ -66,12 +67,12 @@ class GraphLayer:
         backend = layer.backend
         if self.family == "decode":
             self.tokens_per_request = tokens_per_request
-            self.capacity = max_requests * tokens_per_request
-            backend.init_decode_graph(max_requests, tokens_per_request)
+            family_capacity = GraphCapacity.decode(max_requests, tokens_per_request)
         else:
             self.tokens_per_request = None
-            self.capacity = max_tokens
-            backend.init_prefill_graph(max_tokens, max_requests)
+            family_capacity = GraphCapacity.prefill(max_tokens, max_requests)
+        self.capacity = family_capacity.max_tokens
+        backend.init_graph(self.family, family_capacity)
         self.max_requests = max_requests
         device = layer.device
         self.pad = pad_rows(layer.m, self.capacity, pad_seed)

@@ -10,7 +10,7 @@ DESIGN.md §5 — host-side only, so it adds no host sync and stays capturable:
 - every delta call: an ``info`` this backend returned (no foreign or hand-made metadata); tensors
   on the spec's device, of the spec's dtype (activations; ``gate_up_out`` / ``down_out`` in the
   harness's fp32, or the spec's dtype), contiguous where the protocol's shapes require, with the
-  row count of the info's token mapping; integer ``topk_ids`` and fp32 ``topk_weights``; a
+  row count of the info (``num_tokens``); integer ``topk_ids`` and fp32 ``topk_weights``; a
   ``LoRAWeights`` of the spec's sizes whose host ranks and σ are the batch's (``BatchSpec`` and pool
   agree); dense modules of the spec.
 
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moelora_core.backend_checks import GraphCapacity
 from moelora_core.batch import BatchSpec
 from moelora_core.batch_info import LoRABatchInfo
 from moelora_core.capabilities import Capabilities, Fallback
@@ -69,17 +70,13 @@ class InspectingBackend:
     def capabilities(self) -> Capabilities:
         return self._inner.capabilities()
 
-    def init_decode_graph(self, max_bs: int, tokens_per_request: int = 1) -> None:
-        self._record("init_decode_graph", "decode")
-        self._inner.init_decode_graph(max_bs, tokens_per_request)
-        self._families.add("decode")
+    def init_graph(self, family: str, capacity: GraphCapacity) -> None:
+        self._record("init_graph", family)
+        self._inner.init_graph(family, capacity)
+        self._families.add(family)
 
-    def init_prefill_graph(self, max_num_tokens: int, max_num_requests: int) -> None:
-        self._record("init_prefill_graph", "prefill")
-        self._inner.init_prefill_graph(max_num_tokens, max_num_requests)
-        self._families.add("prefill")
-
-    def prepare(self, batch: BatchSpec, family: str | None = None) -> LoRABatchInfo | Fallback:
+    def prepare(self, batch: BatchSpec, family: str | None = None,
+                bucket: GraphCapacity | None = None) -> LoRABatchInfo | Fallback:
         self._record("prepare", family)
         if not isinstance(batch, BatchSpec):
             raise MalformedCallError(f"prepare got {type(batch).__name__}, not a BatchSpec")
@@ -88,8 +85,10 @@ class InspectingBackend:
         if any(r > self.spec.max_rank for r in batch.lora_ranks):
             raise MalformedCallError(f"batch ranks {batch.lora_ranks} exceed R={self.spec.max_rank}")
         if family is not None and family not in self._families:
-            raise MalformedCallError(f"prepare in the {family} family before init_{family}_graph")
-        info = self._inner.prepare(batch, family)
+            raise MalformedCallError(f"prepare in the {family} family before init_graph({family!r}, ...)")
+        if bucket is not None and family is None:
+            raise MalformedCallError("an eager prepare with a bucket")
+        info = self._inner.prepare(batch, family, bucket)
         if isinstance(info, LoRABatchInfo):
             self._infos[id(info)] = (info, batch, family)
         return info
@@ -155,7 +154,7 @@ class InspectingBackend:
             raise MalformedCallError(f"the batch says ranks {batch.lora_ranks}, the pool holds {weights.slot_ranks()}")
         if tuple(weights.slot_scalings()) != tuple(batch.scalings):
             raise MalformedCallError(f"the batch says σ {batch.scalings}, the pool holds {weights.slot_scalings()}")
-        return info.moe.token_lora_mapping.numel()
+        return info.num_tokens
 
     def _check_device(self, name: str, t: torch.Tensor) -> None:
         if not isinstance(t, torch.Tensor):

@@ -2,19 +2,18 @@
 
 Against the batch's host lists (what any correct backend must derive):
 
-- per token: ``moe.token_lora_mapping[:T]`` = the requests expanded (``NO_ADAPTER`` for base
-  requests and rank-0 slots); graph tail -1;
-- per request, whatever the backend's segmentation: ``req_seg_indptr`` / ``moe.seg_indptr`` = the
-  offsets (graph tail = the last live offset), ``req_weight_indices`` / ``moe.req_to_lora`` = the
-  slots (graph tail -1); ``moe.adapter_enabled``, ``lora_ranks``, ``scalings`` per slot;
-- host fields: forward mode, ``has_active_lora`` (eager: from the host lists; graph: True),
-  ``use_cuda_graph``, counts (eager: the batch's; graph: capacities);
-- the dense segmentation (backend-specific, so checked by invariants): ``seg_lens`` equals the
-  differences of ``seg_indptr``, offsets start at 0 and never decrease, slots lie in [-1, L), the
-  permutation (if any) is a permutation of the rows, and every token with an adapter lies in
-  exactly one segment of its slot *among the first* ``num_segments`` (the segments a launch
-  iterates over), no longer than ``max_len``, while no other row (base token or pad row) lies in a
-  segment with a slot;
+- per token: ``token_lora_mapping[:T]`` = the requests expanded (``NO_ADAPTER`` for base requests
+  and rank-0 slots); graph tail -1;
+- the request segments, whatever the backend's segmentation: ``req_seg_indptr`` = the offsets
+  (graph tail = the last live offset), ``req_weight_indices`` = the slots (graph tail -1);
+  ``adapter_enabled`` per slot;
+- host fields: ``has_active_lora`` (eager: from the host lists; graph: True), ``use_cuda_graph``,
+  the token count (eager: the batch's; graph: the capacity of the bucket it was prepared for);
+- the backend segmentation (backend-specific, so checked by invariants): offsets start at 0 and
+  never decrease, slots lie in [-1, L), the permutation (if any) is a permutation of the rows, and
+  every token with an adapter lies in exactly one segment of its slot *among the first*
+  ``num_segments`` (the segments a launch iterates over), no longer than ``max_len``, while no other
+  row (base token or pad row) lies in a segment with a slot;
 - the MoE alignment: every block of ``BLOCK_M`` rows holds one (slot, expert), each routed pair
   exactly once (``moelora_reference.align.check_alignment``), on the backend's own alignment when
   it exposes one (``backend.moe_alignment(topk_ids, info) -> (AlignOutput, block_m)``), else on
@@ -56,64 +55,53 @@ def check_batch_metadata(info: LoRABatchInfo, batch: BatchSpec, ctx: CheckContex
         AssertionError: naming the field, the first differing entries and the seed.
     """
     T, bs = batch.num_tokens, batch.bs
-    moe = info.moe
-    if info.forward_mode is not batch.forward_mode:
-        raise AssertionError(ctx.what(f"forward_mode {info.forward_mode} != {batch.forward_mode}"))
     if info.use_cuda_graph != graph:
         raise AssertionError(ctx.what(f"use_cuda_graph is {info.use_cuda_graph}, expected {graph}"))
     expected_active = True if graph else batch.has_active_lora
     if info.has_active_lora != expected_active:
         raise AssertionError(ctx.what(f"has_active_lora is {info.has_active_lora}, expected {expected_active} "
                                       f"({'graph metadata records the LoRA kernels' if graph else 'from host lists'})"))
-    if moe.num_experts != num_experts or moe.max_loras != max_loras:
-        raise AssertionError(ctx.what(f"moe.num_experts/max_loras = {moe.num_experts}/{moe.max_loras}, expected "
-                                      f"{num_experts}/{max_loras}"))
-    rows = moe.token_lora_mapping.numel()
+    rows = info.token_lora_mapping.numel()
     req_cap = info.req_weight_indices.numel()
+    if info.num_tokens != rows:
+        raise AssertionError(ctx.what(f"num_tokens {info.num_tokens} is not the token map's {rows} rows"))
+    if info.req_seg_indptr.numel() != req_cap + 1 or info.adapter_enabled.numel() != max_loras:
+        raise AssertionError(ctx.what(f"req_seg_indptr has {info.req_seg_indptr.numel()} entries for {req_cap} "
+                                      f"requests; adapter_enabled {info.adapter_enabled.numel()} for {max_loras} "
+                                      "slots"))
     if graph:
         if rows < T or req_cap < bs:
             raise AssertionError(ctx.what(f"graph metadata holds {rows} tokens / {req_cap} requests, the batch "
                                           f"needs {T} / {bs}"))
-        if info.num_tokens != rows:
-            raise AssertionError(ctx.what(f"num_tokens {info.num_tokens} is not the token capacity {rows}"))
-    else:
-        if rows != T or req_cap != bs or info.bs != bs or info.num_tokens != T:
-            raise AssertionError(ctx.what(f"eager metadata sized {rows} tokens / {req_cap} requests (bs={info.bs}, "
-                                          f"num_tokens={info.num_tokens}); the batch has {T} / {bs}"))
+    elif rows != T or req_cap != bs:
+        raise AssertionError(ctx.what(f"eager metadata sized {rows} tokens / {req_cap} requests; the batch has "
+                                      f"{T} / {bs}"))
     mapping = list(batch.token_lora_mapping) + [-1] * (rows - T)
-    _exact(moe.token_lora_mapping, mapping, ctx, "moe.token_lora_mapping (tail -1)")
+    _exact(info.token_lora_mapping, mapping, ctx, "token_lora_mapping (tail -1)")
     offsets = list(batch.req_seg_indptr) + [T] * (req_cap - bs)
-    slots = list(batch.req_to_lora) + [-1] * (req_cap - bs)
+    slots = list(batch.req_weight_indices) + [-1] * (req_cap - bs)
     _exact(info.req_seg_indptr, offsets, ctx, "req_seg_indptr (tail = last live offset)")
     _exact(info.req_weight_indices, slots, ctx, "req_weight_indices (tail -1)")
-    _exact(moe.seg_indptr, offsets[: moe.seg_indptr.numel()] + [T] * max(0, moe.seg_indptr.numel() - len(offsets)),
-           ctx, "moe.seg_indptr (per request; tail = last live offset)")
-    _exact(moe.req_to_lora, slots[: moe.req_to_lora.numel()] + [-1] * max(0, moe.req_to_lora.numel() - len(slots)),
-           ctx, "moe.req_to_lora (per request; tail -1)")
-    _exact(moe.adapter_enabled, list(batch.adapter_enabled), ctx, "moe.adapter_enabled")
-    _exact(info.lora_ranks, list(batch.lora_ranks), ctx, "lora_ranks")
-    _exact(info.scalings, list(batch.scalings), ctx, "scalings", dtype=torch.float32)
+    _exact(info.adapter_enabled, list(batch.adapter_enabled), ctx, "adapter_enabled")
     check_segments(info, batch, ctx)
 
 
 def check_segments(info: LoRABatchInfo, batch: BatchSpec, ctx: CheckContext) -> None:
     """The dense segmentation's invariants (module docstring)."""
     indptr = info.seg_indptr.detach().cpu().tolist()
-    lens = info.seg_lens.detach().cpu().tolist()
     slots = info.weight_indices.detach().cpu().tolist()
     S = len(slots)
-    rows = info.moe.token_lora_mapping.numel()
+    lens = [indptr[i + 1] - indptr[i] for i in range(min(S, len(indptr) - 1))]
+    rows = info.token_lora_mapping.numel()
     problems = []
-    if len(indptr) != S + 1 or len(lens) != S:
-        problems.append(f"seg_indptr has {len(indptr)} entries and seg_lens {len(lens)} for {S} segments")
+    if len(indptr) != S + 1:
+        problems.append(f"seg_indptr has {len(indptr)} entries for {S} segments")
     else:
         if indptr[0] != 0:
             problems.append(f"seg_indptr[0] = {indptr[0]}")
         for i in range(S):
             if indptr[i + 1] < indptr[i]:
                 problems.append(f"seg_indptr decreases at {i}: {indptr[i]} -> {indptr[i + 1]}")
-            if lens[i] != indptr[i + 1] - indptr[i]:
-                problems.append(f"seg_lens[{i}] = {lens[i]} != {indptr[i + 1] - indptr[i]}")
             if not -1 <= slots[i] < batch.max_loras:
                 problems.append(f"weight_indices[{i}] = {slots[i]} outside [-1, {batch.max_loras})")
         if indptr[-1] > rows:
@@ -163,7 +151,7 @@ def check_moe_alignment(backend, info: LoRABatchInfo, batch: BatchSpec, topk_ids
     Returns:
         "backend" or "twin": whose alignment was checked.
     """
-    rows = info.moe.token_lora_mapping.numel()
+    rows = info.token_lora_mapping.numel()
     expected_mapping = torch.tensor(list(batch.token_lora_mapping) + [-1] * (rows - batch.num_tokens), dtype=I32)
     enabled = list(batch.adapter_enabled)
     hook = getattr(backend, "moe_alignment", None)
@@ -171,8 +159,8 @@ def check_moe_alignment(backend, info: LoRABatchInfo, batch: BatchSpec, topk_ids
         out, block_m = hook(topk_ids, info)
         source = "backend"
     else:
-        out = moe_lora_align_block_size(topk_ids.cpu(), info.moe.token_lora_mapping.cpu(), num_experts, block_m,
-                                        max_loras, info.moe.adapter_enabled.cpu())
+        out = moe_lora_align_block_size(topk_ids.cpu(), info.token_lora_mapping.cpu(), num_experts, block_m,
+                                        max_loras, info.adapter_enabled.cpu())
         source = "twin"
     try:
         check_alignment(out, topk_ids.cpu(), expected_mapping, num_experts, block_m, max_loras, enabled, seed=ctx.seed)

@@ -36,7 +36,7 @@ from moelora_conformance.strategies.adapters import SlotAdapter, pool_ranks, poo
 from moelora_conformance.strategies.cases import MaterializedCase, MoELoRACase
 from moelora_conformance.strategies.choice import uniform, weighted
 from moelora_conformance.strategies.suite import family_of, mode_forward, pool_batches, tokens_per_request
-from moelora_core.backend_checks import FamilyCapacity
+from moelora_core.backend_checks import GraphCapacity
 from moelora_core.batch import BatchSpec
 from moelora_core.capabilities import Fallback
 from moelora_core.forward_mode import ForwardMode
@@ -185,7 +185,7 @@ def draw_history(data: st.DataObject, suite: Suite, case: MoELoRACase, m: Materi
                 batch = draw_batch(data, suite, now, mode, adapters="adapters",
                                    label=f"history batch {i} before reload")
                 add_batch("adapters", mode, batch, 10 + i)
-            wanted = [r.adapter_id for r in target.requests if r.adapter_id >= 0]  # slots the checked batch uses
+            wanted = [r.slot for r in target.requests if r.slot >= 0]  # slots the checked batch uses
             reload = draw_reload(data, case, pool, list(set(wanted)), seed=case.seed * 7 + 50 + i,
                                  label=f"history reload {i}")
             steps.append(Step("reload", mode, None, reload=reload))
@@ -226,7 +226,7 @@ class HistoryRunner:
         self.other: GraphLayer | None = None
         if others:
             mode = others[0].mode
-            cap: FamilyCapacity = capacity_for(mode, [s.inputs.batch for s in others])
+            cap: GraphCapacity = capacity_for(mode, [s.inputs.batch for s in others])
             self.other = GraphLayer(subject.layer, mode, max_requests=cap.max_requests, max_tokens=cap.max_tokens,
                                     tokens_per_request=cap.tokens_per_request, pad_seed=subject.case.seed + 5)
 
@@ -260,14 +260,14 @@ class HistoryRunner:
 
 
 def history_capacity(mode: str, target: BatchSpec, steps: list[Step], extra_requests: int = 0,
-                     extra_tokens: int = 0) -> FamilyCapacity:
+                     extra_tokens: int = 0) -> GraphCapacity:
     """The subject's capacity: every own-mode batch of the history and the target fit."""
     own = [s.inputs.batch for s in steps if s.mode == mode and s.inputs is not None] + [target]
     return capacity_for(mode, own, extra_requests=extra_requests, extra_tokens=extra_tokens)
 
 
 def draw_history_capacity(data: st.DataObject, mode: str, target: BatchSpec,
-                          steps: list[Step]) -> FamilyCapacity | None:
+                          steps: list[Step]) -> GraphCapacity | None:
     """:func:`history_capacity` with drawn slack (0-2 requests, 0-8 tokens), traced; None (nothing
     drawn) in eager mode."""
     if mode == "eager":

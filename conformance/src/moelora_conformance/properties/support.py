@@ -35,7 +35,7 @@ from moelora_conformance.strategies.cases import MaterializedCase, MoELoRACase
 from moelora_conformance.strategies.routing import routing_plans
 from moelora_conformance.strategies.suite import family_of, suite_cases, tokens_per_request
 from moelora_core.backend import BackendFactory
-from moelora_core.backend_checks import FamilyCapacity
+from moelora_core.backend_checks import GraphCapacity
 from moelora_core.batch import BatchSpec
 from moelora_core.capabilities import Capabilities, Fallback
 from moelora_core.forward_mode import ForwardMode
@@ -151,19 +151,19 @@ def draw_moe_path(data: st.DataObject, suite: Suite) -> str:
 
 
 def capacity_for(mode: str, batches: list[BatchSpec], *, extra_requests: int = 0,
-                 extra_tokens: int = 0) -> FamilyCapacity:
+                 extra_tokens: int = 0) -> GraphCapacity:
     """The smallest capacity of ``mode``'s graph family that fits every batch of ``batches``, plus
-    slack: the decode family's ``init_decode_graph(max_bs, tokens_per_request)`` in "decode", the
-    prefill family's ``init_prefill_graph(max_num_tokens, max_num_requests)`` otherwise."""
+    slack: ``GraphCapacity.decode(max_bs, tokens_per_request)`` in "decode",
+    ``GraphCapacity.prefill(max_num_tokens, max_num_requests)`` otherwise."""
     reqs = max([b.bs for b in batches] + [1]) + extra_requests
     if mode == "decode":
         tpr = next((tokens_per_request(b) for b in batches if b.forward_mode is ForwardMode.DECODE), 1)
-        return FamilyCapacity.decode(reqs, tpr)
+        return GraphCapacity.decode(reqs, tpr)
     toks = max([b.num_tokens for b in batches] + [1]) + extra_tokens
-    return FamilyCapacity.prefill(toks, reqs)
+    return GraphCapacity.prefill(toks, reqs)
 
 
-def draw_capacity(data: st.DataObject, mode: str, batches: list[BatchSpec]) -> FamilyCapacity | None:
+def draw_capacity(data: st.DataObject, mode: str, batches: list[BatchSpec]) -> GraphCapacity | None:
     """A capacity for ``batches`` with drawn slack (0-3 requests, 0-16 tokens); None (nothing drawn)
     in eager mode."""
     if mode == "eager":
@@ -188,7 +188,7 @@ class Subject:
     case: MoELoRACase
     mode: str
     moe_path: str = "deltas"
-    capacity: FamilyCapacity | None = None
+    capacity: GraphCapacity | None = None
     materialized: MaterializedCase | None = None
     layer: Layer = field(init=False)
     graph: GraphLayer | None = field(init=False, default=None)

@@ -28,7 +28,7 @@ from moelora_conformance.properties.support import (
 )
 from moelora_conformance.strategies.choice import uniform
 from moelora_conformance.strategies.suite import mode_forward, pool_batches
-from moelora_core.backend_checks import FamilyCapacity
+from moelora_core.backend_checks import GraphCapacity
 from moelora_core.forward_mode import ForwardMode
 
 #: The public 32-request cap some engines had: capacities go past it.
@@ -52,7 +52,7 @@ def test_replay_equals_eager_after_a_larger_batch(moelora_suite, mode, dtype, da
         tokens = max_requests
     else:
         tokens = data.draw(st.integers(max_requests, caps.max_tokens), label="token capacity")
-    capacity = FamilyCapacity.decode(max_requests) if mode == "decode" else FamilyCapacity.prefill(tokens, max_requests)
+    capacity = GraphCapacity.decode(max_requests) if mode == "decode" else GraphCapacity.prefill(tokens, max_requests)
     trace(f"capacity: {capacity}")
     small = data.draw(st.integers(1, max_requests), label="requests of the smaller batch")
     sizes = [max_requests, small, 1]

@@ -3,10 +3,12 @@ storage.
 
 In a graph family, every device tensor of the metadata ``prepare(batch, family)`` returns (its
 private metadata included) is a view of a static buffer a captured graph reads: its address must not
-change from batch to batch, nor may the host numbers a launch uses (``bs``, ``num_tokens``,
-``num_segments``, ``max_len``: capacities fixed at capture). Where the backend declares both
-families, no byte of one family's metadata storage may belong to the other's, and preparing a batch
-in the other family leaves this family's buffers exactly as they were.
+change from batch to batch, nor may the host numbers a launch uses (``num_tokens``,
+``num_segments``, ``max_len``: capacities fixed at capture). A smaller bucket of the family
+(``prepare(batch, family, bucket=...)``) reads views of the same buffers: each of its tensors starts
+where the family's does and is no longer, and its host numbers are no larger. Where the backend
+declares both families, no byte of one family's metadata storage may belong to the other's, and
+preparing a batch in the other family leaves this family's buffers exactly as they were.
 """
 
 import torch
@@ -21,14 +23,7 @@ from moelora_conformance.properties.support import capacity_for, draw_case, not_
 from moelora_core.batch import BatchSpec
 from moelora_core.forward_mode import ForwardMode
 
-HOST_FIELDS = ("bs", "num_tokens", "num_segments", "max_len")
-
-
-def _init(backend, family, cap):
-    if family == "decode":
-        backend.init_decode_graph(cap.max_requests, cap.tokens_per_request)
-    else:
-        backend.init_prefill_graph(cap.max_tokens, cap.max_requests)
+HOST_FIELDS = ("num_tokens", "num_segments", "max_len")
 
 
 def _storages(info):
@@ -50,7 +45,7 @@ def test_static_buffers_keep_their_addresses(moelora_suite, mode, dtype, data):
     batches = [case.batch] + [draw_batch(data, suite, case.batch, family, label=f"batch {i}") for i in range(3)]
     cap = capacity_for(family, batches)
     trace(f"capacity: {cap}; batches: {[b.bs for b in batches]} requests")
-    _init(backend, family, cap)
+    backend.init_graph(family, cap)
     first = not_fallback(backend.prepare(batches[0], family), f"{family} batch 0")
     ptrs = {n: t.data_ptr() for n, t in metadata_tensors(first).items()}
     host = {f: getattr(first, f) for f in HOST_FIELDS}
@@ -64,6 +59,16 @@ def test_static_buffers_keep_their_addresses(moelora_suite, mode, dtype, data):
         if now_host != host:
             raise AssertionError(f"{family} batch {i}: host numbers changed {host} -> {now_host} (capacities are "
                                  f"fixed at capture) | {case.describe()}")
+    bucket = capacity_for(family, batches[:1])
+    small = not_fallback(backend.prepare(batches[0], family, bucket), f"{family} batch 0 in the bucket {bucket}")
+    full = metadata_tensors(first)
+    for n, t in metadata_tensors(small).items():
+        if n not in full or t.data_ptr() != full[n].data_ptr() or t.numel() > full[n].numel():
+            raise AssertionError(f"{family} bucket {bucket}: {n} is not a view of the family's buffer (address "
+                                 f"{t.data_ptr():#x}, {t.numel()} elements) | {case.describe()}")
+    if any(getattr(small, f) > host[f] for f in HOST_FIELDS):
+        raise AssertionError(f"{family} bucket {bucket}: host numbers {[getattr(small, f) for f in HOST_FIELDS]} "
+                             f"exceed the family's {host} | {case.describe()}")
     other = "prefill" if family == "decode" else "decode"
     if other not in suite.capabilities.graph_families:
         return
@@ -74,7 +79,7 @@ def test_static_buffers_keep_their_addresses(moelora_suite, mode, dtype, data):
     same_kind = (b.forward_mode is ForwardMode.DECODE) == (kind is ForwardMode.DECODE)
     like = b if same_kind else BatchSpec(ForwardMode.IDLE, (), b.max_loras, b.lora_ranks, b.scalings)
     other_batch = draw_batch(data, suite, like, other if other == "decode" else "prefill-full", label="other batch")
-    _init(backend, other, capacity_for(other, [other_batch]))
+    backend.init_graph(other, capacity_for(other, [other_batch]))
     other_info = not_fallback(backend.prepare(other_batch, other), f"{other} batch")
     theirs = _storages(other_info)
     for a, (lo, hi) in mine.items():

@@ -2,11 +2,12 @@
 are valid whatever the segmentation, the dense segmentation covers each adapter token once, each
 alignment block holds one expert, and graph tails are reset.
 
-Eager: the drawn batch. Graph families: the drawn batch, a drawn larger batch, the drawn batch
-again and an IDLE batch, in the same static buffers — each prepared batch must read exactly as if it
-were the first (tails reset to -1 / the last live offset; launch counts that still cover the larger
-batch's segments). The alignment is checked over every token row
-the kernels see (graph mode: the whole capacity, pad rows mapped to -1).
+Eager: the drawn batch. Graph families: the drawn batch, a drawn larger batch, the drawn batch in
+the smallest bucket that holds it, and an IDLE batch in the whole family, in the same static buffers
+— each prepared batch must read exactly as if it were the first (tails reset to -1 / the last live
+offset, in a bucket's views too, which the larger batch wrote; launch counts that still cover the
+larger batch's segments). The alignment is checked over every token row the kernels see (graph
+mode: the whole capacity of the family or bucket, pad rows mapped to -1).
 """
 
 import torch
@@ -35,28 +36,28 @@ def test_metadata_is_exact(moelora_suite, mode, dtype, data):
     ctx = CheckContext(case.describe(), case.seed, case.dtype, suite.device)
     block_m = data.draw(st.sampled_from((16, 32, 64)), label="BLOCK_M of the twin alignment")
     if mode == "eager":
-        batches = [b]
+        batches = [(b, None)]
         family = None
     else:
         family = mode
         larger = draw_batch(data, suite, b, family, min_requests=b.bs + 1, label="larger batch")
         idle = BatchSpec(ForwardMode.IDLE, (), b.max_loras, b.lora_ranks, b.scalings)
-        batches = [b, larger, b, idle]  # a count frozen on the first batch, then tails after a larger one
-        cap = capacity_for(family, batches, extra_requests=data.draw(st.integers(0, 3), label="request slack"),
+        cap = capacity_for(family, [b, larger], extra_requests=data.draw(st.integers(0, 3), label="request slack"),
                            extra_tokens=data.draw(st.integers(0, 16), label="token slack"))
-        trace(f"capacity: {cap}")
-        if family == "decode":
-            backend.init_decode_graph(cap.max_requests, cap.tokens_per_request)
-        else:
-            backend.init_prefill_graph(cap.max_tokens, cap.max_requests)
-    for i, batch in enumerate(batches):
+        bucket = capacity_for(family, [b])
+        # a count frozen on the first batch, then tails after a larger one: in a smaller bucket's views,
+        # and in the whole family (an IDLE batch leaves nothing live: every entry is a tail)
+        batches = [(b, None), (larger, None), (b, bucket), (idle, None)]
+        trace(f"capacity: {cap}; bucket of batch 2: {bucket}")
+        backend.init_graph(family, cap)
+    for i, (batch, bucket) in enumerate(batches):
         trace(f"batch {i}: {batch.forward_mode.name} bs={batch.bs} T={batch.num_tokens} "
-              f"slots={list(batch.req_to_lora)}")
-        info = not_fallback(backend.prepare(batch, family), f"{mode} batch {i}")
+              f"slots={list(batch.req_weight_indices)}{'' if bucket is None else f' in bucket {bucket}'}")
+        info = not_fallback(backend.prepare(batch, family, bucket), f"{mode} batch {i}")
         check_batch_metadata(info, batch, ctx, graph=family is not None, num_experts=spec.E, max_loras=spec.max_loras)
         inp = derive_inputs(case, layer.m, batch, seed=case.seed + i)
         ids = inp.topk_ids
-        rows = info.moe.token_lora_mapping.numel()
+        rows = info.token_lora_mapping.numel()
         if rows > batch.num_tokens:
             ids = torch.cat([ids, pad_rows(layer.m, rows, case.seed).topk_ids[batch.num_tokens:]])
         check_moe_alignment(backend, info, batch, ids, ctx, num_experts=spec.E, max_loras=spec.max_loras,

@@ -62,7 +62,7 @@ def test_mixed_ranks_rslora_and_scalings_in_one_batch(moelora_suite, mode, dtype
     batch = data.draw(pool_batches(like, fmode, n, max_tokens=max(caps.max_tokens, 3 * tpr), tokens_per_request=tpr),
                       label="batch")
     where = data.draw(st.permutations(range(n)), label="positions of slot 0, slot 1 and base")[:3]
-    slots = [r.adapter_id for r in batch.requests]
+    slots = [r.slot for r in batch.requests]
     for pos, slot in zip(where, (0, 1, NO_ADAPTER)):
         slots[pos] = slot
     requests = [Request(s, r.extend_len, r.prefix_len) for s, r in zip(slots, batch.requests)]

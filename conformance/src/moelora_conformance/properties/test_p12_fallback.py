@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from moelora_conformance.harness.metadata import metadata_tensors
 from moelora_conformance.properties.registry import conformance
 from moelora_conformance.properties.support import Subject, draw_case, draw_moe_path, not_fallback, trace
+from moelora_core.backend_checks import GraphCapacity
 from moelora_core.batch import BatchSpec, Request
 from moelora_core.capabilities import Fallback
 from moelora_core.forward_mode import ForwardMode
@@ -40,27 +41,27 @@ def test_over_capacity_falls_back_and_touches_nothing(moelora_suite, mode, dtype
     if family == "decode":
         if b.forward_mode is not ForwardMode.DECODE:
             over = "an EXTEND batch"
-            backend.init_decode_graph(b.bs, 1)
-            fits = _batch(b, ForwardMode.DECODE, [Request(first_req.adapter_id, 1, 1)])
+            backend.init_graph("decode", GraphCapacity.decode(b.bs, 1))
+            fits = _batch(b, ForwardMode.DECODE, [Request(first_req.slot, 1, 1)])
         else:
             tpr = b.tokens_per_request
             options = (["requests"] if b.bs > 1 else []) + ["tokens per request"]
             over = data.draw(st.sampled_from(options), label="what overflows")
             if over == "requests":
-                backend.init_decode_graph(b.bs - 1, tpr)
+                backend.init_graph("decode", GraphCapacity.decode(b.bs - 1, tpr))
                 fits = _batch(b, ForwardMode.DECODE, b.requests[:1])
             else:
-                backend.init_decode_graph(b.bs, tpr + 1)
-                fits = _batch(b, ForwardMode.DECODE, [Request(first_req.adapter_id, tpr + 1, 1)])
+                backend.init_graph("decode", GraphCapacity.decode(b.bs, tpr + 1))
+                fits = _batch(b, ForwardMode.DECODE, [Request(first_req.slot, tpr + 1, 1)])
     else:
         options = (["requests"] if b.bs > 1 else []) + (["tokens"] if b.num_tokens > 1 else [])
         assume(options)  # one request of one token: no smaller prefill capacity exists
         over = data.draw(st.sampled_from(options), label="what overflows")
         if over == "requests":
-            backend.init_prefill_graph(b.num_tokens, b.bs - 1)
+            backend.init_graph("prefill", GraphCapacity.prefill(b.num_tokens, b.bs - 1))
         else:
-            backend.init_prefill_graph(max(1, b.num_tokens - 1), b.bs)
-        fits = _batch(b, ForwardMode.EXTEND, [Request(first_req.adapter_id, 1)])
+            backend.init_graph("prefill", GraphCapacity.prefill(max(1, b.num_tokens - 1), b.bs))
+        fits = _batch(b, ForwardMode.EXTEND, [Request(first_req.slot, 1)])
     trace(f"{family} family one size too small ({over}); fitting batch: {list(fits.seq_lens)}")
     info = not_fallback(backend.prepare(fits, family), f"{family} fitting batch")
     before = {n: t.clone() for n, t in metadata_tensors(info).items()}

@@ -80,7 +80,7 @@ def test_adapters_read_from_peft_files_mean_what_the_files_say(moelora_suite, mo
     inp = derive_inputs(case, subject.m, batch, seed=case.seed + 13)
     subject.run_and_check(inp, "the batch on adapters read from files")
 
-    used = sorted({r.adapter_id for r in batch.requests if r.adapter_id >= 0 and files[r.adapter_id] is not None})
+    used = sorted({r.slot for r in batch.requests if r.slot >= 0 and files[r.slot] is not None})
     if not used:
         return
     slot = data.draw(uniform(used), label="slot reloaded from a file")

@@ -45,7 +45,7 @@ class BatchPlan:
 
     def describe(self) -> str:
         b = self.batch
-        return f"{self.kind} bs={b.bs} T={b.num_tokens} adapters={self.adapter_mode} slots={runs(b.req_to_lora)}"
+        return f"{self.kind} bs={b.bs} T={b.num_tokens} adapters={self.adapter_mode} slots={runs(b.req_weight_indices)}"
 
 
 def runs(values) -> str:

@@ -6,12 +6,13 @@ the permutation; the chunked SGMV kernels read tokens through it and keep the ra
 intermediate by sorted position, so each program streams one slot's A and B over a contiguous
 chunk (SGLang's ``chunked_backend.py``, sgl-project/sglang#10286).
 
-Chunk size: from the token count (:func:`~.segmentation.chunk_size_for`) — the batch's eagerly,
-the family's token capacity in graph mode, fixed at capture with the capacities ``num_tokens //
-chunk_size + min(max_loras + 1, max_requests)`` chunks and ``max_len = chunk_size``.
+Chunk size: from the token count (:func:`~.segmentation.chunk_size_for`) — the batch's eagerly, the
+graph family's token capacity (its largest bucket) in graph mode, the same for every bucket of the
+family, so a bucket's ``num_tokens // chunk_size + min(max_loras + 1, max_requests)`` chunks never
+exceed the family's buffers; ``max_len = min(chunk_size, the bucket's tokens)``, fixed at capture.
 
-Chunks are not requests: the MoE path reads the per-request fields (``moe.seg_indptr``,
-``moe.req_to_lora``) and the token mapping made from them, never the chunks (the fault fixed by
+Chunks are not requests: the MoE path reads the token map, made from the request segments
+(``req_seg_indptr``, ``req_weight_indices``), never the chunks (the fault fixed by
 sgl-project/sglang#24007). Build with :func:`make_backend` (the built-in name ``csgmv``).
 """
 
@@ -21,6 +22,7 @@ from functools import partial
 
 from moelora_backends.kernel_backend import KernelBackend
 from moelora_backends.segmentation import Segmentation, chunk_segments, chunk_size_for, max_chunk_segments
+from moelora_core.backend_checks import GraphCapacity
 from moelora_core.batch import BatchSpec
 from moelora_core.layer_spec import LoRALayerSpec
 from moelora_core.metadata import LaunchSizes
@@ -37,12 +39,12 @@ class CsgmvBackend(KernelBackend):
     def eager_segmentation(self, batch: BatchSpec) -> Segmentation:
         return self.chunk_segments(batch, chunk_size_for(batch.num_tokens))
 
-    def family_layout(self, family: str, max_requests: int, max_tokens: int, tokens_per_request: int | None):
+    def family_layout(self, family: str, capacity: GraphCapacity, family_capacity: GraphCapacity):
         L = self.spec.max_loras
-        size = chunk_size_for(max_tokens)
-        cap = LaunchSizes(max_requests, max_tokens, L, max_chunk_segments(max_tokens, max_requests, L, size),
-                       min(size, max_tokens), True)
-        return cap, partial(self.chunk_segments, chunk_size=size)
+        requests, tokens = capacity.max_requests, capacity.max_tokens
+        size = chunk_size_for(family_capacity.max_tokens)  # the family's: bucket chunk counts stay within its buffers
+        sizes = LaunchSizes(requests, tokens, L, max_chunk_segments(tokens, requests, L, size), min(size, tokens), True)
+        return sizes, partial(self.chunk_segments, chunk_size=size)
 
 
 def make_backend(spec: LoRALayerSpec) -> CsgmvBackend:

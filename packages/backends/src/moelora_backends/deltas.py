@@ -129,7 +129,7 @@ def dense_delta(module: str, x: torch.Tensor, out: torch.Tensor, weights: LoRAWe
         t = segmented_lora_a(xk, A, seg_indptr, weight_indices, ranks, permutation=info.permutation, **shrink)
         segmented_lora_b(t, B, seg_indptr, weight_indices, ranks, scalings, target.tensor,
                          permutation=info.permutation, **expand)
-    target.merge(info.moe.token_lora_mapping)
+    target.merge(info.token_lora_mapping)
 
 
 class MoEDeltas:
@@ -154,12 +154,12 @@ class MoEDeltas:
         slots: (AlignOutput, BLOCK_M). Fresh buffers, one launch."""
         T = topk_ids.shape[0]
         block_m = self.block_m(T)
-        out = moe_lora_align_block_size(topk_ids, info.moe.token_lora_mapping, self.spec.E, block_m,
-                                        self.spec.max_loras, info.moe.adapter_enabled)
+        out = moe_lora_align_block_size(topk_ids, info.token_lora_mapping, self.spec.E, block_m,
+                                        self.spec.max_loras, info.adapter_enabled)
         return out, block_m
 
     def _virtual(self, topk_ids: torch.Tensor, info: LoRABatchInfo) -> AlignOutput:
-        _, align = virtual_align(topk_ids, info.moe.token_lora_mapping, self.spec.E, self.spec.max_loras)
+        _, align = virtual_align(topk_ids, info.token_lora_mapping, self.spec.E, self.spec.max_loras)
         return align
 
     def aligned(self, topk_ids: torch.Tensor, info: LoRABatchInfo) -> AlignOutput:
@@ -194,5 +194,5 @@ class MoEDeltas:
             virtual_moe_lora_delta(stage, inp_k, target.tensor, weights, align, top_k=k, topk_weights=topk_weights)
         else:
             moe_lora_delta(stage, inp_k, target.tensor, weights, align, top_k=k, topk_weights=topk_weights,
-                           adapter_enabled=info.moe.adapter_enabled, max_rank=bound)
-        target.merge(info.moe.token_lora_mapping)
+                           adapter_enabled=info.adapter_enabled, max_rank=bound)
+        target.merge(info.token_lora_mapping)

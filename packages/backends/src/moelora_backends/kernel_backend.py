@@ -8,8 +8,8 @@ subclass says only how it segments a batch for the dense kernels — eagerly
 — and whether the dense kernels read the intermediate by sorted position (chunked SGMV). What is
 kernel-specific is here:
 
-- the token mapping on the device (``moelora_kernels.token_lora_mapping``, one launch, from the
-  per-request fields);
+- the token map on the device (``moelora_kernels.token_lora_mapping``, one launch, from the
+  request segments);
 - the deltas (:mod:`.deltas`) on the kernels; nothing when ``info.has_active_lora`` is False (an
   eager IDLE or all-base batch launches no kernel);
 - ``moe_align``: one MoE alignment per layer forward, shared by its two stages (``align=``);
@@ -45,11 +45,11 @@ from moelora_kernels import FusedLoRAInputs, fused_moe, token_lora_mapping
 from moelora_kernels._common import interpreting
 
 
-def map_tokens_on_device(seg_indptr: torch.Tensor, req_to_lora: torch.Tensor, max_loras: int,
+def map_tokens_on_device(req_seg_indptr: torch.Tensor, req_weight_indices: torch.Tensor, max_loras: int,
                          mapping_out: torch.Tensor, enabled_out: torch.Tensor) -> None:
-    """The kernel backends' ``TokenMapper``: ``moe.token_lora_mapping`` and ``moe.adapter_enabled``
-    from the per-request fields, on the device (one launch; tails past the live tokens become -1)."""
-    token_lora_mapping(seg_indptr, req_to_lora, max_loras=max_loras, mapping_out=mapping_out,
+    """The kernel backends' ``TokenMapper``: ``token_lora_mapping`` and ``adapter_enabled`` from the
+    request segments, on the device (one launch; tails past the live tokens become -1)."""
+    token_lora_mapping(req_seg_indptr, req_weight_indices, max_loras=max_loras, mapping_out=mapping_out,
                        adapter_enabled_out=enabled_out)
 
 
@@ -174,7 +174,7 @@ class KernelBackend(BackendBase):
         y = fused_moe(_in_dtype(x, s.dtype), ids, topk_weights.contiguous(), w_gu, w_d,
                       activation=act.kind, alpha=act.alpha, limit=act.limit, b_gate_up=base_weights.b_gate_up,
                       b_down=base_weights.b_down,
-                      fused_lora=FusedLoRAInputs(weights, info.moe.token_lora_mapping, info.moe.adapter_enabled,
+                      fused_lora=FusedLoRAInputs(weights, info.token_lora_mapping, info.adapter_enabled,
                                                  max_rank))
         return y if y.dtype == x.dtype else y.to(x.dtype)
 

@@ -71,14 +71,14 @@ def segmentation_of(pieces: list[tuple[int, int]], permutation: list[int] | None
 
 
 def _requests(batch: BatchSpec) -> list[tuple[int, int]]:
-    return list(zip(batch.req_to_lora, batch.seq_lens))
+    return list(zip(batch.req_weight_indices, batch.seq_lens))
 
 
 def _sorted_by_slot(batch: BatchSpec) -> tuple[list[tuple[int, int]], list[int]]:
     """(slot, tokens) of the requests stably sorted by slot (``NO_ADAPTER`` first), and the
     permutation of token rows that order gives (each request's rows kept in order)."""
     starts, requests = batch.req_seg_indptr, _requests(batch)
-    order = sorted(range(batch.bs), key=batch.req_to_lora.__getitem__)  # stable
+    order = sorted(range(batch.bs), key=batch.req_weight_indices.__getitem__)  # stable
     permutation = [row for r in order for row in range(starts[r], starts[r + 1])]
     return [requests[r] for r in order], permutation
 

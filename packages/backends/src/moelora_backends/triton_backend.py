@@ -32,6 +32,7 @@ from moelora_backends.segmentation import (
     request_segments,
     tile_segments,
 )
+from moelora_core.backend_checks import GraphCapacity
 from moelora_core.batch import BatchSpec
 from moelora_core.forward_mode import ForwardMode
 from moelora_core.layer_spec import LoRALayerSpec
@@ -53,14 +54,15 @@ class TritonBackend(KernelBackend):
             return self.decode_segments(batch)
         return self.extend_segments(batch)
 
-    def family_layout(self, family: str, max_requests: int, max_tokens: int, tokens_per_request: int | None):
+    def family_layout(self, family: str, capacity: GraphCapacity, family_capacity: GraphCapacity):
         L = self.spec.max_loras
+        requests, tokens = capacity.max_requests, capacity.max_tokens
         if family == "decode":
-            cap = LaunchSizes(max_requests, max_tokens, L, max_adapter_segments(max_requests, L), max_tokens, True)
-            return cap, self.decode_segments
-        cap = LaunchSizes(max_requests, max_tokens, L, max_tile_segments(max_tokens, max_requests, PREFILL_TILE),
-                       min(PREFILL_TILE, max_tokens), False)
-        return cap, partial(self.prefill_graph_segments, tile=PREFILL_TILE)
+            sizes = LaunchSizes(requests, tokens, L, max_adapter_segments(requests, L), tokens, True)
+            return sizes, self.decode_segments
+        sizes = LaunchSizes(requests, tokens, L, max_tile_segments(tokens, requests, PREFILL_TILE),
+                            min(PREFILL_TILE, tokens), False)
+        return sizes, partial(self.prefill_graph_segments, tile=PREFILL_TILE)
 
 
 class TritonFusedBackend(TritonBackend):

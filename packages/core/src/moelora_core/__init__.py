@@ -6,11 +6,12 @@ A reader of DESIGN.md finds its names here:
 - ``ForwardMode`` EXTEND / DECODE / IDLE                                    (:mod:`.forward_mode`)
 - ``AdapterConfig`` (r, α, rsLoRA, rank_pattern / alpha_pattern → rank, σ)  (:mod:`.adapter_config`)
 - ``Request``, ``BatchSpec``                                                (:mod:`.batch`)
-- ``LoRABatchInfo``, ``MoELoRABatchInfo``                                   (:mod:`.batch_info`)
+- ``LoRABatchInfo``                                                        (:mod:`.batch_info`)
 - ``LoRALayerSpec``                                                         (:mod:`.layer_spec`)
 - ``LoRAWeights`` with ``load_slot``, ``ModuleLoRA``                        (:mod:`.weights`)
 - ``Capabilities``, ``Fallback``                                            (:mod:`.capabilities`)
-- ``Backend`` protocol, ``load_backend``                                    (:mod:`.backend`)
+- ``Backend`` protocol, ``load_backend``, ``check_protocol``                (:mod:`.backend`)
+- ``GraphCapacity`` (a graph family's or bucket's capacity)                (:mod:`.backend_checks`)
 - ``AlignOutput``, ``align_capacity`` (moe_lora_align_block_size contract) (:mod:`.align`)
 - ``MoEBaseWeights``                                                       (:mod:`.base_weights`)
 - ``SharedExpertWeights``, ``shared_expert_forward`` (Qwen2-MoE)          (:mod:`.shared_expert`)
@@ -23,10 +24,11 @@ A reader of DESIGN.md finds its names here:
 
 from moelora_core.adapter_config import AdapterConfig, lora_scaling
 from moelora_core.align import AlignOutput, align_capacity
-from moelora_core.backend import BUILTIN_BACKENDS, Backend, BackendFactory, load_backend
+from moelora_core.backend import BUILTIN_BACKENDS, Backend, BackendFactory, check_protocol, load_backend
+from moelora_core.backend_checks import GraphCapacity
 from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.batch import BatchSpec, Request
-from moelora_core.batch_info import LoRABatchInfo, MoELoRABatchInfo
+from moelora_core.batch_info import LoRABatchInfo
 from moelora_core.capabilities import GRAPH_FAMILIES, PREFILL_GRAPH_MODES, Capabilities, Fallback
 from moelora_core.errors import (
     AdapterError,
@@ -34,6 +36,7 @@ from moelora_core.errors import (
     InvalidFieldError,
     KernelPreconditionError,
     MoeLoraError,
+    RenamedError,
     SlotError,
 )
 from moelora_core.forward_mode import ForwardMode
@@ -93,6 +96,7 @@ __all__ = [
     "CloseReport",
     "Fallback",
     "ForwardMode",
+    "GraphCapacity",
     "HostSyncError",
     "InvalidFieldError",
     "KernelPreconditionError",
@@ -102,10 +106,10 @@ __all__ = [
     "LogprobCheck",
     "LogprobTolerance",
     "MoEBaseWeights",
-    "MoELoRABatchInfo",
     "ModuleLoRA",
     "MoeLoraError",
     "PinnedStaging",
+    "RenamedError",
     "Request",
     "SharedExpertWeights",
     "SlotError",
@@ -115,6 +119,7 @@ __all__ = [
     "align_capacity",
     "assert_exact",
     "assert_logprobs_close",
+    "check_protocol",
     "load_backend",
     "logprob_tolerance",
     "lora_scaling",
@@ -122,3 +127,11 @@ __all__ = [
     "padding_row",
     "shared_expert_forward",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "MoELoRABatchInfo":
+        from moelora_core import batch_info
+
+        return batch_info.__getattr__(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

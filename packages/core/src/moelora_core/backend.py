@@ -1,13 +1,19 @@
 """The backend protocol (DESIGN.md §5) and loading a backend by name.
 
-A backend is built by ``factory(spec) -> Backend``. It never owns adapter weights: every call
-takes a ``LoRAWeights``, as kernels do. The base MoE (routing, base GEMMs, activation, top-k sum)
-is run by the caller; the backend adds LoRA deltas in place.
+A backend is built by ``factory(spec) -> Backend``, once per engine (per device and TP rank): the
+engine's eager passes and every graph bucket of both families share it. It never owns adapter
+weights: every call takes a ``LoRAWeights``, as kernels do. The base MoE (routing, base GEMMs,
+activation, top-k sum) is run by the caller; the backend adds LoRA deltas in place.
+
+The previous version's entry points (``init_decode_graph``, ``init_prefill_graph``) and fields are
+listed with their replacements in ``conformance/docs/migration.md``; :func:`check_protocol` refuses a
+backend that still implements only the old ones, naming the new.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -16,10 +22,11 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from moelora_core.backend_checks import GraphCapacity
 from moelora_core.batch import BatchSpec
 from moelora_core.batch_info import LoRABatchInfo
 from moelora_core.capabilities import Capabilities, Fallback
-from moelora_core.errors import InvalidFieldError
+from moelora_core.errors import InvalidFieldError, RenamedError
 from moelora_core.layer_spec import LoRALayerSpec
 from moelora_core.weights import LoRAWeights
 
@@ -51,22 +58,24 @@ class Backend(Protocol):
         """The declared features (constant for the backend's life)."""
         ...
 
-    def prepare(self, batch: BatchSpec, family: str | None = None) -> LoRABatchInfo | Fallback:
+    def prepare(self, batch: BatchSpec, family: str | None = None,
+                bucket: GraphCapacity | None = None) -> LoRABatchInfo | Fallback:
         """Metadata for ``batch`` from host lists only (no device reads).
 
-        ``family`` None = eager (fresh tensors); "decode" / "prefill" = write that family's
-        static buffers in place (after ``init_*_graph``) and return an info whose device fields
-        are those buffers and whose host numbers are capacities. A batch over capacity returns
-        ``Fallback(reason)`` and writes nothing.
+        ``family`` None = eager (fresh tensors); "decode" / "prefill" = write that family's static
+        buffers in place (after ``init_graph``) and return an info whose device fields are views of
+        those buffers and whose host numbers are the capacities of ``bucket`` (a capacity within the
+        family's; None: the family's own). Every bucket of a family reads the same memory: views
+        ``[:n]`` of one buffer set, with the tails up to the bucket's lengths reset by every prepare.
+        A batch over the bucket's capacity returns ``Fallback(reason)`` and writes nothing.
         """
         ...
 
-    def init_decode_graph(self, max_bs: int, tokens_per_request: int = 1) -> None:
-        """Allocate the decode family's static buffers (once; worst-case capacity)."""
-        ...
-
-    def init_prefill_graph(self, max_num_tokens: int, max_num_requests: int) -> None:
-        """Allocate the prefill family's static buffers (once; no fixed request cap)."""
+    def init_graph(self, family: str, capacity: GraphCapacity) -> None:
+        """Allocate graph family ``family``'s static buffers once, at ``capacity`` (its largest
+        bucket): ``GraphCapacity.decode(max_bs, tokens_per_request)`` or
+        ``GraphCapacity.prefill(max_num_tokens, max_num_requests)`` (no fixed request cap). Decode and
+        prefill families share no storage."""
         ...
 
     def moe_gate_up_delta(
@@ -127,6 +136,30 @@ def notify_slot_loaded(backend: object, slot: int, weights: LoRAWeights) -> None
     hook = getattr(backend, "on_slot_loaded", None)
     if hook is not None and getattr(backend.capabilities(), "slot_load_hook", False):
         hook(slot, weights)
+
+
+def check_protocol(backend: object) -> None:
+    """Refuse a backend written for the previous protocol version: one that implements
+    ``init_decode_graph`` / ``init_prefill_graph`` but not ``init_graph``, or ``prepare`` without a
+    ``bucket`` parameter, while declaring graph families.
+
+    Raises:
+        RenamedError: naming the entry point to implement instead.
+    """
+    caps = backend.capabilities()
+    if not caps.graph_families:
+        return
+    name = type(backend).__name__
+    if not callable(getattr(backend, "init_graph", None)):
+        old = [m for m in ("init_decode_graph", "init_prefill_graph") if callable(getattr(backend, m, None))]
+        raise RenamedError(f"{name}.{' / '.join(old) or 'init_*_graph'}",
+                           "implement init_graph(family, capacity) (one buffer set per graph family, allocated at "
+                           "its largest bucket)")
+    params = inspect.signature(backend.prepare).parameters
+    if "bucket" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise RenamedError(f"{name}.prepare(batch, family)",
+                           "prepare(batch, family=None, bucket=None): a graph bucket's views of the family's "
+                           "buffers")
 
 
 def load_backend(target: str) -> BackendFactory:

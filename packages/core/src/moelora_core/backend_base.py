@@ -3,19 +3,21 @@
 Optional for third parties. A subclass supplies only what makes it a different backend:
 
 - its dense segmentation: :meth:`BackendBase.eager_segmentation` (an eager batch) and
-  :meth:`BackendBase.family_layout` (a graph family: its :class:`~moelora_core.metadata.LaunchSizes`
-  and segmentation function);
-- how the MoE token mapping is written: :attr:`BackendBase.token_mapper` (a device function, e.g. the
-  Triton mapping kernel; None stages it from host lists);
+  :meth:`BackendBase.family_layout` (a bucket of a graph family: its
+  :class:`~moelora_core.metadata.LaunchSizes` and segmentation function);
+- how the token map is written on the device: :attr:`BackendBase.token_mapper` (e.g. the Triton
+  mapping kernel; default :func:`~moelora_core.metadata.map_tokens_torch`);
 - its deltas: :meth:`BackendBase.compute_moe_delta` and :meth:`BackendBase.compute_dense_delta`, called
   only after the argument checks and only when the batch has an active adapter and tokens;
 - its :meth:`capabilities`.
 
-Everything else is here, once: ``init_decode_graph`` / ``init_prefill_graph`` (each family's static
-buffers allocated once, no fixed request cap), ``prepare`` (checks, ``Fallback`` over a family's
-capacity before any write, the family lookup, the metadata machinery of :mod:`moelora_core.metadata`)
-and the delta calls' argument checks (:mod:`moelora_core.backend_checks`). No host sync: only host
-shapes, host lists and the info's host fields steer Python.
+Everything else is here, once: ``init_graph(family, capacity)`` (each family's static buffers
+allocated once, at its largest bucket, no fixed request cap), ``prepare(batch, family, bucket)``
+(checks, ``Fallback`` over the bucket's capacity before any write, the family lookup, the bucket's
+views of the family's buffers, the metadata machinery of :mod:`moelora_core.metadata`) and the delta
+calls' argument checks (:mod:`moelora_core.backend_checks`). No host sync: only host shapes, host
+lists and the info's host fields steer Python. The entry points of the previous protocol version
+(``init_decode_graph``, ``init_prefill_graph``) raise :class:`~moelora_core.errors.RenamedError`.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ from collections.abc import Callable
 import torch
 
 from moelora_core.backend_checks import (
-    FamilyCapacity,
+    GraphCapacity,
     check_batch,
+    check_bucket,
+    check_capacity,
     check_dense_module,
     check_floating,
-    check_init_sizes,
     check_shape,
     check_topk_ids,
     check_weights,
@@ -39,7 +42,7 @@ from moelora_core.backend_checks import (
 from moelora_core.batch import BatchSpec
 from moelora_core.batch_info import LoRABatchInfo
 from moelora_core.capabilities import Capabilities, Fallback
-from moelora_core.errors import InvalidFieldError
+from moelora_core.errors import InvalidFieldError, RenamedError
 from moelora_core.layer_spec import LoRALayerSpec
 from moelora_core.metadata import (
     PER_REQUEST,
@@ -49,6 +52,7 @@ from moelora_core.metadata import (
     Segmentation,
     TokenMapper,
     build_info,
+    map_tokens_torch,
 )
 from moelora_core.weights import LoRAWeights
 
@@ -65,11 +69,11 @@ class BackendBase:
     """
 
     name = "base"
-    #: Writes the MoE token mapping on the device; None stages it from the batch's host lists.
-    token_mapper: TokenMapper | None = None
-    #: The (offsets, slots) fields the MoE reads as its requests: always the per-request ones (csgmv
-    #: chunks are not requests); a class attribute so the suite's mutants can name others.
-    moe_fields: tuple[str, str] = PER_REQUEST
+    #: Writes the token map on the device from the request segments.
+    token_mapper: TokenMapper = staticmethod(map_tokens_torch)
+    #: The (offsets, slots) fields the token mapper reads as the requests: always the request segments
+    #: (csgmv chunks are not requests); a class attribute so the suite's mutants can name others.
+    mapping_fields: tuple[str, str] = PER_REQUEST
     #: The delta calls require weights in the spec's dtype (kernels) or read any dtype (torch).
     weights_same_dtype: bool = True
     #: Accepted ``topk_ids`` dtypes, or None for any integer dtype.
@@ -81,7 +85,7 @@ class BackendBase:
         self.version = version
         self.spec = spec
         self._families: dict[str, GraphFamily] = {}
-        self._eager = EagerMetadata(spec.device, spec.max_loras, self.token_mapper, self.moe_fields)
+        self._eager = EagerMetadata(spec.device, spec.max_loras, self.token_mapper, self.mapping_fields)
 
     # --- what a subclass decides ---------------------------------------------------------------
 
@@ -92,9 +96,12 @@ class BackendBase:
         """The dense segmentation of ``batch`` in an eager forward."""
         raise NotImplementedError
 
-    def family_layout(self, family: str, max_requests: int, max_tokens: int, tokens_per_request: int | None
+    def family_layout(self, family: str, capacity: GraphCapacity, family_capacity: GraphCapacity
                       ) -> tuple[LaunchSizes, Callable[[BatchSpec], Segmentation]]:
-        """(launch sizes, segmentation function) of a graph family with these capacities."""
+        """(launch sizes, segmentation function) of a bucket of ``capacity`` in graph family ``family``
+        allocated at ``family_capacity`` (``capacity`` is the family's own at allocation). A bucket's
+        launch sizes must lie within the family's (:meth:`LaunchSizes.within`): every bucket reads
+        views of the family's buffers."""
         raise NotImplementedError
 
     def check_family_sizes(self, family: str, sizes: LaunchSizes) -> None:
@@ -113,72 +120,89 @@ class BackendBase:
 
     # --- graph families --------------------------------------------------------------------------
 
-    def init_decode_graph(self, max_bs: int, tokens_per_request: int = 1) -> None:
-        """Allocate the decode family for ``max_bs`` requests of ``tokens_per_request`` tokens.
+    def init_graph(self, family: str, capacity: GraphCapacity) -> None:
+        """Allocate graph family ``family``'s static buffers at ``capacity`` (its largest bucket): once,
+        no fixed request cap. Every bucket of the family is then prepared over views of them
+        (``prepare(batch, family, bucket=...)``).
+
+        Args:
+            family: "decode" or "prefill".
+            capacity: ``GraphCapacity.decode(max_bs, tokens_per_request)`` or
+                ``GraphCapacity.prefill(max_num_tokens, max_num_requests)``.
 
         Raises:
-            InvalidFieldError: a size < 1, capacities the backend cannot launch, or a second call
-                with other capacities (static buffers are allocated once).
+            InvalidFieldError: an unknown family, a capacity of the other kind or with a size < 1,
+                capacities the backend cannot launch, or a second call with another capacity (static
+                buffers are allocated once).
         """
-        self._init_family("decode", max_bs, max_bs * tokens_per_request, tokens_per_request,
-                          sizes={"max_bs": max_bs, "tokens_per_request": tokens_per_request})
-
-    def init_prefill_graph(self, max_num_tokens: int, max_num_requests: int) -> None:
-        """Allocate the prefill family for up to ``max_num_tokens`` tokens in ``max_num_requests``
-        requests (any number of requests: no fixed cap).
-
-        Raises:
-            InvalidFieldError: as :meth:`init_decode_graph`.
-        """
-        self._init_family("prefill", max_num_requests, max_num_tokens, None,
-                          sizes={"max_num_tokens": max_num_tokens, "max_num_requests": max_num_requests})
-
-    def _init_family(self, name: str, max_requests: int, max_tokens: int, tpr: int | None,
-                     sizes: dict[str, int]) -> None:
-        check_init_sizes(sizes)
-        capacity = FamilyCapacity(name, max_requests, max_tokens, tpr)
-        existing = self._families.get(name)
-        if not needs_allocation(existing.capacity if existing is not None else None, capacity):
+        check_capacity(family, capacity)
+        existing = self._families.get(family)
+        if not needs_allocation(existing.capacity if existing is not None else None, capacity, family):
             return  # allocated once; graphs captured on these buffers stay valid
-        launch, segmentation = self.family_layout(name, max_requests, max_tokens, tpr)
-        self.check_family_sizes(name, launch)
-        self._families[name] = GraphFamily.allocate(capacity, launch, segmentation, self.spec.device,
-                                                    self.token_mapper, self.moe_fields)
+        launch, segmentation = self.family_layout(family, capacity, capacity)
+        self.check_family_sizes(family, launch)
+        self._families[family] = GraphFamily.allocate(family, capacity, launch, segmentation, self.spec.device,
+                                                      self.token_mapper, self.mapping_fields)
+
+    def init_decode_graph(self, *args: object, **kwargs: object) -> None:
+        raise RenamedError("init_decode_graph(max_bs, tokens_per_request)",
+                           "init_graph('decode', GraphCapacity.decode(max_bs, tokens_per_request))")
+
+    def init_prefill_graph(self, *args: object, **kwargs: object) -> None:
+        raise RenamedError("init_prefill_graph(max_num_tokens, max_num_requests)",
+                           "init_graph('prefill', GraphCapacity.prefill(max_num_tokens, max_num_requests))")
+
+    def _bucket_layout(self, fam: GraphFamily, bucket: GraphCapacity
+                       ) -> tuple[LaunchSizes, Callable[[BatchSpec], Segmentation]]:
+        layout = fam.buckets.get(bucket)
+        if layout is None:
+            layout = self.family_layout(fam.name, bucket, fam.capacity)
+            if not layout[0].within(fam.sizes):
+                raise InvalidFieldError("bucket", f"{self.name}: the launch sizes of bucket {bucket} ({layout[0]}) are "
+                                                  f"not within the {fam.name} family's buffers ({fam.sizes})")
+            fam.buckets[bucket] = layout
+        return layout
 
     # --- prepare -------------------------------------------------------------------------------
 
-    def prepare(self, batch: BatchSpec, family: str | None = None) -> LoRABatchInfo | Fallback:
+    def prepare(self, batch: BatchSpec, family: str | None = None,
+                bucket: GraphCapacity | None = None) -> LoRABatchInfo | Fallback:
         """Metadata for ``batch`` from its host lists (no device reads).
 
         Args:
             batch: the batch.
-            family: None (eager: fresh tensors sized to the batch), "decode" or "prefill" (write
-                that family's static buffers in place; the info's host numbers are capacities).
+            family: None (eager: fresh tensors sized to the batch), "decode" or "prefill" (write that
+                family's static buffers in place; the info's host numbers are capacities).
+            bucket: graph mode: the capacity of the bucket the info is for, within the family's
+                (None: the family's own). The info's device fields are views of the family's buffers
+                of the bucket's lengths (the same memory for every bucket) and its host numbers the
+                bucket's launch sizes.
 
         Returns:
-            The info, or ``Fallback(reason)`` when the batch exceeds the family's capacities (more
+            The info, or ``Fallback(reason)`` when the batch exceeds the bucket's capacities (more
             requests or tokens, a non-DECODE batch or another ``tokens_per_request`` in the decode
             family); nothing was written then.
 
         Raises:
-            InvalidFieldError: another slot count, a rank > R, an unknown or uninitialised family.
+            InvalidFieldError: another slot count, a rank > R, an unknown or uninitialised family, a
+                bucket outside the family's capacity or with an eager batch.
         """
         check_batch(batch, self.spec)
-        s = self.spec
         if family is None:
+            if bucket is not None:
+                raise InvalidFieldError("bucket", "an eager prepare (family=None) has no bucket")
             t, launch = self._eager.write(batch, self.eager_segmentation(batch))
-            return build_info(batch, t, launch, num_experts=s.E, max_loras=s.max_loras,
-                              has_active_lora=batch.has_active_lora, use_cuda_graph=False,
-                              moe_fields=self.moe_fields)
+            return build_info(t, launch, has_active_lora=batch.has_active_lora, use_cuda_graph=False)
         fam = initialised_family(self._families, family)
-        reason = fam.capacity.fallback_reason(batch)
+        capacity = check_bucket(family, fam.capacity, bucket)
+        sizes, segmentation = self._bucket_layout(fam, capacity)
+        reason = capacity.fallback_reason(batch, family)
         if reason is not None:
             return Fallback(reason)
-        t = fam.write(batch, fam.segmentation(batch), s.max_loras)
+        t = fam.write(batch, segmentation(batch), sizes)
         # During capture the LoRA kernels must be recorded: has_active_lora is True; they exit early
         # on the device for slots the batch does not use.
-        return build_info(batch, t, fam.sizes, num_experts=s.E, max_loras=s.max_loras, has_active_lora=True,
-                          use_cuda_graph=True, moe_fields=self.moe_fields)
+        return build_info(t, sizes, has_active_lora=True, use_cuda_graph=True)
 
     # --- the delta calls: argument checks (host shapes only), then the subclass's deltas ----------
 
@@ -236,7 +260,7 @@ class BackendBase:
         """
         check_weights(self.spec, weights, same_dtype=self.weights_same_dtype)
         fin, fout = check_dense_module(self.spec, module)
-        T = info.moe.token_lora_mapping.numel()
+        T = info.num_tokens
         check_shape(info, "x", x, (T, fin))
         check_shape(info, "out", out, (T, fout))
         check_floating(x=x, out=out)
@@ -246,12 +270,11 @@ class BackendBase:
     # --- for the suite and tests ---------------------------------------------------------------------
 
     def static_buffers(self, family: str) -> dict[str, torch.Tensor]:
-        """The family's static buffers by field name, ``moe.seg_indptr`` / ``moe.req_to_lora``
-        included (the per-request buffers), to check addresses, tails and untouched fallbacks.
+        """The family's whole static buffers by field name (the backend segments are the request
+        buffers where the family segments by request), to check addresses, tails, aliasing of buckets
+        and untouched fallbacks.
 
         Raises:
             InvalidFieldError: the family is not initialised.
         """
-        buffers = {name: b.tensor for name, b in initialised_family(self._families, family).buffers.items()}
-        return {**buffers, "moe.seg_indptr": buffers["req_seg_indptr"],
-                "moe.req_to_lora": buffers["req_weight_indices"]}
+        return initialised_family(self._families, family).tensors()

@@ -1,14 +1,15 @@
 """Argument checks every ``Backend`` makes the same way (DESIGN.md §3, §5).
 
-A backend's ``prepare``, ``init_*_graph`` and delta calls refuse bad input before they write
+A backend's ``prepare``, ``init_graph`` and delta calls refuse bad input before they write
 anything; what they check against the ``LoRALayerSpec`` does not depend on how the backend
 computes, so it lives here once (the reference backend and the kernel backends both use it):
 
 - :func:`check_batch`: a ``BatchSpec`` of the spec's slot count with no rank above R;
-- :class:`FamilyCapacity`: a graph family's capacities from its ``init_*_graph`` arguments
-  (:func:`check_init_sizes`), the ``Fallback`` reason of a batch that does not fit
-  (:meth:`FamilyCapacity.fallback_reason`), and :func:`needs_allocation` (a family's static
-  buffers are allocated once);
+- :class:`GraphCapacity`: what a graph family (its ``init_graph`` capacity) or one of its buckets
+  holds (:func:`check_init_sizes`), the ``Fallback`` reason of a batch that does not fit
+  (:meth:`GraphCapacity.fallback_reason`), :func:`needs_allocation` (a family's static buffers are
+  allocated once), :func:`check_capacity` (a capacity of the family's kind) and :func:`check_bucket`
+  (a bucket lies within its family);
 - :func:`initialised_family`: the state of a named, initialised graph family;
 - the delta calls' host-shape checks: :func:`check_weights`, :func:`check_dense_module`,
   :func:`check_shape`, :func:`check_topk_ids`.
@@ -28,7 +29,7 @@ import torch
 from moelora_core.batch import BatchSpec
 from moelora_core.batch_info import LoRABatchInfo
 from moelora_core.capabilities import GRAPH_FAMILIES
-from moelora_core.errors import InvalidFieldError
+from moelora_core.errors import InvalidFieldError, RenamedImportError
 from moelora_core.forward_mode import ForwardMode
 from moelora_core.layer_spec import LoRALayerSpec
 from moelora_core.weights import LoRAWeights
@@ -54,7 +55,7 @@ def check_batch(batch: BatchSpec, spec: LoRALayerSpec) -> None:
 
 
 def check_init_sizes(sizes: Mapping[str, object]) -> None:
-    """Check the arguments of an ``init_*_graph`` call, by name: each an int >= 1.
+    """Check the sizes of a graph capacity, by name: each an int >= 1.
 
     Raises:
         InvalidFieldError: a bool, a non-int or a value < 1 (the field is the argument's name).
@@ -65,81 +66,133 @@ def check_init_sizes(sizes: Mapping[str, object]) -> None:
 
 
 @dataclass(frozen=True)
-class FamilyCapacity:
-    """The host capacities of one graph family, fixed by its ``init_*_graph`` call (DESIGN.md §3).
+class GraphCapacity:
+    """What a batch of a graph family, or of one bucket of it, may hold (DESIGN.md §3, §6).
+
+    A family's capacity is fixed by its ``init_graph(family, capacity)`` call (its static buffers are
+    allocated once, at that size: the family's largest bucket); a bucket's capacity, passed to
+    ``prepare(batch, family, bucket=...)``, lies within it and sets the host numbers (grids, segment
+    counts) of the graph captured for that bucket.
 
     Attributes:
-        family: "decode" or "prefill".
-        max_requests: requests a batch of the family may hold.
-        max_tokens: tokens a batch of the family may hold.
+        max_requests: requests a batch may hold.
+        max_tokens: tokens a batch may hold.
         tokens_per_request: the decode family's tokens per request (every request of a decode batch
-            has exactly this many); None for prefill.
+            has exactly this many); None for the prefill family.
+
+    Build with :meth:`decode` or :meth:`prefill`, which check the sizes.
     """
 
-    family: str
     max_requests: int
     max_tokens: int
-    tokens_per_request: int | None
+    tokens_per_request: int | None = None
 
     @classmethod
-    def decode(cls, max_bs: int, tokens_per_request: int = 1) -> FamilyCapacity:
-        """The decode family of ``init_decode_graph(max_bs, tokens_per_request)``: ``max_bs``
-        requests, ``max_bs * tokens_per_request`` tokens.
+    def decode(cls, max_bs: int, tokens_per_request: int = 1) -> GraphCapacity:
+        """``max_bs`` decode requests of ``tokens_per_request`` tokens (``max_bs * tokens_per_request`` tokens).
 
         Raises:
             InvalidFieldError: a size that is not an int >= 1.
         """
         check_init_sizes({"max_bs": max_bs, "tokens_per_request": tokens_per_request})
-        return cls("decode", max_bs, max_bs * tokens_per_request, tokens_per_request)
+        return cls(max_bs, max_bs * tokens_per_request, tokens_per_request)
 
     @classmethod
-    def prefill(cls, max_num_tokens: int, max_num_requests: int) -> FamilyCapacity:
-        """The prefill family of ``init_prefill_graph(max_num_tokens, max_num_requests)``.
+    def prefill(cls, max_num_tokens: int, max_num_requests: int) -> GraphCapacity:
+        """Up to ``max_num_tokens`` tokens in up to ``max_num_requests`` requests (no fixed request cap).
 
         Raises:
             InvalidFieldError: a size that is not an int >= 1.
         """
         check_init_sizes({"max_num_tokens": max_num_tokens, "max_num_requests": max_num_requests})
-        return cls("prefill", max_num_requests, max_num_tokens, None)
+        return cls(max_num_requests, max_num_tokens, None)
 
-    def fallback_reason(self, batch: BatchSpec) -> str | None:
-        """Why ``batch`` does not fit this family (the ``Fallback`` reason), or None when it fits.
+    def within(self, other: GraphCapacity) -> bool:
+        """Whether every batch that fits this capacity fits ``other`` (a bucket within its family)."""
+        return (self.max_requests <= other.max_requests and self.max_tokens <= other.max_tokens
+                and self.tokens_per_request == other.tokens_per_request)
 
-        A decode family takes DECODE batches of its own ``tokens_per_request`` (and IDLE ones);
-        any family refuses more requests or tokens than its capacities. Host numbers only.
+    def fallback_reason(self, batch: BatchSpec, family: str = "") -> str | None:
+        """Why ``batch`` does not fit this capacity (the ``Fallback`` reason), or None when it fits.
+
+        A decode capacity takes DECODE batches of its own ``tokens_per_request`` (and IDLE ones);
+        any capacity refuses more requests or tokens. Host numbers only. ``family`` names the
+        family in the reason.
         """
+        where = f"the {family} graph" if family else "the graph"
         if self.tokens_per_request is not None and batch.forward_mode is not ForwardMode.IDLE:
             if batch.forward_mode is not ForwardMode.DECODE:
                 return f"{batch.forward_mode.name} batch in the decode graph family"
             if batch.tokens_per_request != self.tokens_per_request:
                 return f"tokens_per_request {batch.tokens_per_request} != decode graph's {self.tokens_per_request}"
         if batch.bs > self.max_requests:
-            return f"{batch.bs} requests > capacity {self.max_requests} of the {self.family} graph"
+            return f"{batch.bs} requests > capacity {self.max_requests} of {where}"
         if batch.num_tokens > self.max_tokens:
-            return f"{batch.num_tokens} tokens > capacity {self.max_tokens} of the {self.family} graph"
+            return f"{batch.num_tokens} tokens > capacity {self.max_tokens} of {where}"
         return None
 
 
-def needs_allocation(existing: FamilyCapacity | None, requested: FamilyCapacity) -> bool:
-    """Whether a family's static buffers must be allocated for ``requested``.
-
-    Static buffers are allocated once (graphs captured on them must stay valid): a second
-    ``init_*_graph`` call with the same capacities is a no-op (False), one with others is refused.
-
-    Args:
-        existing: the capacities the family was initialised with, or None (not initialised yet).
-        requested: the capacities of this call.
+def check_capacity(family: str, capacity: object) -> GraphCapacity:
+    """``capacity`` if it is a ``GraphCapacity`` of ``family``'s kind: the decode family takes
+    :meth:`GraphCapacity.decode` capacities (with ``tokens_per_request``), the prefill family
+    :meth:`GraphCapacity.prefill` ones.
 
     Raises:
-        InvalidFieldError: ``existing`` has other capacities (the field is the family's name).
+        InvalidFieldError: (field ``family``) not a graph family; (field ``capacity``) not a
+            ``GraphCapacity``, a size that is not an int >= 1, or a capacity of the other kind.
+    """
+    check_family_name(family)
+    if not isinstance(capacity, GraphCapacity):
+        raise InvalidFieldError("capacity", f"must be a GraphCapacity, got {type(capacity).__name__}")
+    check_init_sizes({"max_requests": capacity.max_requests, "max_tokens": capacity.max_tokens})
+    if (family == "decode") != (capacity.tokens_per_request is not None):
+        want = "GraphCapacity.decode(max_bs, tokens_per_request)" if family == "decode" else \
+            "GraphCapacity.prefill(max_num_tokens, max_num_requests)"
+        raise InvalidFieldError("capacity", f"the {family} family takes {want}, got {capacity}")
+    tpr = capacity.tokens_per_request
+    if tpr is not None:
+        check_init_sizes({"tokens_per_request": tpr})
+        if capacity.max_tokens != capacity.max_requests * tpr:
+            raise InvalidFieldError("capacity", f"{capacity.max_tokens} tokens != {capacity.max_requests} requests x "
+                                                f"{tpr} tokens per request")
+    return capacity
+
+
+def needs_allocation(existing: GraphCapacity | None, requested: GraphCapacity, family: str) -> bool:
+    """Whether family ``family``'s static buffers must be allocated for ``requested``.
+
+    Static buffers are allocated once (graphs captured on them must stay valid): a second
+    ``init_graph`` call with the same capacity is a no-op (False), one with another is refused.
+
+    Args:
+        existing: the capacity the family was initialised with, or None (not initialised yet).
+        requested: the capacity of this call.
+
+    Raises:
+        InvalidFieldError: ``existing`` is another capacity (the field is the family's name).
     """
     if existing is None:
         return True
     if existing == requested:
         return False
-    raise InvalidFieldError(requested.family, f"graph family already initialised with {existing.max_requests} "
-                                              f"requests / {existing.max_tokens} tokens; static buffers are "
-                                              f"allocated once")
+    raise InvalidFieldError(family, f"graph family already initialised with {existing.max_requests} requests / "
+                                    f"{existing.max_tokens} tokens; static buffers are allocated once (at the "
+                                    "family's largest bucket; smaller buckets are prepared with bucket=...)")
+
+
+def check_bucket(family: str, family_capacity: GraphCapacity, bucket: GraphCapacity | None) -> GraphCapacity:
+    """The capacity a graph-mode ``prepare`` is held to: ``bucket``, which must lie within the family's,
+    or the family's own when None.
+
+    Raises:
+        InvalidFieldError: (field ``bucket``) not a ``GraphCapacity`` or not within the family's capacity.
+    """
+    if bucket is None:
+        return family_capacity
+    if not isinstance(bucket, GraphCapacity) or not bucket.within(family_capacity):
+        raise InvalidFieldError("bucket", f"{bucket!r} is not within the {family} family's capacity "
+                                          f"{family_capacity} (init_graph allocates the largest bucket)")
+    return bucket
 
 
 def initialised_family(families: Mapping[str, F], family: str) -> F:
@@ -147,15 +200,25 @@ def initialised_family(families: Mapping[str, F], family: str) -> F:
 
     Raises:
         InvalidFieldError: (field ``family``) a name other than "decode" or "prefill", or a family
-            whose ``init_*_graph`` was not called.
+            whose ``init_graph`` was not called.
     """
-    if family not in GRAPH_FAMILIES:
-        raise InvalidFieldError("family", f"must be None (eager), 'decode' or 'prefill', got {family!r}")
+    check_family_name(family)
     state = families.get(family)
     if state is None:
         raise InvalidFieldError("family", f"the {family} graph family is not initialised "
-                                          f"(call init_{family}_graph first)")
+                                          f"(call init_graph({family!r}, capacity) first)")
     return state
+
+
+def check_family_name(family: object) -> str:
+    """``family`` if it names a graph family.
+
+    Raises:
+        InvalidFieldError: (field ``family``) anything but "decode" or "prefill".
+    """
+    if family not in GRAPH_FAMILIES:
+        raise InvalidFieldError("family", f"must be None (eager), 'decode' or 'prefill', got {family!r}")
+    return family
 
 
 def check_weights(spec: LoRALayerSpec, weights: LoRAWeights, *, same_dtype: bool = True) -> None:
@@ -195,13 +258,13 @@ def check_shape(info: LoRABatchInfo, what: str, tensor: torch.Tensor, shape: tup
     """
     if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape:
         got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-        raise InvalidFieldError(what, f"expected shape {shape} (T = {info.moe.token_lora_mapping.numel()} rows of "
+        raise InvalidFieldError(what, f"expected shape {shape} (T = {info.num_tokens} rows of "
                                       f"the batch info), got {got}")
 
 
 def check_topk_ids(info: LoRABatchInfo, topk_ids: torch.Tensor, top_k: int,
                    dtypes: tuple[torch.dtype, ...] | None = None) -> int:
-    """Check ``topk_ids`` [T, top_k] against the info's T; returns T.
+    """Check ``topk_ids`` [T, top_k] against the info's T (``num_tokens``); returns T.
 
     Args:
         dtypes: the integer dtypes the backend takes; None takes any non-floating dtype.
@@ -210,7 +273,7 @@ def check_topk_ids(info: LoRABatchInfo, topk_ids: torch.Tensor, top_k: int,
         InvalidFieldError: (field ``topk_ids``) another shape, a floating dtype, or a dtype not in
             ``dtypes``.
     """
-    T = info.moe.token_lora_mapping.numel()
+    T = info.num_tokens
     check_shape(info, "topk_ids", topk_ids, (T, top_k))
     if topk_ids.is_floating_point() or (dtypes is not None and topk_ids.dtype not in dtypes):
         want = " or ".join(str(d).removeprefix("torch.") for d in dtypes) if dtypes else "an integer tensor"
@@ -229,3 +292,11 @@ def check_floating(**tensors: torch.Tensor) -> None:
     for what, t in tensors.items():
         if not t.is_floating_point():
             raise InvalidFieldError(what, f"must be a floating-point tensor, got {t.dtype}")
+
+
+def __getattr__(name: str) -> object:
+    if name == "FamilyCapacity":
+        raise RenamedImportError("moelora_core.backend_checks.FamilyCapacity",
+                                 "GraphCapacity (GraphCapacity.decode / GraphCapacity.prefill; the family is "
+                                 "init_graph's first argument)")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,6 +4,10 @@ A :class:`BatchSpec` is what a scheduler knows before the forward: the requests 
 lengths, adapter slot or ``NO_ADAPTER``), the forward mode, and the adapter pool's per-slot rank
 and σ. Backends turn it into a :class:`~moelora_core.batch_info.LoRABatchInfo` using host lists
 only (no device reads). Every field is validated on construction and the error names the field.
+
+Names: a request's ``slot``; the per-request slots ``req_weight_indices`` and offsets
+``req_seg_indptr`` (the request segments of ``LoRABatchInfo``). The previous names (``adapter_id``,
+``req_to_lora``, ``effective_adapter``) raise :class:`~moelora_core.errors.RenamedError`.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from moelora_core.adapter_config import fp32_scaling
-from moelora_core.errors import InvalidFieldError
+from moelora_core.errors import InvalidFieldError, RenamedError
 from moelora_core.forward_mode import ForwardMode
 from moelora_core.sentinels import NO_ADAPTER
 
@@ -26,20 +30,32 @@ def _check_int(field: str, value: object, *, minimum: int) -> int:
     return value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Request:
     """One request of a batch.
 
     Attributes:
-        adapter_id: adapter slot in ``[0, max_loras)``, or ``NO_ADAPTER`` (-1) for a base request.
+        slot: adapter slot in ``[0, max_loras)``, or ``NO_ADAPTER`` (-1) for a base request.
         extend_len: tokens this step computes (>= 1; 1 in plain decode).
         prefix_len: tokens already in the KV cache before this step (>= 0). The LoRA layer does
             not read it; it is kept so batches describe real scheduler steps (chunked prefill).
     """
 
-    adapter_id: int
+    slot: int
     extend_len: int
     prefix_len: int = 0
+
+    def __init__(self, slot: int | None = None, extend_len: int | None = None, prefix_len: int = 0, *,
+                 adapter_id: object = None) -> None:
+        if adapter_id is not None:
+            raise RenamedError("Request(adapter_id=...)", "Request(slot=...)")
+        object.__setattr__(self, "slot", slot)
+        object.__setattr__(self, "extend_len", extend_len)
+        object.__setattr__(self, "prefix_len", prefix_len)
+
+    @property
+    def adapter_id(self) -> int:
+        raise RenamedError("Request.adapter_id", "Request.slot")
 
 
 @dataclass(frozen=True)
@@ -57,7 +73,7 @@ class BatchSpec:
             only where ``rank_pattern`` / ``alpha_pattern`` override a module.
 
     Raises:
-        InvalidFieldError: an adapter id outside ``[-1, max_loras)``; a negative or zero
+        InvalidFieldError: a slot outside ``[-1, max_loras)``; a negative or zero
             ``extend_len``; a negative ``prefix_len``; unequal lengths in DECODE; requests in an
             IDLE batch; an EXTEND/DECODE batch without requests; ``lora_ranks`` / ``scalings`` not
             of length ``max_loras``; a negative rank; a σ that is not a real number or not finite
@@ -94,11 +110,11 @@ class BatchSpec:
         for i, req in enumerate(requests):
             if not isinstance(req, Request):
                 raise InvalidFieldError(f"requests[{i}]", f"must be a Request, got {type(req).__name__}")
-            _check_int(f"requests[{i}].adapter_id", req.adapter_id, minimum=NO_ADAPTER)
-            if req.adapter_id >= max_loras:
+            _check_int(f"requests[{i}].slot", req.slot, minimum=NO_ADAPTER)
+            if req.slot >= max_loras:
                 raise InvalidFieldError(
-                    f"requests[{i}].adapter_id",
-                    f"slot {req.adapter_id} is outside [-1, max_loras={max_loras})",
+                    f"requests[{i}].slot",
+                    f"slot {req.slot} is outside [-1, max_loras={max_loras})",
                 )
             _check_int(f"requests[{i}].extend_len", req.extend_len, minimum=1)
             _check_int(f"requests[{i}].prefix_len", req.prefix_len, minimum=0)
@@ -153,35 +169,45 @@ class BatchSpec:
         return tuple(out)
 
     @cached_property
-    def req_to_lora(self) -> tuple[int, ...]:
-        """[bs] the slot each request's tokens use: its adapter id, or ``NO_ADAPTER`` for a base
-        request or a request on a rank-0 (empty) slot."""
-        return tuple(self.effective_adapter(r.adapter_id) for r in self.requests)
+    def req_weight_indices(self) -> tuple[int, ...]:
+        """[bs] the slot each request's tokens use: its slot, or ``NO_ADAPTER`` for a base request or
+        a request on a rank-0 (empty) slot."""
+        return tuple(self.effective_slot(r.slot) for r in self.requests)
 
-    def effective_adapter(self, adapter_id: int) -> int:
-        """``adapter_id`` if it names a slot with rank > 0, else ``NO_ADAPTER``."""
-        if adapter_id == NO_ADAPTER or self.lora_ranks[adapter_id] == 0:
+    def effective_slot(self, slot: int) -> int:
+        """``slot`` if it names a slot with rank > 0, else ``NO_ADAPTER``."""
+        if slot == NO_ADAPTER or self.lora_ranks[slot] == 0:
             return NO_ADAPTER
-        return adapter_id
+        return slot
+
+    @property
+    def req_to_lora(self) -> tuple[int, ...]:
+        raise RenamedError("BatchSpec.req_to_lora", "BatchSpec.req_weight_indices")
+
+    def effective_adapter(self, slot: int) -> int:
+        raise RenamedError("BatchSpec.effective_adapter", "BatchSpec.effective_slot")
 
     @cached_property
     def token_lora_mapping(self) -> tuple[int, ...]:
-        """[num_tokens] slot of every token (``NO_ADAPTER`` for base tokens)."""
+        """[num_tokens] slot of every token (``NO_ADAPTER`` for base tokens): what a backend's device
+        token map must equal (the suite's expected value). The serving path never builds it on the
+        host: backends build it on the device from the request segments."""
         out: list[int] = []
-        for slot, r in zip(self.req_to_lora, self.requests):
+        for slot, r in zip(self.req_weight_indices, self.requests):
             out.extend([slot] * r.extend_len)
         return tuple(out)
 
     @cached_property
     def adapter_enabled(self) -> tuple[int, ...]:
-        """[max_loras] 1 for each slot used by at least one token of this batch, else 0."""
-        used = set(self.req_to_lora)
+        """[max_loras] 1 for each slot used by at least one token of this batch, else 0 (the expected
+        value of the device ``adapter_enabled``)."""
+        used = set(self.req_weight_indices)
         return tuple(int(s in used) for s in range(self.max_loras))
 
     @property
     def has_active_lora(self) -> bool:
         """True when at least one token of the batch uses an adapter (host-side, from host lists)."""
-        return any(s != NO_ADAPTER for s in self.req_to_lora)
+        return any(s != NO_ADAPTER for s in self.req_weight_indices)
 
     def check_num_tokens(self, num_tokens: int, *, what: str = "x.shape[0]") -> None:
         """Raise if ``num_tokens`` (a tensor's leading size) differs from the batch's token count.

@@ -15,7 +15,7 @@ class MoeLoraError(Exception):
 class InvalidFieldError(MoeLoraError, ValueError):
     """A field of a batch, spec or weight set is outside its contract.
 
-    The message starts with the field's name (``"requests[3].adapter_id: ..."``) so the fault is
+    The message starts with the field's name (``"requests[3].slot: ..."``) so the fault is
     visible without a traceback.
     """
 
@@ -50,3 +50,20 @@ class AdapterError(MoeLoraError, ValueError):
 
     Subclasses (one per kind of refusal) live with the readers in ``moelora_core.checkpoint``.
     """
+
+
+class RenamedError(MoeLoraError, AttributeError):
+    """An entry point or field of the protocol's previous version was used: the message names what
+    replaces it (``conformance/docs/migration.md`` lists every old name with its new one)."""
+
+    def __init__(self, old: str, new: str) -> None:
+        self.old = old
+        self.new = new
+        super().__init__(f"{old} was renamed or removed: {new} (see conformance/docs/migration.md)")
+
+
+class RenamedImportError(MoeLoraError, ImportError):
+    """A name of the protocol's previous version was imported: the message names what replaces it."""
+
+    def __init__(self, old: str, new: str) -> None:
+        super().__init__(f"{old} was renamed or removed: {new} (see conformance/docs/migration.md)")

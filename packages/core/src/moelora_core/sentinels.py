@@ -4,7 +4,7 @@
 reader sees which one a line means, even though the value is the same:
 
 - ``NO_ADAPTER``: the adapter id of a base request and of its tokens (``token_lora_mapping``,
-  ``weight_indices``, ``req_to_lora``). It is never a slot: slots are ``0..max_loras-1``.
+  ``weight_indices``, ``req_weight_indices``). It is never a slot: slots are ``0..max_loras-1``.
 - ``EXPERT_NOT_HERE``: a routed expert id that this rank does not handle (expert parallelism).
   Any negative expert id means this; it contributes nothing to base or LoRA output.
 - ``NO_EXPERT_BLOCK``: the expert id of an alignment block past the last used one.

@@ -12,8 +12,8 @@
   adapter's slot, loading it into a free slot or else the least recently used slot whose adapter is
   neither pinned nor used by a running request. Loading is ``load_adapter_into_slot`` (atomic over
   every layer; modules and layers the adapter lacks are zeroed) followed by
-  ``notify_slot_loaded`` for every backend instance (the eager one and each graph bucket's,
-  :meth:`AdapterPool.attach_backend`).
+  ``notify_slot_loaded`` of the engine's one backend instance, once per layer pool (the graph
+  buckets use the same instance, DESIGN.md §6).
 - **In use**: running requests hold their adapter's slot (``acquire`` / ``release`` count them);
   waiting requests are counted too (``add_waiting`` / ``remove_waiting``). Reloading or unloading
   an adapter any of them uses is refused with :class:`AdapterInUseError`, so a running request's
@@ -68,7 +68,7 @@ class AdapterPool:
 
     Args:
         pools: one pool per decoder layer (same spec: ``max_loras`` slots, rank R, dtype, device).
-        backend: told about every slot load, reload and clear (more instances: :meth:`attach_backend`).
+        backend: the engine's backend, told about every slot load, reload and clear (once per layer pool).
         model_config: the model adapters are read for.
         on_event: called with ("load" | "evict" | "refusal", detail) for the metrics.
         shard: this rank's slice of an adapter read for the whole model (tensor / expert parallelism:
@@ -87,7 +87,6 @@ class AdapterPool:
         self._shard = shard or (lambda weights: weights)
         self._inspect = inspect or adapter_effect
         self.backend = backend
-        self._backends: list[object] = [backend]
         self.model_config = model_config
         spec = self.pools[0].spec
         self.max_loras = spec.max_loras
@@ -275,20 +274,10 @@ class AdapterPool:
         self._on_event("load", entry.name)
 
     def _notify(self, slot: int) -> None:
-        # One backend instance serves every layer, each layer with its own pool: the hook hears of
-        # each pool, on every instance (graph buckets own one each, DESIGN.md §6).
-        for backend in self._backends:
-            for pool in self.pools:
-                notify_slot_loaded(backend, slot, pool)
-
-    def attach_backend(self, backend: object) -> None:
-        """Serve ``backend`` too (another instance over the same pools, e.g. a graph bucket's): it is told
-        of every slot now (loaded or clear, so a private copy starts equal to the pools) and of every
-        later load, reload and clear."""
-        self._backends.append(backend)
-        for slot in range(self.max_loras):
-            for pool in self.pools:
-                notify_slot_loaded(backend, slot, pool)
+        # One backend instance serves every layer and every graph bucket, each layer with its own pool:
+        # the hook hears of the slot once per pool.
+        for pool in self.pools:
+            notify_slot_loaded(self.backend, slot, pool)
 
     def _victim(self, keep: str | None = None) -> int | None:
         """A slot to (re)use: the lowest free one, else the least recently used whose adapter is

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from moelora_core.backend import load_backend
+from moelora_core.backend import check_protocol, load_backend
 from moelora_core.checkpoint import AdapterEffect, AdapterWarning, adapter_effect, read_checkpoint
 from moelora_core.errors import MoeLoraError
 from moelora_core.layer_spec import EXPERT_LAYOUTS
@@ -180,7 +180,10 @@ class Engine:
         spec = replace(spec, expert_layout=expert_layout)
         self.expert_layout = expert_layout
         factory = load_backend(backend)
+        # One backend instance per engine (per device and TP rank): the eager passes and every graph
+        # bucket of both families (DESIGN.md §6).
         self.backend = factory(spec)
+        check_protocol(self.backend)
         caps = self.backend.capabilities()
         if expert_layout != "per_expert" and not caps.shared_expert_factors:
             raise EngineConfigError("expert_layout", f"backend {backend!r} does not declare shared_expert_factors: "
@@ -230,7 +233,7 @@ class Engine:
                                    max_batch_requests=caps.max_requests)
         self.runner = self.model_runner_class(self.model, self.backend, self.adapters, self.kv, self.device,
                                   check_host_sync=check_host_sync, on_pass=self.metrics_.forward_pass,
-                                  graphs=self.graphs, make_backend=lambda: factory(spec))
+                                  graphs=self.graphs)
         if self.graphs.capture == "startup":
             self.runner.capture_all()
         self.tokenizer = CheckpointTokenizer(self.model_dir)

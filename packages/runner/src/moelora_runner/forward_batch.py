@@ -20,11 +20,15 @@ in eager mode (a graph runner fixes it at capture). The ``BatchSpec`` and the ba
 ``LoRABatchInfo`` of the step travel with it: one ``prepare`` per forward, every layer reads the
 same info.
 
-Two ways to the device: :class:`ForwardBatchStager` stages a step into fresh tensors of the step's
-own sizes (eager); :class:`StaticForwardBatch` holds the fields of one graph bucket as static
-buffers of the bucket's capacity, written in place every step with the tails reset (pad rows: token
-0, position 0, the null KV location, the KV table's padding row; DESIGN.md §3). The model reads only
-the fields, so it cannot tell the two apart.
+Two ways to the device, each staging a step once: :class:`ForwardBatchStager` stages a step into
+fresh tensors of the step's own sizes (eager); :class:`StaticForwardBatch` holds the fields of one
+graph family as static buffers allocated once at its largest bucket, and a step is written in place
+into the views ``[:tokens]`` / ``[:requests]`` of its bucket with the tails of those views reset (pad
+rows: token 0, position 0, the null KV location, the KV table's padding row; DESIGN.md §3). Every
+bucket of the family is captured over views of the same buffers (nano-vllm's ``capture_cudagraph``
+over ``[:bs]`` slices of one set of graph variables), and the step's live batch (what the LM head and
+``breakable``'s eager attention read) is the views of its own rows: no second copy. The model reads
+only the fields, so it cannot tell the two apart.
 """
 
 from __future__ import annotations
@@ -129,17 +133,20 @@ class ForwardBatchStager:
 
 
 class StaticForwardBatch:
-    """The :class:`ForwardBatch` fields of one graph bucket as static buffers (DESIGN.md §3): allocated
-    once at the bucket's capacity, written in place by :meth:`write` through pinned staging (one
-    non-blocking copy), tails reset every time.
+    """The :class:`ForwardBatch` fields of one graph family as static buffers (DESIGN.md §3): allocated
+    once at the family's largest bucket; a step of a bucket is written in place into the bucket's
+    views by :meth:`write` through pinned staging (one non-blocking copy), the tails of those views
+    reset every time.
 
-    Pad values (rows past the step's tokens, requests past its requests): ``input_ids`` 0,
-    ``positions`` 0, ``out_cache_loc`` the null location, ``token_rows`` / ``req_pool_indices`` the
-    KV table's padding row, ``seq_lens`` 0. A pad row so writes its K/V to the null location and
-    attends to it alone: finite, and no request's cache is touched. Its outputs are discarded.
+    Pad values (rows past the step's tokens, requests past its requests, up to the bucket's
+    capacity): ``input_ids`` 0, ``positions`` 0, ``out_cache_loc`` the null location, ``token_rows`` /
+    ``req_pool_indices`` the KV table's padding row, ``seq_lens`` 0. A pad row so writes its K/V to
+    the null location and attends to it alone: finite, and no request's cache is touched. Its outputs
+    are discarded. ``logits_indices`` (the step's rows whose logits are returned) is written with the
+    same copy and read only by the live batch.
 
     Args:
-        max_tokens, max_requests: the bucket's token and request capacity.
+        max_tokens, max_requests: the family's largest bucket's token and request capacity.
         max_context: the attention key width fixed at capture (the KV table's width).
         null_location, padding_row: from the KV cache.
         device: where the buffers live.
@@ -151,34 +158,62 @@ class StaticForwardBatch:
         self.max_requests = max_requests
         self.max_context = max_context
         fills = {"input_ids": 0, "positions": 0, "out_cache_loc": null_location, "token_rows": padding_row,
-                 "req_pool_indices": padding_row, "seq_lens": 0}
-        self.buffers = {name: StaticBuffer(f"static.{name}", max_tokens if name in _TOKEN_FIELDS else max_requests,
+                 "req_pool_indices": padding_row, "seq_lens": 0, "logits_indices": 0}
+        self.buffers = {name: StaticBuffer(f"static.{name}", max_requests if name in _REQUEST_FIELDS else max_tokens,
                                            dtype=torch.int64, device=device, fill=fill)
                         for name, fill in fills.items()}
-        self._staging = PinnedStaging(len(_TOKEN_FIELDS) * max_tokens + len(_REQUEST_FIELDS) * max_requests,
+        self._staging = PinnedStaging((len(_TOKEN_FIELDS) + 1) * max_tokens + len(_REQUEST_FIELDS) * max_requests,
                                       torch.int64, device)
-        self._no_rows = torch.empty(0, dtype=torch.int64, device=device)
 
-    def fits(self, host: ForwardBatchHost) -> bool:
-        """Whether ``host``'s tokens and requests fit the capacity (host numbers only)."""
-        return host.num_tokens <= self.max_tokens and len(host.seq_lens) <= self.max_requests
+    def fits(self, host: ForwardBatchHost, tokens: int | None = None, requests: int | None = None) -> bool:
+        """Whether ``host``'s tokens and requests fit a bucket of ``tokens`` / ``requests`` (default: the
+        largest); host numbers only."""
+        tokens = self.max_tokens if tokens is None else tokens
+        requests = self.max_requests if requests is None else requests
+        return host.num_tokens <= tokens and len(host.seq_lens) <= requests
 
-    def write(self, host: ForwardBatchHost) -> None:
-        """Write ``host``'s lists into the buffers' heads and the pad values into their tails.
+    def _rows(self, name: str, tokens: int, requests: int) -> int:
+        return requests if name in _REQUEST_FIELDS else tokens
+
+    def write(self, host: ForwardBatchHost, lora_info: LoRABatchInfo | None = None, *, tokens: int | None = None,
+              requests: int | None = None) -> ForwardBatch:
+        """Write ``host``'s lists into the heads of a bucket's views (``tokens`` / ``requests``, default:
+        the largest bucket) and the pad values into the rest of those views.
+
+        Returns:
+            The step's live :class:`ForwardBatch`: the views of its own rows and requests (and its
+            ``logits_indices``), with ``lora_info``.
 
         Raises:
-            InvalidFieldError: more tokens or requests than the capacity (nothing written).
+            InvalidFieldError: more tokens or requests than the bucket (nothing written).
         """
+        tokens = self.max_tokens if tokens is None else tokens
+        requests = self.max_requests if requests is None else requests
         for name in (*_TOKEN_FIELDS, *_REQUEST_FIELDS):  # every check before the first write
-            self.buffers[name].padded(getattr(host, name))
+            self.buffers[name].padded(getattr(host, name), rows=self._rows(name, tokens, requests))
+        live: dict[str, torch.Tensor] = {}
         with self._staging.batch() as stage:
             for name in (*_TOKEN_FIELDS, *_REQUEST_FIELDS):
-                self.buffers[name].write(getattr(host, name), stage=stage)
+                view = self.buffers[name].write(getattr(host, name), rows=self._rows(name, tokens, requests),
+                                                stage=stage)
+                live[name] = view[: len(getattr(host, name))]
+            live["logits_indices"] = self.buffers["logits_indices"].write(host.logits_indices,
+                                                                          rows=len(host.logits_indices), stage=stage)
+        return ForwardBatch(host=host, lora_info=lora_info, max_context=host.max_context, **live)
 
-    def forward_batch(self, lora_info: LoRABatchInfo) -> ForwardBatch:
-        """The bucket's :class:`ForwardBatch`: the static buffers, ``max_context`` fixed, with
-        ``lora_info`` (a graph family's info: its device fields are that family's static buffers).
-        ``logits_indices`` is empty: the LM head runs after the replay on the live step's rows."""
+    def forward_batch(self, lora_info: LoRABatchInfo, *, tokens: int | None = None,
+                      requests: int | None = None) -> ForwardBatch:
+        """The :class:`ForwardBatch` a bucket of ``tokens`` / ``requests`` (default: the largest) is
+        captured on: the views of the static buffers, ``max_context`` fixed, with ``lora_info`` (a
+        graph family's info: its device fields are that family's static buffers). ``logits_indices``
+        is empty: the LM head runs after the replay on the live step's rows."""
+        tokens = self.max_tokens if tokens is None else tokens
+        requests = self.max_requests if requests is None else requests
+        views = {name: self.buffers[name].view(self._rows(name, tokens, requests))
+                 for name in (*_TOKEN_FIELDS, *_REQUEST_FIELDS)}
         return ForwardBatch(host=None, lora_info=lora_info, max_context=self.max_context,
-                            logits_indices=self._no_rows,
-                            **{name: b.tensor for name, b in self.buffers.items()})
+                            logits_indices=self.buffers["logits_indices"].view(0), **views)
+
+    def bytes(self) -> int:
+        """Device bytes of the buffers."""
+        return sum(b.tensor.numel() * b.tensor.element_size() for b in self.buffers.values())

@@ -22,7 +22,8 @@ setting                meaning (default)
 
 A prefill bucket of T tokens has ``min(max_num_requests, T)`` request slots: a request has at least
 one token, so a batch that fits T tokens and ``max_num_requests`` requests fits that too, and small
-buckets get no scratch they could never use. Empty request slots are zero-length requests.
+buckets launch no programs for request slots they could never fill (every bucket reads views of the
+family's one buffer set, allocated at the largest bucket). Empty request slots are zero-length requests.
 """
 
 from __future__ import annotations

@@ -1,37 +1,48 @@
 """The graph runners of DESIGN.md §6: whole forwards captured once per bucket, replayed with live
 LoRA metadata written in place.
 
-A :class:`GraphBucket` is one captured size of one family:
+A :class:`GraphRunner` is one graph family ("decode" or "prefill") of an engine. It holds **one
+buffer set**, allocated once at the family's largest bucket, as production engines do (SGLang's
+``init_cuda_graph_batch_info(max_bs, ...)``, vLLM's one ``LoRAKernelMeta``, nano-vllm's
+``capture_cudagraph`` over ``[:bs]`` views of one set of graph variables):
 
-- its **own backend instance**, built by the engine's backend factory, with that family initialised
-  at the bucket's capacity (``init_decode_graph(bs)`` / ``init_prefill_graph(tokens, requests)``):
-  every bucket and every family owns separate LoRA/MoE scratch by construction, and graph mode's
-  host numbers (grids, segment counts) are that capacity. All instances read the same adapter pools
-  (``LoRAWeights`` per layer) and hear of every slot load (``AdapterPool.attach_backend``);
-- its :class:`~moelora_runner.forward_batch.StaticForwardBatch` (tokens, positions, KV locations at
-  capacity; attention's key width fixed to the KV table's width);
-- its captured graph(s), in one :class:`~moelora_core.graphs.GraphPool` per family (on CUDA one
-  memory pool shared by the family's buckets):
+- the engine's **one backend instance** (the eager passes' too), whose family is initialised once,
+  ``init_graph(family, capacity of the largest bucket)``: every bucket's LoRA metadata is a view of
+  that family's static buffers (``prepare(batch, family, bucket=...)``), and decode and prefill
+  families own separate buffers (the backend's contract);
+- one :class:`~moelora_runner.forward_batch.StaticForwardBatch` (tokens, positions, KV locations,
+  logits rows; attention's key width fixed to the KV table's width), whose views each bucket reads;
+- for ``breakable``, one static input of the post-attention segments;
+- one :class:`~moelora_core.graphs.GraphPool` (on CUDA one memory pool shared by the family's graphs).
 
-  - ``full`` (the decode graph and prefill ``full``): one graph of
-    :meth:`~moelora_runner.model.MoEDecoder.hidden_states` — embed, every layer, attention included
-    (attention reads the static batch: graph-safe);
-  - ``breakable`` (prefill): L + 1 graphs, the segments between attention calls (embed + layer 0
-    pre-attention; post-attention(i) + pre-attention(i + 1); the last post-attention). Attention
-    runs eagerly between replays on the step's **live, unpadded** metadata (its own rows, its own
-    longest context): it writes the live rows' K/V and attends over them, and its output is copied
-    into the next segment's static input (pad rows zeroed). The LoRA and MoE work is inside the
-    segments.
+So replaying a small bucket after a larger batch reads the same memory a production engine's does,
+and a backend that leaves a larger batch's tail in its buffers shows it here, where the e2e suite can
+see it (DESIGN.md §6, §9).
 
-The graph's output is the final hidden states of the bucket's rows; the LM head runs after the replay
-on the step's ``logits_indices`` rows (a [tokens × vocab] tensor inside a graph would be wasted at
-real vocabulary sizes).
+A :class:`GraphBucket` is one captured size of the family, its graph(s) captured over the views of
+its capacity:
+
+- ``full`` (the decode graph and prefill ``full``): one graph of
+  :meth:`~moelora_runner.model.MoEDecoder.hidden_states` — embed, every layer, attention included
+  (attention reads the static batch: graph-safe);
+- ``breakable`` (prefill): L + 1 graphs, the segments between attention calls (embed + layer 0
+  pre-attention; post-attention(i) + pre-attention(i + 1); the last post-attention). Attention runs
+  eagerly between replays on the step's **live, unpadded** rows (the views of its own rows; its own
+  longest context): it writes the live rows' K/V and attends over them, and its output is copied into
+  the next segment's static input (pad rows zeroed). The LoRA and MoE work is inside the segments.
+
+A step is staged once: its lists are written into the bucket's views (:meth:`GraphBucket.stage`),
+and the live batch the LM head and the eager attention read is the views of its own rows. The
+graph's output is the final hidden states of the bucket's rows; the LM head runs after the replay on
+the step's ``logits_indices`` rows (a [tokens × vocab] tensor inside a graph would be wasted at real
+vocabulary sizes).
 
 Capture runs on an IDLE batch written into the static buffers (every row a pad row, every request
 slot empty), so nothing of a real batch is frozen into the graph; the backend's ``prepare`` must
 answer it with ``has_active_lora`` True (the LoRA kernels are recorded and exit early on the device
 for unused slots) or the capture is refused (:class:`~moelora_runner.errors.GraphCaptureError`). The
-addresses of the info's device tensors are recorded then and checked at every later ``prepare``.
+addresses and lengths of the info's device tensors are recorded then and checked at every later
+``prepare``.
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moelora_core.backend_checks import GraphCapacity
 from moelora_core.batch import BatchSpec
 from moelora_core.batch_info import LoRABatchInfo
 from moelora_core.capabilities import Fallback
@@ -48,7 +60,7 @@ from moelora_core.forward_mode import ForwardMode
 from moelora_core.graphs import CapturedGraph, GraphPool
 from moelora_runner.adapter_pool import AdapterPool
 from moelora_runner.errors import GraphCaptureError
-from moelora_runner.forward_batch import ForwardBatch, ForwardBatchHost, ForwardBatchStager, StaticForwardBatch
+from moelora_runner.forward_batch import ForwardBatch, ForwardBatchHost, StaticForwardBatch
 from moelora_runner.kv_cache import NULL_LOCATION, KVCache
 from moelora_runner.model import LoRAContext, MoEDecoder
 
@@ -61,9 +73,11 @@ REASONS = {
 }
 
 
-def _tensor_addresses(info: LoRABatchInfo) -> dict[str, int]:
-    out = {name: t.data_ptr() for name, t in info.device_tensors().items()}
-    out.update({f"private.{k}": v.data_ptr() for k, v in info.private.items() if isinstance(v, torch.Tensor)})
+def _tensor_signature(info: LoRABatchInfo) -> dict[str, tuple[int, int]]:
+    """(data_ptr, numel) of every device tensor of ``info``, private ones included."""
+    out = {name: (t.data_ptr(), t.numel()) for name, t in info.device_tensors().items()}
+    out.update({f"private.{k}": (v.data_ptr(), v.numel()) for k, v in info.private.items()
+                if isinstance(v, torch.Tensor)})
     return out
 
 
@@ -73,40 +87,35 @@ def empty_host(adapters: AdapterPool) -> ForwardBatchHost:
     return ForwardBatchHost(spec, (), (), (), (), (), (), ())
 
 
+def family_capacity(family: str, tokens: int, requests: int) -> GraphCapacity:
+    """The ``GraphCapacity`` of a bucket of ``tokens`` tokens and ``requests`` request slots."""
+    return GraphCapacity.decode(requests) if family == "decode" else GraphCapacity.prefill(tokens, requests)
+
+
 class GraphBucket:
-    """One captured size of one graph family (module doc).
+    """One captured size of one graph family, over views of the family's buffer set (module doc).
 
     Args:
-        family: "decode" or "prefill". mode: "full" or "breakable" (decode: "full").
+        runner: the family's :class:`GraphRunner` (its backend, static batch, pool, model, KV cache).
         tokens, requests: the bucket's token and request capacity (decode: both the batch size).
-        backend: this bucket's own backend instance (fresh from the factory).
-        model, kv, adapters: the engine's. pool: the family's graph pool.
-
-    Raises:
-        InvalidFieldError: the backend refuses the family's capacities.
     """
 
-    def __init__(self, *, family: str, mode: str, tokens: int, requests: int, backend: object, model: MoEDecoder,
-                 kv: KVCache, adapters: AdapterPool, pool: GraphPool) -> None:
-        self.family, self.mode = family, mode
+    def __init__(self, *, runner: GraphRunner, tokens: int, requests: int) -> None:
+        self.runner = runner
+        self.family, self.mode = runner.family, runner.mode
         self.tokens, self.requests = tokens, requests
-        self.backend = backend
-        self.model, self.kv, self.pool = model, kv, pool
-        if family == "decode":
-            backend.init_decode_graph(requests)
-        else:
-            backend.init_prefill_graph(tokens, requests)
-        self.static = StaticForwardBatch(max_tokens=tokens, max_requests=requests, max_context=kv.max_context,
-                                         null_location=NULL_LOCATION, padding_row=kv.padding_row, device=pool.device)
-        self.lora = LoRAContext(backend, adapters.pools)
+        self.capacity = family_capacity(self.family, tokens, requests)
+        self.backend = runner.backend
+        self.model, self.kv, self.pool = runner.model, runner.kv, runner.pool
+        self.static = runner.static
+        self.lora = runner.lora
         self.graphs: list[CapturedGraph] = []
         self.capture_info: LoRABatchInfo | None = None
-        self._addresses: dict[str, int] = {}
-        self._attn_in: torch.Tensor | None = None
+        self._signature: dict[str, tuple[int, int]] = {}
         # Warm-up is for CUDA (lazy initialisation, Triton compilation and autotuning outside the
         # capture); the emulator's capture runs the callable itself, so a warm-up call would only
         # repeat it.
-        self._warmup = 1 if pool.kind == "cuda" else 0
+        self._warmup = 1 if self.pool.kind == "cuda" else 0
 
     @property
     def captured(self) -> bool:
@@ -116,24 +125,29 @@ class GraphBucket:
         return f"{self.family} bucket {self.tokens} tokens / {self.requests} requests"
 
     def prepare(self, spec: BatchSpec) -> LoRABatchInfo | Fallback:
-        """The backend's ``prepare(spec, family)`` (writes its static buffers in place).
+        """The backend's ``prepare(spec, family, bucket=...)`` (writes its static buffers' views in place).
 
         Raises:
-            GraphCaptureError: the info's device tensors are not the ones captured.
+            GraphCaptureError: the info's device tensors are not the captured views.
         """
-        info = self.backend.prepare(spec, family=self.family)
-        if isinstance(info, Fallback) or not self._addresses:
+        info = self.backend.prepare(spec, family=self.family, bucket=self.capacity)
+        if isinstance(info, Fallback) or not self._signature:
             return info
-        moved = sorted(k for k, p in _tensor_addresses(info).items() if self._addresses.get(k) != p)
+        moved = sorted(k for k, sig in _tensor_signature(info).items() if self._signature.get(k) != sig)
         if moved:
             raise GraphCaptureError(f"{self._name()}: backend {self.backend.name!r} returned device tensors other "
                                     f"than the captured ones for {moved}; graph-mode metadata must be written in "
-                                    "place into the family's static buffers")
+                                    "place into the family's static buffers, as views of the bucket's lengths")
         return info
+
+    def stage(self, host: ForwardBatchHost, info: LoRABatchInfo) -> ForwardBatch:
+        """Write the step's lists into the bucket's views of the static batch (once per step); the live
+        batch: the views of the step's own rows, with ``info``."""
+        return self.static.write(host, info, tokens=self.tokens, requests=self.requests)
 
     # --- capture -------------------------------------------------------------------------------
 
-    def capture(self, idle: ForwardBatchHost, stager: ForwardBatchStager) -> None:
+    def capture(self, idle: ForwardBatchHost) -> None:
         """Capture the bucket on the IDLE step ``idle`` (module doc). Capture does no work.
 
         Raises:
@@ -141,7 +155,7 @@ class GraphBucket:
                 ``has_active_lora`` False.
             HostSyncError: a host sync in a captured callable.
         """
-        info = self.backend.prepare(idle.batch_spec, family=self.family)
+        info = self.backend.prepare(idle.batch_spec, family=self.family, bucket=self.capacity)
         if isinstance(info, Fallback):
             raise GraphCaptureError(f"{self._name()}: backend {self.backend.name!r} answered the capture batch with "
                                     f"Fallback({info.reason!r})")
@@ -150,20 +164,20 @@ class GraphBucket:
                                     "has_active_lora False: the LoRA kernels would not be recorded and no replay "
                                     "would add a delta (DESIGN.md §3)")
         self.capture_info = info
-        self._addresses = _tensor_addresses(info)
-        self.static.write(idle)
-        fb = self.static.forward_batch(info)
+        self._signature = _tensor_signature(info)
+        live = self.stage(idle, info)
+        fb = self.static.forward_batch(info, tokens=self.tokens, requests=self.requests)
         if self.mode == "full":
             self.graphs = [self.pool.capture(lambda: self.model.hidden_states(fb, self.kv, self.lora),
                                             warmup=self._warmup)]
             return
-        self._capture_segments(fb, stager.stage(idle, info))
+        self._capture_segments(fb, live)
 
     def _capture_segments(self, fb: ForwardBatch, live: ForwardBatch) -> None:
         model, lora = self.model, self.lora
-        # The static input of every post-attention segment: the eager attention's output lands here.
-        self._attn_in = torch.zeros(self.tokens, model.attention_width, dtype=model.dtype, device=self.pool.device)
-        attn_in = self._attn_in
+        # The static input of every post-attention segment (the family's, this bucket's rows): the eager
+        # attention's output lands here.
+        attn_in = self.runner.attention_input()[: self.tokens]
 
         def first():
             h = model.embed(fb)
@@ -196,20 +210,20 @@ class GraphBucket:
         _, q, k, v = out
         T = live.num_tokens
         attn = self.model.attention(i, q[:T], k[:T], v[:T], live, self.kv)
-        self._attn_in[:T].copy_(attn)
-        self._attn_in[T:].zero_()
+        attn_in = self.runner.attention_input()
+        attn_in[:T].copy_(attn)
+        attn_in[T:self.tokens].zero_()
 
-    def replay(self, host: ForwardBatchHost, live: ForwardBatch) -> torch.Tensor:
-        """Write ``host`` into the static batch and replay (the backend's buffers already prepared).
+    def replay(self, live: ForwardBatch) -> torch.Tensor:
+        """Replay the bucket on the step :meth:`stage` wrote (the backend's buffers already prepared).
 
         Args:
-            host: the step's lists (they fit the bucket). live: the step's own device tensors (the
-                eager attention of ``breakable``; the caller's LM head).
+            live: the step's live batch from :meth:`stage` (the eager attention of ``breakable``; the
+                caller's LM head).
 
         Returns:
             [tokens, H] final hidden states of the bucket's rows (the step's rows first).
         """
-        self.static.write(host)
         if self.mode == "full":
             return self.graphs[0].replay()
         out = self.graphs[0].replay()
@@ -229,31 +243,54 @@ class BucketChoice:
 
 
 class GraphRunner:
-    """The buckets of one family, built and captured on first use or all at start-up.
+    """One graph family of an engine: its buffer set (module doc) and its buckets, built and captured on
+    first use or all at start-up.
 
     Args:
         family: "decode" (buckets by batch size) or "prefill" (buckets by tokens).
         mode: "full" or "breakable". sizes: the bucket sizes (ascending).
         request_slots: request capacity of the bucket of a size.
-        make_backend: a fresh backend instance (the engine's factory on its spec).
+        backend: the engine's backend (one instance for the eager passes and every bucket of both
+            families); its family is initialised here, at the largest bucket.
         model, kv, adapters: the engine's. pool: the family's graph pool.
-        stager: stages a step's live tensors (the capture of ``breakable`` needs an empty one).
 
     Buckets are built from the class attribute :attr:`bucket_class` (a subclass or an instance may
     swap it: the suite's engine-level faulty variants do).
+
+    Raises:
+        InvalidFieldError: the backend refuses the family's capacity.
     """
 
     bucket_class: type[GraphBucket] = GraphBucket
 
     def __init__(self, family: str, mode: str, sizes: tuple[int, ...], request_slots: Callable[[int], int], *,
-                 make_backend: Callable[[], object], model: MoEDecoder, kv: KVCache, adapters: AdapterPool,
-                 pool: GraphPool, stager: ForwardBatchStager) -> None:
+                 backend: object, model: MoEDecoder, kv: KVCache, adapters: AdapterPool, pool: GraphPool) -> None:
         self.family, self.mode, self.sizes = family, mode, tuple(sizes)
         self.request_slots = request_slots
-        self.make_backend = make_backend
-        self.model, self.kv, self.adapters, self.pool, self.stager = model, kv, adapters, pool, stager
+        self.backend = backend
+        self.model, self.kv, self.adapters, self.pool = model, kv, adapters, pool
+        self.lora = LoRAContext(backend, adapters.pools)
+        largest = self.sizes[-1]
+        tokens, requests = largest, self._requests(largest)
+        self.capacity = family_capacity(family, tokens, requests)
+        backend.init_graph(family, self.capacity)  # once: every bucket reads views of these buffers
+        self.static = StaticForwardBatch(max_tokens=tokens, max_requests=requests, max_context=kv.max_context,
+                                         null_location=NULL_LOCATION, padding_row=kv.padding_row, device=pool.device)
+        self._attn_in: torch.Tensor | None = None
         self.buckets: dict[int, GraphBucket] = {}
         self.captures = 0
+
+    def _requests(self, size: int) -> int:
+        return size if self.family == "decode" else self.request_slots(size)
+
+    def attention_input(self) -> torch.Tensor:
+        """``breakable``: the static input of the post-attention segments, [largest bucket's tokens,
+        attention width] (allocated on first use; each bucket reads its rows)."""
+        if self._attn_in is None:
+            m = self.model
+            self._attn_in = torch.zeros(self.static.max_tokens, m.attention_width, dtype=m.dtype,
+                                        device=self.pool.device)
+        return self._attn_in
 
     def choose(self, host: ForwardBatchHost) -> BucketChoice:
         """The smallest bucket ``host`` fits, or why none does (host numbers only)."""
@@ -274,15 +311,10 @@ class GraphRunner:
         """The bucket of ``size``, built and captured now if it was not yet."""
         bucket = self.buckets.get(size)
         if bucket is None:
-            backend = self.make_backend()
-            requests = size if self.family == "decode" else self.request_slots(size)
-            bucket = self.bucket_class(family=self.family, mode=self.mode, tokens=size, requests=requests,
-                                       backend=backend, model=self.model, kv=self.kv, adapters=self.adapters,
-                                       pool=self.pool)
-            self.adapters.attach_backend(backend)
+            bucket = self.bucket_class(runner=self, tokens=size, requests=self._requests(size))
             self.buckets[size] = bucket
         if not bucket.captured:
-            bucket.capture(empty_host(self.adapters), self.stager)
+            bucket.capture(empty_host(self.adapters))
             self.captures += 1
         return bucket
 
@@ -290,3 +322,17 @@ class GraphRunner:
         """Build and capture every bucket (start-up capture)."""
         for size in self.sizes:
             self.bucket(size)
+
+    def buffer_bytes(self) -> int:
+        """Device bytes of the family's buffer set: the backend's static buffers (distinct storages) and
+        the static batch (the graphs' own memory pool not included)."""
+        seen: dict[int, int] = {}
+        static_buffers = getattr(self.backend, "static_buffers", None)
+        tensors = list(static_buffers(self.family).values()) if callable(static_buffers) else []
+        tensors += [b.tensor for b in self.static.buffers.values()]
+        if self._attn_in is not None:
+            tensors.append(self._attn_in)
+        for t in tensors:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())

@@ -10,6 +10,9 @@
   backend's ``prepare`` answers ``Fallback``), **eagerly**: ``prepare`` once, staging, the model,
   ``mode="eager"`` with the reason (:data:`~.graph_runner.REASONS`).
 
+One backend instance serves every pass (eager and both graph families); a step's lists are staged
+once (eagerly into fresh tensors, on a graph into its bucket's views of the family's static batch).
+
 Every pass is counted in ``moelora_forward_passes_total{phase, mode, reason}``; graph passes carry
 ``reason=""``. The model code is the same in every mode: a graph replays
 ``MoEDecoder.hidden_states`` (or its segments) on a bucket's static batch, and the LM head runs after
@@ -115,9 +118,8 @@ class ModelRunner:
         adapters: the pool. kv: the KV cache. device: the compute device.
         check_host_sync: run prepare + forward under ``host_sync_guard``.
         on_pass: called with (phase, mode, reason) after every forward pass (the metrics).
-        graphs: which graphs run (None: none).
-        make_backend: a fresh backend instance of the engine's factory and spec (one per graph
-            bucket); needed when ``graphs`` runs any graph.
+        graphs: which graphs run (None: none). Every graph bucket of both families uses ``backend``
+            too: one backend instance per engine, each family initialised once at its largest bucket.
 
     Attributes:
         decode_graph, prefill_graph: the :class:`~.graph_runner.GraphRunner` of each family, or None.
@@ -125,8 +127,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: MoEDecoder, backend: object, adapters: AdapterPool, kv: KVCache, device: torch.device,
-                 *, check_host_sync: bool = False, on_pass=None, graphs: GraphConfig | None = None,
-                 make_backend=None) -> None:
+                 *, check_host_sync: bool = False, on_pass=None, graphs: GraphConfig | None = None) -> None:
         self.model = model
         self.backend = backend
         self.adapters = adapters
@@ -141,10 +142,8 @@ class ModelRunner:
         self.prefill_graph: GraphRunner | None = None
         self.last_fallback: tuple[str, str, str] | None = None
         if self.graphs.any_graph:
-            if make_backend is None:
-                raise ValueError("graph runners need make_backend (one backend instance per bucket)")
             pools = graph_pools(device)
-            common = dict(make_backend=make_backend, model=model, kv=kv, adapters=adapters, stager=self._stager)
+            common = dict(backend=backend, model=model, kv=kv, adapters=adapters)
             if self.graphs.decode_graph:
                 self.decode_graph = GraphRunner("decode", "full", self.graphs.decode_buckets, lambda size: size,
                                                 pool=pools["decode"], **common)
@@ -194,8 +193,8 @@ class ModelRunner:
         with self._guard():
             info = bucket.prepare(host.batch_spec)
             if not isinstance(info, Fallback):
-                live = self._stager.stage(host, info)
-                hidden = bucket.replay(host, live)
+                live = bucket.stage(host, info)  # the step's one staging: the bucket's views
+                hidden = bucket.replay(live)
                 logits = self.model.logits(hidden, live)
         if isinstance(info, Fallback):
             return self._fallback(host, phase, "backend_fallback", info.reason)
