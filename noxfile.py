@@ -98,7 +98,9 @@ def tests(session: nox.Session) -> None:
 
 #: The main job's conformance run: reference at the profile's budget in every dtype; the two kernel
 #: backends (Triton under the interpreter, ~30x slower) at 2 examples an item in fp32, the dtype every
-#: known fault of theirs is caught in (conformance/docs/mutations.md). conformance-full runs every dtype.
+#: known fault of theirs is caught in (conformance/docs/mutations.md). 2 is the kernel mutants' budget in
+#: the campaign (faulty/backend_mutants.py KERNEL_MUTANT_BUDGET): 1 misses one of them. conformance-full
+#: runs every dtype.
 MAIN_RUN = ["--profile", "interpret", "--max-examples", "triton=2", "--max-examples", "csgmv=2",
             "--dtypes", "triton=fp32", "--dtypes", "csgmv=fp32", "--require-coverage"]
 #: The main job's engine and checkpoint checks, run two at a time (each is one process on one core):

@@ -23,8 +23,10 @@ from moelora_backends.triton_backend import TritonBackend
 from moelora_core.batch import BatchSpec
 from moelora_core.capabilities import Fallback
 
-#: Examples per property item in the mutation runs of these mutants.
-KERNEL_MUTANT_BUDGET = 3
+#: Examples per property item in the mutation runs of these mutants: the kernel backends' budget in the
+#: main job (noxfile.py MAIN_RUN), so the campaign (tests/test_mutations.py) proves that budget catches
+#: every one. At 1 the main job's fp32 items miss csgmv-frozen-segment-count (CI=true, 2026-12-06).
+KERNEL_MUTANT_BUDGET = 2
 
 
 class CsgmvFrozenSegmentCount(CsgmvBackend):
