@@ -29,21 +29,24 @@ import sys
 import time
 from pathlib import Path
 
-TABLE = Path(__file__).resolve().parents[1] / "packages/kernels/src/moelora_kernels/configs/h200.json"
 #: Row fields compared side by side when present.
 FIELDS = ("b_us", "b_idle_us", "b_fused_us", "b_unfused_us", "ab_fused_us")
 
 
 def table_with(key: str, value: int, ops: list[str]) -> dict:
-    """The shipped table with ``key = value`` on every entry of ``ops``.
+    """The shipped table of this machine's card (``moelora_kernels.configs.device_table_path``) with
+    ``key = value`` on every entry of ``ops``.
 
     Raises:
         SystemExit: an op the table does not have (a typo would otherwise A/B nothing).
     """
-    table = json.loads(TABLE.read_text())
+    from moelora_kernels.configs import device_table_path
+
+    path = Path(device_table_path())
+    table = json.loads(path.read_text())
     for op in ops:
         if op not in table:
-            raise SystemExit(f"config_ab: {op!r} is not an operation of {TABLE.name}")
+            raise SystemExit(f"config_ab: {op!r} is not an operation of {path.name}")
         for entry in table[op]:
             entry[key] = value
     return table

@@ -1,4 +1,4 @@
-"""The shipped block-config table (``configs/h200.json``) as data: every key of every entry is one
+"""The shipped block-config tables (``configs/h200.json``, ``configs/h100.json``) as data: every key of every entry is one
 the lookup reads (``kernel_config`` drops unknown keys, so a misspelt ``ALIGN_SPLT`` pasted from a
 sweep would silently select the default), and the variant keys hold values their launchers accept;
 ``moe_lora_delta`` looks its path up with the stage's N (so an entry may pick the path per stage)."""
@@ -17,8 +17,20 @@ SHAPE_KEYS = {"N", "K", "R", "max_rows"}
 
 
 def _entries():
-    table = configs._load_table(str(configs._CONFIG_DIR / "h200.json"))
-    return [(op, e) for op, entries in table.items() for e in entries]
+    out = []
+    for name in sorted(set(configs.CARD_TABLES.values())):
+        table = configs._load_table(str(configs._CONFIG_DIR / name))
+        out += [(op, e) for op, entries in table.items() for e in entries]
+    return out
+
+
+def test_each_card_gets_its_own_table_and_other_devices_the_h200s():
+    assert configs.table_path("NVIDIA H100 80GB HBM3").name == "h100.json"
+    assert configs.table_path("NVIDIA H200").name == "h200.json"
+    assert configs.table_path("NVIDIA A100-SXM4-80GB").name == configs.DEFAULT_TABLE == "h200.json"
+    assert configs.table_path("").name == "h200.json"  # no CUDA device
+    for name in set(configs.CARD_TABLES.values()):
+        assert (configs._CONFIG_DIR / name).is_file(), name
 
 
 @pytest.mark.parametrize("op, entry", _entries(), ids=lambda v: v if isinstance(v, str) else "")

@@ -1,7 +1,8 @@
 """Block configurations: one fixed config under the interpreter, tuned tables (data) on a GPU.
 
-Configs live in JSON files next to this module (``configs/h200.json``), keyed by operation, then
-by shape: an entry matches when its ``N`` / ``K`` / ``R`` fields (when present) equal the call's,
+Configs live in JSON files next to this module, one per card (``configs/h200.json``,
+``configs/h100.json``: :func:`table_path` picks the device's), keyed by operation, then by shape: an
+entry matches when its ``N`` / ``K`` / ``R`` fields (when present) equal the call's,
 and its ``max_rows`` is the smallest bound >= the call's row count (tokens × top_k, or tokens for
 dense LoRA). The most specific matching entry wins; ``"default"`` entries match any shape.
 ``MOELORA_KERNEL_CONFIGS=/path/file.json`` replaces the shipped table (used when tuning).
@@ -48,8 +49,31 @@ def _load_table(path: str) -> dict[str, list[dict]]:
     return {op: list(entries) for op, entries in table.items() if not op.startswith("_")}
 
 
+#: The table of each card with one of its own (a device name containing the key, lower case); any other
+#: device gets the H200's, the card every entry of it was measured on.
+CARD_TABLES: dict[str, str] = {"h100": "h100.json", "h200": "h200.json"}
+DEFAULT_TABLE = "h200.json"
+
+
+def table_path(device_name: str) -> Path:
+    """The shipped table for a device named ``device_name`` (``torch.cuda.get_device_name()``, e.g.
+    "NVIDIA H100 80GB HBM3"): :data:`CARD_TABLES`' file whose key the name contains, else
+    :data:`DEFAULT_TABLE`."""
+    name = device_name.lower()
+    return _CONFIG_DIR / next((f for card, f in CARD_TABLES.items() if card in name), DEFAULT_TABLE)
+
+
+@functools.lru_cache(maxsize=1)
+def device_table_path() -> str:
+    """The shipped table of this process's CUDA device (:func:`table_path`; the default without one)."""
+    import torch
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return str(table_path(name))
+
+
 def _table() -> dict[str, list[dict]]:
-    path = os.environ.get("MOELORA_KERNEL_CONFIGS") or str(_CONFIG_DIR / "h200.json")
+    path = os.environ.get("MOELORA_KERNEL_CONFIGS") or device_table_path()
     return _load_table(path)
 
 

@@ -8,7 +8,8 @@ takes 4 bytes or more): the fused kernel's expand loop then waits one memory rou
 tile. Value 1 rounds the load mask up to :data:`RANK_VECTOR` columns where R allows it (16-byte
 loads; the padding is zeroed in registers, so results are bit-identical); values 2-4 also pipeline
 the fused kernel's expand loop that many stages deep, cut to what fits :data:`SHARED_MEMORY_LIMIT`.
-On the GPU table the key stays 0 until ``benchmarks/config_ab.py`` has measured it
+``configs/h100.json`` sets 1 on every expand entry (``benchmarks/config_ab.py`` on an H100: faster in
+every cell, benchmarks/RESULTS.md); ``configs/h200.json`` keeps 0 until the same A/B has run on an H200
 (``ci/gpu/run_expand_stream.sh``).
 """
 
