@@ -1,15 +1,25 @@
-"""The peers grid: every peer path through the layer suite, one record per cell (``nox -s peers``).
+"""The peers grid: every peer path through the layer suite and the e2e suite, one record per cell
+(``nox -s peers``).
 
-``python -m moelora_peers.grid run --out .reports`` runs, per path of :data:`PATHS`, ``moelora-conformance
-run`` (interpret profile, a small fixed example budget and Hypothesis seed, so a manifest entry
-names a deterministic cell) with the path's manifest (``packages/peers/manifests/<peer>-<version>-
-<path>.toml``, expected failures citing conformance/docs/peers.md), then writes:
+``python -m moelora_peers.grid run --out .reports --fixtures DIR`` runs, per path of :data:`PATHS`:
+
+- the layer suite, ``moelora-conformance run`` (interpret profile, a small fixed example budget and
+  Hypothesis seed, so a manifest entry names a deterministic cell) with the path's manifest
+  (``packages/peers/manifests/<peer>-<version>-<path>.toml``);
+- the e2e suite on the reference engine, ``moelora-conformance e2e`` CI-sized (:data:`E2E_ARGS`: the
+  kernel backends' 16-request workload of the main job, every engine mode, the path's first declared
+  dtype of :data:`E2E_DTYPES`, one fixture family) with the path's e2e manifest
+  (``<peer>-<version>-<path>.e2e.toml``);
+
+expected failures citing conformance/docs/peers.md. ``--suites layer`` (or ``e2e``) runs one of them;
+``--smoke`` is the CI budget (the layer suite in the path's first dtype only). Then it writes:
 
 - ``.reports/peers.json``: a header (the peers' versions and their own torch / transformers pins, the
   versions this run used, each path's CPU substitutes) and one record per cell: ``peer``, ``version``,
   ``path``, ``property``, ``mode``, ``dtype``, ``status`` (pass / fail / not_implemented / refused /
   not_run), ``expected`` (a manifest entry matched), ``reason``, ``replay`` (the line that reruns it),
-  ``cpu_substitutes`` (what stood in for CUDA-only helpers in that cell);
+  ``cpu_substitutes`` (what stood in for CUDA-only helpers in that cell), ``suite`` ("layer" or
+  "e2e");
 - ``.reports/peers-matrix.md``: the matrix (path × property, modes and dtypes folded) and the
   failures with their replay lines.
 
@@ -53,9 +63,20 @@ PATHS: tuple[PeerPathSpec, ...] = (
 )
 
 
-def manifest_path(peer: str, version: str, path: str) -> Path:
-    """The expected-failure manifest of one peer release's path."""
-    return MANIFESTS / f"{peer}-{version}-{path}.toml"
+#: The e2e suite's CI-sized workload (the kernel backends' in the main job, noxfile.MAIN_CHECKS): 16
+#: requests, prompts up to 56 tokens (past the largest prefill bucket, so E04 has a step beyond
+#: capacity), E06's state machine off; every engine mode (the paths declare both graph families and
+#: both prefill modes).
+E2E_ARGS = ("--families", "qwen3_moe", "--requests", "16", "--max-new-tokens", "4", "--max-prompt-tokens", "56",
+            "--state-machine-examples", "0")
+#: e2e dtype: the first of these the path declares (the layer suite runs every declared dtype).
+E2E_DTYPES = (("fp32", "float32"), ("fp16", "float16"), ("bf16", "bfloat16"))
+SUITES = ("layer", "e2e")
+
+
+def manifest_path(peer: str, version: str, path: str, suite: str = "layer") -> Path:
+    """The expected-failure manifest of one peer release's path for ``suite``."""
+    return MANIFESTS / (f"{peer}-{version}-{path}.toml" if suite == "layer" else f"{peer}-{version}-{path}.e2e.toml")
 
 
 def probe(spec: PeerPathSpec) -> dict:
@@ -69,7 +90,8 @@ spec = LoRALayerSpec(16, 16, 2, 1, {{}}, 1, 4)
 b = load_backend({spec.target!r})(spec)
 from moelora_peers import {spec.peer}_modules as m
 d = m.importer().dist
-print(json.dumps({{"name": b.name, "version": b.version, "cpu_substitutes": b.cpu_substitutes,
+dts = {{str(d).removeprefix("torch.") for d in b.capabilities().dtypes}}
+print(json.dumps({{"name": b.name, "version": b.version, "cpu_substitutes": b.cpu_substitutes, "dtypes": sorted(dts),
                   "pins": d.pins("torch", "transformers", "triton"), "files": len(m.importer().loaded)}}))
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -79,11 +101,19 @@ print(json.dumps({{"name": b.name, "version": b.version, "cpu_substitutes": b.cp
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run_path(spec: PeerPathSpec, info: dict, out: Path, max_examples: int, seed: int, workers: int) -> Path:
+def first_dtype(info: dict) -> tuple[str, str]:
+    """(short, torch name) of the first dtype of :data:`E2E_DTYPES` the path declares."""
+    return next(d for d in E2E_DTYPES if d[1] in info.get("dtypes", ())) if info.get("dtypes") else E2E_DTYPES[0]
+
+
+def run_path(spec: PeerPathSpec, info: dict, out: Path, max_examples: int, seed: int, workers: int,
+             smoke: bool = False) -> Path:
     """``moelora-conformance run`` on one path; returns its JSON report's path."""
     report = out / f"peers-{spec.peer}-{spec.path}.json"
     cmd = ["moelora-conformance", "run", "--backend", spec.target, "--profile", "interpret",
            "--max-examples", str(max_examples), "-n", str(workers), "--json", str(report)]
+    if smoke:
+        cmd += ["--dtypes", first_dtype(info)[0]]
     manifest = manifest_path(spec.peer, info["version"], spec.path)
     if manifest.exists():
         cmd += ["--manifest", str(manifest)]
@@ -93,8 +123,25 @@ def run_path(spec: PeerPathSpec, info: dict, out: Path, max_examples: int, seed:
     return report
 
 
+def run_e2e(spec: PeerPathSpec, info: dict, out: Path, fixtures: str | None) -> Path:
+    """``moelora-conformance e2e`` (CI-sized, :data:`E2E_ARGS`) on one path; returns its JSON report's path."""
+    report = out / f"peers-e2e-{spec.peer}-{spec.path}.json"
+    cmd = ["moelora-conformance", "e2e", "--backend", spec.target, *E2E_ARGS, "--dtype", first_dtype(info)[1],
+           "--json", str(report)]
+    if fixtures:
+        cmd += ["--fixtures", fixtures]
+    manifest = manifest_path(spec.peer, info["version"], spec.path, "e2e")
+    if manifest.exists():
+        cmd += ["--manifest", str(manifest)]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=False)
+    return report
+
+
 def _replay(record: dict, target: str, max_examples: int, seed: int) -> str:
     repro = record.get("repro") or {}
+    if repro.get("rerun"):
+        return repro["rerun"]
     if repro.get("replays") or repro.get("replay"):
         return (repro.get("replays") or [repro.get("replay")])[0]
     return (f"pytest -p moelora_conformance.plugin --backend {target} --device cpu -k '{record.get('test', '')}' "
@@ -102,11 +149,12 @@ def _replay(record: dict, target: str, max_examples: int, seed: int) -> str:
             f"--hypothesis-seed={seed}")
 
 
-def cells(spec: PeerPathSpec, info: dict, report: dict | None, max_examples: int, seed: int) -> list[dict]:
-    """One record per cell of a path (module docstring)."""
-    base = {"peer": spec.peer, "version": info.get("version"), "path": spec.path}
+def cells(spec: PeerPathSpec, info: dict, report: dict | None, max_examples: int, seed: int,
+          suite: str = "layer") -> list[dict]:
+    """One record per cell of a path and suite (module docstring)."""
+    base = {"peer": spec.peer, "version": info.get("version"), "path": spec.path, "suite": suite}
     if "refused" in info or report is None:
-        reason = info.get("refused") or "the path's conformance run wrote no report"
+        reason = info.get("refused") or f"the path's {suite} run wrote no report"
         return [{**base, "property": "*", "mode": "*", "dtype": "*", "status": "refused" if "refused" in info
                  else "not_run", "expected": False, "reason": reason, "replay": None, "cpu_substitutes": {}}]
     out = []
@@ -186,13 +234,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=20261206)
     ap.add_argument("-n", "--workers", type=int, default=2)
     ap.add_argument("--path", action="append", default=None, help="peer:path to run (repeatable; default all)")
+    ap.add_argument("--suites", default=",".join(SUITES), help="comma-separated: layer, e2e (default both)")
+    ap.add_argument("--fixtures", default=None, help="fixtures built by make-fixtures (e2e; default: built by e2e)")
+    ap.add_argument("--smoke", action="store_true", help="CI budget: the layer suite in the path's first dtype only")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     chosen = [p for p in PATHS if args.path is None or f"{p.peer}:{p.path}" in args.path]
+    unknown = set(args.path or ()) - {f"{p.peer}:{p.path}" for p in PATHS}
+    if unknown or set(args.suites.split(",")) - set(SUITES):
+        ap.error(f"unknown --path {sorted(unknown)} or --suites {args.suites!r}")
     header = {"python": platform.python_version(), "environment": {k: v for k, v in os.environ.items()
                                                                   if k.startswith(("MOELORA_", "TRITON_"))},
-              "max_examples": args.max_examples, "hypothesis_seed": args.seed, "paths": {}}
+              "max_examples": args.max_examples, "hypothesis_seed": args.seed, "smoke": args.smoke,
+              "e2e": list(E2E_ARGS), "paths": {}}
     try:
         import torch
         import triton
@@ -203,11 +258,18 @@ def main(argv: list[str] | None = None) -> int:
     for spec in chosen:
         info = probe(spec)
         header["paths"][f"{spec.peer}:{spec.path}"] = info
-        report_path = out / f"peers-{spec.peer}-{spec.path}.json"
-        if args.command == "run" and "refused" not in info:
-            report_path = run_path(spec, info, out, args.max_examples, args.seed, args.workers)
-        report = json.loads(report_path.read_text()) if report_path.exists() else None
-        records += cells(spec, info, report, args.max_examples, args.seed)
+        suites = ["layer"] if args.smoke else args.suites.split(",")
+        for suite in suites:
+            report_path = out / (f"peers-{spec.peer}-{spec.path}.json" if suite == "layer"
+                                 else f"peers-e2e-{spec.peer}-{spec.path}.json")
+            if args.command == "run" and "refused" not in info:
+                report_path.unlink(missing_ok=True)  # a run that writes nothing must not reuse an old report
+                if suite == "layer":
+                    run_path(spec, info, out, args.max_examples, args.seed, args.workers, smoke=args.smoke)
+                else:
+                    run_e2e(spec, info, out, args.fixtures)
+            report = json.loads(report_path.read_text()) if report_path.exists() else None
+            records += cells(spec, info, report, args.max_examples, args.seed, suite)
     (out / "peers.json").write_text(json.dumps({"header": header, "records": records}, indent=1))
     head = [f"# Peers grid ({', '.join(f'{k}: {v}' for k, v in header['versions'].items())}, "
             f"{args.max_examples} example(s) per item, Hypothesis seed {args.seed})", ""]

@@ -1,19 +1,27 @@
 """The protocol-facing part every peer path shares: moelora's ``Backend`` around a peer's call sites.
 
-Thin on purpose (the graph API is about to change: one backend instance and one static buffer set
-per graph family). A path supplies a :class:`PeerPath` — how it re-packs a slot into the peer's
+Thin on purpose. One instance serves an engine's eager steps and every graph bucket of both
+families; each family's static buffers are allocated once, at its largest bucket
+(``init_graph(family, capacity)``), and every bucket is prepared over views of them
+(conformance/docs/migration.md). A path supplies a :class:`PeerPath` — how it re-packs a slot into the peer's
 weight layout, its per-layer alignment, its two MoE stages and its dense delta, each calling the
 peer's own functions — and :class:`PeerBackend` maps the protocol onto it:
 
 - ``prepare`` and the graph families are :class:`moelora_core.backend_base.BackendBase`'s (moelora's
-  metadata machinery): the fields SGLang's ``LoRABatchInfo`` / ``MoELoRABatchInfo`` name
-  (``seg_indptr``, ``req_to_lora``, ``adapter_enabled``, ``token_lora_mapping``, ``lora_ranks``,
-  ``scalings``), from the batch's host lists. The peers' own prepare functions take their servers'
-  batch objects (SGLang ``ChunkedSgmvLoRABackend.prepare_lora_batch(ForwardBatch, ...)``, vLLM
-  ``PunicaWrapperGPU.update_metadata(LoRAMapping, ...)``) and are not run (conformance/docs/peers.md,
-  "What moelora's protocol cannot express");
+  metadata machinery): the request segments (SGLang's ``seg_indptr`` / ``req_to_lora`` of
+  ``_add_moe_lora_info`` are moelora's ``req_seg_indptr`` / ``req_weight_indices``),
+  ``adapter_enabled`` and ``token_lora_mapping``, from the batch's host lists; ranks and σ come from
+  the pool per module (``weights.ranks(module)`` / ``weights.scalings(module)``). SGLang's own
+  prepare (``ChunkedSgmvLoRABackend.prepare_lora_batch(ForwardBatch, ...)``) takes its server's batch
+  object and is not run (conformance/docs/peers.md, "What moelora's protocol cannot express"); a
+  path's ``prepare`` hook adds the peer's own metadata where it can be run (vLLM's
+  ``PunicaWrapperGPU.update_metadata(LoRAMapping, ...)``);
 - the dense segmentation: tokens stably sorted by slot, cut into chunks of SGLang's csgmv chunk
-  size (:func:`csgmv_chunk_size`), which SGLang's dense kernels read;
+  size (:func:`csgmv_chunk_size`), which SGLang's dense kernels read (``max_len`` is the chunk size,
+  their ``BLOCK_M``); in a graph family the chunk size is the family's (its largest bucket's token
+  count), the same for every bucket, as SGLang sizes it from ``max_bs`` at graph init;
+- ``info.private``: ``family`` (None eager) and ``forward_mode`` (the batch's), which the paths read
+  to pick their per-family storage and their phase;
 - the slot-load hook re-packs the slot into the peer's layout (σ folded where the peer folds it);
 - ``moe_align`` is the path's per-layer alignment (both stages of a layer share it, as SGLang's
   ``build_lora_hooks`` and vLLM's ``add_lora_w13`` → ``add_lora_w2`` do).
@@ -32,6 +40,7 @@ import torch
 
 from moelora_backends.segmentation import chunk_segments, max_chunk_segments
 from moelora_core.backend_base import BackendBase
+from moelora_core.backend_checks import GraphCapacity
 from moelora_core.batch import BatchSpec
 from moelora_core.batch_info import LoRABatchInfo
 from moelora_core.capabilities import Capabilities
@@ -75,6 +84,10 @@ class PeerPath:
         dense: ``(module, x, out, weights, info)`` adds a dense delta, or None (not declared).
         alignment: ``(topk_ids, info) -> (AlignOutput, block_m)`` for the suite's exact check of
             the peer's own per-slot alignment, or None (the path has no per-slot alignment).
+        init_graph: ``(family, capacity)`` allocate the path's own per-family storage at the
+            family's capacity (called once per family, after moelora's buffers), or None.
+        prepare: ``(batch, info, family)`` the path's own per-batch metadata (written into
+            ``info.private``; graph families: into that family's storage), or None.
         cpu_substitutes: CUDA-only helper → what replaced it on this machine.
     """
 
@@ -88,6 +101,8 @@ class PeerPath:
     down: Callable[..., None]
     dense: Callable[..., None] | None = None
     alignment: Callable[..., tuple] | None = None
+    init_graph: Callable[[str, GraphCapacity], None] | None = None
+    prepare: Callable[[BatchSpec, LoRABatchInfo, str | None], None] | None = None
     cpu_substitutes: dict[str, str] = field(default_factory=dict)
 
 
@@ -118,17 +133,30 @@ class PeerBackend(BackendBase):
     def eager_segmentation(self, batch: BatchSpec) -> Segmentation:
         return chunk_segments(batch, csgmv_chunk_size(batch.num_tokens))
 
-    def family_layout(self, family: str, max_requests: int, max_tokens: int, tokens_per_request: int | None):
-        L, size = self.spec.max_loras, csgmv_chunk_size(max_tokens)
-        # max_len is the chunk size itself (SGLang's BLOCK_M), a capacity fixed at capture.
-        sizes = LaunchSizes(max_requests, max_tokens, L, max_chunk_segments(max_tokens, max_requests, L, size),
-                            size, True)
+    def family_layout(self, family: str, capacity: GraphCapacity, family_capacity: GraphCapacity):
+        L = self.spec.max_loras
+        requests, tokens = capacity.max_requests, capacity.max_tokens
+        # The family's chunk size for every bucket: a bucket's chunk count then stays within the
+        # family's buffers. max_len is the chunk size itself (SGLang's BLOCK_M, a power of two that
+        # ``tl.arange`` needs), fixed at capture.
+        size = csgmv_chunk_size(family_capacity.max_tokens)
+        sizes = LaunchSizes(requests, tokens, L, max_chunk_segments(tokens, requests, L, size), size, True)
         return sizes, partial(chunk_segments, chunk_size=size)
 
-    def prepare(self, batch: BatchSpec, family: str | None = None):
-        info = super().prepare(batch, family)
-        if isinstance(info, LoRABatchInfo) and family is None:
-            info.max_len = csgmv_chunk_size(batch.num_tokens)  # SGLang's BLOCK_M (a power of two)
+    def init_graph(self, family: str, capacity: GraphCapacity) -> None:
+        fresh = family not in self._families
+        super().init_graph(family, capacity)
+        if fresh and self.path.init_graph is not None:
+            self.path.init_graph(family, capacity)
+
+    def prepare(self, batch: BatchSpec, family: str | None = None, bucket: GraphCapacity | None = None):
+        info = super().prepare(batch, family, bucket)
+        if isinstance(info, LoRABatchInfo):
+            if family is None:
+                info.max_len = csgmv_chunk_size(batch.num_tokens)  # SGLang's BLOCK_M (a power of two)
+            info.private.update(family=family, forward_mode=batch.forward_mode)
+            if self.path.prepare is not None:
+                self.path.prepare(batch, info, family)
         return info
 
     # --- the slot-load hook and the deltas --------------------------------------------------------

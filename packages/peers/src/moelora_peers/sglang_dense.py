@@ -9,7 +9,9 @@ every call is the single-slice form SGLang uses for ``o_proj``. σ is applied by
 from ``batch_info.scalings[slot]``. SGLang fills that vector with one σ per adapter (``lora_alpha /
 r`` of the adapter config: SGLang 0.5.23 reads no ``rank_pattern`` / ``alpha_pattern``); the view
 passed here carries the module's own σ per slot (``LoRAWeights.scalings(module)``), so the kernels
-are tested on what the adapter file means (conformance/docs/peers.md, "σ per module").
+are tested on what the adapter file means (conformance/docs/peers.md, "σ per module"). Ranks
+likewise: SGLang's ``batch_info.lora_ranks`` is one rank per adapter; the view carries the module's
+own (``LoRAWeights.ranks(module)``).
 
 The batch info SGLang's kernels read has SGLang's field names (moelora's ``LoRABatchInfo`` follows
 them) with one difference written here: SGLang gives the base model a pool slot of rank 0
@@ -32,16 +34,16 @@ from moelora_peers import sglang_modules
 from moelora_peers.sglang_pool import SGLangPool
 
 
-def sglang_batch_view(info: LoRABatchInfo, scalings: torch.Tensor) -> types.SimpleNamespace:
-    """The fields SGLang's csgmv kernels read, base segments on an extra rank-0 slot, ``scalings``
-    [L] fp32 the module's σ per slot (module docstring)."""
-    L = info.lora_ranks.shape[0]
+def sglang_batch_view(info: LoRABatchInfo, ranks: torch.Tensor, scalings: torch.Tensor) -> types.SimpleNamespace:
+    """The fields SGLang's csgmv kernels read, base segments on an extra rank-0 slot; ``ranks`` [L]
+    int32 and ``scalings`` [L] fp32 the module's rank and σ per slot (module docstring)."""
+    L = ranks.shape[0]
     wi = info.weight_indices
     return types.SimpleNamespace(
-        bs=info.bs, num_segments=info.num_segments, max_len=info.max_len, use_cuda_graph=info.use_cuda_graph,
-        seg_indptr=info.seg_indptr, permutation=info.permutation,
+        bs=info.req_weight_indices.numel(), num_segments=info.num_segments, max_len=info.max_len,
+        use_cuda_graph=info.use_cuda_graph, seg_indptr=info.seg_indptr, permutation=info.permutation,
         weight_indices=torch.where(wi < 0, torch.full_like(wi, L), wi),
-        lora_ranks=torch.cat([info.lora_ranks, info.lora_ranks.new_zeros(1)]),
+        lora_ranks=torch.cat([ranks.to(torch.int32), ranks.new_zeros(1, dtype=torch.int32)]),
         scalings=torch.cat([scalings.to(torch.float32), scalings.new_zeros(1, dtype=torch.float32)]),
     )
 
@@ -58,7 +60,7 @@ def csgmv_dense_delta(pool: SGLangPool, module: str, x: torch.Tensor, out: torch
     expand = sglang_modules.module("csgmv_expand").chunked_sgmv_lora_expand_forward
     b = pool.buffers(weights)
     A, B = b.dense_a[module], b.dense_b[module]
-    view = sglang_batch_view(info, weights.scalings(module))
+    view = sglang_batch_view(info, weights.ranks(module), weights.scalings(module))
     xs = x if x.is_contiguous() else x.contiguous()
     inter = shrink(x=xs.to(A.dtype), weights=A, batch_info=view, num_slices=1)
     expand(x=inter, weights=B, batch_info=view, slice_offsets=pool.slice_offsets(module),

@@ -110,7 +110,7 @@ class SGLangGroupedPath:
         self.Phase = utils.Phase
         provider = GeometryProvider(spec.H, spec.I, spec.E, 2, _Contract(spec.dtype))
         self.workspace_cls = sglang_modules.module("workspace").LoraWorkspace
-        self._runners: dict[int, object] = {}
+        self._runners: dict[str | None, object] = {}
         self._make_runner = partial(runner_mod.MoeLoraRunner, providers={"expert_major": provider,
                                                                          "route_major": provider},
                                     top_k=spec.top_k, routed_scaling_factor=None, activation=activation.SILU,
@@ -118,7 +118,7 @@ class SGLangGroupedPath:
 
     def _runner(self, info: LoRABatchInfo):
         """One runner (and so one ``LoraWorkspace``) per graph family and one for eager batches."""
-        key = info.moe.token_lora_mapping.data_ptr() if info.use_cuda_graph else 0
+        key = info.private.get("family")
         runner = self._runners.get(key)
         if runner is None:
             runner = self._runners[key] = self._make_runner(workspace=self.workspace_cls())
@@ -126,7 +126,7 @@ class SGLangGroupedPath:
 
     def align(self, topk_ids: torch.Tensor, info: LoRABatchInfo) -> _Layer:
         """``build_moe_routes`` for the phase's plan (``MoeLoraRunner.run``'s first step)."""
-        phase = self.Phase.DECODE if info.forward_mode is ForwardMode.DECODE else self.Phase.PREFILL
+        phase = self.Phase.DECODE if info.private["forward_mode"] is ForwardMode.DECODE else self.Phase.PREFILL
         selected = self.plans[phase]
         T = topk_ids.shape[0]
         launch = selected.tiles.config_for(T)
@@ -134,7 +134,7 @@ class SGLangGroupedPath:
         runner.workspace.begin_forward(graph_mode=info.use_cuda_graph,
                                        is_prefill_graph=info.use_cuda_graph and phase is self.Phase.PREFILL)
         routes = self.routing.build_moe_routes(
-            selected.plan, topk_ids=topk_ids, token_lora_mapping=info.moe.token_lora_mapping,
+            selected.plan, topk_ids=topk_ids, token_lora_mapping=info.token_lora_mapping,
             num_local_experts=self.spec.E, max_loras=self.spec.max_loras, block_size=launch.routing_block_size,
             workspace=runner.workspace)
         return _Layer(selected.plan, launch, routes, runner)

@@ -17,9 +17,13 @@ on a ``LoRAInfo`` built from moelora's batch info and the SGLang-layout copy of 
   shares it.
 
 What is written here (small; each follows the SGLang function named): the ``LoRAInfo`` fields from
-moelora's info (``base_backend._add_moe_lora_info``: ``seg_indptr`` / ``req_to_lora`` per request,
-``adapter_enabled``, ``token_lora_mapping``), and the capture flag around a graph family's calls
-(``get_is_capture_mode()``: SGLang's graph runner sets it while capturing).
+moelora's info (``base_backend._add_moe_lora_info``: SGLang's per-request ``seg_indptr`` /
+``req_to_lora`` are moelora's ``req_seg_indptr`` / ``req_weight_indices``; ``adapter_enabled``,
+``token_lora_mapping``; ``lora_ranks``, of which the MoE call sites read only the length, the
+slot count), the legacy capture buffers of each graph family, allocated once at the family's
+capacity (as SGLang's graph runner allocates ``cg_buffers`` at ``max_bs``), and the capture flag
+around a graph family's calls (``get_is_capture_mode()``: SGLang's graph runner sets it while
+capturing).
 
 CPU substitutes (no CUDA device; each named in the cells' records, conformance/docs/peers.md; the
 legacy ones also on a GPU machine without SGLang's JIT toolchain, :func:`jit_align_available`):
@@ -45,6 +49,7 @@ from functools import partial
 import torch
 
 from moelora_core.align import AlignOutput, align_capacity
+from moelora_core.backend_checks import GraphCapacity
 from moelora_core.batch_info import LoRABatchInfo
 from moelora_core.capabilities import Capabilities
 from moelora_core.layer_spec import LoRALayerSpec
@@ -83,41 +88,41 @@ class SGLangHooksPath:
         self.virtual = virtual
         self.runners = sglang_modules.module("runners")
         self.pool = SGLangPool(spec)
-        self._cg: dict[int, dict[str, torch.Tensor]] = {}
+        self._cg: dict[str, dict[str, torch.Tensor]] = {}
+        # LoRAInfo.lora_ranks where no weights are at hand (the alignment): the MoE call sites read
+        # only its length (``max_loras = len(lora_info.lora_ranks)``).
+        self._slots = torch.zeros(spec.max_loras, dtype=I32, device=spec.device)
 
     # --- LoRAInfo from moelora's info (base_backend._add_moe_lora_info) ----------------------------
 
     def lora_info(self, weights: LoRAWeights | None, info: LoRABatchInfo):
         """SGLang's ``LoRAInfo`` for ``info`` (weights None: the alignment reads no weight)."""
         b = self.pool.buffers(weights) if weights is not None else None
+        family = info.private.get("family")
         return self.runners.LoRAInfo(
             gate_up_lora_a_weights=b and b.gate_up_a, gate_up_lora_b_weights=b and b.gate_up_b,
             down_lora_a_weights=b and b.down_a, down_lora_b_weights=b and b.down_b,
-            seg_indptr=info.moe.seg_indptr, req_to_lora=info.moe.req_to_lora, lora_ranks=info.lora_ranks,
-            adapter_enabled=info.moe.adapter_enabled, token_lora_mapping=info.moe.token_lora_mapping,
+            seg_indptr=info.req_seg_indptr, req_to_lora=info.req_weight_indices,
+            lora_ranks=weights.ranks("gate") if weights is not None else self._slots,
+            adapter_enabled=info.adapter_enabled, token_lora_mapping=info.token_lora_mapping,
             max_lora_rank=self.spec.R, num_experts=self.spec.E, has_active_lora=info.has_active_lora,
-            experts_shared_outer_loras=False, cg_buffers=self._cg_buffers(info) if info.use_cuda_graph else None,
+            experts_shared_outer_loras=False, cg_buffers=self._cg[family] if family is not None else None,
             lora_use_virtual_experts=self.virtual,
         )
 
-    def _cg_buffers(self, info: LoRABatchInfo) -> dict[str, torch.Tensor]:
+    def init_graph(self, family: str, capacity: GraphCapacity) -> None:
         """The family's capture buffers of ``_compute_lora_alignment`` (SGLang allocates them with the
-        graph runner's MoE-LoRA buffers), sized from the family's token capacity; one set per family
-        (keyed by the family's static token-mapping buffer)."""
-        M = info.moe.token_lora_mapping.numel()
-        key = info.moe.token_lora_mapping.data_ptr()
-        cg = self._cg.get(key)
-        if cg is None:
-            s = self.spec
-            P = align_capacity(M, s.top_k, s.E, LEGACY_BLOCK_M)
-            dev = s.device
-            cg = self._cg[key] = {
-                "sorted_token_ids_lora": torch.empty(s.max_loras * P, dtype=I32, device=dev),
-                "expert_ids_lora": torch.empty(s.max_loras * (P // LEGACY_BLOCK_M), dtype=I32, device=dev),
-                "num_tokens_post_padded_lora": torch.empty(s.max_loras, dtype=I32, device=dev),
-                "lora_ids": torch.arange(s.max_loras, dtype=I32, device=dev),
-            }
-        return cg
+        graph runner's MoE-LoRA buffers), sized from the family's token capacity, once; every bucket
+        aligns into views of them."""
+        s = self.spec
+        P = align_capacity(capacity.max_tokens, s.top_k, s.E, LEGACY_BLOCK_M)
+        dev = s.device
+        self._cg[family] = {
+            "sorted_token_ids_lora": torch.empty(s.max_loras * P, dtype=I32, device=dev),
+            "expert_ids_lora": torch.empty(s.max_loras * (P // LEGACY_BLOCK_M), dtype=I32, device=dev),
+            "num_tokens_post_padded_lora": torch.empty(s.max_loras, dtype=I32, device=dev),
+            "lora_ids": torch.arange(s.max_loras, dtype=I32, device=dev),
+        }
 
     # --- the layer's alignment ----------------------------------------------------------------------
 
@@ -218,5 +223,6 @@ def make_path(spec: LoRALayerSpec, *, virtual: bool) -> PeerPath:
         version=sglang_modules.importer().dist.version, capabilities=capabilities(virtual),
         on_slot_loaded=path.pool.on_slot_loaded, align=path.align, gate_up=path.gate_up, down=path.down,
         dense=partial(csgmv_dense_delta, path.pool),
-        alignment=None if virtual else path.alignment, cpu_substitutes=subs,
+        alignment=None if virtual else path.alignment, init_graph=path.init_graph,
+        cpu_substitutes=subs,
     )

@@ -11,10 +11,11 @@ the small-batch, one-shot or two-kernel path itself) and ``add_lora_linear`` (``
 What is written here (each following the vLLM function named): the ``LoRAMapping`` of a batch (per
 token the slot's LoRA id ``slot + 1``, 0 for base tokens and graph padding, as the GPU model runner's
 ``_set_active_loras`` pads it to the captured size) and ``lora_index_to_id`` (slot → id), one punica
-wrapper per graph family (its ``LoRAKernelMeta`` buffers are static, as vLLM keeps one per runner)
-and a fresh one per eager batch; the weight layout of ``FusedMoEWithLoRA`` (w13: gate and up
-``lora_a`` [L, E, R, H], ``lora_b`` [L, E, I, R]; w2: [L, E, R, I] / [L, E, H, R]; linear [L, 1, R,
-in] / [L, 1, out, R]) with σ folded into every B (``LoRALayerWeights.optimize``), each module's own σ.
+wrapper per graph family, made at the family's capacity (its ``LoRAKernelMeta`` buffers are static,
+as vLLM keeps one per runner; every bucket writes their prefix) and a fresh one per eager batch;
+the weight layout of ``FusedMoEWithLoRA`` (w13: gate and up ``lora_a`` [L, E, R, H], ``lora_b``
+[L, E, I, R]; w2: [L, E, R, I] / [L, E, H, R]; linear [L, 1, R, in] / [L, 1, out, R]) with σ
+folded into every B (``LoRALayerWeights.optimize``), each module's own σ.
 
 Stubs (conformance/docs/peers.md): ``vllm.platforms``, ``vllm.distributed``, ``vllm.triton_utils``,
 ``vllm.logger``, ``vllm.utils.mem_utils``, ``vllm._custom_ops`` (its align served by moelora's Triton
@@ -32,6 +33,7 @@ from types import SimpleNamespace
 
 import torch
 
+from moelora_core.backend_checks import GraphCapacity
 from moelora_core.batch import BatchSpec
 from moelora_core.batch_info import LoRABatchInfo
 from moelora_core.capabilities import Capabilities
@@ -61,7 +63,7 @@ class VLLMFusedPath:
         self.pool = SGLangPool(spec, fold_dense=True)
         self.punica_mod = vllm_modules.module("punica_gpu")
         self.LoRAMapping = vllm_modules.module("lora_layers").LoRAMapping
-        self._families: dict[int, object] = {}
+        self._families: dict[str, object] = {}
 
     def _wrapper(self, max_tokens: int, max_batches: int):
         cfg = SimpleNamespace(max_loras=self.spec.max_loras, specialize_active_lora=False)
@@ -74,16 +76,19 @@ class VLLMFusedPath:
                 mark_host_memory(getattr(meta, name))
         return punica
 
-    def update(self, batch: BatchSpec, info: LoRABatchInfo) -> None:
+    def init_graph(self, family: str, capacity: GraphCapacity) -> None:
+        """The family's punica wrapper, at the family's capacity (vLLM keeps one ``LoRAKernelMeta``
+        per runner, sized at ``max_num_batched_tokens``; every captured size reads its prefix)."""
+        self._families[family] = self._wrapper(capacity.max_tokens, capacity.max_requests)
+
+    def update(self, batch: BatchSpec, info: LoRABatchInfo, family: str | None) -> None:
         """vLLM's ``update_metadata`` for ``batch`` (the wrapper goes in ``info.private["punica"]``)."""
-        rows = info.moe.token_lora_mapping.numel()
-        if info.use_cuda_graph:
-            key = info.moe.token_lora_mapping.data_ptr()
-            punica = self._families.get(key)
-            if punica is None:
-                punica = self._families[key] = self._wrapper(rows, max(info.bs, 1))
+        rows = info.token_lora_mapping.numel()  # graph mode: the bucket's token capacity
+        if family is not None:
+            punica = self._families[family]
         else:
             punica = self._wrapper(max(rows, 1), max(batch.bs, 1))
+        # GPU model runner's _set_active_loras: LoRA id = slot + 1, 0 for base tokens and the padding.
         ids = [s + 1 if s >= 0 else 0 for s in batch.token_lora_mapping] + [0] * (rows - batch.num_tokens)
         mapping = self.LoRAMapping(ids, ids, is_prefill=batch.forward_mode is not ForwardMode.DECODE)
         punica.update_metadata(mapping, [s + 1 for s in range(self.spec.max_loras)], self.spec.max_loras, 1)
@@ -106,7 +111,7 @@ class VLLMFusedPath:
         layer.alignment = layer.punica.add_lora_w13(
             target, self._md(x), (b.gate_up_a[:, :, :R], b.gate_up_a[:, :, R:]),
             (b.gate_up_b[:, :, :I], b.gate_up_b[:, :, I:]), topk_ids, topk_weights, None, None, None, T, k,
-            s.max_loras, info.moe.adapter_enabled, s.E, k, 2, False, True)
+            s.max_loras, info.adapter_enabled, s.E, k, 2, False, True)
         if target is not gate_up_out:
             gate_up_out.add_(target.to(gate_up_out.dtype))
 
@@ -120,7 +125,7 @@ class VLLMFusedPath:
                                                                         device=down_out.device)
         layer.punica.add_lora_w2(
             target, self._md(h), (b.down_a,), (b.down_b,), topk_weights.float(), sorted_ids, expert_ids, ntpp,
-            mapping, T, None, None, k, s.max_loras, info.moe.adapter_enabled, k, False, 0, True)
+            mapping, T, None, None, k, s.max_loras, info.adapter_enabled, k, False, 0, True)
         if target is not down_out:
             down_out.add_(target.to(down_out.dtype))
 
@@ -138,17 +143,6 @@ class VLLMFusedPath:
             out.add_(target.to(out.dtype))
 
 
-class VLLMBackend(PeerBackend):
-    """:class:`~moelora_peers.peer_backend.PeerBackend` whose ``prepare`` also runs vLLM's
-    ``update_metadata`` (the punica wrapper's metadata lives beside moelora's)."""
-
-    def prepare(self, batch: BatchSpec, family: str | None = None):
-        info = super().prepare(batch, family)
-        if isinstance(info, LoRABatchInfo):
-            self.path.owner.update(batch, info)
-        return info
-
-
 def capabilities() -> Capabilities:
     """What vLLM's fused path declares (conformance/docs/peers.md, "Capabilities")."""
     return peer_capabilities({torch.float16, torch.bfloat16})
@@ -158,15 +152,15 @@ def make_path(spec: LoRALayerSpec) -> PeerPath:
     path = VLLMFusedPath(spec)
     subs = {"vllm._custom_ops.moe_lora_align_block_size (compiled, not loadable)":
             "moelora_kernels.align.moe_lora_align_block_size (stand-in on every device)"}
-    peer = PeerPath(
+    return PeerPath(
         peer="vllm", path="fused", version=vllm_modules.importer().dist.version, capabilities=capabilities(),
         on_slot_loaded=path.pool.on_slot_loaded, align=path.align, gate_up=path.gate_up, down=path.down,
-        dense=path.dense, cpu_substitutes=subs if not is_cuda() else {},
+        dense=path.dense, init_graph=path.init_graph, prepare=path.update,
+        cpu_substitutes=subs if not is_cuda() else {},
     )
-    peer.owner = path
-    return peer
 
 
-def fused(spec: LoRALayerSpec) -> VLLMBackend:
-    """``moelora_peers.vllm:fused``: vLLM's punica wrapper and ``fused_moe_lora``."""
-    return VLLMBackend(spec, make_path)
+def fused(spec: LoRALayerSpec) -> PeerBackend:
+    """``moelora_peers.vllm:fused``: vLLM's punica wrapper and ``fused_moe_lora`` (the path's
+    ``prepare`` runs vLLM's ``update_metadata`` beside moelora's metadata)."""
+    return PeerBackend(spec, make_path)
