@@ -117,3 +117,30 @@ def test_the_fixtures_default_runs_the_chosen_families(fixture_set, tmp_path, ca
         assert rerun[rerun.index("--requests") + 1] == "8" and rerun[rerun.index("--max-prompt-tokens") + 1] == "16"
     assert main([*argv, "--families", "gpt2"]) == 2
     assert "--families: unknown ['gpt2']" in capsys.readouterr().err
+
+
+def test_a_run_cut_short_leaves_every_finished_claim(fixture_set, engine_adapters, tmp_path):
+    """The JSON is written as claims finish: a run stopped in its second mode (here by Ctrl-C after the
+    first of that mode's claims) leaves a report with the eager mode's claims and that one, marked
+    incomplete; a finished run's report is complete."""
+    from moelora_conformance.e2e.command import _write_json
+    from moelora_conformance.e2e.suite import run_e2e
+
+    out = tmp_path / "cut.json"
+    config = E2EConfig(requests=8, max_new_tokens=2, max_prompt_tokens=16, state_machine_examples=0,
+                       modes=("eager", "full"))
+    models = [(MODEL, fixture_set.model_dir(MODEL), engine_adapters[MODEL])]
+
+    def stop(record):
+        if record.mode == "full":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_e2e("reference", models, config=config, hf=False, progress=stop, write=lambda r: _write_json(out, r))
+    cut = load_report(out)
+    assert cut["complete"] is False
+    got = [(r["property"], r["mode"]) for r in cut["records"]]
+    assert got[:2] == [("E05", "eager"), ("E02", "eager")] and len(got) == 3 and got[2][1] == "full", got
+    run_e2e("reference", models, config=config, hf=False, write=lambda r: _write_json(out, r))
+    whole = load_report(out)
+    assert whole["complete"] is True and len(whole["records"]) == 2 + 5

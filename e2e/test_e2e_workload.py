@@ -3,14 +3,17 @@
 - ``test_reference_ci_sized_workload_holds_every_claim``: the CI-sized workload (64 ragged requests,
   1 to 248 prompt tokens, 8 new tokens, five adapters of five ranks and formats over 4 slots, base
   requests, spread arrivals and a burst) on ``reference`` in every engine mode: E01-E05 pass, and
-  the run exercised what it claims (steps that fit and steps beyond capacity, both reasons).
+  the run exercised what it claims (steps that fit and steps beyond capacity; chunked prefills on the
+  prefill graph, a bucket relaid out, hot loads after capture, the layer-patterned adapter, the
+  same-config reload, the host-sync guard on every step).
 - The kernel backends (``triton`` ``full``, ``csgmv`` ``breakable``, on a 16-request workload) and every
   fixture family on ``reference`` run in the main job (``nox -s conformance``), not here.
 - ``test_faults_are_caught``: faulty backends (``e2e_faults``) fail exactly the claims they break:
   a wrong graph-mode delta fails E01 and E02 in the graph modes and passes eagerly; a backend that
   silently falls back fails E03 naming the step and the reason; a backend whose buckets share one
   buffer set and keep a larger batch's request tail (``faulty.e2e_mutants``, the suite's own mutant)
-  fails E01 in the prefill graph.
+  fails E01 in the prefill graph; each failure names the step, layer and module where the request first
+  departs from the reference engine (``e2e.locate``: the wrong graph-mode delta at layer 0's o).
 - ``test_capacity_labels``: the capacity a step is held to, on hand-made steps (both limits, both
   phases, every mode).
 - ``test_e05_adapter_items_are_computed_per_family``: E05's legacy per-expert item is "not applicable"
@@ -32,7 +35,10 @@ from moelora_conformance.faulty import target
 
 MODEL = "qwen3_moe"
 #: The smaller workload of the kernel backends and the fault tests.
-SMALL = dict(requests=16, max_new_tokens=4, max_prompt_tokens=40, arrival_steps=6, state_machine_examples=0)
+#: (prompts up to 134 tokens: the chunk scene's first, middle and last chunks; 4 prefill-graph request slots: a
+#: prefill step beyond them)
+SMALL = dict(requests=16, max_new_tokens=4, max_prompt_tokens=134, arrival_steps=8, max_num_requests=4,
+             state_machine_examples=0)
 
 
 def _run(fixture_set, engine_adapters, backend, model=MODEL, hf=True, **config):
@@ -51,7 +57,7 @@ def _assert_all_passed(records):
 
 def _assert_small(e05):
     # the small workload meets every E05 item but the claim's 64 requests
-    unmet = {item: state for item, state in e05.coverage.items() if state != "met"}
+    unmet = {item: state for item, state in e05.coverage.items() if state.startswith("not met")}
     assert e05.outcome == "partial" and unmet == {"requests": "not met (16 requests)"}, (e05.outcome, e05.coverage)
 
 
@@ -64,10 +70,16 @@ def test_reference_ci_sized_workload_holds_every_claim(fixture_set, engine_adapt
     assert len(records) == 2 + 5 * 3  # eager: E02, E05; each graph mode: E01-E05
     e05 = by[("E05", "eager")].details
     assert e05["requests"] == 64 and e05["mixed_steps"] > 0 and e05["evictions"] > 0 and e05["chunked_prefill"]
-    assert len(e05["ranks"]) >= 3 and e05["rslora"] and e05["per_expert"]
+    assert len(e05["ranks"]) >= 3 and e05["rslora"] and e05["per_expert"] and e05["pattern"]
+    assert e05["reloads"] == 1 and e05["reloaded_requests"] > 0 and e05["steps_guarded"] > 0
+    for mode in ("full", "breakable"):  # chunked prefills replay the prefill graph's buckets
+        graphs = by[("E05", mode)].details
+        assert graphs["graph_chunks"] == ["first", "last", "middle"] and graphs["relayouts"] > 0, graphs
+        assert graphs["hot_steps"] > 0, graphs
     passes = by[("E03", "full")].details["passes"]
-    for label in ("prefill/full/", "decode/decode_graph/", "prefill/eager/over_tokens",
-                  "prefill/eager/over_requests", "decode/eager/over_requests"):
+    # the 48-token budget is the largest prefill bucket: no step is over the tokens, chunks run on the graph
+    assert "prefill/eager/over_tokens" not in passes, passes
+    for label in ("prefill/full/", "decode/decode_graph/", "prefill/eager/over_requests", "decode/eager/over_requests"):
         assert passes.get(label, 0) > 0, (label, passes)
     assert by[("E02", "eager")].details["compared"] > 0
 
@@ -77,6 +89,11 @@ def test_faults_are_caught(fixture_set, engine_adapters):
     wrong = _by(_run(fixture_set, engine_adapters, "e2e_faults:make_graph_delta_backend", modes=("eager", "full"),
                      **SMALL))
     assert wrong[("E01", "full")].outcome == "failed" and "full vs eager" in wrong[("E01", "full")].message
+    # the failure says where: alone, the request departs from the reference engine at the o projection
+    where = wrong[("E01", "full")].details["where"]
+    assert "alone (full) first departs from the reference engine at step 0" in where, where
+    assert "layer 0, module o (attention)" in where and where in wrong[("E01", "full")].message
+    assert "layer 0, module o (attention)" in wrong[("E02", "full")].details["where"]
     assert wrong[("E02", "full")].outcome == "failed"
     assert wrong[("E02", "eager")].outcome == "passed"
     _assert_small(wrong[("E05", "eager")])
@@ -88,6 +105,7 @@ def test_faults_are_caught(fixture_set, engine_adapters):
     stale = _by(_run(fixture_set, engine_adapters, target("stale-tail-across-buckets"), modes=("eager", "full"),
                      hf=False, **SMALL))
     assert stale[("E01", "full")].outcome == "failed" and "full vs eager" in stale[("E01", "full")].message
+    assert "| where: " in stale[("E01", "full")].message and ", layer " in stale[("E01", "full")].message
     assert stale[("E03", "full")].outcome == "passed"  # it ran on its graphs: only the outputs show the tail
 
 
@@ -110,11 +128,13 @@ def test_capacity_labels():
 
 
 def test_e05_adapter_items_are_computed_per_family():
-    kinds = {"a": dict(rank=8, rslora=False, per_expert=False), "b": dict(rank=6, rslora=True, per_expert=False),
+    kinds = {"a": dict(rank=8, rslora=False, per_expert=False, pattern=True),
+             "b": dict(rank=6, rslora=True, per_expert=False),
              "c": dict(rank=3, rslora=False, per_expert=False)}
     workload = make_workload(sorted(kinds), vocab=96, max_prompt_tokens=40, n=64)
-    served = Served([], [StepRecord("prefill", 3, 30, 1, 2, ("eager", "disabled")),
-                         StepRecord("decode", 2, 2, 0, 2, ("eager", "disabled"))], loads=5, evictions=2)
+    served = Served([], [StepRecord("prefill", 3, 30, 1, 2, ("eager", "disabled"), guarded=True),
+                         StepRecord("decode", 2, 2, 0, 2, ("eager", "disabled"), guarded=True)], loads=5, evictions=2,
+                    reloads=1, reloaded_requests=2)
 
     def e05(family, noop=frozenset()):
         base = E2EResult("E00", "reference", "eager", "fp32", family)
@@ -126,10 +146,11 @@ def test_e05_adapter_items_are_computed_per_family():
     assert qwen2.coverage["per_expert"].startswith("not applicable on qwen2_moe: peft 0.21.2")
     assert qwen2.coverage["ranks"] == qwen2.coverage["rslora"] == qwen2.coverage["requests"] == "met"
     qwen3 = e05("qwen3_moe")
-    assert qwen3.outcome == "partial" and qwen3.message == "1 of 7 coverage items not met: a legacy per-expert " \
+    assert qwen3.outcome == "partial" and qwen3.message == "1 of 13 coverage items not met: a legacy per-expert " \
                                                            "adapter (none)"
     assert qwen3.coverage["per_expert"] == "not met (none)" and qwen3.details["coverage"] == qwen3.coverage
-    assert sum(state == "met" for state in qwen3.coverage.values()) == 6
+    assert sum(state == "met" for state in qwen3.coverage.values()) == 9  # the graph items: not in eager mode
+    assert qwen3.coverage["relayout"] == "not applicable in mode eager: no such graph"
     # the rsLoRA adapter is a no-op: it meets nothing (and the ranks fall to two)
     silent = e05("qwen2_moe", noop=frozenset({"b"}))
     assert silent.outcome == "partial"

@@ -131,3 +131,15 @@ def test_marked_host_memory_is_host_through_views_and_forgotten_when_freed():
     assert not is_marked_host_memory(other)
     with pytest.raises(TypeError, match="CPU tensor"):
         mark_host_memory(torch.zeros(2, device="meta"))
+
+
+def _reads_back(t):
+    return t.sum().item()  # the call site the error must name
+
+
+def test_host_sync_error_names_its_call_site():
+    """A sync deep in a backend's code is found from the error alone: the message names the innermost
+    frame outside PyTorch and the guard (file, line, function)."""
+    seg_indptr, _ = _metadata()
+    with pytest.raises(HostSyncError, match=r"test_graph_sync_guard\.py:\d+ in _reads_back"), host_sync_guard("cpu"):
+        _reads_back(seg_indptr)

@@ -9,7 +9,8 @@ name suffix             what it is
 ``eng-rslora-r6``       fused + q/v under rsLoRA (σ = α/√r), r 6
 ``eng-legacy-r3``       legacy per-expert gate/up/down + o, r 3
 ``eng-attn-r5-fp16``    attention-only q/k/v/o, factors stored in fp16, r 5
-``eng-pattern-r4``      fused with rank_pattern / alpha_pattern (r 4; gate_up 2, q 7; down α 5)
+``eng-pattern-r4``      fused with rank_pattern / alpha_pattern, module and layer keys (r 4; gate_up 2,
+                        layer 1's q 7; down α 5, layer 0's k α 3)
 ======================  ======================================================================
 
 On a model with a shared expert (Qwen2-MoE) the fused r 8 adapter also targets the shared expert's
@@ -36,7 +37,8 @@ ENGINE_ADAPTERS: tuple[tuple[str, dict], ...] = (
     ("eng-attn-r5-fp16", dict(format="fused", r=5, alpha=10, experts=(), dense=("q", "k", "v", "o"),
                               stored_dtype="float16")),
     ("eng-pattern-r4", dict(format="fused", r=4, alpha=8, experts=("gate_up_proj", "down_proj"), dense=("q", "k"),
-                            rank_pattern={"gate_up_proj": 2, "q_proj": 7}, alpha_pattern={"down_proj": 5})),
+                            rank_pattern={"gate_up_proj": 2, "layers.1.self_attn.q_proj": 7},
+                            alpha_pattern={"down_proj": 5, "layers.0.self_attn.k_proj": 3})),
 )
 #: On a model with a shared expert: the adapters that change, by suffix (see the module docstring).
 SHARED_EXPERT_ADAPTERS: dict[str, tuple[str, dict]] = {

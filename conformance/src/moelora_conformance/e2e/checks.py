@@ -10,6 +10,7 @@ requests fit the largest decode bucket. A step over both limits may carry either
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from moelora_conformance.e2e.engine_checks import HFReference, check_against_hf, compare_outputs
@@ -120,7 +121,9 @@ def check_hf(base: E2EResult, served: Served, workload: Workload, hf: HFReferenc
     if hf is None:
         return r.not_run(why_not or "HF + PEFT not available")
     with checking(r):
-        got = check_against_hf(served.outputs, list(workload.requests), hf, dtype=dtype,
+        # a request added after its adapter's same-config reload is checked against the reloaded weights
+        requests = [dict(q, adapter=served.reference.get(q["request_id"], q.get("adapter"))) for q in workload.requests]
+        got = check_against_hf(served.outputs, requests, hf, dtype=dtype,
                                what=f"{base.backend} {base.mode} vs HF+PEFT")
         r.passed(**got)
     return r
@@ -137,9 +140,32 @@ WORKLOAD_ITEMS: dict[str, str] = {
     "base": "base requests",
     "mixed": "prefills and decodes in one step",
     "evicted": "slots evicted and reused",
+    "pattern": "an adapter with layer-specific rank_pattern and alpha_pattern",
+    "reload": "a same-config reload (new weights of a name) served",
+    "guard": "every step under the host-sync guard",
+    "graph_chunks": "first, middle and last prompt chunks on the prefill graph, next to decodes",
+    "relayout": "a prefill-graph bucket replayed on the same requests and slots with a changed chunk layout",
+    "hot_load": "a graph bucket replayed with an adapter in a slot that was empty at its capture",
 }
 #: The items an adapter meets (only an adapter that is not a no-op meets one).
-ADAPTER_ITEMS: tuple[str, ...] = ("ranks", "rslora", "per_expert")
+ADAPTER_ITEMS: tuple[str, ...] = ("ranks", "rslora", "per_expert", "pattern")
+#: The engine modes each graph item applies to (the others run no such graph).
+GRAPH_ITEMS: dict[str, tuple[str, ...]] = {"graph_chunks": ("full", "breakable"), "relayout": ("full", "breakable"),
+                                           "hot_load": ("decode_graph", "full", "breakable")}
+
+
+def graph_coverage(steps: list[StepRecord]) -> dict[str, object]:
+    """What the prefill and decode graphs replayed (E05's graph items): the chunk kinds run on the
+    prefill graph in a step with decodes, the prefill-graph steps that replayed the previous step's
+    bucket on the same requests and slots with a changed chunk layout, and the graph steps with a
+    request in a slot that was empty at its bucket's capture."""
+    graph = [s for s in steps if s.bucket is not None]
+    chunks = set().union(*(s.chunks for s in graph if s.phase == "prefill" and s.decode_items)) if graph else set()
+    relayouts = sum(1 for a, b in itertools.pairwise(steps)
+                    if a.phase == b.phase == "prefill" and a.bucket is not None and a.bucket == b.bucket
+                    and a.same_slots(b) and not a.same_layout(b) and (a.chunks or b.chunks))
+    return dict(graph_steps=len(graph), graph_chunks=sorted(chunks), relayouts=relayouts,
+                hot_steps=sum(1 for s in graph if s.hot))
 
 
 def not_applicable_items(family: str) -> dict[str, str]:
@@ -162,7 +188,7 @@ def not_applicable_items(family: str) -> dict[str, str]:
 
 def check_workload(base: E2EResult, served: Served, workload: Workload, *, adapter_kinds: dict[str, dict],
                    max_loras: int, n: int, max_prompt_tokens: int, family: str = "",
-                   noop: frozenset[str] = frozenset()) -> E2EResult:
+                   noop: frozenset[str] = frozenset(), mode: str = "eager") -> E2EResult:
     """E05: the run exercised what the workload claims (module doc of :mod:`.properties`).
 
     Each of :data:`WORKLOAD_ITEMS` is "met", "not met (what the run had)" or, for the items
@@ -173,8 +199,9 @@ def check_workload(base: E2EResult, served: Served, workload: Workload, *, adapt
     otherwise the claim failed.
 
     Args:
-        adapter_kinds: adapter name → {"rank": int, "rslora": bool, "per_expert": bool}.
-        family: the model's ``model_type``.
+        adapter_kinds: adapter name → {"rank": int, "rslora": bool, "per_expert": bool, "pattern": bool}.
+        family: the model's ``model_type``. mode: the engine mode served (the graph items of
+            :data:`GRAPH_ITEMS` are "not applicable" in the modes without that graph).
         noop: the adapters that are no-ops (``moelora_core.checkpoint.adapter_effect``): they meet no
             adapter item.
     """
@@ -184,7 +211,11 @@ def check_workload(base: E2EResult, served: Served, workload: Workload, *, adapt
         effective = sorted(a for a in used if a is not None and a not in noop)
         ranks = {adapter_kinds[a]["rank"] for a in effective}
         kinds = dict(ranks=sorted(ranks), rslora=any(adapter_kinds[a]["rslora"] for a in effective),
-                     per_expert=any(adapter_kinds[a]["per_expert"] for a in effective))
+                     per_expert=any(adapter_kinds[a]["per_expert"] for a in effective),
+                     pattern=any(adapter_kinds[a].get("pattern") for a in effective))
+        graphs = graph_coverage(served.steps)
+        work = [s for s in served.steps if s.phase != "idle"]
+        unguarded = sum(1 for s in work if not s.guarded)
         mixed = sum(1 for s in served.steps if s.prefill_items and s.decode_items)
         prefills = [s.tokens for s in served.steps if s.phase == "prefill"]
         chunked = bool(prefills) and max(lengths) > max(prefills)
@@ -202,14 +233,26 @@ def check_workload(base: E2EResult, served: Served, workload: Workload, *, adapt
             "mixed": (mixed > 0, "no such step"),
             "evicted": (served.evictions > 0 and served.loads > max_loras,
                         f"{served.loads} loads, {served.evictions} evictions, {max_loras} slots"),
+            "pattern": (kinds["pattern"], f"none{only_noop}"),
+            "reload": (served.reloads > 0 and served.reloaded_requests > 0,
+                       f"{served.reloads} reloads, {served.reloaded_requests} requests after one"),
+            "guard": (bool(work) and unguarded == 0, f"{unguarded} of {len(work)} steps unguarded"),
+            "graph_chunks": ({"first", "middle", "last"} <= set(graphs["graph_chunks"]),
+                             f"chunks {graphs['graph_chunks']} on the prefill graph next to decodes"),
+            "relayout": (graphs["relayouts"] > 0, "no such pair of steps"),
+            "hot_load": (graphs["hot_steps"] > 0, f"{graphs['graph_steps']} graph steps, none such"),
         }
         exempt = not_applicable_items(family)
+        exempt.update({item: f"not applicable in mode {mode}: no such graph" for item, modes in GRAPH_ITEMS.items()
+                       if mode not in modes})
         coverage = {item: exempt[item] if item in exempt else "met" if ok else f"not met ({had})"
                     for item, (ok, had) in met.items()}
         unmet = [f"{WORKLOAD_ITEMS[item]} ({met[item][1]})" for item, state in coverage.items()
                  if state.startswith("not met")]
         details = dict(requests=len(lengths), prompt_tokens=sum(lengths), mixed_steps=mixed, chunked_prefill=chunked,
-                       loads=served.loads, evictions=served.evictions, coverage=coverage, items=WORKLOAD_ITEMS, **kinds)
+                       loads=served.loads, evictions=served.evictions, reloads=served.reloads,
+                       reloaded_requests=served.reloaded_requests, steps_guarded=len(work) - unguarded,
+                       coverage=coverage, items=WORKLOAD_ITEMS, **graphs, **kinds)
         if unmet:
             r.partial(f"{len(unmet)} of {len(coverage)} coverage items not met: " + "; ".join(unmet), coverage,
                       **details)

@@ -23,7 +23,9 @@ mode's workload claims or the state machine. No-op adapters are named on stderr 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -254,6 +256,13 @@ def _fixture_plan(args, backends: list[str], tmp: Path):
             for b, fams in chosen.items()}
 
 
+def _write_json(path: Path, report: dict) -> None:
+    """Write ``report`` whole or not at all (a run killed mid-write keeps the previous report)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    os.replace(tmp, path)
+
+
 def _run(plan: dict, args, config, manifests: dict, json_path) -> int:
     from moelora_conformance.e2e.suite import run_e2e
     from moelora_conformance.report import exit_status, matrix_markdown, matrix_rich, summary_line
@@ -268,13 +277,12 @@ def _run(plan: dict, args, config, manifests: dict, json_path) -> int:
     reports, many = [], len(plan) > 1
     for backend, models in plan.items():
         print(f"{_PREFIX}: {backend} on {', '.join(m[0] for m in models)} ({args.dtype}, {args.device})", flush=True)
+        out = json_path(args.json, backend, many)
         report = run_e2e(backend, models, config=config, dtype=args.dtype, device=args.device,
                          manifest=manifests[backend], hf=not args.no_hf, record_path=args.record_jsonl,
-                         progress=progress, rerun_extra=_rerun_extra(args, backend), warn=warn)
+                         progress=progress, rerun_extra=_rerun_extra(args, backend), warn=warn,
+                         write=None if out is None else functools.partial(_write_json, out))
         reports.append(report)
-        out = json_path(args.json, backend, many)
-        if out is not None:
-            out.write_text(json.dumps(report, indent=1, default=str))
     matrix_rich(reports)
     if args.markdown:
         args.markdown.write_text(matrix_markdown(reports))

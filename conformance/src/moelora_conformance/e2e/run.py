@@ -3,8 +3,11 @@ stateful engine properties (E06, ``moelora_conformance.e2e.stateful`` when it is
 
 :class:`E2EConfig` holds the engine settings of the run. The defaults are CI-sized (64 requests,
 8 new tokens, 3 slots for 5 adapters) and set the graphs' capacity *below* the workload's peaks, so
-one run has steps that fit a captured graph and steps beyond it (E03 / E04): a 64-token step budget
-with prefill buckets up to 48 tokens and 8 request slots, decode buckets up to 8 requests.
+one run has steps that fit a captured graph and steps beyond it (E03 / E04): prefill buckets up to 48
+tokens and 8 request slots, decode buckets up to 8 requests. The step budget is the largest prefill
+bucket (48 tokens), so every chunk the budget cuts fits a prefill graph: first, middle and last chunks
+replay its buckets next to decodes (a budget past the largest bucket ran every cut chunk eagerly,
+``over_tokens``); the steps beyond capacity are over the request slots.
 
 Every record carries a rerun line (:func:`rerun_line`): the ``moelora-conformance e2e`` command that
 reproduces its run — the inputs (``--model`` / ``--adapter`` as absolute paths, or the fixture family),
@@ -21,7 +24,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import shlex
+import shutil
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -39,7 +45,7 @@ from moelora_conformance.e2e.checks import (
 from moelora_conformance.e2e.engine_checks import HFReference
 from moelora_conformance.e2e.properties import E2E_PROPERTIES, STATEFUL
 from moelora_conformance.e2e.results import DTYPE_NAMES, E2E_MODES, E2EResult
-from moelora_conformance.e2e.workload import Served, make_workload, serve
+from moelora_conformance.e2e.workload import RELOADED, Served, make_workload, reloaded_weights, serve, write_reloaded
 
 #: Engine arguments of each e2e mode (the graph modes run their decodes on the decode graph).
 MODE_ARGS: dict[str, dict] = {
@@ -78,7 +84,7 @@ class E2EConfig:
     arrival_steps: int | None = None
     max_prompt_tokens: int | None = None
     max_loras: int | None = None
-    max_num_batched_tokens: int = 64
+    max_num_batched_tokens: int = 48
     prefill_token_buckets: tuple[int, ...] = (16, 32, 48)
     max_num_requests: int = 8
     decode_batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
@@ -136,9 +142,15 @@ def adapter_kinds(adapters: dict[str, Path], model_config) -> dict[str, dict]:
     out = {}
     for name, path in adapters.items():
         weights = read_adapter(Path(path), model_config, name=name)
-        out[name] = dict(rank=weights.max_rank(), rslora=weights.config.lora.use_rslora,
-                         per_expert="per_expert" in weights.formats)
+        lora = weights.config.lora
+        out[name] = dict(rank=weights.max_rank(), rslora=lora.use_rslora, per_expert="per_expert" in weights.formats,
+                         pattern=layer_specific(lora.rank_pattern) and layer_specific(lora.alpha_pattern))
     return out
+
+
+def layer_specific(pattern) -> bool:
+    """Whether a rank_pattern / alpha_pattern has a key naming one layer (``layers.1.self_attn.q_proj``)."""
+    return any(re.search(r"(^|\.)\d+\.", str(key)) for key in (pattern or {}))
 
 
 def _make_engine(model_dir: Path, adapters: dict[str, Path], *, backend: str, mode: str, dtype: str, device: str,
@@ -182,10 +194,9 @@ def run_model(backend: str, model_dir: Path, adapters: dict[str, Path], *, confi
         crashed fails every claim of that mode, named).
     """
     model_dir = Path(model_dir)
-    name = model_name or model_dir.name
+    name_ = model_name or model_dir.name
     dt = DTYPE_NAMES.get(dtype, dtype)
     notify = progress or (lambda r: None)
-    from moelora_runner.errors import EngineConfigError
     from moelora_runner.model_info import ModelInfo
 
     info = ModelInfo.read(model_dir)
@@ -195,8 +206,30 @@ def run_model(backend: str, model_dir: Path, adapters: dict[str, Path], *, confi
     max_prompt = config.max_prompt_tokens or info.max_context - config.max_new_tokens
     workload = make_workload(sorted(adapters), vocab=info.config.vocab_size, max_prompt_tokens=max_prompt,
                              n=config.requests, max_new_tokens=config.max_new_tokens, seed=config.seed,
-                             arrival_steps=config.arrival_steps or 2 * config.requests)
+                             arrival_steps=config.arrival_steps or 2 * config.requests,
+                             budget=config.max_num_batched_tokens)
     inputs = list(inputs) if inputs is not None else model_inputs(model_dir, adapters)
+    # the same-config reload's new weights, and their PEFT directory for HF + PEFT (E02)
+    scratch = Path(tempfile.mkdtemp(prefix="moelora-e2e-"))
+    reload_weights, references = None, dict(adapters)
+    if workload.reload is not None:
+        name = workload.reload[1]
+        reload_weights = reloaded_weights(adapters[name])
+        write_reloaded(adapters[name], scratch / "reloaded")
+        references[RELOADED.format(name)] = scratch / "reloaded"
+    try:
+        return _run_modes(backend, model_dir, adapters, config=config, dtype=dtype, device=device, name=name_,
+                          hf=hf, record_path=record_path, notify=notify, inputs=inputs, rerun_extra=rerun_extra,
+                          warn=warn, info=info, kinds=kinds, rank=rank, max_loras=max_loras, max_prompt=max_prompt,
+                          workload=workload, reload_weights=reload_weights, references=references, dt=dt)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_modes(backend, model_dir, adapters, *, config, dtype, device, name, hf, record_path, notify, inputs,
+               rerun_extra, warn, info, kinds, rank, max_loras, max_prompt, workload, reload_weights, references,
+               dt) -> list[E2EResult]:
+    from moelora_runner.errors import EngineConfigError
 
     def rerun(mode: str | None) -> str:
         return rerun_line(backend, inputs, config, dtype=dtype, device=device, mode=mode, extra=rerun_extra)
@@ -222,8 +255,9 @@ def run_model(backend: str, model_dir: Path, adapters: dict[str, Path], *, confi
 
     workload_modes = ("eager", *(m for m in config.modes if m != "eager")) if selected & set(WORKLOAD_PROPERTIES) \
         else ()
-    reference, why_not = _hf_reference(model_dir, adapters, hf, dtype, device) if workload_modes else (None, "")
+    reference, why_not = _hf_reference(model_dir, references, hf, dtype, device) if workload_modes else (None, "")
     eager: Served | None = None
+    located: dict[tuple[str, str], str | None] = {}
     for mode in workload_modes:
         base = E2EResult("E00", backend, mode, dt, name, repro=rerun(mode))
         start = time.perf_counter()
@@ -231,7 +265,7 @@ def run_model(backend: str, model_dir: Path, adapters: dict[str, Path], *, confi
             engine = _make_engine(model_dir, adapters, backend=backend, mode=mode, dtype=dtype, device=device,
                                   config=config, max_loras=max_loras, rank=rank)
             adapter_effects(engine)
-            served = serve(engine, workload)
+            served = serve(engine, workload, reload_weights=reload_weights)
             served_s = time.perf_counter() - start
         except Exception as exc:  # the engine or the backend crashed: every claim of this mode failed, named
             props = ["E02", "E05"] if mode == "eager" else ["E01", "E02", "E03", "E04", "E05"]
@@ -248,7 +282,7 @@ def run_model(backend: str, model_dir: Path, adapters: dict[str, Path], *, confi
             continue
         mode_records = [check_workload(base, served, workload, adapter_kinds=kinds, max_loras=max_loras,
                                        n=config.requests, max_prompt_tokens=max_prompt,
-                                       family=info.config.model_type, noop=frozenset(noop))]
+                                       family=info.config.model_type, noop=frozenset(noop), mode=mode)]
         mode_records[0].duration += served_s  # the engine run is the workload claim's (E05) time
         if mode == "eager":
             eager = served
@@ -259,6 +293,15 @@ def run_model(backend: str, model_dir: Path, adapters: dict[str, Path], *, confi
                 mode_records.append(E2EResult("E01", backend, mode, dt, name).failed("the eager reference run failed"))
             mode_records += check_graph_paths(base, served, config.capacity, last_fallback=engine.runner.last_fallback)
         mode_records.append(check_hf(base, served, workload, reference, dtype=dtype, why_not=why_not))
+        for rec in mode_records:  # a failure says where: the first step, layer and module that departs
+            if rec.property in ("E01", "E02") and rec.outcome == "failed" and rec.property in selected:
+                _locate(rec, located, workload=workload, served=served, reload_weights=reload_weights, dtype=dtype,
+                        make=lambda which, mode=mode: _make_engine(
+                            model_dir, adapters, backend=backend if which == "test" else "reference",
+                            mode=mode if which == "test" else "eager", dtype=dtype, device=device, config=config,
+                            max_loras=max_loras, rank=rank),
+                        capacity=max(config.max_num_batched_tokens, *config.prefill_token_buckets,
+                                     *config.decode_batch_buckets))
         not_meaningful(mode_records, workload.adapters(), noop)
         mode_records = [r for r in mode_records if r.property in selected]
         elapsed = time.perf_counter() - start
@@ -279,6 +322,24 @@ def run_model(backend: str, model_dir: Path, adapters: dict[str, Path], *, confi
             results.append(rec)
             notify(rec)
     return results
+
+
+def _locate(rec: E2EResult, located: dict, *, workload, served: Served, reload_weights, dtype: str, make,
+            capacity: int) -> None:
+    """Append to failed record ``rec`` where its request first departs from the reference engine
+    (:func:`.locate.locate`; once per mode and request); kept in ``details["where"]`` too."""
+    from moelora_conformance.e2e.locate import failing_request, locate
+
+    start = time.perf_counter()
+    key = (rec.mode, failing_request(rec.message) or "")
+    if key not in located:
+        located[key] = locate(rec.message, workload=workload, make_engine=make, reload_weights=reload_weights,
+                              reference=served.reference, mode=rec.mode, dtype=dtype, capacity=capacity)
+    where = located[key]
+    if where:
+        rec.message = f"{rec.message[:300]} | where: {where}"
+        rec.details["where"] = where
+    rec.details["locate_seconds"] = round(time.perf_counter() - start, 2)
 
 
 class _ReadOnly:

@@ -176,8 +176,11 @@ class EngineStateMachine(RuleBasedStateMachine):
 
     def _engine(self, engine_class, **kwargs):
         cfg = self.config
+        # every engine step under the host-sync guard: a sync only the first step after a slot load (a
+        # reload, an eviction) makes is on no other path
         return engine_class(cfg.model_dir, backend=cfg.backend, dtype=cfg.dtype, device=cfg.device,
-                            max_lora_rank=cfg.max_lora_rank, max_num_seqs=MAX_NUM_SEQS, **kwargs)
+                            max_lora_rank=cfg.max_lora_rank, max_num_seqs=MAX_NUM_SEQS, check_host_sync=True,
+                            **kwargs)
 
     @initialize(per_batch=st.integers(1, 8), budget=st.sampled_from(BUDGETS), kv_tokens=st.sampled_from(KV_TOKENS),
                 mode=st.sampled_from(MIXED_DRAW_ORDER))
@@ -572,7 +575,8 @@ def run_state_machine(*, backend: str, model_dir: str | Path, adapters: Mapping[
                 result.details["failing_steps"] = "\n".join(getattr(exc, "__notes__", []))[-6000:]
                 raise
         result.details.update(cls.stats, modes=list(declared if mode == MIXED_MODE else (mode,)),
-                              max_loras=max_loras, adapters=len(paths), max_lora_rank=rank)
+                              max_loras=max_loras, adapters=len(paths), max_lora_rank=rank,
+                              host_sync_guard="every step")
         result.repro = _rerun(backend, model_dir, paths, max_examples=max_examples, max_loras=max_loras,
                               mode=mode, seed=seed, step_count=step_count, dtype=dtype, device=device,
                               default_engine=engine_class.__name__ == "Engine"

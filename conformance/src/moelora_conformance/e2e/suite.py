@@ -8,6 +8,7 @@ other backend (``triton``: qwen3_moe, ``csgmv``: mixtral, any ``module:factory``
 
 from __future__ import annotations
 
+import copy
 import platform
 import time
 from collections.abc import Callable
@@ -64,12 +65,15 @@ def run_e2e(backend: str, models: list[tuple], *, config: E2EConfig,
             dtype: str = "float32", device: str = "cpu", manifest: Manifest | None = None, hf: bool = True,
             record_path: str | Path | None = None,
             progress: Callable[[E2EResult], None] | None = None, rerun_extra: list[str] | tuple[str, ...] = (),
-            warn: Callable[[str], None] | None = None) -> dict:
+            warn: Callable[[str], None] | None = None, write: Callable[[dict], None] | None = None) -> dict:
     """The e2e suite of one backend on every (model name, model dir, adapters[, rerun inputs]) of
     ``models``; the report (module doc). E06 runs once per backend, on the first model.
 
     ``rerun_extra``: options every rerun line ends with (``run.rerun_line``); ``warn``: called with each
-    adapter warning at load (they are also kept in the report's ``adapter_warnings``)."""
+    adapter warning at load (they are also kept in the report's ``adapter_warnings``); ``write``: called
+    with the report so far (``"complete": False``, every finished claim, the manifest applied) after each
+    claim finishes, and with the final report (``"complete": True``): a run cut short (a timeout, Ctrl-C)
+    leaves a report of every claim that finished."""
     start = time.perf_counter()
     records: list[E2EResult] = []
     warnings: list[str] = []
@@ -79,19 +83,38 @@ def run_e2e(backend: str, models: list[tuple], *, config: E2EConfig,
             warnings.append(message)
             (warn or (lambda m: None))(message)
 
+    def report(done: list[E2EResult], complete: bool) -> dict:
+        if complete:
+            unmatched = apply_manifest(done, manifest) if manifest is not None else []
+        else:  # the manifest applied to copies: the final pass applies it to the records once
+            done = [copy.deepcopy(r) for r in done]
+            unmatched = apply_manifest(done, manifest) if manifest is not None else []
+        return {"suite": "e2e", "backend": {"name": backend.rsplit(":", 1)[-1] if ":" in backend else backend,
+                                            "target": backend, "version": ""},
+                "profile": "e2e", "device": device, "dtype": dtype, "duration": time.perf_counter() - start,
+                "complete": complete, "config": asdict(config), "models": [m[0] for m in models],
+                "manifest": str(manifest.path) if manifest is not None and manifest.path else None,
+                "manifest_unmatched": unmatched if complete else [], "python": platform.python_version(),
+                "adapter_warnings": list(warnings), "records": [r.to_record() for r in done]}
+
+    finished: list[E2EResult] = []
+
+    def finish(rec: E2EResult) -> None:
+        finished.append(rec)
+        if write is not None:  # written before anything else can stop the run
+            write(report(finished, False))
+        if progress is not None:
+            progress(rec)
+
     for i, (name, model_dir, adapters, *inputs) in enumerate(models):
         cfg = config if i == 0 else _without_state_machine(config)
         records += run_model(backend, model_dir, adapters, config=cfg, dtype=dtype, device=device, model_name=name,
-                             hf=hf, record_path=record_path, progress=progress, inputs=inputs[0] if inputs else None,
+                             hf=hf, record_path=record_path, progress=finish, inputs=inputs[0] if inputs else None,
                              rerun_extra=rerun_extra, warn=warned)
-    unmatched = apply_manifest(records, manifest) if manifest is not None else []
-    return {"suite": "e2e", "backend": {"name": backend.rsplit(":", 1)[-1] if ":" in backend else backend,
-                                        "target": backend, "version": ""},
-            "profile": "e2e", "device": device, "dtype": dtype, "duration": time.perf_counter() - start,
-            "config": asdict(config), "models": [m[0] for m in models],
-            "manifest": str(manifest.path) if manifest is not None and manifest.path else None,
-            "manifest_unmatched": unmatched, "python": platform.python_version(), "adapter_warnings": warnings,
-            "records": [r.to_record() for r in records]}
+    final = report(records, True)
+    if write is not None:
+        write(final)
+    return final
 
 
 def _without_state_machine(config: E2EConfig) -> E2EConfig:

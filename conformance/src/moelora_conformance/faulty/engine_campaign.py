@@ -91,10 +91,11 @@ class E2EMutationResult:
     seconds: float
 
 
-#: The e2e workload of the backend mutants: the e2e tests' smaller one (16 requests, prompts up to 40
-#: tokens, arriving over 6 steps), every engine mode, no HF comparison, no state machine.
-E2E_WORKLOAD = dict(requests=16, max_new_tokens=4, max_prompt_tokens=40, arrival_steps=6, state_machine_examples=0,
-                    require_adapter_kinds=False)
+#: The e2e workload of the backend mutants: the e2e tests' smaller one (16 requests, prompts up to 134
+#: tokens — the chunk scene's three chunks —, arriving over 8 steps, 4 prefill-graph request slots), every
+#: engine mode, no HF comparison, no state machine.
+E2E_WORKLOAD = dict(requests=16, max_new_tokens=4, max_prompt_tokens=134, arrival_steps=8, max_num_requests=4,
+                    state_machine_examples=0)
 
 
 def run_e2e_mutation(name: str, fixtures: FixtureSet, *, seed: int = 0,

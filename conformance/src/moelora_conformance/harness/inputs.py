@@ -74,7 +74,7 @@ class BatchInputs:
     def describe(self) -> str:
         b = self.batch
         return (f"{b.forward_mode.name} bs={b.bs} T={b.num_tokens} lens={runs(b.seq_lens)} "
-                f"slots={runs(b.req_weight_indices)}")
+                f"prefix={runs(r.prefix_len for r in b.requests)} slots={runs(b.req_weight_indices)}")
 
 
 def case_inputs(m: MaterializedCase, batch: BatchSpec) -> BatchInputs:

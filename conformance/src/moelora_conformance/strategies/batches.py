@@ -45,7 +45,9 @@ class BatchPlan:
 
     def describe(self) -> str:
         b = self.batch
-        return f"{self.kind} bs={b.bs} T={b.num_tokens} adapters={self.adapter_mode} slots={runs(b.req_weight_indices)}"
+        # prefix lengths shown: a mixed batch (chunks and decodes, prefix_len > 0) reads as one
+        return (f"{self.kind} bs={b.bs} T={b.num_tokens} adapters={self.adapter_mode} "
+                f"prefix={runs(r.prefix_len for r in b.requests)} slots={runs(b.req_weight_indices)}")
 
 
 def runs(values) -> str:

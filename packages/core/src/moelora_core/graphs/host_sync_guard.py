@@ -16,13 +16,14 @@ copies with ``non_blocking=True`` passes, and ``info.seg_indptr[-1].item()`` fai
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
 from moelora_core.errors import HostSyncError
-from moelora_core.graphs.interception import Interceptor
+from moelora_core.graphs.interception import Interceptor, call_site
 from moelora_core.graphs.triton_launches import intercept_triton_launches
 
 _CUDA_SYNC_ERROR = "called a synchronizing CUDA operation"
@@ -47,7 +48,8 @@ def host_sync_guard(device: torch.device | str) -> Iterator[None]:
             yield
         except RuntimeError as exc:
             if _CUDA_SYNC_ERROR in str(exc) and not isinstance(exc, HostSyncError):
-                raise HostSyncError(f"host sync inside host_sync_guard on {device}: {exc}") from exc
+                site = call_site(traceback.extract_tb(exc.__traceback__))
+                raise HostSyncError(f"host sync inside host_sync_guard on {device} at {site}: {exc}") from exc
             raise
         finally:
             torch.cuda.set_sync_debug_mode(previous)

@@ -17,6 +17,8 @@ launch (the interpreter runs its own torch ops), run under :meth:`Interceptor.pa
 
 from __future__ import annotations
 
+import os
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NoReturn
@@ -46,6 +48,24 @@ _HINTS = {
              "device=cuda) is one); build the tensor on the host and copy it with .to(device, non_blocking=True), "
              "or stage it through PinnedStaging",
 }
+
+
+#: Frames that are never a sync's call site: PyTorch, the interception itself, the standard library.
+_NOT_CALL_SITES = (os.path.dirname(torch.__file__), os.path.dirname(__file__), os.path.dirname(os.__file__))
+
+
+def call_site(frames: list[traceback.FrameSummary] | None = None) -> str:
+    """``file:line in function`` of the innermost frame of ``frames`` (default: the current stack)
+    outside PyTorch, the graphs package and the standard library: the code that synchronised, which a
+    ``HostSyncError`` names (a sync that happens only in the first step after a slot load is otherwise
+    hard to find). "unknown" when every frame is one of those."""
+    frames = traceback.extract_stack() if frames is None else frames
+    for frame in reversed(frames):
+        name = frame.filename
+        installed = "site-packages" in name and not name.startswith(_NOT_CALL_SITES[:2])  # not the stdlib's
+        if installed or not name.startswith(_NOT_CALL_SITES):
+            return f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return "unknown"
 
 
 def _tensors(tree: object) -> list[torch.Tensor]:
@@ -94,8 +114,8 @@ class Interceptor:
             self._override = previous
 
     def violation(self, what: str, kind: str) -> NoReturn:
-        """Raise :class:`HostSyncError` for ``what`` with the hint for ``kind``."""
-        raise HostSyncError(f"{what} {self.where}: {_HINTS[kind]}")
+        """Raise :class:`HostSyncError` for ``what`` with the hint for ``kind`` and the call site."""
+        raise HostSyncError(f"{what} {self.where} at {call_site()}: {_HINTS[kind]}")
 
     # -- hooks for subclasses ----------------------------------------------------------------
     def before_device_op(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:

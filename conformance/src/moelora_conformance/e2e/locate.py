@@ -1,0 +1,173 @@
+"""Where an e2e failure is (E01 / E02): the first step, layer and module at which the failing request's
+module outputs depart from the reference engine's.
+
+A :class:`Probe` wraps the LoRA calls of an engine's one backend instance (``dense_delta`` of q / k / v /
+o and the shared expert's modules, ``moe_gate_up_delta``, ``moe_down_delta``): after the backend's own
+call it copies the module's output (base + delta) into a static buffer per (layer, module). The copy is a
+device op inside the forward, so a captured graph records it and every replay repeats it: eager passes
+and graph replays are probed alike (DESIGN.md §6: the engine's graphs replay what capture recorded).
+After every step the rows of one request are read back. :func:`first_departure` compares two probed
+runs of the same request step by step, in the reference run's call order (layer 0's q, k, v, o, MoE
+gate_up, down, shared expert, then layer 1 ...), and names the first module whose rows differ by more
+than the dtype's bound.
+
+:func:`locate` reruns the failing request alone (the backend under test in the failing mode, and the
+reference backend eagerly) and, when alone it does not depart (a fault that needs other requests in
+the batch), the whole workload with the request's rows probed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+#: |Δ| <= ATOL + RTOL · max|reference| is "the same" (fp32; half types get the larger bound).
+BOUNDS = {"float32": (1e-4, 1e-3), "float16": (2e-2, 2e-2), "bfloat16": (5e-2, 5e-2)}
+_REQUEST = re.compile(r"\be2e-\d+\b")
+
+
+def module_name(module: str) -> str:
+    """``q`` → "q (attention)", ``gate_up`` → "gate_up (MoE)", ``shared_down`` → "shared_down (shared expert)"."""
+    if module.startswith("shared"):
+        return f"{module} (shared expert)"
+    return f"{module} ({'MoE' if module in ('gate_up', 'down') else 'attention'})"
+
+
+@dataclass
+class ProbedStep:
+    """One step of the probed request: the engine step index, its chunk kind and prefix, tokens, and per
+    (layer, module) its output rows (fp32, on the host)."""
+
+    step: int
+    kind: str
+    prefix: int
+    tokens: int
+    rows: dict[tuple[int, str], torch.Tensor]
+
+
+@dataclass
+class Probe:
+    """The module outputs of request ``target`` on ``engine`` (module doc). Install before serving."""
+
+    engine: object
+    target: str
+    capacity: int
+    buffers: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    steps: list[ProbedStep] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        layer_of = {id(p): i for i, p in enumerate(self.engine.adapters.pools)}
+        # every buffer allocated now, before any capture: a graph replays its copy into the tensor that
+        # existed when it was captured
+        model = self.engine.model
+        c, dtype, device = model.config, model.dtype, model.device
+        dense = {m: (out,) for m, (_, out) in c.dense_shapes.items()}
+        shapes = {**{m: dense.pop(m) for m in ("q", "k", "v", "o")}, "gate_up": (c.top_k, 2 * c.moe_intermediate_size),
+                  "down": (c.top_k, c.hidden_size), **dense}  # forward order: attention, MoE, shared expert
+        for layer in range(len(self.engine.adapters.pools)):
+            for module, shape in shapes.items():
+                self.buffers[(layer, module)] = torch.zeros(self.capacity, *shape, dtype=dtype, device=device)
+        backend = self.engine.runner.backend
+        dense, gate_up, down = backend.dense_delta, backend.moe_gate_up_delta, backend.moe_down_delta
+
+        def dense_delta(module, x, out, weights, info, *args, **kwargs):
+            dense(module, x, out, weights, info, *args, **kwargs)
+            self._keep((layer_of.get(id(weights), -1), module), out)
+
+        def moe_gate_up_delta(x, topk_ids, out, weights, info, *args, **kwargs):
+            gate_up(x, topk_ids, out, weights, info, *args, **kwargs)
+            self._keep((layer_of.get(id(weights), -1), "gate_up"), out)
+
+        def moe_down_delta(h, topk_ids, topk_weights, out, weights, info, *args, **kwargs):
+            down(h, topk_ids, topk_weights, out, weights, info, *args, **kwargs)
+            self._keep((layer_of.get(id(weights), -1), "down"), out)
+
+        backend.dense_delta, backend.moe_gate_up_delta, backend.moe_down_delta = \
+            dense_delta, moe_gate_up_delta, moe_down_delta
+
+    def _keep(self, key: tuple[int, str], out: torch.Tensor) -> None:
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape[1:] != out.shape[1:] or buf.dtype != out.dtype:
+            return  # a module or shape the model's config does not name: not probed
+        buf[:out.shape[0]].copy_(out)
+
+    def after_step(self, index: int, layout) -> None:
+        """Read the target's rows of the step just run (``layout``: ``StepRecord.layout``)."""
+        offset = 0
+        for rid, _slot, n, prefix, kind in layout:
+            if rid == self.target:
+                rows = {k: b[offset:offset + n].to("cpu", torch.float32, copy=True) for k, b in self.buffers.items()}
+                self.steps.append(ProbedStep(index, kind, prefix, n, rows))
+            offset += n
+
+
+def first_departure(got: Probe, want: Probe, dtype: str) -> str | None:
+    """The first step, layer and module where ``got``'s rows depart from ``want``'s (the reference), in
+    the reference's call order; None when every probed row agrees."""
+    atol, rtol = BOUNDS.get(dtype, BOUNDS["bfloat16"])
+    order = list(want.buffers)  # layer by layer, each layer's modules in forward order (dense_shapes, MoE)
+    for n, (g, w) in enumerate(zip(got.steps, want.steps)):
+        if (g.prefix, g.tokens) != (w.prefix, w.tokens):
+            return (f"its {n + 1}th step was scheduled differently (step {g.step}: {g.tokens} tokens at prefix "
+                    f"{g.prefix}; the reference's: {w.tokens} at {w.prefix})")
+        for key in order:
+            a, b = g.rows.get(key), w.rows.get(key)
+            if a is None or b is None or a.shape != b.shape:
+                continue
+            diff = float((a - b).abs().max()) if a.numel() else 0.0
+            if not diff <= atol + rtol * float(b.abs().max() if b.numel() else 0.0):
+                layer, module = key
+                return (f"step {g.step} ({g.kind}, {g.tokens} tokens at prefix {g.prefix}), layer {layer}, "
+                        f"module {module_name(module)}: max |Δ| {diff:.3g}")
+    return None
+
+
+def failing_request(message: str) -> str | None:
+    """The first request id (``e2e-N``) a failure message names."""
+    m = _REQUEST.search(message)
+    return m.group(0) if m else None
+
+
+def locate(message: str, *, workload, make_engine, reload_weights, reference: dict, mode: str, dtype: str,
+           capacity: int) -> str | None:
+    """Where the failure of ``message`` is (module doc): "first departs from the reference engine ..." or
+    why it could not be placed; None when the message names no request.
+
+    Args:
+        workload: the served :class:`~.workload.Workload`. make_engine(backend_mode): a fresh engine of the
+            backend under test (``"test"``) in ``mode`` or of the reference backend eagerly (``"reference"``).
+        reload_weights: the workload's reload (tensors, config) or None. reference: ``Served.reference``.
+        capacity: rows of each probe buffer (the largest step).
+    """
+    from moelora_conformance.e2e.workload import Workload, serve
+
+    rid = failing_request(message)
+    if rid is None:
+        return None
+    index = next((i for i, r in enumerate(workload.requests) if r["request_id"] == rid), None)
+    if index is None:
+        return None
+
+    def probed(which: str, load: Workload, reloaded_first: bool) -> Probe:
+        engine = make_engine(which)
+        if reloaded_first:  # the request was served with the reloaded weights: the alone run too
+            engine.load_adapter_from_tensors(workload.reload[1], *reload_weights)
+        probe = Probe(engine, rid, capacity)
+        serve(engine, load, reload_weights=reload_weights, probe=probe)
+        return probe
+
+    alone = Workload((workload.requests[index],), (0,), workload.seed)
+    reloaded = rid in reference
+    try:
+        where = first_departure(probed("test", alone, reloaded), probed("reference", alone, reloaded), dtype)
+        if where is not None:
+            return f"{rid} alone ({mode}) first departs from the reference engine at {where}"
+        where = first_departure(probed("test", workload, False), probed("reference", workload, False), dtype)
+    except Exception as exc:  # the diagnosis never replaces the failure it explains
+        return f"{rid}: no diagnosis ({type(exc).__name__}: {exc})"
+    if where is not None:
+        return f"{rid} in its batch ({mode}; alone it matches) first departs from the reference engine at {where}"
+    return (f"{rid}: its LoRA module outputs match the reference engine's at every step, alone and in its batch "
+            f"({mode}): the departure is outside the backend's LoRA calls (the reader, the pool, the engine)")
