@@ -78,6 +78,9 @@ class ReferenceBackend(BackendBase):
             max_requests=None,
             fused_shared_experts=True,
             shared_expert_factors=True,
+            # Its deltas read the activations they are given (never a quantized copy), and moe_forward
+            # runs the w8a8 base of base_moe for fp8 experts (DESIGN.md §1, "Quantized base").
+            base_quants=frozenset({"none", "fp8_block"}),
         )
 
     # --- segmentation: one segment per request -------------------------------------------------
@@ -191,13 +194,16 @@ class ReferenceBackend(BackendBase):
             y [T, H] in x's dtype.
 
         Raises:
-            InvalidFieldError: base weights of another shape than the spec.
+            InvalidFieldError: base weights of another shape or ``base_quant`` than the spec.
         """
         if base_weights.num_experts != self.spec.E or base_weights.hidden_size != self.spec.H \
                 or base_weights.intermediate_size != self.spec.I:
             raise InvalidFieldError("base_weights", f"(E, H, I) = ({base_weights.num_experts}, "
                                                     f"{base_weights.hidden_size}, {base_weights.intermediate_size}) "
                                                     f"!= the spec's ({self.spec.E}, {self.spec.H}, {self.spec.I})")
+        if base_weights.base_quant != self.spec.base_quant:
+            raise InvalidFieldError("base_weights", f"base_quant {base_weights.base_quant!r} != the spec's "
+                                                    f"{self.spec.base_quant!r}")
         return base_moe.moe_forward(x, topk_ids, topk_weights, base_weights,
                                     deltas=BackendMoEDeltas(self, weights, info))
 

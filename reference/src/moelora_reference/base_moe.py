@@ -32,6 +32,10 @@ and no Python branch on device values. Each pair gathers its expert's weights (`
 batched mat-vec; tokens are processed in chunks whose size comes from host shapes only, so the
 gathered weights stay within a memory budget whatever T is.
 
+fp8 block-scaled experts (``base.weight_block``, DESIGN.md §1): the base GEMMs read their input
+quantized per token per K-group and the dequantized weights
+(:mod:`moelora_reference.fp8_block`), in fp32; the deltas still read the unquantized x and h.
+
 Rounding points: GEMMs accumulate in fp32; ``gate_up_out``, ``h``, ``down_out`` and ``y`` are each
 rounded once to ``out_dtype`` (default: the input's dtype, as the Triton path does). A caller that
 compares against the oracle keeps the intermediates in fp32 (``out_dtype=torch.float32``) so only
@@ -52,6 +56,7 @@ from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.errors import InvalidFieldError
 from moelora_core.moe_activation import SILU, MoEActivation, check_layout
 from moelora_core.moe_deltas import MoEDeltas
+from moelora_reference.fp8_block import dequantize_activation, dequantize_weight
 
 F32 = torch.float32
 #: Elements of gathered fp32 weights per chunk: small on the CPU (cache-friendly), larger on GPUs.
@@ -76,13 +81,16 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     return weights, ids.to(torch.int32)
 
 
-def gather_matvec(inp: torch.Tensor, weight: torch.Tensor, index: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def gather_matvec(inp: torch.Tensor, weight: torch.Tensor, index: tuple[torch.Tensor, ...], *,
+                  fp8: tuple[torch.Tensor, tuple[int, int], int | None] | None = None) -> torch.Tensor:
     """out[t, p] = weight[index(t, p)] @ inp[t, p] in fp32, chunked over t.
 
     Args:
         inp: [T, P, in] (a broadcast view such as ``x[:, None].expand(T, P, in)`` is fine).
         weight: [*lead, out, in]; ``index`` has one [T, P] long tensor per lead dim, each in range.
         index: the gather indices (callers clamp sentinels into range and mask the result).
+        fp8: (scale_inv [*lead, rows, ⌈in/bk⌉], block, half) for fp8 block-scaled weights: each gathered
+            chunk is dequantized (``moelora_reference.fp8_block.dequantize_weight``) before the product.
 
     Returns:
         [T, P, out] fp32.
@@ -94,7 +102,8 @@ def gather_matvec(inp: torch.Tensor, weight: torch.Tensor, index: tuple[torch.Te
     chunk = max(1, budget // max(1, P * n_out * n_in))
     for start in range(0, T, chunk):  # T is a host shape: a fixed loop, recorded as is
         stop = min(T, start + chunk)
-        w = weight[tuple(i[start:stop] for i in index)].to(F32)  # [c, P, out, in]
+        idx = tuple(i[start:stop] for i in index)
+        w = weight[idx].to(F32) if fp8 is None else dequantize_weight(weight[idx], fp8[0][idx], fp8[1], fp8[2])
         out[start:stop] = torch.einsum("cpoi,cpi->cpo", w, inp[start:stop].to(F32))
     return out
 
@@ -124,11 +133,16 @@ def gate_up(x: torch.Tensor, topk_ids: torch.Tensor, base: MoEBaseWeights, *,
     """
     _check(x, topk_ids, base)
     T, k = topk_ids.shape
+    dtype = x.dtype
     valid, ids = _base_index(topk_ids, base.w_gate_up.shape[0])
-    out = gather_matvec(x[:, None, :].expand(T, k, x.shape[1]), base.w_gate_up, (ids,))
+    fp8 = None
+    if base.weight_block is not None:  # w8a8 (DESIGN.md §1): the base reads x quantized per token per K-group
+        x = dequantize_activation(x, base.weight_block[1])
+        fp8 = (base.w_gate_up_scale_inv, base.weight_block, base.intermediate_size)
+    out = gather_matvec(x[:, None, :].expand(T, k, x.shape[1]), base.w_gate_up, (ids,), fp8=fp8)
     if base.b_gate_up is not None:  # GPT-OSS: the bias belongs to the base GEMM (DESIGN.md §1)
         out = out + base.b_gate_up.to(F32)[ids]
-    return torch.where(valid[..., None], out, torch.zeros_like(out)).to(out_dtype or x.dtype)
+    return torch.where(valid[..., None], out, torch.zeros_like(out)).to(out_dtype or dtype)
 
 
 def gated_activation(g: torch.Tensor, u: torch.Tensor, act: MoEActivation = SILU) -> torch.Tensor:
@@ -182,7 +196,11 @@ def down(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, ba
     if tuple(topk_weights.shape) != (T, k):
         raise InvalidFieldError("topk_weights", f"expected [{T}, {k}], got {tuple(topk_weights.shape)}")
     valid, ids = _base_index(topk_ids, base.w_down.shape[0])
-    out = gather_matvec(h.reshape(T, k, base.intermediate_size), base.w_down, (ids,))
+    h_base, fp8 = h, None
+    if base.weight_block is not None:  # w8a8: the base down GEMM reads h quantized (the down delta reads h)
+        h_base = dequantize_activation(h, base.weight_block[1])
+        fp8 = (base.w_down_scale_inv, base.weight_block, None)
+    out = gather_matvec(h_base.reshape(T, k, base.intermediate_size), base.w_down, (ids,), fp8=fp8)
     if base.b_down is not None:  # GPT-OSS: (W_down h + b_down) · w, the bias router-weighted too
         out = out + base.b_down.to(F32)[ids]
     out = out * topk_weights.to(F32)[..., None]

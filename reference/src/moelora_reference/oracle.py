@@ -23,6 +23,16 @@ GPT-OSS (transformers ``GptOssExperts``) adds expert biases and its clamped acti
     h_j = min(g_j, L) · sigmoid(α · min(g_j, L)) ⊙ (clamp(u_j, -L, L) + 1)
     y   = Σ_j w_j · ( W_down[e_j] h_j + b_down[e_j] + Δ_down )
 
+An fp8 block-scaled base (``base_quant`` "fp8_block", DESIGN.md §1) replaces each base product W v by
+its w8a8 value, computed here in fp64 (:func:`fp8_block_matvec`):
+
+    Ŵ[n, k]  = W_q[n, k] · scale_inv[⌊n/bn⌋, ⌊k/bk⌋]                 (dequantized weights)
+    s_g      = fp32(max(amax_{k∈g} |v_k|, fp32(1e-10)) / 448)        per K-group g of bk (the last partial)
+    v̂_k      = RNE_e4m3(clamp(fp32(v_k / s_g), ±448)) · s_g          (emulated activation quantization)
+    W v     ↦ Ŵ v̂
+
+while every LoRA delta reads the unquantized v (x for gate/up, h for down).
+
 Sources: LoRA (Hu et al., arXiv:2106.09685); SwiGLU experts as in Mixtral / Qwen3-MoE
 (transformers ``Qwen3MoeExperts``); the multi-LoRA MoE layout of SGLang's MoE-LoRA PR
 (sgl-project/sglang#14105) and vLLM's fused MoE-LoRA.
@@ -40,6 +50,8 @@ Loops are intentional: this code is slow and obviously right.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from moelora_core.base_weights import MoEBaseWeights
@@ -50,6 +62,70 @@ from moelora_core.shared_expert import SharedExpertWeights
 from moelora_core.weights import LoRAWeights
 
 F64 = torch.float64
+F32 = torch.float32
+#: The largest finite e4m3 value and the scale's amax floor, as the contract defines them (DESIGN.md §1).
+E4M3_MAX = 448.0
+AMAX_FLOOR = float(torch.tensor(1e-10, dtype=F32))
+
+
+def e4m3_round(v: torch.Tensor) -> torch.Tensor:
+    """The e4m3 value nearest to each fp64 element of v (|v| <= 448), ties to the even mantissa.
+
+    e4m3: sign, 4 exponent bits (bias 7), 3 mantissa bits; normals from 2^-6, subnormals k · 2^-9.
+    Between 2^e and 2^(e+1) (e >= -6) the values are spaced 2^(e-3); below 2^-6 they are spaced 2^-9.
+    """
+    out = torch.empty_like(v)
+    for i, value in enumerate(v.tolist()):
+        a = abs(value)
+        e = max(math.frexp(a)[1] - 1, -6) if a > 0 else -6  # floor(log2 a), exactly
+        spacing = 2.0 ** (e - 3)
+        n = a / spacing  # exact: a power-of-two division
+        lower = math.floor(n)
+        frac = n - lower
+        if frac > 0.5 or (frac == 0.5 and lower % 2 == 1):
+            lower += 1
+        out[i] = math.copysign(lower * spacing, value)
+    return out
+
+
+def fp8_group_quantize(v: torch.Tensor, block_k: int) -> torch.Tensor:
+    """v [K] → v̂ [K] fp64: each K-group of ``block_k`` (the last may be shorter) quantized to e4m3
+    with its own scale s_g = fp32(max(amax, fp32(1e-10)) / 448), the quotient v / s_g rounded to fp32,
+    clamped to ±448, rounded to e4m3 (ties to even), and multiplied back by s_g."""
+    v = v.to(F64)
+    out = torch.empty_like(v)
+    for start in range(0, v.shape[0], block_k):
+        group = v[start:start + block_k]
+        amax = max(float(group.abs().max()), AMAX_FLOOR)
+        s = float(torch.tensor(amax / E4M3_MAX, dtype=F64).to(F32))  # the scale is an fp32 number
+        quotient = (group / s).to(F32).to(F64)  # x / s in fp32 (fp64 then fp32: one correct rounding)
+        out[start:start + block_k] = e4m3_round(quotient.clamp(-E4M3_MAX, E4M3_MAX)) * s
+    return out
+
+
+def fp8_dequantize(w_q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Ŵ [N, K] fp64: every element of the fp8 weight W_q [N, K] times the scale of its (bn, bk) block
+    (``scale_inv`` [⌈N/bn⌉, ⌈K/bk⌉]; edge blocks partial)."""
+    bn, bk = block
+    out = w_q.to(F64).clone()
+    for i in range(scale_inv.shape[0]):
+        for j in range(scale_inv.shape[1]):
+            out[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] *= float(scale_inv[i, j])
+    return out
+
+
+def fp8_block_matvec(w_q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                     v: torch.Tensor) -> torch.Tensor:
+    """The w8a8 base product Ŵ v̂ of one fp8 weight [N, K] and one vector v [K], in fp64 ([N])."""
+    return fp8_dequantize(w_q, scale_inv, block) @ fp8_group_quantize(v, block[1])
+
+
+def _base_matvec(w: torch.Tensor, v: torch.Tensor, scale_inv: torch.Tensor | None,
+                 block: tuple[int, int] | None) -> torch.Tensor:
+    """W v in fp64, or its w8a8 value when the weight is fp8 block-scaled (``block`` given)."""
+    if block is None:
+        return w.to(F64) @ v
+    return fp8_block_matvec(w, scale_inv, block, v)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -109,6 +185,9 @@ def moe_lora_forward(
     b_gate_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
     activation: MoEActivation = SILU,
+    weight_block: tuple[int, int] | None = None,
+    w_gate_up_scale_inv: torch.Tensor | None = None,
+    w_down_scale_inv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MoE block with per-token LoRA adapters, one token and one routed expert at a time.
 
@@ -123,6 +202,10 @@ def moe_lora_forward(
         b_gate_up: [E_base, 2I] expert biases (gate [:I], up [I:]) or None (GPT-OSS has them).
         b_down: [E_base, H] expert biases of down, or None; router-weighted with the projection.
         activation: the gated activation (GPT-OSS: ``SWIGLU_OAI``).
+        weight_block: (bn, bk) when the expert weights are fp8 block-scaled (w8a8 base; the LoRA
+            deltas still read the unquantized x and h), else None.
+        w_gate_up_scale_inv: [E_base, 2·⌈I/bn⌉, ⌈H/bk⌉]: gate's grid, then up's.
+        w_down_scale_inv: [E_base, ⌈H/bn⌉, ⌈I/bk⌉].
 
     Returns:
         y [T, H] float64.
@@ -137,6 +220,17 @@ def moe_lora_forward(
     if w_down.shape != (E_base, H, inter):
         raise InvalidFieldError("w_down", f"expected {(E_base, H, inter)}, got {tuple(w_down.shape)}")
     y = torch.zeros(T, H, dtype=F64)
+    gate_rows = 0 if weight_block is None else math.ceil(inter / weight_block[0])
+
+    def gate_scale(e: int) -> torch.Tensor | None:
+        return None if weight_block is None else w_gate_up_scale_inv[e, :gate_rows]
+
+    def up_scale(e: int) -> torch.Tensor | None:
+        return None if weight_block is None else w_gate_up_scale_inv[e, gate_rows:]
+
+    def down_scale(e: int) -> torch.Tensor | None:
+        return None if weight_block is None else w_down_scale_inv[e]
+
     for t in range(T):
         slot = NO_ADAPTER if lora is None else int(token_lora_mapping[t])
         if lora is not None and not NO_ADAPTER <= slot < lora.spec.max_loras:
@@ -148,8 +242,8 @@ def moe_lora_forward(
                 continue  # EXPERT_NOT_HERE: handled by another rank
             if e >= E_base:
                 raise InvalidFieldError(f"topk_ids[{t}, {j}]", f"expert {e} >= number of base experts {E_base}")
-            g = w_gate_up[e, :inter].to(F64) @ xt  # [I]
-            u = w_gate_up[e, inter:].to(F64) @ xt  # [I]
+            g = _base_matvec(w_gate_up[e, :inter], xt, gate_scale(e), weight_block)  # [I]
+            u = _base_matvec(w_gate_up[e, inter:], xt, up_scale(e), weight_block)  # [I]
             if b_gate_up is not None:
                 g = g + b_gate_up[e, :inter].to(F64)
                 u = u + b_gate_up[e, inter:].to(F64)
@@ -158,7 +252,7 @@ def moe_lora_forward(
                 g = g + lora_delta(lora.gate_A[slot, e], lora.gate_B[slot, e], lora.scalings("gate")[slot], xt)
                 u = u + lora_delta(lora.up_A[slot, e], lora.up_B[slot, e], lora.scalings("up")[slot], xt)
             h = gated_activation(g, u, activation)  # [I]; the delta and bias came before the clamp
-            out = w_down[e].to(F64) @ h  # [H]
+            out = _base_matvec(w_down[e], h, down_scale(e), weight_block)  # [H]; h unquantized for LoRA
             if b_down is not None:
                 out = out + b_down[e].to(F64)
             if has_lora:
@@ -176,9 +270,11 @@ def moe_block_forward(
     token_lora_mapping: torch.Tensor | None,
 ) -> torch.Tensor:
     """:func:`moe_lora_forward` of a whole ``MoEBaseWeights`` block: its weights, its expert biases
-    (GPT-OSS) and its activation, so no caller drops one of them. Returns y [T, H] float64."""
+    (GPT-OSS), its activation and its fp8 block scales, so no caller drops one of them. Returns y [T, H] float64."""
     return moe_lora_forward(x, topk_ids, topk_weights, base.w_gate_up, base.w_down, lora, token_lora_mapping,
-                            b_gate_up=base.b_gate_up, b_down=base.b_down, activation=base.activation)
+                            b_gate_up=base.b_gate_up, b_down=base.b_down, activation=base.activation,
+                            weight_block=base.weight_block, w_gate_up_scale_inv=base.w_gate_up_scale_inv,
+                            w_down_scale_inv=base.w_down_scale_inv)
 
 
 def dense_lora_forward(
@@ -188,8 +284,13 @@ def dense_lora_forward(
     lora: LoRAWeights | None,
     token_lora_mapping: torch.Tensor | None,
     bias: torch.Tensor | None = None,
+    *,
+    weight_block: tuple[int, int] | None = None,
+    weight_scale_inv: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A dense projection with per-token LoRA: y[t] = W x[t] (+ b) + σ_s · B[s] (A[s] x[t]).
+    """A dense projection with per-token LoRA: y[t] = W x[t] (+ b) + σ_s · B[s] (A[s] x[t]); with an
+    fp8 block-scaled W (``weight_block``, ``weight_scale_inv`` [⌈out/bn⌉, ⌈in/bk⌉]) the base product is
+    its w8a8 value and the delta reads the unquantized x[t].
 
     Args:
         x: [T, in].
@@ -209,7 +310,7 @@ def dense_lora_forward(
     for t in range(x.shape[0]):
         xt = x[t].to(F64)
         if weight is not None:
-            y[t] = weight.to(F64) @ xt
+            y[t] = _base_matvec(weight, xt, weight_scale_inv, weight_block)
             if bias is not None:
                 y[t] += bias.to(F64)
         slot = NO_ADAPTER if lora is None else int(token_lora_mapping[t])

@@ -50,7 +50,7 @@ from moelora_conformance.harness.inputs import BatchInputs, case_inputs
 from moelora_conformance.snapshot import AdapterSnapshot, PoolGuard
 from moelora_conformance.strategies.adapters import SlotAdapter
 from moelora_conformance.strategies.cases import FUSED_MODULES, MaterializedCase, MoELoRACase, adapter_modules
-from moelora_core.backend import Backend, BackendFactory, notify_slot_loaded
+from moelora_core.backend import Backend, BackendFactory, check_base_quant_served, notify_slot_loaded
 from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.batch import BatchSpec, Request
 from moelora_core.batch_info import LoRABatchInfo
@@ -218,6 +218,8 @@ class Layer:
         self.m = materialized if materialized is not None else case.materialize(self.device)
         self.spec = self.m.spec
         self.backend: Backend = factory(self.spec)
+        # A layer on a quantized base is refused by name for a backend that does not declare it.
+        check_base_quant_served(getattr(self.backend, "name", "?"), self.backend.capabilities(), self.spec.base_quant)
         self.moe_path = moe_path
         #: dtype of gate_up_out, h and down_out on the ``deltas`` paths (fp32, or the model's).
         self.intermediate_dtype = self.spec.dtype if moe_path == "deltas-model" else F32

@@ -38,6 +38,7 @@ from moelora_core.errors import (
     MoeLoraError,
     RenamedError,
     SlotError,
+    UnsupportedBaseQuantError,
 )
 from moelora_core.forward_mode import ForwardMode
 from moelora_core.layer_spec import (
@@ -116,6 +117,7 @@ __all__ = [
     "StaticBuffer",
     "Tolerance",
     "TolerancePolicy",
+    "UnsupportedBaseQuantError",
     "align_capacity",
     "assert_exact",
     "assert_logprobs_close",

@@ -26,7 +26,7 @@ from moelora_core.backend_checks import GraphCapacity
 from moelora_core.batch import BatchSpec
 from moelora_core.batch_info import LoRABatchInfo
 from moelora_core.capabilities import Capabilities, Fallback
-from moelora_core.errors import InvalidFieldError, RenamedError
+from moelora_core.errors import InvalidFieldError, RenamedError, UnsupportedBaseQuantError
 from moelora_core.layer_spec import LoRALayerSpec
 from moelora_core.weights import LoRAWeights
 
@@ -136,6 +136,21 @@ def notify_slot_loaded(backend: object, slot: int, weights: LoRAWeights) -> None
     hook = getattr(backend, "on_slot_loaded", None)
     if hook is not None and getattr(backend.capabilities(), "slot_load_hook", False):
         hook(slot, weights)
+
+
+def check_base_quant_served(name: str, caps: Capabilities, base_quant: str) -> None:
+    """Refuse, at start-up, a backend that does not declare ``base_quant`` (DESIGN.md §1, "Quantized
+    base"): the engine calls this before reading a checkpoint, the suite before building a layer.
+
+    Args:
+        name: the backend's name for the message (the short name or ``module:factory``).
+        caps: its capabilities. base_quant: the model's ``LoRALayerSpec.base_quant``.
+
+    Raises:
+        UnsupportedBaseQuantError: ``backend 'csgmv' does not declare base_quant=fp8_block``.
+    """
+    if base_quant not in getattr(caps, "base_quants", frozenset({"none"})):
+        raise UnsupportedBaseQuantError(name, base_quant)
 
 
 def check_protocol(backend: object) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from moelora_core.errors import InvalidFieldError
+from moelora_core.fp8_block import FP8_DTYPE, check_block, gate_up_scale_rows, scale_grid
 from moelora_core.moe_activation import SILU, MoEActivation
 
 
@@ -32,6 +33,11 @@ class MoEBaseWeights:
         router_bias: [E] the router's bias (GPT-OSS), or None.
         activation: the expert activation (:data:`~moelora_core.moe_activation.SILU` unless the
             family says otherwise, e.g. GPT-OSS's ``SWIGLU_OAI``).
+        weight_block: (bn, bk) of an fp8 block-scaled base (``base_quant`` "fp8_block", DESIGN.md §1),
+            or None. Then ``w_gate_up`` / ``w_down`` are float8_e4m3fn and the scales are given.
+        w_gate_up_scale_inv: [E_base, 2·⌈I/bn⌉, ⌈H/bk⌉] fp32: gate's blocks (rows [:⌈I/bn⌉]) then
+            up's, each half on its own grid (``moelora_core.fp8_block.gate_up_scale_rows``).
+        w_down_scale_inv: [E_base, ⌈H/bn⌉, ⌈I/bk⌉] fp32.
 
     Raises:
         InvalidFieldError: inconsistent shapes.
@@ -46,6 +52,9 @@ class MoEBaseWeights:
     b_down: torch.Tensor | None = None
     router_bias: torch.Tensor | None = None
     activation: MoEActivation = SILU
+    weight_block: tuple[int, int] | None = None
+    w_gate_up_scale_inv: torch.Tensor | None = None
+    w_down_scale_inv: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.w_gate_up.dim() != 3 or self.w_gate_up.shape[1] % 2:
@@ -64,6 +73,31 @@ class MoEBaseWeights:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != shape:
                 raise InvalidFieldError(name, f"expected {shape}, got {tuple(value.shape)}")
+        self._check_fp8(e_base, two_i // 2, h)
+
+    def _check_fp8(self, e_base: int, inter: int, h: int) -> None:
+        fp8 = [n for n in ("w_gate_up", "w_down") if getattr(self, n).dtype == FP8_DTYPE]
+        if self.weight_block is None:
+            if fp8 or self.w_gate_up_scale_inv is not None or self.w_down_scale_inv is not None:
+                raise InvalidFieldError("weight_block", f"fp8 weights or scales given ({fp8 or 'scales'}) without "
+                                                        "a block size")
+            return
+        bn, bk = self.weight_block = check_block(self.weight_block)
+        if len(fp8) != 2:
+            raise InvalidFieldError("w_gate_up", f"weight_block given: both expert weights must be {FP8_DTYPE}, "
+                                                 f"got {self.w_gate_up.dtype} / {self.w_down.dtype}")
+        for name, shape in (("w_gate_up_scale_inv", (e_base, gate_up_scale_rows(inter, bn), -(-h // bk))),
+                            ("w_down_scale_inv", (e_base, *scale_grid(h, inter, (bn, bk))))):
+            value = getattr(self, name)
+            if value is None:
+                raise InvalidFieldError(name, "missing: an fp8 block-scaled weight needs its scales")
+            if tuple(value.shape) != shape:
+                raise InvalidFieldError(name, f"expected {shape} at block {[bn, bk]}, got {tuple(value.shape)}")
+
+    @property
+    def base_quant(self) -> str:
+        """``"fp8_block"`` for fp8 block-scaled experts, else ``"none"`` (``LoRALayerSpec.base_quant``)."""
+        return "none" if self.weight_block is None else "fp8_block"
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] → [T, E] router logits ``x W_rᵀ (+ b_r)``, in x's dtype (GPT-OSS's router has a bias).

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moelora_core.errors import InvalidFieldError
+from moelora_core.fp8_block import BASE_QUANTS
 
 #: Graph families a backend may declare (each owns separate static buffers).
 GRAPH_FAMILIES: tuple[str, ...] = ("decode", "prefill")
@@ -42,6 +43,11 @@ class Capabilities:
             slot ("shared_outer", "fully_shared": ``LoRAWeights`` buffers with expert dim 1, exposed
             with expert stride 0) and reads them through those views, without an expand-copy. The
             suite draws such pools only for a backend declaring it.
+        base_quants: the ``LoRALayerSpec.base_quant`` values it serves (DESIGN.md §1, "Quantized
+            base"). For a deltas-only backend, declaring "fp8_block" promises that its deltas read the
+            unquantized activations they are given; a ``fused_moe`` backend's ``moe_forward`` then
+            receives the fp8 weights and their scales. The engine and the suite refuse at start-up, with
+            ``UnsupportedBaseQuantError``, a backend that does not declare the model's value.
     """
 
     dtypes: frozenset[torch.dtype]
@@ -56,9 +62,10 @@ class Capabilities:
     shared_moe_alignment: bool = False
     slot_load_hook: bool = False
     shared_expert_factors: bool = False
+    base_quants: frozenset[str] = frozenset({"none"})
 
     def __post_init__(self) -> None:
-        for name in ("dtypes", "devices", "graph_families", "prefill_graph_modes"):
+        for name in ("dtypes", "devices", "graph_families", "prefill_graph_modes", "base_quants"):
             object.__setattr__(self, name, frozenset(getattr(self, name)))
         unknown = self.graph_families - set(GRAPH_FAMILIES)
         if unknown:
@@ -70,6 +77,9 @@ class Capabilities:
             raise InvalidFieldError(
                 "prefill_graph_modes", f"unknown {sorted(unknown)}; expected a subset of {PREFILL_GRAPH_MODES}"
             )
+        unknown = self.base_quants - set(BASE_QUANTS)
+        if unknown:
+            raise InvalidFieldError("base_quants", f"unknown {sorted(unknown)}; expected a subset of {BASE_QUANTS}")
         if self.prefill_graph_modes and "prefill" not in self.graph_families:
             raise InvalidFieldError("prefill_graph_modes", "declared without the 'prefill' graph family")
 
@@ -88,6 +98,7 @@ class Capabilities:
             "shared_moe_alignment": self.shared_moe_alignment,
             "slot_load_hook": self.slot_load_hook,
             "shared_expert_factors": self.shared_expert_factors,
+            "base_quants": sorted(self.base_quants),
         }
 
 

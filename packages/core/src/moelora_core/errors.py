@@ -37,6 +37,17 @@ class KernelPreconditionError(MoeLoraError, ValueError):
     """
 
 
+class UnsupportedBaseQuantError(MoeLoraError, ValueError):
+    """A backend asked to serve a base whose quantization (``LoRALayerSpec.base_quant``) it does not
+    declare in ``Capabilities.base_quants``: refused at start-up by the engine and the suite, before any
+    weight is read, so a quantized path that would drop or mis-scale the deltas never runs."""
+
+    def __init__(self, backend: str, base_quant: str) -> None:
+        self.backend = backend
+        self.base_quant = base_quant
+        super().__init__(f"backend {backend!r} does not declare base_quant={base_quant}")
+
+
 class HostSyncError(MoeLoraError, RuntimeError):
     """A host<->device synchronisation happened where the contract forbids one.
 

@@ -9,6 +9,7 @@ from types import MappingProxyType
 import torch
 
 from moelora_core.errors import InvalidFieldError
+from moelora_core.fp8_block import check_base_quant
 
 #: MoE modules with LoRA: gate and up (applied before the activation) and down (router-weighted).
 MOE_MODULES: tuple[str, ...] = ("gate", "up", "down")
@@ -73,10 +74,15 @@ class LoRALayerSpec:
         expert_layout: a key of ``EXPERT_LAYOUTS``: which expert factors the pool stores once per
             slot (``[L, 1, ...]``, every expert reading them with expert stride 0) rather than per
             expert. Anything but "per_expert" needs a backend declaring ``shared_expert_factors``.
+        base_quant: how the base weights the backend's layer runs on are stored
+            (``moelora_core.fp8_block.BASE_QUANTS``): "none", or "fp8_block" (fp8 e4m3 block-scaled
+            weights, w8a8; DESIGN.md §1). The LoRA pool stays in ``dtype`` either way. Anything but
+            "none" needs a backend declaring it in ``Capabilities.base_quants``
+            (``moelora_core.backend.check_base_quant_served``).
 
     Raises:
         InvalidFieldError: a non-positive size, ``top_k > num_experts``, an unknown
-            ``expert_layout``, ``dense_shapes`` not a mapping or an unknown dense module, an
+            ``expert_layout`` or ``base_quant``, ``dense_shapes`` not a mapping or an unknown dense module, an
             unsupported dtype, an unparsable device.
     """
 
@@ -91,6 +97,7 @@ class LoRALayerSpec:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     virtual_experts: bool = False
     expert_layout: str = "per_expert"
+    base_quant: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k", "max_loras", "max_rank"):
@@ -100,6 +107,7 @@ class LoRALayerSpec:
         if self.expert_layout not in EXPERT_LAYOUTS:
             raise InvalidFieldError("expert_layout",
                                     f"must be one of {tuple(EXPERT_LAYOUTS)}, got {self.expert_layout!r}")
+        check_base_quant(self.base_quant)
         if not isinstance(self.dense_shapes, Mapping):
             raise InvalidFieldError("dense_shapes", f"must be a mapping module -> (in, out), got {self.dense_shapes!r}")
         shapes = {}

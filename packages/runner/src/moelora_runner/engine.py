@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from moelora_core.backend import check_protocol, load_backend
+from moelora_core.backend import check_base_quant_served, check_protocol, load_backend
 from moelora_core.checkpoint import AdapterEffect, AdapterWarning, adapter_effect, read_checkpoint
 from moelora_core.errors import MoeLoraError
 from moelora_core.layer_spec import EXPERT_LAYOUTS
@@ -185,6 +185,9 @@ class Engine:
         self.backend = factory(spec)
         check_protocol(self.backend)
         caps = self.backend.capabilities()
+        # Before any weight is read: a backend that does not declare the model's base quantization
+        # would drop or mis-scale deltas on that path (DESIGN.md §1, "Quantized base").
+        check_base_quant_served(backend, caps, spec.base_quant)
         if expert_layout != "per_expert" and not caps.shared_expert_factors:
             raise EngineConfigError("expert_layout", f"backend {backend!r} does not declare shared_expert_factors: "
                                     f"it cannot read expert factors stored once per slot ({expert_layout!r})")

@@ -1,0 +1,80 @@
+"""fp8 block-scaled w8a8 on the torch base path (DESIGN.md §1, "Quantized base"), in fp32.
+
+    s[t, g]  = fp32(max(amax_{k∈g} |x[t, k]|, eps) / 448)                per token t, K-group g of bk
+    q[t, k]  = RNE_e4m3(clamp(fp32(x[t, k] / s[t, g]), -448, 448))       an e4m3 value, held in fp32
+    Ŵ[n, k]  = W_q[n, k] · scale_inv[row_block(n), k // bk]              (fp32)
+
+The rounding to e4m3 is written out (exponent from ``frexp``, step 2^(e-3), subnormal step 2^-9,
+``torch.round`` = half to even) rather than left to a dtype cast, so it means the same on every
+machine: the Triton interpreter's fp32 → fp8 cast rounds ties away from zero, mishandles subnormals
+and does not saturate (464 → NaN). Every step here is exact in fp32 except the division x / s
+(IEEE, correctly rounded) and the scale's division, which the contract defines in fp32.
+
+Source: vLLM ``per_token_group_quant_fp8`` (the scale and clamp), DeepSeek-V3 ``act_quant`` /
+``weight_dequant`` (the format). The oracle's fp64 emulation (``moelora_reference.oracle``) is
+written apart from this one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moelora_core.fp8_block import ACT_SCALE_EPS, FP8_E4M3_MAX
+
+F32 = torch.float32
+
+
+def round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """Round fp32 values already within ±448 to the nearest e4m3 value, ties to even (fp32 result).
+
+    e4m3: 3 mantissa bits, normal exponents from -6, subnormals in steps of 2^-9.
+    """
+    a = v.abs()
+    _, e = torch.frexp(a)  # a = m · 2^e, m in [0.5, 1): floor(log2 a) = e - 1
+    exp = torch.clamp(e - 1, min=-6)  # subnormals share the smallest normal exponent's step
+    step = torch.ldexp(torch.ones_like(a), exp - 3)
+    return torch.copysign(torch.round(a / step) * step, v)
+
+
+def quantize_activation(x: torch.Tensor, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token, per-K-group fp8 quantization of x [T, K] (the last group may be partial).
+
+    Returns:
+        (q [T, K] fp32 holding e4m3 values, s [T, ⌈K/bk⌉] fp32 scales): x ≈ q · s of its group.
+    """
+    T, K = x.shape
+    groups = math.ceil(K / block_k)
+    xf = x.to(F32)
+    pad = torch.zeros(T, groups * block_k, dtype=F32, device=x.device)
+    pad[:, :K] = xf
+    amax = pad.reshape(T, groups, block_k).abs().amax(dim=-1)  # [T, G]
+    s = torch.clamp(amax, min=ACT_SCALE_EPS) / FP8_E4M3_MAX  # [T, G] fp32
+    s_full = s.repeat_interleave(block_k, dim=1)[:, :K]
+    q = round_to_e4m3(torch.clamp(xf / s_full, -FP8_E4M3_MAX, FP8_E4M3_MAX))
+    return q, s
+
+
+def dequantize_activation(x: torch.Tensor, block_k: int) -> torch.Tensor:
+    """x̂ = q · s of :func:`quantize_activation`, in fp32 ([T, K]): what the base GEMM multiplies."""
+    q, s = quantize_activation(x, block_k)
+    return q * s.repeat_interleave(block_k, dim=1)[:, : x.shape[1]]
+
+
+def weight_row_blocks(n: int, block_n: int, half: int | None, device: torch.device) -> torch.Tensor:
+    """[n] long: the scale row of each weight row. ``half`` = I for a fused gate_up ([2I] rows, gate's
+    grid then up's, ``moelora_core.fp8_block.gate_up_scale_rows``), None for one grid."""
+    rows = torch.arange(n, device=device)
+    if half is None:
+        return rows // block_n
+    return (rows // half) * math.ceil(half / block_n) + (rows % half) // block_n
+
+
+def dequantize_weight(w_q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                      half: int | None = None) -> torch.Tensor:
+    """Ŵ = W_q · scale_inv of its block, fp32, for W_q [.., N, K] fp8 and scale_inv [.., rows, ⌈K/bk⌉]."""
+    bn, bk = block
+    n, k = w_q.shape[-2:]
+    s = scale_inv.to(F32).index_select(-2, weight_row_blocks(n, bn, half, w_q.device))
+    return w_q.to(F32) * s.repeat_interleave(bk, dim=-1)[..., :k]
