@@ -23,6 +23,10 @@ GPT-OSS (transformers ``GptOssExperts``) adds expert biases and its clamped acti
     h_j = min(g_j, L) · sigmoid(α · min(g_j, L)) ⊙ (clamp(u_j, -L, L) + 1)
     y   = Σ_j w_j · ( W_down[e_j] h_j + b_down[e_j] + Δ_down )
 
+DeepSeek-V3 routes with :func:`moelora_reference.routing.route_grouped_sigmoid` (sigmoid scores, a
+correction bias for selection only, group-limited top-k, renormalise, ``routed_scaling_factor``),
+the one function the engine calls too; :func:`route_block` runs it here in float64.
+
 Sources: LoRA (Hu et al., arXiv:2106.09685); SwiGLU experts as in Mixtral / Qwen3-MoE
 (transformers ``Qwen3MoeExperts``); the multi-LoRA MoE layout of SGLang's MoE-LoRA PR
 (sgl-project/sglang#14105) and vLLM's fused MoE-LoRA.
@@ -48,6 +52,7 @@ from moelora_core.moe_activation import SILU, MoEActivation
 from moelora_core.sentinels import NO_ADAPTER
 from moelora_core.shared_expert import SharedExpertWeights
 from moelora_core.weights import LoRAWeights
+from moelora_reference.routing import route
 
 F64 = torch.float64
 
@@ -86,6 +91,20 @@ def route_topk(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def route_block(x: torch.Tensor, top_k: int, moe: MoEBaseWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route x [T, H] by ``moe``'s own rule in float64: :func:`route_topk` of the router logits, or
+    DeepSeek-V3's group-limited sigmoid (``moelora_reference.routing.route_grouped_sigmoid``, the
+    function the engine runs in fp32) when ``moe.routing`` is set.
+
+    Returns:
+        (topk_weights [T, k] float64, topk_ids [T, k] int64).
+    """
+    if moe.routing is None:
+        return route_topk(moe.router_logits(x.to(F64)), top_k, moe.norm_topk_prob)
+    weights, ids = route(x, top_k, moe, dtype=F64)
+    return weights, ids.long()
 
 
 def lora_delta(A: torch.Tensor, B: torch.Tensor, scaling: float, x: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,7 @@ from moelora_core.layer_spec import (
     SHARED_EXPERT_MODULES,
     LoRALayerSpec,
 )
+from moelora_core.routing import GroupLimitedRouting
 from moelora_core.sentinels import EXPERT_NOT_HERE, NO_ADAPTER, NO_EXPERT_BLOCK, padding_row
 from moelora_core.shared_expert import SharedExpertWeights, shared_expert_forward
 from moelora_core.staging import PinnedStaging
@@ -97,6 +98,7 @@ __all__ = [
     "Fallback",
     "ForwardMode",
     "GraphCapacity",
+    "GroupLimitedRouting",
     "HostSyncError",
     "InvalidFieldError",
     "KernelPreconditionError",

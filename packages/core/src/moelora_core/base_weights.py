@@ -13,6 +13,7 @@ import torch
 
 from moelora_core.errors import InvalidFieldError
 from moelora_core.moe_activation import SILU, MoEActivation
+from moelora_core.routing import GroupLimitedRouting
 
 
 @dataclass
@@ -32,6 +33,10 @@ class MoEBaseWeights:
         router_bias: [E] the router's bias (GPT-OSS), or None.
         activation: the expert activation (:data:`~moelora_core.moe_activation.SILU` unless the
             family says otherwise, e.g. GPT-OSS's ``SWIGLU_OAI``).
+        routing: DeepSeek-V3's group-limited sigmoid routing, or None for softmax top-k
+            (:mod:`moelora_core.routing`; computed by ``moelora_reference.routing.route``).
+        router_correction_bias: [E] DeepSeek-V3's ``e_score_correction_bias`` (selection only), or
+            None; only with ``routing``.
 
     Raises:
         InvalidFieldError: inconsistent shapes.
@@ -46,6 +51,8 @@ class MoEBaseWeights:
     b_down: torch.Tensor | None = None
     router_bias: torch.Tensor | None = None
     activation: MoEActivation = SILU
+    routing: GroupLimitedRouting | None = None
+    router_correction_bias: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.w_gate_up.dim() != 3 or self.w_gate_up.shape[1] % 2:
@@ -60,10 +67,13 @@ class MoEBaseWeights:
         if self.router is not None and tuple(self.router.shape) != (self.num_experts, h):
             raise InvalidFieldError("router", f"expected {(self.num_experts, h)}, got {tuple(self.router.shape)}")
         for name, shape in (("b_gate_up", (e_base, two_i)), ("b_down", (e_base, h)),
-                            ("router_bias", (self.num_experts,))):
+                            ("router_bias", (self.num_experts,)),
+                            ("router_correction_bias", (self.num_experts,))):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != shape:
                 raise InvalidFieldError(name, f"expected {shape}, got {tuple(value.shape)}")
+        if self.router_correction_bias is not None and self.routing is None:
+            raise InvalidFieldError("router_correction_bias", "only group-limited routing has a correction bias")
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] → [T, E] router logits ``x W_rᵀ (+ b_r)``, in x's dtype (GPT-OSS's router has a bias).
