@@ -102,7 +102,7 @@ def route_block(x: torch.Tensor, top_k: int, moe: MoEBaseWeights) -> tuple[torch
         (topk_weights [T, k] float64, topk_ids [T, k] int64).
     """
     if moe.routing is None:
-        return route_topk(moe.router_logits(x.to(F64)), top_k, moe.norm_topk_prob)
+        return route_topk(moe.router_logits(x), top_k, moe.norm_topk_prob)  # logits in x's dtype, as HF
     weights, ids = route(x, top_k, moe, dtype=F64)
     return weights, ids.long()
 
@@ -245,7 +245,8 @@ def shared_expert_forward(
     token_lora_mapping: torch.Tensor | None,
 ) -> torch.Tensor:
     """Qwen2-MoE's shared expert with per-token LoRA on its three projections, in float64:
-    y[t] = sigmoid(w_gate · x[t]) · shared_down(silu(shared_gate(x[t])) ⊙ shared_up(x[t])), each
+    y[t] = sigmoid(w_gate · x[t]) · shared_down(silu(shared_gate(x[t])) ⊙ shared_up(x[t])) (no sigmoid
+    factor where ``shared.gate`` is None: DeepSeek-V3's shared experts and dense MLPs), each
     projection W x + σ_s · B[s] (A[s] x) (:func:`dense_lora_forward`). Source: transformers
     ``Qwen2MoeSparseMoeBlock.forward``.
 
@@ -256,8 +257,10 @@ def shared_expert_forward(
     Returns:
         [T, H] float64: the term added to the routed experts' output.
     """
-    g = dense_lora_forward(x, shared.gate_proj, "shared_gate", lora, token_lora_mapping)  # [T, Is]
-    u = dense_lora_forward(x, shared.up_proj, "shared_up", lora, token_lora_mapping)  # [T, Is]
-    s = dense_lora_forward(silu(g) * u, shared.down_proj, "shared_down", lora, token_lora_mapping)  # [T, H]
-    gate = torch.sigmoid(x.to(F64) @ shared.gate.to(F64).T)  # [T, 1]
-    return gate * s
+    gate, up, down = shared.modules  # shared_* (or a DeepSeek-V3 dense MLP's dense_*)
+    g = dense_lora_forward(x, shared.gate_proj, gate, lora, token_lora_mapping)  # [T, Is]
+    u = dense_lora_forward(x, shared.up_proj, up, lora, token_lora_mapping)  # [T, Is]
+    s = dense_lora_forward(silu(g) * u, shared.down_proj, down, lora, token_lora_mapping)  # [T, H]
+    if shared.gate is None:  # DeepSeek-V3: no gate
+        return s
+    return torch.sigmoid(x.to(F64) @ shared.gate.to(F64).T) * s  # [T, 1] gate
