@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from moelora_conformance.cli import main
 from moelora_conformance.fixtures import ADAPTERS, BAD_ADAPTERS, LAYOUT_ADAPTERS, MODELS
-from moelora_conformance.fixtures.specs import ALL_ADAPTERS, ALL_MODELS, GPT_OSS, SHARED
+from moelora_conformance.fixtures.specs import ALL_ADAPTERS, ALL_MODELS, DEEPSEEK_V3, GPT_OSS, SHARED
 
 
 def _keys(path):
@@ -25,17 +25,20 @@ def _keys(path):
 
 def test_manifest_lists_every_spec(fixture_set):
     m = fixture_set.manifest
-    assert sorted(m["models"]) == sorted(s.name for s in ALL_MODELS)  # MODELS and GPT-OSS
+    assert sorted(m["models"]) == sorted(s.name for s in ALL_MODELS)  # MODELS, GPT-OSS and DeepSeek-V3
     assert sorted(m["adapters"]) == sorted(s.name for s in ALL_ADAPTERS)
-    assert [s for s in ALL_MODELS if s not in MODELS] == [GPT_OSS]
+    assert [s for s in ALL_MODELS if s not in MODELS] == [GPT_OSS, DEEPSEEK_V3]
     assert all(s in ALL_ADAPTERS for s in ADAPTERS)
     assert sorted(m["bad_adapters"]) == sorted(s.name for s in BAD_ADAPTERS)
     assert sorted(m["layout_adapters"]) == sorted(s.name for s in LAYOUT_ADAPTERS)
     for name, entry in m["layout_adapters"].items():  # peft cannot load these: listed apart
-        assert entry["peft_loadable"] is False and entry["layout"] in ("shared_outer", "fully_shared"), name
+        # DeepSeek-V3's shared-expert / dense-MLP adapter: per-expert experts, modules peft refuses to wrap
+        layouts = ("per_expert",) if entry["model"] == DEEPSEEK_V3.name else ("shared_outer", "fully_shared")
+        assert entry["peft_loadable"] is False and entry["layout"] in layouts, name
         assert entry["encoding"] in ("packed", "fused") and set(entry["modules"]) == {"0", "1"}, name
         assert (fixture_set.layout_adapter_dir(name) / "adapter_model.safetensors").is_file()
-    assert {e["family"] for e in m["models"].values()} == {"qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss"}
+    assert {e["family"] for e in m["models"].values()} == {"qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss",
+                                                           "deepseek_v3"}
     for name, entry in m["adapters"].items():
         assert entry["modules"], name
         assert set(entry["modules"]) == {"0", "1"}, name
@@ -62,6 +65,31 @@ def test_gpt_oss_on_disk(fixture_set):
     config = json.loads((fixture_set.model_dir(GPT_OSS.name) / "config.json").read_text())
     assert config["layer_types"] == ["sliding_attention", "full_attention"]
     assert config["rope_parameters"]["rope_type"] == "default"
+
+
+def test_deepseek_v3_on_disk(fixture_set):
+    # save_pretrained's DeepSeek-V3 keys: a dense MLP on layer 0; on layer 1 per-expert experts, the
+    # router's nonzero correction bias, ungated shared experts; MLA everywhere; YaRN in the config
+    spec, d = DEEPSEEK_V3, DEEPSEEK_V3.deepseek
+    directory = fixture_set.model_dir(spec.name)
+    keys = _keys(directory / "model.safetensors")
+    H, I, E = spec.hidden, spec.inter, spec.experts  # noqa: E741
+    assert keys["model.layers.0.mlp.gate_proj.weight"][0] == (d.dense_inter, H)
+    assert not any(k.startswith("model.layers.0.mlp.experts") for k in keys)
+    assert keys["model.layers.1.mlp.experts.7.down_proj.weight"][0] == (H, I)
+    assert keys["model.layers.1.mlp.shared_experts.gate_proj.weight"][0] == (I * d.n_shared_experts, H)
+    assert not any("shared_expert_gate" in k for k in keys)
+    for li in (0, 1):
+        assert keys[f"model.layers.{li}.self_attn.q_a_proj.weight"][0] == (d.q_lora_rank, H)
+        assert keys[f"model.layers.{li}.self_attn.kv_b_proj.weight"][0] == (
+            spec.heads * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank)
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
+        bias = f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias")
+    assert bias.shape == (E,) and float(bias.abs().min()) > 0  # nonzero: dropping or misusing it shows
+    config = json.loads((directory / "config.json").read_text())
+    assert config["n_group"] > 1 and config["topk_group"] < config["n_group"]
+    assert config["routed_scaling_factor"] != 1 and config["first_k_dense_replace"] == 1
+    assert config["rope_parameters"]["rope_type"] == "yarn" and config["rope_interleave"] is True
 
 
 @pytest.mark.parametrize("spec", MODELS, ids=lambda s: s.name)
@@ -141,7 +169,7 @@ def _digest(root):
 
 def test_make_fixtures_cli_is_deterministic(fixture_set, tmp_path, capsys):
     assert main(["make-fixtures", str(tmp_path / "again")]) == 0
-    assert "built 8 models, 22 adapters, 4 shared-outer / fully shared adapters, 16 bad adapters" in \
+    assert "built 9 models, 24 adapters, 5 shared-outer / fully shared adapters, 16 bad adapters" in \
         capsys.readouterr().out
     first, second = _digest(fixture_set.root), _digest(tmp_path / "again")
     assert first.keys() == second.keys()

@@ -33,6 +33,10 @@ its w8a8 value, computed here in fp64 (:func:`fp8_block_matvec`):
 
 while every LoRA delta reads the unquantized v (x for gate/up, h for down).
 
+DeepSeek-V3 routes with :func:`moelora_reference.routing.route_grouped_sigmoid` (sigmoid scores, a
+correction bias for selection only, group-limited top-k, renormalise, ``routed_scaling_factor``),
+the one function the engine calls too; :func:`route_block` runs it here in float64.
+
 Sources: LoRA (Hu et al., arXiv:2106.09685); SwiGLU experts as in Mixtral / Qwen3-MoE
 (transformers ``Qwen3MoeExperts``); the multi-LoRA MoE layout of SGLang's MoE-LoRA PR
 (sgl-project/sglang#14105) and vLLM's fused MoE-LoRA.
@@ -60,6 +64,7 @@ from moelora_core.moe_activation import SILU, MoEActivation
 from moelora_core.sentinels import NO_ADAPTER
 from moelora_core.shared_expert import SharedExpertWeights
 from moelora_core.weights import LoRAWeights
+from moelora_reference.routing import route
 
 F64 = torch.float64
 F32 = torch.float32
@@ -162,6 +167,20 @@ def route_topk(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def route_block(x: torch.Tensor, top_k: int, moe: MoEBaseWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route x [T, H] by ``moe``'s own rule in float64: :func:`route_topk` of the router logits, or
+    DeepSeek-V3's group-limited sigmoid (``moelora_reference.routing.route_grouped_sigmoid``, the
+    function the engine runs in fp32) when ``moe.routing`` is set.
+
+    Returns:
+        (topk_weights [T, k] float64, topk_ids [T, k] int64).
+    """
+    if moe.routing is None:
+        return route_topk(moe.router_logits(x), top_k, moe.norm_topk_prob)  # logits in x's dtype, as HF
+    weights, ids = route(x, top_k, moe, dtype=F64)
+    return weights, ids.long()
 
 
 def lora_delta(A: torch.Tensor, B: torch.Tensor, scaling: float, x: torch.Tensor) -> torch.Tensor:
@@ -327,7 +346,8 @@ def shared_expert_forward(
     token_lora_mapping: torch.Tensor | None,
 ) -> torch.Tensor:
     """Qwen2-MoE's shared expert with per-token LoRA on its three projections, in float64:
-    y[t] = sigmoid(w_gate · x[t]) · shared_down(silu(shared_gate(x[t])) ⊙ shared_up(x[t])), each
+    y[t] = sigmoid(w_gate · x[t]) · shared_down(silu(shared_gate(x[t])) ⊙ shared_up(x[t])) (no sigmoid
+    factor where ``shared.gate`` is None: DeepSeek-V3's shared experts and dense MLPs), each
     projection W x + σ_s · B[s] (A[s] x) (:func:`dense_lora_forward`). Source: transformers
     ``Qwen2MoeSparseMoeBlock.forward``.
 
@@ -338,8 +358,10 @@ def shared_expert_forward(
     Returns:
         [T, H] float64: the term added to the routed experts' output.
     """
-    g = dense_lora_forward(x, shared.gate_proj, "shared_gate", lora, token_lora_mapping)  # [T, Is]
-    u = dense_lora_forward(x, shared.up_proj, "shared_up", lora, token_lora_mapping)  # [T, Is]
-    s = dense_lora_forward(silu(g) * u, shared.down_proj, "shared_down", lora, token_lora_mapping)  # [T, H]
-    gate = torch.sigmoid(x.to(F64) @ shared.gate.to(F64).T)  # [T, 1]
-    return gate * s
+    gate, up, down = shared.modules  # shared_* (or a DeepSeek-V3 dense MLP's dense_*)
+    g = dense_lora_forward(x, shared.gate_proj, gate, lora, token_lora_mapping)  # [T, Is]
+    u = dense_lora_forward(x, shared.up_proj, up, lora, token_lora_mapping)  # [T, Is]
+    s = dense_lora_forward(silu(g) * u, shared.down_proj, down, lora, token_lora_mapping)  # [T, H]
+    if shared.gate is None:  # DeepSeek-V3: no gate
+        return s
+    return torch.sigmoid(x.to(F64) @ shared.gate.to(F64).T) * s  # [T, 1] gate

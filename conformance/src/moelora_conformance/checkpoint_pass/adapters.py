@@ -13,6 +13,8 @@ model specs and seeds derived from their names:
   (σ = α/√r);
 - ``<model>-pass-legacy-r3``: legacy per-expert gate/up/down (gate_A != up_A) + o; r 3, α 6.
 
+On DeepSeek-V3 the attention targets are its MLA projections (q → q_a, q_b; k → kv_a; v → kv_b).
+
 Legacy adapters under rsLoRA are left out: peft converts them with another σ (DESIGN.md §1), so no
 HF+PEFT forward exists to compare with (the hf-check covers that case against a per-module
 reference). So is the legacy adapter of a Qwen2-MoE: peft 0.21.2 converts legacy per-expert adapters
@@ -64,6 +66,11 @@ PEFT_UNCONVERTED_LEGACY: frozenset[str] = frozenset({"qwen2_moe"})
 NO_LEGACY_PASS: frozenset[str] = PEFT_UNCONVERTED_LEGACY | {"gpt_oss"}
 
 
+#: DeepSeek-V3: the MLA projections standing in for each attention target of the pass (its shared
+#: experts and dense MLP are not peft targets: the fixture ``deepseek_v3-shared-dense`` covers them).
+MLA_FOR: dict[str, tuple[str, ...]] = {"q": ("q_a", "q_b"), "k": ("kv_a",), "v": ("kv_b",), "o": ("o",)}
+
+
 def pass_adapter_specs(model: str) -> list[AdapterSpec]:
     """The adapters the pass builds for fixture model ``model`` (three; two for a family in
     :data:`NO_LEGACY_PASS`, without the legacy one)."""
@@ -75,6 +82,8 @@ def pass_adapter_specs(model: str) -> list[AdapterSpec]:
             continue
         if mspec.shared_inter is not None:  # the shared expert too: all three at r 8, down alone at r 6
             fields = {**fields, "dense": fields["dense"] + SHARED_EXTRA.get(suffix, ())}
+        if mspec.deepseek is not None:  # MLA: each attention target becomes its MLA projections
+            fields = {**fields, "dense": tuple(m for d in fields["dense"] for m in MLA_FOR[d])}
         specs.append(AdapterSpec(f"{model}-{suffix}", model, seed=zlib.crc32(f"{model}-{suffix}".encode()) % 10_000,
                                  **fields))
     return specs

@@ -29,6 +29,8 @@ shared_down): the harness runs them in its projection step like q/k/v/o, on ever
 and each is compared with the PEFT-wrapped ``mlp.shared_expert.<leaf>``; the MoE part stays the
 routed experts (``hf.mlp.experts``). The gated composition of the two is checked by ``hf-check``
 (the whole ``Qwen2MoeSparseMoeBlock``) and by the engine tests (whole-model logprobs).
+DeepSeek-V3: its MLA projections and ungated shared experts are dense modules alike; its dense first
+layers have no MoE block for the harness and are left to ``hf-check``.
 
 Every comparison is a :class:`PassRow`; :func:`run_checkpoint_pass` returns them all and
 :mod:`.table` prints the summary. Needs the ``fixtures`` extra (transformers + peft).
@@ -49,7 +51,15 @@ from moelora_conformance.fixtures.manifest import FixtureSet
 from moelora_conformance.harness import BatchInputs, CheckContext, GraphLayer, Layer, Oracle, check_run
 from moelora_conformance.strategies.cases import MaterializedCase
 from moelora_conformance.user_files import pool_max_rank
-from moelora_core import DEFAULT_POLICY, NO_ADAPTER, BatchSpec, ForwardMode, LoRAWeights, load_backend
+from moelora_core import (
+    DEFAULT_POLICY,
+    NO_ADAPTER,
+    BatchSpec,
+    ForwardMode,
+    InvalidFieldError,
+    LoRAWeights,
+    load_backend,
+)
 from moelora_core.checkpoint import MoECheckpoint, load_adapter_into_slot, read_adapter
 
 F32 = torch.float32
@@ -100,6 +110,18 @@ class _LayerData:
     hf_adapters: list
 
 
+def _layer_dense(disk, spec) -> dict[str, torch.Tensor]:
+    """[out, in] weights of the spec's dense modules that the read layer has (every one, except on
+    DeepSeek-V3, whose layers hold either shared experts or a dense MLP)."""
+    out = {}
+    for m in spec.dense_shapes:
+        try:
+            out[m] = disk.dense(m)
+        except InvalidFieldError:
+            continue
+    return out
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return (text[0] if text else type(exc).__name__)[:300]
@@ -120,7 +142,8 @@ def _inputs(layer: _LayerData, batch: BatchSpec, seed: int) -> tuple[Materialize
     with torch.no_grad():
         weights, ids = hf_route(layer.hf_base, x)
     ids, weights = ids.to(torch.int32).contiguous(), weights.to(F32).contiguous()
-    dense_x = {m: torch.randn(T, fin, generator=gen) for m, (fin, _) in spec.dense_shapes.items()}
+    # the layer's own dense modules (DeepSeek-V3: its MLA projections and shared experts, not the dense MLP)
+    dense_x = {m: torch.randn(T, fin, generator=gen) for m, (fin, _) in spec.dense_shapes.items() if m in layer.dense}
     mapping = torch.tensor(batch.token_lora_mapping, dtype=torch.int32)
     logits = layer.base.router_logits(x)
     m = MaterializedCase(spec=spec, x=x, router_logits=logits, topk_ids=ids, topk_weights=weights, base=layer.base,
@@ -195,11 +218,13 @@ def run_model(fixtures: FixtureSet, work_dir: Path, model: str, *, backends: Seq
         hf_base = decoder_layers(load_hf(model_dir))
         hf_adapters = [decoder_layers(merged_reference_model(load_hf(model_dir), a.path) if a.origin == "layout"
                                       else load_hf(model_dir, a.path)) for a in adapters]
-        chosen = range(cfg.num_layers) if layers is None else layers
+        # DeepSeek-V3's dense first layers have no MoE block for the layer harness: their MLP's LoRA is
+        # compared by hf-check (reference backend, adapter and base rows) instead.
+        chosen = [li for li in (range(cfg.num_layers) if layers is None else layers) if cfg.is_moe_layer(li)]
         data = []
         for li in chosen:
             disk = ckpt.layer(li)
-            data.append(_LayerData(li, pools[li], disk.moe, {m: disk.dense(m) for m in spec.dense_shapes},
+            data.append(_LayerData(li, pools[li], disk.moe, _layer_dense(disk, spec),
                                    {m: b for m in spec.dense_shapes if (b := disk.bias(m)) is not None},
                                    hf_base[li], [hf[li] for hf in hf_adapters]))
     for layer in data:

@@ -34,7 +34,7 @@ def compare_backend_layer(
     model: str,
     adapter: str,
     layer: int,
-    moe: MoEBaseWeights,
+    moe: MoEBaseWeights | None,
     dense: dict[str, torch.Tensor],
     pool: LoRAWeights,
     lora_side: dict,
@@ -49,7 +49,7 @@ def compare_backend_layer(
         lora_side / base_side: ``hf_moe(x)`` and ``hf_dense(m, x)`` with and without the adapter.
     """
     from moelora_reference.backend import make_backend
-    from moelora_reference.base_moe import route_topk
+    from moelora_reference.routing import route
 
     backend = make_backend(pool.spec)
     batch = BatchSpec(ForwardMode.EXTEND, [Request(SLOT, ADAPTER_TOKENS), Request(NO_ADAPTER, TOKENS - ADAPTER_TOKENS)],
@@ -66,9 +66,12 @@ def compare_backend_layer(
         rows.append(CheckRow(model, adapter, "reference-backend", layer, part, rep.max_rel, rep.rms_rel, None,
                              rep.ok, "equal", "" if rep.ok else rep.message()))
 
-    x = torch.randn(TOKENS, moe.hidden_size, generator=gen)
-    weights, ids = route_topk(moe.router_logits(x), pool.spec.top_k, moe.norm_topk_prob)
-    y = backend.moe_forward(x, ids, weights, moe, pool, info)
+    x = torch.randn(TOKENS, pool.spec.hidden_size, generator=gen)
+    if moe is not None:
+        weights, ids = route(x, pool.spec.top_k, moe)
+        y = backend.moe_forward(x, ids, weights, moe, pool, info)
+    else:  # DeepSeek-V3's dense layers: the dense MLP alone (in ``shared``), row "mlp"
+        y = torch.zeros_like(x)
     if shared is not None:
         def project(module: str, xm: torch.Tensor) -> torch.Tensor:
             out = xm @ shared.dense(module).T
@@ -76,8 +79,9 @@ def compare_backend_layer(
             return out
 
         y = y + shared_expert_forward(x, shared, project)
-    row("moe", y[a], lora_side["hf_moe"](x[a]))
-    row("moe base rows", y[b], base_side["hf_moe"](x[b]))
+    part = "moe" if moe is not None else "mlp"
+    row(part, y[a], lora_side["hf_moe"](x[a]))
+    row(f"{part} base rows", y[b], base_side["hf_moe"](x[b]))
     for m, w in dense.items():
         xd = torch.randn(TOKENS, w.shape[1], generator=gen)
         out = xd @ w.T

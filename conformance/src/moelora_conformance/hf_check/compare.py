@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from moelora_core import DEFAULT_POLICY, NO_ADAPTER, LoRAWeights, MoEBaseWeights, SharedExpertWeights
-from moelora_reference.oracle import dense_lora_forward, moe_lora_forward, route_topk, shared_expert_forward
+from moelora_reference.oracle import dense_lora_forward, moe_lora_forward, route_block, shared_expert_forward
 
 #: Slot the adapter is loaded into: not 0, so a reader or kernel that ignores the slot index fails.
 SLOT = 1
@@ -48,6 +48,12 @@ class CheckRow:
     note: str = ""
 
 
+def _by_id(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's (weight, id) pairs sorted by expert id: routings compare whatever their top-k order."""
+    order = ids.long().argsort(dim=-1)
+    return weights.gather(1, order), ids.long().gather(1, order)
+
+
 def _delta_rel(with_lora: torch.Tensor, base: torch.Tensor) -> float:
     return float((with_lora - base).norm() / base.norm().clamp_min(1e-300))
 
@@ -80,15 +86,16 @@ def compare_layer(
         seed: input seed.
         expect: "equal", or "diverge" for the documented peft divergence (the MoE block must then
             differ by more than ``diverge_bound``; routing and attention must still be equal).
-        shared: the layer's shared expert (Qwen2-MoE): the MoE block is then the routed experts
-            plus the oracle's gated shared expert with the pool's shared-expert LoRA.
+        shared: the layer's shared expert (Qwen2-MoE, DeepSeek-V3): the MoE block is then the routed
+            experts plus the oracle's (gated) shared expert with the pool's shared-expert LoRA. With
+            ``moe`` None (DeepSeek-V3's dense layers) the dense MLP, compared as the row "mlp".
         dense_bias: module → [out] bias of the dense projections that have one (Qwen2-MoE's q/k/v).
 
     Returns:
         One row for routing, one for the MoE block, one per dense projection.
     """
     gen = torch.Generator().manual_seed(seed)
-    T, H = TOKENS, moe.hidden_size
+    T, H = TOKENS, moe.hidden_size if moe is not None else shared.gate_proj.shape[1]
     x = torch.randn(T, H, generator=gen)
     mapping = torch.full((T,), SLOT if pool is not None else NO_ADAPTER, dtype=torch.int32)
     rows: list[CheckRow] = []
@@ -105,23 +112,28 @@ def compare_layer(
         rows.append(CheckRow(model, adapter, source, layer, part, rep.max_rel, rep.rms_rel, delta, ok,
                              part_expect, note))
 
-    # Routing: the oracle's softmax/top-k on the same logits picks the same experts (exactly).
-    hf_w, hf_ids = hf_route(x)
-    w, ids = route_topk(moe.router_logits(x), top_k, moe.norm_topk_prob)
-    same_ids = torch.equal(ids, hf_ids.to(ids.dtype))
-    wrep = DEFAULT_POLICY.check(hf_w, w, dtype=torch.float32, what="topk_weights")
-    rows.append(CheckRow(model, adapter, source, layer, "routing", wrep.max_rel, wrep.rms_rel, None,
-                         same_ids and wrep.ok, "equal",
-                         "" if same_ids else f"topk_ids differ in {int((ids != hf_ids).sum())} places"))
+    if moe is not None:
+        # Routing: the oracle's routing (the block's own rule) on the same input picks the same experts
+        # (exactly), compared as pairs sorted by expert id (DeepSeek-V3's top-k order is unspecified).
+        hf_w, hf_ids = _by_id(*hf_route(x))
+        ids0, w0 = route_block(x, top_k, moe)[::-1]
+        w, ids = _by_id(w0, ids0)
+        same_ids = torch.equal(ids, hf_ids.to(ids.dtype))
+        wrep = DEFAULT_POLICY.check(hf_w, w, dtype=torch.float32, what="topk_weights")
+        rows.append(CheckRow(model, adapter, source, layer, "routing", wrep.max_rel, wrep.rms_rel, None,
+                             same_ids and wrep.ok, "equal",
+                             "" if same_ids else f"topk_ids differ in {int((ids != hf_ids).sum())} places"))
 
     def block(lora: LoRAWeights | None) -> torch.Tensor:
-        y = moe_lora_forward(x, ids, w, moe.w_gate_up, moe.w_down, lora, mapping, b_gate_up=moe.b_gate_up,
-                             b_down=moe.b_down, activation=moe.activation)
+        y = torch.zeros(T, H, dtype=torch.float64) if moe is None else moe_lora_forward(
+            x, ids0, w0, moe.w_gate_up, moe.w_down, lora, mapping, b_gate_up=moe.b_gate_up, b_down=moe.b_down,
+            activation=moe.activation)
         return y if shared is None else y + shared_expert_forward(x, shared, lora, mapping)
 
     y = block(pool)
     delta = None if pool is None else _delta_rel(y, block(None))
-    row("moe", hf_moe(x), y, delta, expect)
+    # DeepSeek-V3's dense layers: the whole dense MLP, "mlp"
+    row("moe" if moe is not None else "mlp", hf_moe(x), y, delta, expect)
 
     for m, weight in dense.items():
         xd = torch.randn(T, weight.shape[1], generator=gen)

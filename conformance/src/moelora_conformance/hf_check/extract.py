@@ -12,9 +12,10 @@ import torch
 
 from moelora_conformance.hf_check.hf_model import dense_module
 from moelora_core import ModuleLoRA, MoEBaseWeights, SharedExpertWeights
-from moelora_core.checkpoint.families import SHARED_EXPERT_LEAVES
+from moelora_core.checkpoint.families import DENSE_MLP_LEAVES, MLA_LEAVES, SHARED_EXPERT_LEAVES
 from moelora_core.checkpoint.gpt_oss import gpt_oss_experts, split_gate_up_lora
 from moelora_core.moe_activation import SWIGLU_OAI
+from moelora_core.shared_expert import dense_mlp
 
 _ADAPTER = "default"
 
@@ -26,11 +27,37 @@ def _unwrap(module):
     return module
 
 
-def base_from_hf(layer, *, norm_topk_prob: bool) -> tuple[
-        MoEBaseWeights, dict[str, torch.Tensor], SharedExpertWeights | None, dict[str, torch.Tensor]]:
+def _deepseek_base(layer, norm_topk_prob: bool, routing) -> tuple:
+    """:func:`base_from_hf` of a DeepSeek-V3 layer: MLA projections, and either the dense MLP
+    (``moe`` None, the MLP in the shared slot with modules dense_*) or the routed experts with their
+    router's correction bias and the ungated shared experts."""
+    attn = layer.self_attn
+    dense = {m: _unwrap(getattr(attn, leaf)).weight.detach().clone() for m, leaf in MLA_LEAVES.items()
+             if getattr(attn, leaf, None) is not None}
+    mlp = layer.mlp
+    if not hasattr(mlp, "experts"):  # DeepseekV3MLP: a dense first layer
+        shared = dense_mlp(*(_unwrap(getattr(mlp, f"{p}_proj")).weight.detach().clone()
+                             for p in ("gate", "up", "down")))
+        return None, {**dense, **{m: shared.dense(m) for m in shared.modules}}, shared, {}
+    experts, router = _unwrap(mlp.experts), _unwrap(mlp.gate)
+    moe = MoEBaseWeights(w_gate_up=experts.gate_up_proj.detach().clone(), w_down=experts.down_proj.detach().clone(),
+                         router=router.weight.detach().clone(), norm_topk_prob=norm_topk_prob, routing=routing,
+                         router_correction_bias=router.e_score_correction_bias.detach().clone())
+    se = mlp.shared_experts
+    shared = SharedExpertWeights(*(_unwrap(getattr(se, f"{p}_proj")).weight.detach().clone()
+                                   for p in ("gate", "up", "down")))
+    return moe, {**dense, **{m: shared.dense(m) for m in shared.modules}}, shared, {}
+
+
+def base_from_hf(layer, *, norm_topk_prob: bool, routing=None) -> tuple[
+        MoEBaseWeights | None, dict[str, torch.Tensor], SharedExpertWeights | None, dict[str, torch.Tensor]]:
     """(MoE block weights, dense projection weights [out, in], shared expert or None, dense biases
     [out]) of a decoder layer; the dense weights are "q".."o" and, with a shared expert,
-    "shared_gate" / "shared_up" / "shared_down"; the biases those projections have (Qwen2-MoE's q/k/v)."""
+    "shared_gate" / "shared_up" / "shared_down"; the biases those projections have (Qwen2-MoE's q/k/v).
+    DeepSeek-V3 (``routing`` its ``GroupLimitedRouting``): the MLA projections; on a dense layer the
+    MoE block is None and the shared slot holds the dense MLP."""
+    if hasattr(layer.self_attn, "kv_b_proj"):
+        return _deepseek_base(layer, norm_topk_prob, routing)
     experts = _unwrap(layer.mlp.experts)
     if hasattr(experts, "gate_up_proj_bias"):  # GPT-OSS: [E, H, 2I] interleaved, biases, router with bias
         w_gu, b_gu, w_d, b_d = gpt_oss_experts(experts.gate_up_proj.detach(), experts.gate_up_proj_bias.detach(),
@@ -89,7 +116,7 @@ def lora_from_peft(layer, *, intermediate: int) -> dict[str, ModuleLoRA]:
     B_gate = B_e[:I], B_up = B_e[I:] (GPT-OSS, interleaved: B_e[0::2], B_e[1::2]).
     """
     out: dict[str, ModuleLoRA] = {}
-    wrapper = layer.mlp.experts
+    wrapper = getattr(layer.mlp, "experts", None)  # None: DeepSeek-V3's dense first layers
     while hasattr(wrapper, "parameter_name"):  # nested peft ParamWrappers, outermost first
         if _ADAPTER in wrapper.lora_A:
             A, B, sigma = _expert_factors(wrapper)
@@ -104,7 +131,12 @@ def lora_from_peft(layer, *, intermediate: int) -> dict[str, ModuleLoRA]:
             else:
                 raise AssertionError(f"unexpected peft target parameter {wrapper.parameter_name!r}")
         wrapper = wrapper.base_layer
-    modules = ["q", "k", "v", "o"] + (list(SHARED_EXPERT_LEAVES) if hasattr(layer.mlp, "shared_expert") else [])
+    if hasattr(layer.self_attn, "kv_b_proj"):  # DeepSeek-V3: MLA, shared experts or the dense MLP
+        modules = [m for m, leaf in MLA_LEAVES.items() if getattr(layer.self_attn, leaf, None) is not None]
+        modules += list(SHARED_EXPERT_LEAVES) if hasattr(layer.mlp, "shared_experts") else \
+            (list(DENSE_MLP_LEAVES) if not hasattr(layer.mlp, "experts") else [])
+    else:
+        modules = ["q", "k", "v", "o"] + (list(SHARED_EXPERT_LEAVES) if hasattr(layer.mlp, "shared_expert") else [])
     for m in modules:
         proj = dense_module(layer, m)
         if hasattr(proj, "lora_A") and _ADAPTER in proj.lora_A:

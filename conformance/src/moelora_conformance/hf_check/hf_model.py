@@ -48,7 +48,8 @@ def hf_route(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.no_grad()
 def hf_moe(layer, x: torch.Tensor) -> torch.Tensor:
     """The layer's sparse MoE block on x [T, H] → [T, H] (with peft's expert LoRA when wrapped; for
-    Qwen2-MoE the routed experts plus the gated shared expert, with its LoRA)."""
+    Qwen2-MoE the routed experts plus the gated shared expert, with its LoRA; DeepSeek-V3's dense
+    layers: the dense MLP)."""
     out = layer.mlp(x[None])
     if isinstance(out, tuple):  # GptOssMLP returns (hidden_states, router_scores)
         out = out[0]
@@ -58,11 +59,17 @@ def hf_moe(layer, x: torch.Tensor) -> torch.Tensor:
 def dense_module(layer, module: str):
     """The transformers (or peft-wrapped) module of moelora dense module ``module``: the attention
     projection ``self_attn.<m>_proj`` for "q", "k", "v", "o", the shared expert's
-    ``mlp.shared_expert.<leaf>`` for "shared_gate", "shared_up", "shared_down" (Qwen2-MoE)."""
-    from moelora_core.checkpoint.families import SHARED_EXPERT_LEAVES
+    ``mlp.shared_expert.<leaf>`` for "shared_gate", "shared_up", "shared_down" (Qwen2-MoE;
+    DeepSeek-V3 ``mlp.shared_experts``), DeepSeek-V3's MLA projections and dense MLP (``mlp.<leaf>``)."""
+    from moelora_core.checkpoint.families import DENSE_MLP_LEAVES, MLA_LEAVES, SHARED_EXPERT_LEAVES
 
     if module in SHARED_EXPERT_LEAVES:
-        return getattr(layer.mlp.shared_expert, SHARED_EXPERT_LEAVES[module])
+        block = layer.mlp.shared_experts if hasattr(layer.mlp, "shared_experts") else layer.mlp.shared_expert
+        return getattr(block, SHARED_EXPERT_LEAVES[module])
+    if module in DENSE_MLP_LEAVES:  # DeepSeek-V3's dense first-layer MLP
+        return getattr(layer.mlp, DENSE_MLP_LEAVES[module])
+    if hasattr(layer.self_attn, "kv_b_proj"):  # DeepSeek-V3's MLA
+        return getattr(layer.self_attn, MLA_LEAVES[module])
     return getattr(layer.self_attn, f"{module}_proj")
 
 

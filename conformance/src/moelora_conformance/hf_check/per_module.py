@@ -49,7 +49,8 @@ def _expert_delta(a: torch.Tensor, b: torch.Tensor, r: int, e: int, packed: bool
 
 def merged_reference_model(base_model, adapter_dir: Path):
     """A deep copy of ``base_model`` (a plain transformers model) with the adapter's per-module
-    deltas merged into the expert stacks and attention projections.
+    deltas merged into the expert stacks and attention projections (DeepSeek-V3: MLA projections,
+    shared experts and the dense MLP too).
 
     Raises:
         AssertionError: a key this reference does not understand (it only serves the legacy
@@ -63,7 +64,7 @@ def merged_reference_model(base_model, adapter_dir: Path):
     state = load_file(str(adapter_dir / "adapter_model.safetensors"))
     model = copy.deepcopy(base_model)
     layers = list(model.model.layers)
-    inter = _unwrap(layers[0].mlp.experts).down_proj.shape[-1]
+    inter = next(_unwrap(la.mlp.experts).down_proj.shape[-1] for la in layers if hasattr(la.mlp, "experts"))
     expert_re = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)\.lora_A\.weight")
     packed_re = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj"
                            r"\.lora_A\.weight")
@@ -71,6 +72,9 @@ def merged_reference_model(base_model, adapter_dir: Path):
     params = [p.rsplit(".", 1)[-1] for p in config.get("target_parameters") or []]
     both = {"gate_up_proj", "down_proj"} <= set(params)
     dense_re = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.self_attn\.(\w+)\.lora_A\.weight")
+    # DeepSeek-V3: the shared experts and the dense first-layer MLP (plain nn.Linear modules)
+    mlp_re = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.mlp\.(shared_experts\.)?(gate|up|down)_proj"
+                        r"\.lora_A\.weight")
     with torch.no_grad():
         for key in sorted(state):
             if not key.endswith("lora_A.weight"):
@@ -101,6 +105,9 @@ def merged_reference_model(base_model, adapter_dir: Path):
                     raise AssertionError(f"unknown expert leaf in {key}")
             elif m := dense_re.fullmatch(key):
                 target = _unwrap(getattr(layers[int(m[1])].self_attn, m[2])).weight
+            elif m := mlp_re.fullmatch(key):
+                mlp = layers[int(m[1])].mlp
+                target = _unwrap(getattr(mlp.shared_experts if m[2] else mlp, f"{m[3]}_proj")).weight
             else:
                 raise AssertionError(f"the per-module reference does not understand {key}")
             target.copy_((target.double() + delta).to(target.dtype))

@@ -58,8 +58,18 @@ def _hf_side(layer):
 
 def _dense(disk, cfg) -> dict:
     """The dense weights [out, in] of a read layer, every dense module of the model (attention and,
-    for Qwen2-MoE, the shared expert's projections)."""
-    return {m: disk.dense(m) for m in cfg.dense_shapes}
+    for Qwen2-MoE, the shared expert's projections; DeepSeek-V3: MLA and this layer's shared
+    experts or dense MLP)."""
+    if cfg.mla is None:
+        return {m: disk.dense(m) for m in cfg.dense_shapes}
+    mlp = _mlp(disk)
+    return {m: disk.dense(m) for m in cfg.dense_shapes
+            if not m.startswith(("shared_", "dense_")) or m in mlp.modules}
+
+
+def _mlp(disk):
+    """The read layer's shared expert, or DeepSeek-V3's dense MLP on a dense layer (None for neither)."""
+    return disk.shared_expert if disk.shared_expert is not None else disk.dense_mlp
 
 
 def _bias(disk) -> dict:
@@ -79,11 +89,10 @@ def check_model_base(fixtures: FixtureSet, model: str) -> list[CheckRow]:
     with MoECheckpoint(fixtures.model_dir(model)) as ckpt:
         cfg = ckpt.config
         for li, layer in enumerate(hf_model.decoder_layers(hf)):
-            moe, dense, shared, biases = base_from_hf(layer, norm_topk_prob=cfg.norm_topk_prob)
+            moe, dense, shared, biases = base_from_hf(layer, norm_topk_prob=cfg.norm_topk_prob, routing=cfg.routing)
             disk = ckpt.layer(li)
             for source, (m, d, se, b) in (("hf-memory", (moe, dense, shared, biases)),
-                                          ("readers", (disk.moe, _dense(disk, cfg), disk.shared_expert,
-                                                       _bias(disk)))):
+                                          ("readers", (disk.moe, _dense(disk, cfg), _mlp(disk), _bias(disk)))):
                 rows += compare_layer(model=model, adapter=BASE, source=source, layer=li, moe=m, dense=d, pool=None,
                                       top_k=cfg.top_k, seed=_seed(model, li), shared=se, dense_bias=b,
                                       **_hf_side(layer))
@@ -119,7 +128,7 @@ def check_adapter(fixtures: FixtureSet, adapter: str) -> list[CheckRow]:
         # hf-memory: weights from the transformers / peft modules.
         mem_pools = _pools(cfg, cfg.num_layers, max_rank)
         for li, layer in enumerate(hf_layers):
-            moe, dense, shared, biases = base_from_hf(layer, norm_topk_prob=cfg.norm_topk_prob)
+            moe, dense, shared, biases = base_from_hf(layer, norm_topk_prob=cfg.norm_topk_prob, routing=cfg.routing)
             mem_pools[li].load_slot(SLOT, lora_from_peft(layer, intermediate=cfg.moe_intermediate_size))
             rows += compare_layer(model=model, adapter=adapter, source="hf-memory", layer=li, moe=moe, dense=dense,
                                   pool=mem_pools[li], top_k=cfg.top_k, seed=_seed(adapter, li), shared=shared,
@@ -134,7 +143,7 @@ def check_adapter(fixtures: FixtureSet, adapter: str) -> list[CheckRow]:
             disk = disk_layers[li]
             rows += compare_layer(model=model, adapter=adapter, source="readers", layer=li, moe=disk.moe,
                                   dense=_dense(disk, cfg), pool=pools[li], top_k=cfg.top_k, seed=_seed(adapter, li),
-                                  shared=disk.shared_expert, dense_bias=_bias(disk), **_hf_side(layer),
+                                  shared=_mlp(disk), dense_bias=_bias(disk), **_hf_side(layer),
                                   expect="diverge" if divergent else "equal")
             if divergent:
                 # peft's σ on the fused gate_up: 2α/√(2r) = √2 · α/√r.
@@ -142,7 +151,7 @@ def check_adapter(fixtures: FixtureSet, adapter: str) -> list[CheckRow]:
                 pools[li].module_scalings[gate_up, SLOT] *= math.sqrt(2.0)
                 rows += compare_layer(model=model, adapter=adapter, source="readers σ·√2", layer=li, moe=disk.moe,
                                       dense={}, pool=pools[li], top_k=cfg.top_k, seed=_seed(adapter, li),
-                                      shared=disk.shared_expert, **_hf_side(layer))
+                                      shared=_mlp(disk), **_hf_side(layer))
                 pools[li].module_scalings[gate_up, SLOT] /= math.sqrt(2.0)
         base_layers = hf_model.decoder_layers(hf_model.load_hf(model_dir))
         lora_layers = hf_layers
@@ -163,7 +172,7 @@ def _per_module_rows(model: str, adapter: str, cfg, disk_layers: list, pools: li
         disk = disk_layers[li]
         rows += compare_layer(model=model, adapter=adapter, source="per-module", layer=li, moe=disk.moe,
                               dense=_dense(disk, cfg), pool=pools[li], top_k=cfg.top_k, seed=_seed(adapter, li),
-                              shared=disk.shared_expert, dense_bias=_bias(disk), **_hf_side(layer))
+                              shared=_mlp(disk), dense_bias=_bias(disk), **_hf_side(layer))
     return rows
 
 
@@ -176,7 +185,7 @@ def _backend_rows(model: str, adapter: str, cfg, disk_layers: list, pools: list,
     rows: list[CheckRow] = []
     for li, disk in enumerate(disk_layers):
         rows += compare_backend_layer(model=model, adapter=adapter, layer=li, moe=disk.moe, dense=_dense(disk, cfg),
-                                      shared=disk.shared_expert, dense_bias=_bias(disk), pool=pools[li],
+                                      shared=_mlp(disk), dense_bias=_bias(disk), pool=pools[li],
                                       lora_side=_hf_side(lora_layers[li]), base_side=_hf_side(base_layers[li]),
                                       seed=_seed(adapter, "backend", li))
     return rows

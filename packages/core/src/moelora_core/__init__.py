@@ -44,13 +44,16 @@ from moelora_core.forward_mode import ForwardMode
 from moelora_core.layer_spec import (
     ALL_MODULES,
     DENSE_LORA_MODULES,
+    DENSE_MLP_MODULES,
     DENSE_MODULES,
     EXPERT_FACTORS,
     EXPERT_LAYOUTS,
+    MLA_MODULES,
     MOE_MODULES,
     SHARED_EXPERT_MODULES,
     LoRALayerSpec,
 )
+from moelora_core.routing import GroupLimitedRouting
 from moelora_core.sentinels import EXPERT_NOT_HERE, NO_ADAPTER, NO_EXPERT_BLOCK, padding_row
 from moelora_core.shared_expert import SharedExpertWeights, shared_expert_forward
 from moelora_core.staging import PinnedStaging
@@ -76,12 +79,14 @@ __all__ = [
     "BUILTIN_BACKENDS",
     "DEFAULT_POLICY",
     "DENSE_LORA_MODULES",
+    "DENSE_MLP_MODULES",
     "DENSE_MODULES",
     "EXPERT_FACTORS",
     "EXPERT_LAYOUTS",
     "EXPERT_NOT_HERE",
     "GRAPH_FAMILIES",
     "LOGPROB_COMPARISONS",
+    "MLA_MODULES",
     "MOE_MODULES",
     "NO_ADAPTER",
     "NO_EXPERT_BLOCK",
@@ -98,6 +103,7 @@ __all__ = [
     "Fallback",
     "ForwardMode",
     "GraphCapacity",
+    "GroupLimitedRouting",
     "HostSyncError",
     "InvalidFieldError",
     "KernelPreconditionError",

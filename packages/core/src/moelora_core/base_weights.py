@@ -14,6 +14,7 @@ import torch
 from moelora_core.errors import InvalidFieldError
 from moelora_core.fp8_block import FP8_DTYPE, check_block, gate_up_scale_rows, scale_grid
 from moelora_core.moe_activation import SILU, MoEActivation
+from moelora_core.routing import GroupLimitedRouting
 
 
 @dataclass
@@ -38,6 +39,10 @@ class MoEBaseWeights:
         w_gate_up_scale_inv: [E_base, 2·⌈I/bn⌉, ⌈H/bk⌉] fp32: gate's blocks (rows [:⌈I/bn⌉]) then
             up's, each half on its own grid (``moelora_core.fp8_block.gate_up_scale_rows``).
         w_down_scale_inv: [E_base, ⌈H/bn⌉, ⌈I/bk⌉] fp32.
+        routing: DeepSeek-V3's group-limited sigmoid routing, or None for softmax top-k
+            (:mod:`moelora_core.routing`; computed by ``moelora_reference.routing.route``).
+        router_correction_bias: [E] DeepSeek-V3's ``e_score_correction_bias`` (selection only), or
+            None; only with ``routing``.
 
     Raises:
         InvalidFieldError: inconsistent shapes.
@@ -55,6 +60,8 @@ class MoEBaseWeights:
     weight_block: tuple[int, int] | None = None
     w_gate_up_scale_inv: torch.Tensor | None = None
     w_down_scale_inv: torch.Tensor | None = None
+    routing: GroupLimitedRouting | None = None
+    router_correction_bias: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.w_gate_up.dim() != 3 or self.w_gate_up.shape[1] % 2:
@@ -69,11 +76,14 @@ class MoEBaseWeights:
         if self.router is not None and tuple(self.router.shape) != (self.num_experts, h):
             raise InvalidFieldError("router", f"expected {(self.num_experts, h)}, got {tuple(self.router.shape)}")
         for name, shape in (("b_gate_up", (e_base, two_i)), ("b_down", (e_base, h)),
-                            ("router_bias", (self.num_experts,))):
+                            ("router_bias", (self.num_experts,)),
+                            ("router_correction_bias", (self.num_experts,))):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != shape:
                 raise InvalidFieldError(name, f"expected {shape}, got {tuple(value.shape)}")
         self._check_fp8(e_base, two_i // 2, h)
+        if self.router_correction_bias is not None and self.routing is None:
+            raise InvalidFieldError("router_correction_bias", "only group-limited routing has a correction bias")
 
     def _check_fp8(self, e_base: int, inter: int, h: int) -> None:
         fp8 = [n for n in ("w_gate_up", "w_down") if getattr(self, n).dtype == FP8_DTYPE]

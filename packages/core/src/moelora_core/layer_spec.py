@@ -19,8 +19,15 @@ DENSE_MODULES: tuple[str, ...] = ("q", "k", "v", "o")
 #: modules like the attention projections (one weight for every token, LoRA through
 #: ``Backend.dense_delta``), present in a spec only for a model that has a shared expert (DESIGN.md §1).
 SHARED_EXPERT_MODULES: tuple[str, ...] = ("shared_gate", "shared_up", "shared_down")
+#: DeepSeek-V3's MLA projections beside "q" (``q_proj`` when ``q_lora_rank`` is null) and "o":
+#: ``q_a_proj`` / ``q_b_proj`` (the query's low-rank pair) and ``kv_a_proj_with_mqa`` / ``kv_b_proj``
+#: (DESIGN.md §1). Dense modules: LoRA through ``Backend.dense_delta``.
+MLA_MODULES: tuple[str, ...] = ("q_a", "q_b", "kv_a", "kv_b")
+#: The dense SwiGLU MLP of DeepSeek-V3's first ``first_k_dense_replace`` layers (``mlp.gate_proj`` /
+#: ``up_proj`` / ``down_proj`` of a layer without experts).
+DENSE_MLP_MODULES: tuple[str, ...] = ("dense_gate", "dense_up", "dense_down")
 #: Every dense module a spec's ``dense_shapes`` may hold.
-DENSE_LORA_MODULES: tuple[str, ...] = DENSE_MODULES + SHARED_EXPERT_MODULES
+DENSE_LORA_MODULES: tuple[str, ...] = DENSE_MODULES + SHARED_EXPERT_MODULES + MLA_MODULES + DENSE_MLP_MODULES
 #: Every module a ``LoRAWeights`` can hold, in the order of its per-module rank/σ tables (new
 #: modules go last: kernels address the MoE rows by index).
 ALL_MODULES: tuple[str, ...] = MOE_MODULES + DENSE_LORA_MODULES

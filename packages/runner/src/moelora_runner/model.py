@@ -15,6 +15,7 @@ Per decoder layer (as transformers 5.17 computes it; x rows are the step's token
     h = h + o
     m = rms_norm(h, post_attention_layernorm)
     topk_weights, topk_ids = route_topk(m W_routerᵀ (+ b_router), top_k, norm_topk_prob)   (fp32 softmax → top-k)
+               (DeepSeek-V3: route_grouped_sigmoid of the fp32 logits, correction bias, groups, scaling factor)
                (GPT-OSS: router bias, expert biases and swiglu_oai in the base MoE path; DESIGN.md §1)
     h = h + moe_layer_forward(base path, m, topk_ids, topk_weights, base, backend, pool, info)
     Qwen2-MoE: h += shared_expert_forward(m, shared, dense path)   (sigmoid-gated SwiGLU; its gate / up /
@@ -58,6 +59,7 @@ from moelora_core.sentinels import EXPERT_NOT_HERE
 from moelora_core.shared_expert import shared_expert_forward
 from moelora_core.weights import LoRAWeights
 from moelora_reference.base_moe import route_topk
+from moelora_reference.routing import route_grouped_sigmoid
 from moelora_runner.attention import paged_attention, write_kv
 from moelora_runner.forward_batch import ForwardBatch
 from moelora_runner.kv_cache import KVCache
@@ -182,6 +184,15 @@ class DecoderLayer:
         q, k = rope.apply(q, k, fb.positions)
         return q, k, v
 
+    def route(self, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_weights [T, k] fp32, topk_ids [T, k] int32) of the normed hidden states m [T, H] by the
+        whole router (DESIGN.md §1; DeepSeek-V3's in fp32 as ``DeepseekV3TopkRouter``)."""
+        c = self.config
+        if self.moe.routing is None:
+            return route_topk(F.linear(m, self.router, self.router_bias), c.top_k, c.norm_topk_prob)
+        return route_grouped_sigmoid(F.linear(m.to(F32), self.router.to(F32)), self.moe.router_correction_bias,
+                                     c.top_k, self.moe.routing, c.norm_topk_prob)
+
     def post_attention(self, attn: torch.Tensor, h: torch.Tensor, fb: ForwardBatch, lora: LoRAContext,
                        moe_path: BaseMoEPath) -> torch.Tensor:
         """The layer's output hidden states [T, H] from the attention output [T, nh·d] and its input h."""
@@ -191,7 +202,7 @@ class DecoderLayer:
             self.comm.all_reduce_(o)  # row-parallel o: base and LoRA partials summed together
         h = h + o
         m = rms_norm(h, self.w.post_attention_layernorm, c.rms_norm_eps)
-        topk_weights, topk_ids = route_topk(F.linear(m, self.router, self.router_bias), c.top_k, c.norm_topk_prob)
+        topk_weights, topk_ids = self.route(m)
         if par.ep > 1:
             topk_ids = local_expert_ids(topk_ids, *self.experts)
         y = moe_layer_forward(moe_path, m, topk_ids, topk_weights, self.moe, lora.backend,
@@ -248,7 +259,10 @@ class MoEDecoder:
                                  router=None if self.parallel.parallel else router,
                                  num_experts=lw.moe.num_experts, norm_topk_prob=lw.moe.norm_topk_prob,
                                  b_gate_up=to(lw.moe.b_gate_up), b_down=to(lw.moe.b_down),
-                                 router_bias=to(lw.moe.router_bias), activation=lw.moe.activation)
+                                 router_bias=to(lw.moe.router_bias), activation=lw.moe.activation,
+                                 routing=lw.moe.routing, router_correction_bias=None
+                                 if lw.moe.router_correction_bias is None
+                                 else lw.moe.router_correction_bias.to(device=device, dtype=F32))
             moved = DecoderLayerWeights(q_proj=to(lw.q_proj), k_proj=to(lw.k_proj), v_proj=to(lw.v_proj),
                                         o_proj=to(lw.o_proj), q_norm=to(lw.q_norm), k_norm=to(lw.k_norm),
                                         input_layernorm=to(lw.input_layernorm),

@@ -2,7 +2,8 @@
 length, the eos tokens, the attention window and the RoPE type, from ``config.json`` (and
 ``generation_config.json`` for eos, as ``transformers``' ``generate`` reads it).
 
-Refused here, before any weight is read: a RoPE type other than "default" (scaled RoPE variants
+Refused here, before any weight is read: DeepSeek-V3 (MLA attention is not in the engine yet); a
+RoPE type other than "default" (scaled RoPE variants
 change the position encoding; the engine would serve wrong logits); a Qwen2-MoE with
 ``use_sliding_window`` (its window applies to some layers only, by ``layer_types``).
 
@@ -61,6 +62,10 @@ class ModelInfo:
         """
         model_dir = Path(model_dir)
         config = read_model_config(model_dir)
+        if config.mla is not None:
+            raise UnsupportedModelError(model_dir, "config.json model_type", "DeepSeek-V3's MLA attention is not "
+                                        "served by the engine yet (the readers, hf-check and checkpoint-pass read "
+                                        "it)", found=repr(config.model_type))
         raw = json.loads((model_dir / "config.json").read_text())
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"

@@ -21,6 +21,13 @@ model.layers.l.mlp.shared_expert.{gate,up,down}_proj.lora  Qwen2-MoE shared expe
                                                            shared_down, A [r, in], B [out, r]
 =========================================================  =========================================
 
+DeepSeek-V3 (DESIGN.md §1): ``self_attn.{q_proj | q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj,
+o_proj}`` (dense modules q, q_a, q_b, kv_a, kv_b, o), the ungated shared experts
+``mlp.shared_experts.{gate,up,down}_proj`` (shared_gate / shared_up / shared_down) on the MoE layers
+and the dense MLP ``mlp.{gate,up,down}_proj`` (dense_gate / dense_up / dense_down) on layers
+``l < first_k_dense_replace``; expert keys on a dense layer, or dense-MLP keys on an MoE layer, name
+no module of the model (``UnmatchedKeysError``).
+
 LoRA on Qwen2-MoE's sigmoid gate ``mlp.shared_expert_gate`` is a real module moelora does not serve
 (``UnsupportedTargetError``).
 
@@ -53,6 +60,7 @@ from moelora_core.checkpoint.errors import (
 )
 from moelora_core.checkpoint.families import (
     ALL_EXPERT_LEAVES,
+    DENSE_MLP_LEAVES,
     FAMILIES,
     SHARED_EXPERT_BLOCK,
     SHARED_EXPERT_GATE,
@@ -78,7 +86,8 @@ class LoraKey:
         key: the key as stored.
         layer: decoder layer index.
         kind: "dense", "fused", "packed" (3-D expert tensors) or "expert".
-        target: dense: "q"/"k"/"v"/"o" or "shared_gate"/"shared_up"/"shared_down"; fused:
+        target: dense: "q"/"k"/"v"/"o" or "shared_gate"/"shared_up"/"shared_down" (DeepSeek-V3 also
+            "q_a"/"q_b"/"kv_a"/"kv_b" and "dense_gate"/"dense_up"/"dense_down"); fused:
             "outer"/"inner" (ParamWrapper nesting); packed: "gate_up"/"down"; expert:
             "gate"/"up"/"down".
         factor: "A" or "B".
@@ -116,6 +125,8 @@ def _model_modules(model: MoEModelConfig) -> set[str]:
     """Module paths of the transformers model (per-expert and fused names alike)."""
     fam = model.family
     mods = {"model", "model.embed_tokens", "model.norm", "lm_head", "model.layers", "model.rotary_emb"}
+    if model.mla is not None:
+        return mods | _deepseek_modules(model)
     for layer in range(model.num_layers):
         p = f"model.layers.{layer}"
         mods |= {p, f"{p}.self_attn", f"{p}.input_layernorm", f"{p}.post_attention_layernorm"}
@@ -131,6 +142,28 @@ def _model_modules(model: MoEModelConfig) -> set[str]:
             shared = f"{p}.mlp.{SHARED_EXPERT_BLOCK}"
             mods |= {shared, f"{p}.mlp.{SHARED_EXPERT_GATE}"}
             mods |= {f"{shared}.{leaf}" for leaf in SHARED_EXPERT_LEAVES.values()}
+    return mods
+
+
+def _deepseek_modules(model: MoEModelConfig) -> set[str]:
+    """Module paths of a DeepSeek-V3 model's decoder layers (MLA, dense MLP or MoE block)."""
+    fam = model.family
+    att = {leaf for m, leaf in fam.attention_leaves().items() if m in model.dense_shapes}
+    mods: set[str] = set()
+    for layer in range(model.num_layers):
+        p = f"model.layers.{layer}"
+        mods |= {p, f"{p}.self_attn", f"{p}.input_layernorm", f"{p}.post_attention_layernorm", f"{p}.mlp",
+                 f"{p}.self_attn.kv_a_layernorm"}
+        mods |= {f"{p}.self_attn.{leaf}" for leaf in att}
+        if model.mla.q_lora_rank is not None:
+            mods.add(f"{p}.self_attn.q_a_layernorm")
+        if not model.is_moe_layer(layer):
+            mods |= {f"{p}.mlp.{leaf}" for leaf in DENSE_MLP_LEAVES.values()}
+            continue
+        mods |= {f"{p}.mlp.gate", f"{p}.mlp.experts", f"{p}.mlp.{fam.shared_block}"}
+        mods |= {f"{p}.mlp.{fam.shared_block}.{leaf}" for leaf in SHARED_EXPERT_LEAVES.values()}
+        for e in range(model.num_experts):
+            mods |= {f"{p}.mlp.experts.{e}"} | {f"{p}.mlp.experts.{e}.{leaf}" for leaf in fam.expert_leaves}
     return mods
 
 
@@ -157,13 +190,17 @@ def classify_keys(keys: list[str], model: MoEModelConfig, adapter: str) -> list[
     """
     fam = model.family
     blocks, leaves = _alt(fam.expert_blocks), _alt(fam.expert_leaves)
-    dense_re = re.compile(rf"model\.layers\.{_IDX}\.self_attn\.([qkvo])_proj\.lora_([AB])\.weight")
+    attention = {leaf: m for m, leaf in fam.attention_leaves().items() if m in model.dense_shapes}
+    dense_re = re.compile(rf"model\.layers\.{_IDX}\.self_attn\.({_alt(attention)})\.lora_([AB])\.weight")
+    dense_mlp = {leaf: m for m, leaf in DENSE_MLP_LEAVES.items()}
+    dense_mlp_re = re.compile(rf"model\.layers\.{_IDX}\.mlp\.({_alt(dense_mlp)})\.lora_([AB])\.weight") \
+        if fam.dense_layers else None
     fused_re = re.compile(rf"model\.layers\.{_IDX}\.({blocks})\.experts\.(base_layer\.)?lora_([AB])\.weight")
     packed_re = re.compile(rf"model\.layers\.{_IDX}\.({blocks})\.experts\.(gate_up|down)_proj\.lora_([AB])\.weight")
     expert_re = re.compile(
         rf"model\.layers\.{_IDX}\.({blocks})\.experts\.{_IDX}\.({leaves})\.lora_([AB])\.weight")
     shared_module = {leaf: module for module, leaf in SHARED_EXPERT_LEAVES.items()}
-    shared_re = re.compile(rf"model\.layers\.{_IDX}\.mlp\.{SHARED_EXPERT_BLOCK}\.({_alt(shared_module)})"
+    shared_re = re.compile(rf"model\.layers\.{_IDX}\.mlp\.{fam.shared_block}\.({_alt(shared_module)})"
                            rf"\.lora_([AB])\.weight") if fam.shared_expert else None
     foreign_blocks = {b for f in FAMILIES.values() for b in f.expert_blocks} - set(fam.expert_blocks)
     foreign_leaves = ALL_EXPERT_LEAVES - set(fam.expert_leaves)
@@ -205,9 +242,12 @@ def classify_keys(keys: list[str], model: MoEModelConfig, adapter: str) -> list[
             refuse("adapter_name", key)
             continue
         if m := dense_re.fullmatch(rest):
-            layer, target, factor = int(m[1]), m[2], m[3]
-            path = f"model.layers.{layer}.self_attn.{target}_proj"
-            rec = LoraKey(key, layer, "dense", target, factor, "", None, path)
+            layer, leaf, factor = int(m[1]), m[2], m[3]
+            path = f"model.layers.{layer}.self_attn.{leaf}"
+            rec = LoraKey(key, layer, "dense", attention[leaf], factor, "", None, path)
+        elif dense_mlp_re is not None and (m := dense_mlp_re.fullmatch(rest)):
+            layer, leaf, factor = int(m[1]), m[2], m[3]
+            rec = LoraKey(key, layer, "dense", dense_mlp[leaf], factor, "", None, f"model.layers.{layer}.mlp.{leaf}")
         elif m := fused_re.fullmatch(rest):
             layer, block = int(m[1]), m[2]
             rec = LoraKey(key, layer, "fused", "inner" if m[3] else "outer", m[4], block, None,
@@ -219,7 +259,7 @@ def classify_keys(keys: list[str], model: MoEModelConfig, adapter: str) -> list[
         elif shared_re is not None and (m := shared_re.fullmatch(rest)):
             layer, leaf, factor = int(m[1]), m[2], m[3]
             rec = LoraKey(key, layer, "dense", shared_module[leaf], factor, "", None,
-                          f"model.layers.{layer}.mlp.{SHARED_EXPERT_BLOCK}.{leaf}")
+                          f"model.layers.{layer}.mlp.{fam.shared_block}.{leaf}")
         elif m := expert_re.fullmatch(rest):
             layer, block, expert, leaf = int(m[1]), m[2], int(m[3]), m[4]
             rec = LoraKey(key, layer, "expert", fam.expert_module(leaf), m[5], block, expert,
@@ -238,6 +278,11 @@ def classify_keys(keys: list[str], model: MoEModelConfig, adapter: str) -> list[
             continue
         if rec.layer >= model.num_layers or (rec.expert is not None and rec.expert >= model.num_experts):
             refuse("other_model", key)
+            continue
+        moe_part = rec.kind != "dense" or rec.target.startswith("shared_")
+        if fam.dense_layers and ((moe_part and not model.is_moe_layer(rec.layer))
+                                 or (rec.target.startswith("dense_") and model.is_moe_layer(rec.layer))):
+            refuse("unmatched", key)  # experts / shared experts on a dense layer, a dense MLP on an MoE layer
             continue
         found.append(rec)
 

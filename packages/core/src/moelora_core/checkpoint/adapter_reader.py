@@ -64,7 +64,7 @@ from moelora_core.checkpoint.errors import (
     ShapeMismatchError,
 )
 from moelora_core.checkpoint.expert_layout import StageCounts, detect_expert_layout, expert_count
-from moelora_core.checkpoint.families import ALL_EXPERT_LEAVES, DENSE_LEAVES
+from moelora_core.checkpoint.families import ALL_EXPERT_LEAVES
 from moelora_core.checkpoint.model_config import MoEModelConfig
 from moelora_core.checkpoint.peft_config import PeftAdapterConfig, read_adapter_config
 from moelora_core.checkpoint.peft_targets import refuse_untargeted, targets_module
@@ -281,7 +281,9 @@ def _check_model_dims(plans: list[_Plan], src: TensorSource, model: MoEModelConf
             if len(a) != 2 or len(b) != 2:
                 continue
             if plan.kind == "dense":  # o and the shared expert's down project onto H; the rest read H
-                hidden.append(b[0] if plan.module in ("o", "shared_down") else a[1])
+                if plan.module in ("q_b", "kv_b"):  # MLA: read the low-rank latents, write per-head widths
+                    continue
+                hidden.append(b[0] if plan.module in ("o", "shared_down", "dense_down") else a[1])
             elif plan.module in ("gate", "up", "gate_up"):
                 hidden.append(a[1])
                 inter.append(b[0] // 2 if plan.kind == "gate_up" else b[0])
@@ -409,7 +411,7 @@ def read_adapter(
     fam = model.family
     cfg = read_adapter_config(
         directory, name=name,
-        supported_leaves=frozenset(DENSE_LEAVES.values()) | frozenset(fam.expert_leaves),
+        supported_leaves=frozenset(fam.attention_leaves().values()) | frozenset(fam.expert_leaves),
         foreign_leaves=ALL_EXPERT_LEAVES - frozenset(fam.expert_leaves),
         architecture=model.architecture,
         expert_blocks=fam.expert_blocks,

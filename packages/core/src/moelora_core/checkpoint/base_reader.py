@@ -12,7 +12,12 @@ Formats read (transformers 5.17; see :mod:`moelora_core.checkpoint.families`):
   ``mlp.router.weight`` / ``.bias``, q/k/v/o biases and ``self_attn.sinks`` [heads]; converted to
   the halves layout with the biases in ``MoEBaseWeights``;
 - Qwen2-MoE's shared expert beside either form: ``mlp.shared_expert.{gate,up,down}_proj.weight``
-  ([Is, H], [Is, H], [H, Is]) and its sigmoid gate ``mlp.shared_expert_gate.weight`` [1, H].
+  ([Is, H], [Is, H], [H, Is]) and its sigmoid gate ``mlp.shared_expert_gate.weight`` [1, H];
+- DeepSeek-V3 (DESIGN.md §1): MLA ``self_attn.q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj`` (or
+  ``q_proj``), ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``; on layers
+  ``l < first_k_dense_replace`` a dense MLP ``mlp.{gate,up,down}_proj`` and no experts; on the others
+  the experts (either form), the router ``mlp.gate.weight`` with its ``e_score_correction_bias`` [E],
+  and the ungated shared experts ``mlp.shared_experts.{gate,up,down}_proj``.
 
 The orientation comes from the format, never from the shapes: a tensor whose shape is not exactly
 the one the config implies is refused (with H != 2I a transposed expert stack fails loudly; with
@@ -39,10 +44,10 @@ from moelora_core.checkpoint.errors import (
 )
 from moelora_core.checkpoint.gpt_oss import gpt_oss_experts
 from moelora_core.checkpoint.key_names import describe_non_canonical, non_canonical
-from moelora_core.checkpoint.layout import DecoderLayerWeights, ModelWeights
+from moelora_core.checkpoint.layout import DecoderLayerWeights, MLAWeights, ModelWeights
 from moelora_core.checkpoint.model_config import MoEModelConfig, read_model_config
 from moelora_core.checkpoint.tensor_source import TensorSource
-from moelora_core.shared_expert import SharedExpertWeights
+from moelora_core.shared_expert import SharedExpertWeights, dense_mlp
 
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
@@ -116,6 +121,9 @@ class MoECheckpoint:
             self._expect("lm_head.weight", (c.vocab_size, H))
         for layer in range(c.num_layers):
             p = f"model.layers.{layer}"
+            if c.mla is not None:
+                self._plan_deepseek_layer(layer)
+                continue
             for module, leaf in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj")):
                 fin, fout = dense[module]
                 self._expect(f"{p}.self_attn.{leaf}.weight", (fout, fin))
@@ -160,6 +168,59 @@ class MoECheckpoint:
                 "(biases, shared experts, extra layers?)",
             )
 
+    def _plan_deepseek_layer(self, layer: int) -> None:
+        c = self.config
+        H, I, E = c.hidden_size, c.moe_intermediate_size, c.num_experts  # noqa: E741
+        p = f"model.layers.{layer}"
+        for key, shape in self._mla_keys(layer).values():
+            self._expect(key, shape)
+        self._expect(f"{p}.input_layernorm.weight", (H,))
+        self._expect(f"{p}.post_attention_layernorm.weight", (H,))
+        if not c.is_moe_layer(layer):
+            self.expert_format.append("dense")
+            for key, shape in self._mlp_keys(f"{p}.mlp", c.dense_intermediate_size).values():
+                self._expect(key, shape)
+            return
+        _, form = self._moe_block(layer)
+        self.expert_format.append(form)
+        self._expect(f"{p}.mlp.gate.weight", (E, H))
+        self._expect(f"{p}.mlp.gate.e_score_correction_bias", (E,))
+        if form == "fused":
+            self._expect(f"{p}.mlp.experts.gate_up_proj", (E, 2 * I, H))
+            self._expect(f"{p}.mlp.experts.down_proj", (E, H, I))
+        else:
+            for e in range(E):
+                self._expect(f"{p}.mlp.experts.{e}.gate_proj.weight", (I, H))
+                self._expect(f"{p}.mlp.experts.{e}.up_proj.weight", (I, H))
+                self._expect(f"{p}.mlp.experts.{e}.down_proj.weight", (H, I))
+        for key, shape in self._mlp_keys(f"{p}.mlp.shared_experts", c.shared_expert_intermediate_size).values():
+            self._expect(key, shape)
+
+    def _mla_keys(self, layer: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """MLAWeights field (and "o_proj") → (key, shape) of ``layer``'s MLA attention (DeepSeek-V3)."""
+        c, m = self.config, self.config.mla
+        shapes = c.dense_shapes
+        a = f"model.layers.{layer}.self_attn"
+        keys: dict[str, tuple[str, tuple[int, ...]]] = {}
+        if m.q_lora_rank is None:
+            keys["q_proj"] = (f"{a}.q_proj.weight", shapes["q"][::-1])
+        else:
+            keys["q_a_proj"] = (f"{a}.q_a_proj.weight", shapes["q_a"][::-1])
+            keys["q_a_layernorm"] = (f"{a}.q_a_layernorm.weight", (m.q_lora_rank,))
+            keys["q_b_proj"] = (f"{a}.q_b_proj.weight", shapes["q_b"][::-1])
+        keys["kv_a_proj"] = (f"{a}.kv_a_proj_with_mqa.weight", shapes["kv_a"][::-1])
+        keys["kv_a_layernorm"] = (f"{a}.kv_a_layernorm.weight", (m.kv_lora_rank,))
+        keys["kv_b_proj"] = (f"{a}.kv_b_proj.weight", shapes["kv_b"][::-1])
+        keys["o_proj"] = (f"{a}.o_proj.weight", shapes["o"][::-1])
+        return keys
+
+    def _mlp_keys(self, prefix: str, width: int) -> dict[str, tuple[str, tuple[int, int]]]:
+        """SharedExpertWeights field → (key, shape) of an ungated SwiGLU MLP under ``prefix``."""
+        H = self.config.hidden_size
+        return {"gate_proj": (f"{prefix}.gate_proj.weight", (width, H)),
+                "up_proj": (f"{prefix}.up_proj.weight", (width, H)),
+                "down_proj": (f"{prefix}.down_proj.weight", (H, width))}
+
     def _shared_keys(self, layer: int) -> dict[str, tuple[str, tuple[int, int]]]:
         """SharedExpertWeights field → (key, shape) of ``layer``'s shared expert (Qwen2-MoE)."""
         c = self.config
@@ -179,16 +240,18 @@ class MoECheckpoint:
         t = self._src.get(key)
         return t if self.dtype is None else t.to(self.dtype)
 
-    def moe(self, layer: int) -> MoEBaseWeights:
+    def moe(self, layer: int) -> MoEBaseWeights | None:
         """Layer ``layer``'s MoE block: w_gate_up [E, 2I, H] (gate rows first), w_down [E, H, I],
         router [E, H]; GPT-OSS also b_gate_up [E, 2I] (halves), b_down [E, H], router_bias [E] and
-        its activation.
+        its activation; DeepSeek-V3 its routing and correction bias [E], and None for a dense layer.
 
         Raises:
             IndexError: ``layer`` outside ``[0, num_layers)``.
         """
         self._check_layer(layer)
         c = self.config
+        if not c.is_moe_layer(layer):
+            return None
         p = f"model.layers.{layer}"
         block, form = self._moe_block(layer)
         fam = c.family
@@ -218,6 +281,8 @@ class MoECheckpoint:
             router=router,
             num_experts=c.num_experts,
             norm_topk_prob=c.norm_topk_prob,
+            routing=c.routing,
+            router_correction_bias=self.tensor(f"{p}.mlp.gate.e_score_correction_bias") if c.routing else None,
         )
 
     def shared_expert(self, layer: int) -> SharedExpertWeights | None:
@@ -227,13 +292,20 @@ class MoECheckpoint:
             IndexError: ``layer`` outside ``[0, num_layers)``.
         """
         self._check_layer(layer)
-        if not self.config.family.shared_expert:
+        c = self.config
+        if not c.family.shared_expert or not c.is_moe_layer(layer):
             return None
+        if not c.family.shared_gate:  # DeepSeek-V3: ungated shared experts
+            keys = self._mlp_keys(f"model.layers.{layer}.mlp.{c.family.shared_block}",
+                                  c.shared_expert_intermediate_size)
+            return SharedExpertWeights(**{name: self.tensor(key) for name, (key, _) in keys.items()})
         return SharedExpertWeights(**{name: self.tensor(key) for name, (key, _) in self._shared_keys(layer).items()})
 
     def layer(self, layer: int) -> DecoderLayerWeights:
         """Every base tensor of decoder layer ``layer`` (see :mod:`moelora_core.checkpoint.layout`)."""
         self._check_layer(layer)
+        if self.config.mla is not None:
+            return self._deepseek_layer(layer)
         p = f"model.layers.{layer}.self_attn"
         has_qk_norm = self.config.family.qk_norm is not None
         return DecoderLayerWeights(
@@ -250,6 +322,23 @@ class MoECheckpoint:
             **{f"{m}_bias": self.tensor(f"{p}.{m}_proj.bias") if self.config.qkv_bias else None for m in "qkv"},
             o_bias=self.tensor(f"{p}.o_proj.bias") if self.config.o_bias else None,
             sinks=self.tensor(f"{p}.sinks") if self.config.family.attention_sinks else None,
+        )
+
+    def _deepseek_layer(self, layer: int) -> DecoderLayerWeights:
+        keys = self._mla_keys(layer)
+        t = {name: self.tensor(key) for name, (key, _) in keys.items()}
+        mla = MLAWeights(q_proj=t.get("q_proj"), q_a_proj=t.get("q_a_proj"), q_a_layernorm=t.get("q_a_layernorm"),
+                         q_b_proj=t.get("q_b_proj"), kv_a_proj=t["kv_a_proj"], kv_a_layernorm=t["kv_a_layernorm"],
+                         kv_b_proj=t["kv_b_proj"])
+        dense = None
+        if not self.config.is_moe_layer(layer):
+            mlp = self._mlp_keys(f"model.layers.{layer}.mlp", self.config.dense_intermediate_size)
+            dense = dense_mlp(*(self.tensor(key) for key, _ in mlp.values()))
+        return DecoderLayerWeights(
+            q_proj=mla.q_proj, k_proj=None, v_proj=None, o_proj=t["o_proj"], q_norm=None, k_norm=None,
+            input_layernorm=self.tensor(f"model.layers.{layer}.input_layernorm.weight"),
+            post_attention_layernorm=self.tensor(f"model.layers.{layer}.post_attention_layernorm.weight"),
+            moe=self.moe(layer), shared_expert=self.shared_expert(layer), mla=mla, dense_mlp=dense,
         )
 
     def embed_tokens(self) -> torch.Tensor:

@@ -26,6 +26,15 @@ qwen2_moe      as qwen3_moe, plus the shared expert           moe_intermediate_s
                up_proj / down_proj .weight and its sigmoid    norm_topk_prob (default False),
                gate model.layers.l.mlp.shared_expert_gate.    qkv_bias (q/k/v biases, default
                weight [1, H]; self_attn.{q,k,v}_proj.bias     true); no q/k norm
+deepseek_v3    as qwen3_moe on layers l >= first_k_dense_replace  moe_intermediate_size, n_routed_experts,
+               (router mlp.gate.weight [E, H] and its buffer   n_group, topk_group, routed_scaling_factor,
+               mlp.gate.e_score_correction_bias [E]), the      norm_topk_prob, n_shared_experts,
+               ungated mlp.shared_experts.{gate,up,down}_proj; first_k_dense_replace, intermediate_size
+               layers l < first_k_dense_replace: a dense MLP    (dense MLP), MLA: q_lora_rank (null =
+               mlp.{gate,up,down}_proj; MLA self_attn.         q_proj), kv_lora_rank, qk_nope_head_dim,
+               q_a_proj, q_a_layernorm, q_b_proj (or q_proj),  qk_rope_head_dim, v_head_dim,
+               kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj,  rope_interleave, rope_parameters
+               o_proj                                          (default or yarn)
 =============  ===========================================  ====================================
 
 Qwen2-MoE's MoE block (transformers ``Qwen2MoeSparseMoeBlock``) adds a dense shared expert to the
@@ -70,6 +79,12 @@ class Family:
         expert_biases: the experts and the router have biases (GPT-OSS).
         activation: the experts' activation (SiLU; GPT-OSS's clamped ``swiglu_oai``).
         attention_sinks: per-head learned sink logits ``self_attn.sinks`` (GPT-OSS).
+        shared_block: the shared expert's module under ``mlp`` ("shared_expert"; DeepSeek-V3
+            "shared_experts").
+        shared_gate: the shared expert has a sigmoid gate ``mlp.shared_expert_gate`` (Qwen2-MoE).
+        attention: "mha" (q/k/v/o) or "mla" (DeepSeek-V3's multi-head latent attention).
+        routing: "softmax" or "grouped_sigmoid" (DeepSeek-V3; ``moelora_core.routing``).
+        dense_layers: the first ``first_k_dense_replace`` layers are dense MLPs (DeepSeek-V3).
     """
 
     model_type: str
@@ -88,6 +103,16 @@ class Family:
     expert_biases: bool = False
     activation: MoEActivation = SILU
     attention_sinks: bool = False
+    shared_block: str = "shared_expert"
+    shared_gate: bool = True
+    attention: str = "mha"
+    routing: str = "softmax"
+    dense_layers: bool = False
+
+    def attention_leaves(self) -> dict[str, str]:
+        """moelora dense module → leaf under ``self_attn`` of every projection this family may have
+        (MLA: q or q_a/q_b, kv_a, kv_b, o; the config says which of q / q_a+q_b exists)."""
+        return dict(MLA_LEAVES) if self.attention == "mla" else dict(DENSE_LEAVES)
 
     def expert_leaf(self, module: str) -> str:
         """The per-expert leaf name of moelora module ``module`` ("gate", "up", "down")."""
@@ -167,18 +192,44 @@ GPT_OSS = Family(
     attention_sinks=True,
 )
 
+DEEPSEEK_V3 = Family(
+    model_type="deepseek_v3",
+    display="DeepSeek-V3",
+    architecture="DeepseekV3ForCausalLM",
+    expert_block="mlp",
+    expert_blocks=("mlp",),
+    expert_leaves=("gate_proj", "up_proj", "down_proj"),
+    intermediate_key="moe_intermediate_size",
+    experts_keys=("n_routed_experts", "num_local_experts"),
+    always_renormalize=False,
+    qk_norm=None,
+    shared_expert=True,
+    shared_block="shared_experts",
+    shared_gate=False,
+    attention="mla",
+    routing="grouped_sigmoid",
+    dense_layers=True,
+)
+
 #: model_type → family.
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (QWEN3_MOE, MIXTRAL, OLMOE, QWEN2_MOE, GPT_OSS)}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (QWEN3_MOE, MIXTRAL, OLMOE, QWEN2_MOE, GPT_OSS,
+                                                         DEEPSEEK_V3)}
 
 #: Leaf names of every family's per-expert projections (to recognise another family's adapter).
 ALL_EXPERT_LEAVES: frozenset[str] = frozenset(leaf for f in FAMILIES.values() for leaf in f.expert_leaves)
 
 #: moelora dense module → the attention projection's leaf name.
 DENSE_LEAVES: dict[str, str] = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
+#: DeepSeek-V3's MLA: moelora dense module → leaf under ``self_attn`` (DESIGN.md §1).
+MLA_LEAVES: dict[str, str] = {"q": "q_proj", "q_a": "q_a_proj", "q_b": "q_b_proj", "kv_a": "kv_a_proj_with_mqa",
+                              "kv_b": "kv_b_proj", "o": "o_proj"}
+#: DeepSeek-V3's dense first-layer MLP: moelora module → leaf under ``model.layers.l.mlp``.
+DENSE_MLP_LEAVES: dict[str, str] = {"dense_gate": "gate_proj", "dense_up": "up_proj", "dense_down": "down_proj"}
 
 #: moelora shared-expert module → its leaf under ``model.layers.l.mlp.shared_expert`` (Qwen2-MoE).
 SHARED_EXPERT_LEAVES: dict[str, str] = {"shared_gate": "gate_proj", "shared_up": "up_proj",
                                         "shared_down": "down_proj"}
-#: The shared expert's module and its sigmoid gate's, under ``model.layers.l.mlp``.
+#: The shared expert's module (Qwen2-MoE; DeepSeek-V3's is ``Family.shared_block``) and its sigmoid
+#: gate's, under ``model.layers.l.mlp``.
 SHARED_EXPERT_BLOCK = "shared_expert"
 SHARED_EXPERT_GATE = "shared_expert_gate"

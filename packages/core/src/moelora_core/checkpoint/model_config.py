@@ -12,7 +12,47 @@ import torch
 
 from moelora_core.checkpoint.errors import CheckpointFormatError, UnsupportedModelError
 from moelora_core.checkpoint.families import FAMILIES, Family
+from moelora_core.errors import InvalidFieldError
 from moelora_core.layer_spec import LoRALayerSpec
+from moelora_core.routing import GroupLimitedRouting
+
+#: RoPE types of ``rope_parameters`` that DeepSeek-V3's MLA is served with (the released configs use YaRN).
+MLA_ROPE_TYPES: tuple[str, ...] = ("default", "yarn")
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek-V3's multi-head latent attention (DESIGN.md §1; transformers ``DeepseekV3Attention``).
+
+    Attributes:
+        q_lora_rank: the query's low rank (``q_a_proj`` H → q_lora_rank → ``q_b_proj``), or None
+            (one ``q_proj``).
+        kv_lora_rank: the compressed KV width (``kv_a_proj_with_mqa`` H → kv_lora_rank + rope dim).
+        qk_nope_head_dim, qk_rope_head_dim: the per-head query/key split (RoPE on the second part;
+            the rope part of the key is one head shared by all).
+        v_head_dim: the value head width.
+        rope_interleave: RoPE on interleaved pairs (x_2i, x_2i+1), as released checkpoints.
+        rope_parameters: ``rope_parameters`` as (key, value) pairs, sorted ("rope_type" "default" or
+            "yarn" with "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+            "mscale", "mscale_all_dim").
+    """
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    rope_parameters: tuple[tuple[str, object], ...]
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def rope(self) -> dict[str, object]:
+        """``rope_parameters`` as a dict."""
+        return dict(self.rope_parameters)
 
 
 @dataclass(frozen=True)
@@ -43,6 +83,11 @@ class MoEModelConfig:
         o_bias: the o projection has a bias too (GPT-OSS's ``attention_bias``).
         layer_types: per layer "full_attention" or "sliding_attention" (GPT-OSS), else None.
         sliding_window: the window of the "sliding_attention" layers (GPT-OSS), else None.
+        mla: DeepSeek-V3's attention geometry (:class:`MLAConfig`), else None; ``head_dim`` is then
+            its ``qk_head_dim``.
+        first_k_dense_replace: the first layers that are dense MLPs (DeepSeek-V3), else 0.
+        dense_intermediate_size: their width (DeepSeek-V3's ``intermediate_size``), else None.
+        routing: DeepSeek-V3's group-limited routing, else None (softmax top-k).
     """
 
     family: Family
@@ -67,6 +112,14 @@ class MoEModelConfig:
     o_bias: bool = False
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
+    mla: MLAConfig | None = None
+    first_k_dense_replace: int = 0
+    dense_intermediate_size: int | None = None
+    routing: GroupLimitedRouting | None = None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has an MoE block (DeepSeek-V3's first layers do not)."""
+        return layer >= self.first_k_dense_replace
 
     @property
     def model_type(self) -> str:
@@ -75,7 +128,11 @@ class MoEModelConfig:
     @property
     def dense_shapes(self) -> dict[str, tuple[int, int]]:
         """moelora dense module → (in_features, out_features): the attention projections and, for a
-        model with a shared expert, its gate / up (H → Is) and down (Is → H) projections."""
+        model with a shared expert, its gate / up (H → Is) and down (Is → H) projections; DeepSeek-V3:
+        the MLA projections and the dense MLP's (every layer's spec holds them all; a dense layer's
+        pool simply never holds the shared expert's, nor an MoE layer's the dense MLP's)."""
+        if self.mla is not None:
+            return self._mla_dense_shapes()
         q_out = self.num_attention_heads * self.head_dim
         kv_out = self.num_key_value_heads * self.head_dim
         h = self.hidden_size
@@ -83,6 +140,24 @@ class MoEModelConfig:
         if self.shared_expert_intermediate_size is not None:
             si = self.shared_expert_intermediate_size
             shapes.update({"shared_gate": (h, si), "shared_up": (h, si), "shared_down": (si, h)})
+        return shapes
+
+    def _mla_dense_shapes(self) -> dict[str, tuple[int, int]]:
+        m, h, nh = self.mla, self.hidden_size, self.num_attention_heads
+        shapes: dict[str, tuple[int, int]] = {}
+        if m.q_lora_rank is None:
+            shapes["q"] = (h, nh * m.qk_head_dim)
+        else:
+            shapes.update({"q_a": (h, m.q_lora_rank), "q_b": (m.q_lora_rank, nh * m.qk_head_dim)})
+        shapes.update({"kv_a": (h, m.kv_lora_rank + m.qk_rope_head_dim),
+                       "kv_b": (m.kv_lora_rank, nh * (m.qk_nope_head_dim + m.v_head_dim)),
+                       "o": (nh * m.v_head_dim, h)})
+        if self.first_k_dense_replace < self.num_layers:
+            si = self.shared_expert_intermediate_size
+            shapes.update({"shared_gate": (h, si), "shared_up": (h, si), "shared_down": (si, h)})
+        if self.first_k_dense_replace > 0:
+            di = self.dense_intermediate_size
+            shapes.update({"dense_gate": (h, di), "dense_up": (h, di), "dense_down": (di, h)})
         return shapes
 
     def layer_spec(
@@ -160,6 +235,8 @@ class MoEModelConfig:
         layer_types, window = None, None
         if gpt_oss:
             layer_types, window = _gpt_oss_attention(raw, path, positive("num_hidden_layers"))
+        if family.attention == "mla":
+            return _deepseek_v3(cls, family, raw, path, positive)
         shared_inter = positive("shared_expert_intermediate_size") if family.shared_expert else None
         act = raw.get("hidden_act", "silu")
         # GPT-OSS's experts ignore hidden_act (GptOssExperts hard-codes its clamped SwiGLU)
@@ -202,6 +279,87 @@ class MoEModelConfig:
             layer_types=layer_types,
             sliding_window=window,
         )
+
+
+def _deepseek_v3(cls, family: Family, raw: Mapping[str, object], path: object, positive) -> MoEModelConfig:
+    """A DeepSeek-V3 config.json (transformers 5.17 ``DeepseekV3Config``; its defaults where a key is
+    absent).
+
+    Raises:
+        UnsupportedModelError: ``attention_bias`` / ``mlp_bias``, an activation other than SiLU, a
+            ``rope_type`` outside :data:`MLA_ROPE_TYPES`.
+        CheckpointFormatError: a size that is not a positive int; groups that do not split the
+            experts or hold fewer than top_k of them.
+    """
+    for key in ("attention_bias", "mlp_bias"):
+        if raw.get(key):
+            raise UnsupportedModelError(path, f"config.json {key}", "biases are not supported", found=True)
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise UnsupportedModelError(path, "config.json hidden_act", "experts must use SiLU", expected="'silu'",
+                                    found=repr(act))
+    rope = raw.get("rope_parameters") or {"rope_type": "default", "rope_theta": raw.get("rope_theta", 10000.0)}
+    if not isinstance(rope, Mapping):
+        raise CheckpointFormatError(path, "config.json rope_parameters", "must be a JSON object", found=repr(rope))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in MLA_ROPE_TYPES:
+        raise UnsupportedModelError(path, "config.json rope_parameters.rope_type", "RoPE type not served",
+                                    expected=f"one of {MLA_ROPE_TYPES}", found=repr(rope_type))
+    q_lora = raw.get("q_lora_rank", 1536)
+    mla = MLAConfig(
+        q_lora_rank=None if q_lora is None else positive("q_lora_rank", q_lora),
+        kv_lora_rank=positive("kv_lora_rank"),
+        qk_nope_head_dim=positive("qk_nope_head_dim"),
+        qk_rope_head_dim=positive("qk_rope_head_dim"),
+        v_head_dim=positive("v_head_dim"),
+        rope_interleave=bool(raw.get("rope_interleave", True)),
+        rope_parameters=tuple(sorted({**rope, "rope_type": rope_type}.items())),
+    )
+    if mla.qk_rope_head_dim % 2:
+        raise CheckpointFormatError(path, "config.json qk_rope_head_dim", "must be even (RoPE rotates pairs)",
+                                    found=mla.qk_rope_head_dim)
+    layers = positive("num_hidden_layers")
+    first_dense = raw.get("first_k_dense_replace", 3)
+    if isinstance(first_dense, bool) or not isinstance(first_dense, int) or not 0 <= first_dense <= layers:
+        raise CheckpointFormatError(path, "config.json first_k_dense_replace", f"must be an int in [0, {layers}]",
+                                    found=repr(first_dense))
+    num_experts = positive("n_routed_experts", raw.get("n_routed_experts") or raw.get("num_local_experts"))
+    top_k = positive("num_experts_per_tok")
+    inter = positive("moe_intermediate_size")
+    try:
+        routing = GroupLimitedRouting(positive("n_group", raw.get("n_group", 8)),
+                                      positive("topk_group", raw.get("topk_group", 4)),
+                                      float(raw.get("routed_scaling_factor", 2.5)))
+        routing.check_experts(num_experts, top_k)
+    except InvalidFieldError as exc:
+        raise CheckpointFormatError(path, f"config.json {exc.field}", exc.problem) from None
+    eps = float(raw.get("rms_norm_eps", 1e-6))
+    if not math.isfinite(eps) or eps <= 0:
+        raise CheckpointFormatError(path, "config.json rms_norm_eps", "must be a positive float", found=eps)
+    heads = positive("num_attention_heads")
+    return cls(
+        family=family,
+        architecture=(raw.get("architectures") or [None])[0],
+        num_layers=layers,
+        hidden_size=positive("hidden_size"),
+        moe_intermediate_size=inter,
+        num_experts=num_experts,
+        top_k=top_k,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,  # MLA: every head reads the one latent
+        head_dim=mla.qk_head_dim,
+        vocab_size=positive("vocab_size"),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        rms_norm_eps=eps,
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        torch_dtype=raw.get("dtype", raw.get("torch_dtype")),
+        shared_expert_intermediate_size=inter * positive("n_shared_experts", raw.get("n_shared_experts", 1)),
+        mla=mla,
+        first_k_dense_replace=first_dense,
+        dense_intermediate_size=positive("intermediate_size") if first_dense else None,
+        routing=routing,
+    )
 
 
 def _gpt_oss_attention(raw: Mapping[str, object], path: object, layers: int) -> tuple[tuple[str, ...], int]:

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from moelora_core.base_weights import MoEBaseWeights
-from moelora_core.checkpoint.families import DENSE_LEAVES, FAMILIES, SHARED_EXPERT_LEAVES
+from moelora_core.checkpoint.families import DENSE_LEAVES, DENSE_MLP_LEAVES, FAMILIES, SHARED_EXPERT_LEAVES
 from moelora_core.checkpoint.layout import DecoderLayerWeights, ModelWeights
 from moelora_core.checkpoint.model_config import MoEModelConfig
 from moelora_core.shared_expert import SharedExpertWeights
@@ -201,8 +201,8 @@ def adapter_tensors(
     Args:
         model: the model.
         layers: layer → module → (A, B); MoE modules A [E, r, in], B [E, out, r] (expert dim 1 for a
-            factor shared by every expert: shared-outer, fully shared); dense (q/k/v/o,
-            shared_gate / shared_up / shared_down) [r, in] / [out, r]. For "fused" and "packed",
+            factor shared by every expert: shared-outer, fully shared); dense (q/k/v/o or MLA's,
+            shared_gate / shared_up / shared_down, DeepSeek-V3's dense_*) [r, in] / [out, r]. For "fused" and "packed",
             gate and up must be given together with the same A.
         expert_format: "fused" (``target_parameters``, PEFT 2-D: A [E_A·r, in], B [out, r·E_B]),
             "packed" (3-D ``experts.gate_up_proj.lora_A.weight`` [E_A, r, H] etc., the SGLang /
@@ -224,15 +224,20 @@ def adapter_tensors(
     fused_both = expert_format == "fused" and all(
         any(m in modules for modules in layers.values() for m in group) for group in (("gate", "up"), ("down",)))
     for li, modules in layers.items():
+        attention = fam.attention_leaves()
         for m, (A, B) in modules.items():
-            if m in DENSE_LEAVES:
-                key = f"{pre}.{li}.self_attn.{DENSE_LEAVES[m]}"
+            if m in attention:
+                key = f"{pre}.{li}.self_attn.{attention[m]}"
                 out[f"{key}.lora_A.weight"], out[f"{key}.lora_B.weight"] = A, B
-                target_modules.add(DENSE_LEAVES[m])
-            elif m in SHARED_EXPERT_LEAVES:  # Qwen2-MoE's shared expert: plain nn.Linear modules
-                key = f"{pre}.{li}.mlp.shared_expert.{SHARED_EXPERT_LEAVES[m]}"
+                target_modules.add(attention[m])
+            elif m in SHARED_EXPERT_LEAVES:  # Qwen2-MoE's / DeepSeek-V3's shared expert: plain nn.Linear modules
+                key = f"{pre}.{li}.mlp.{fam.shared_block}.{SHARED_EXPERT_LEAVES[m]}"
                 out[f"{key}.lora_A.weight"], out[f"{key}.lora_B.weight"] = A, B
-                target_modules.add(f"shared_expert.{SHARED_EXPERT_LEAVES[m]}")
+                target_modules.add(f"{fam.shared_block}.{SHARED_EXPERT_LEAVES[m]}")
+            elif m in DENSE_MLP_LEAVES:  # DeepSeek-V3's dense first-layer MLP (peft refuses to wrap it)
+                key = f"{pre}.{li}.mlp.{DENSE_MLP_LEAVES[m]}"
+                out[f"{key}.lora_A.weight"], out[f"{key}.lora_B.weight"] = A, B
+                target_modules.add(f"mlp.{DENSE_MLP_LEAVES[m]}")
             elif expert_format == "per_expert":
                 leaf = fam.expert_leaf(m)
                 for e in range(A.shape[0]):
