@@ -4,7 +4,8 @@ Covers: capture leaves no work done (pre-existing state restored, captured stora
 the first replay, also after a failed capture); ``empty`` storage is not rewritten; binding by
 storage (rebinding a name or ``set_`` after capture); in-place writes through views and ``out=``
 into a view hit the same storage on replay; tuple outputs; RNG (fresh draws per replay, capture
-draws nothing); host scalars and 0-dim host tensors frozen; pinned host memory re-read on every
+draws nothing); host scalars and 0-dim host tensors frozen; ``t[i] = number`` a device fill (an index list a host
+tensor); ops recorded under inference mode replay under it; pinned host memory re-read on every
 replay; pageable and blocking copies, data-dependent shapes and host reads raise at capture;
 host data may be read on the host during capture; modes are gone after capture.
 """
@@ -144,6 +145,44 @@ def test_python_scalars_and_host_zero_dim_tensors_are_frozen():
     graph = _pool().capture(lambda: x * state["gain"] + torch.tensor(state["gain"]), warmup=0)
     state["gain"] = 5.0
     assert torch.equal(graph.replay(), x * 2.0 + 2.0)
+
+
+def test_python_number_written_by_index_is_a_device_fill_and_a_host_list_index_is_refused():
+    # Regression (SGLang's virtual-experts align, ``real_block_counts[sentinel] = 0``): PyTorch makes
+    # the number on the target's device (a fill on CUDA), so it is no host-to-device copy; an index
+    # list still is one.
+    src = _rand(4)
+    buf = torch.zeros(4)
+
+    def forward():
+        buf.copy_(src)
+        buf[2] = 0.0
+        buf[0:1] = 7.0
+        return buf * 2
+
+    graph = _pool().capture(forward, warmup=0)
+    src.copy_(_rand(4, seed=1))
+    want = _rand(4, seed=1)
+    want[2], want[0] = 0.0, 7.0
+    assert torch.equal(graph.replay(), want * 2)
+    with pytest.raises(HostSyncError, match="host tensor"):
+        _pool().capture(lambda: buf.__setitem__([1, 2], 0.0), warmup=0)
+
+
+def test_ops_recorded_under_inference_mode_replay_under_it():
+    # Regression (vLLM's LoRA ops enter torch.inference_mode themselves): their tensors are
+    # inference tensors, which an in-place replay outside inference mode would refuse.
+    x = _rand(4)
+
+    def forward():
+        with torch.inference_mode():
+            y = x * 2
+            y.add_(1.0)
+        return y
+
+    graph = _pool().capture(forward, warmup=0)
+    x.copy_(_rand(4, seed=3))
+    assert torch.equal(graph.replay(), _rand(4, seed=3) * 2 + 1.0)
 
 
 def test_pinned_host_memory_is_reread_on_every_replay():

@@ -28,12 +28,10 @@ capturing).
 CPU substitutes (no CUDA device; each named in the cells' records, conformance/docs/peers.md; the
 legacy ones also on a GPU machine without SGLang's JIT toolchain, :func:`jit_align_available`):
 
-- legacy, eager: the JIT CUDA ``moe_lora_align_block_size`` → SGLang's own CPU fallback
-  ``_naive_moe_lora_align_block_size`` (``lora_moe_runners.py``), for every batch (SGLang takes it
-  on CUDA for sparse batches only);
-- legacy, graph families: the JIT CUDA align → moelora's Triton ``moe_lora_align_block_size``
-  writing SGLang's capture buffers (``cg_buffers``) — same contract (DESIGN.md §4), graph-safe,
-  where SGLang's CPU fallback syncs (``.cpu().tolist()``) and cannot be captured;
+- legacy: the JIT CUDA ``moe_lora_align_block_size`` → moelora's Triton ``moe_lora_align_block_size``
+  (same contract, DESIGN.md §4; graph-safe) for every batch SGLang sends to the JIT kernel (graph
+  families, into SGLang's capture buffers ``cg_buffers``; eager batches above SGLang's sparsity
+  bound). Sparse eager batches take SGLang's own ``_naive_moe_lora_align_block_size``, as on CUDA;
 - virtual_experts: SGLang's native ``moe_align_block_size`` (sgl_kernel, CUDA) → SGLang's own
   pure-torch fallback ``_align_block_size_torch`` (``virtual_experts.py``, "for platforms where the
   CUDA JIT kernel is unavailable"), run eagerly (not under ``torch.compile``).
@@ -138,24 +136,32 @@ class SGLangHooksPath:
         return _Layer(alignment, None)
 
     def _cpu_alignment(self, topk_ids: torch.Tensor, lora_info, graph: bool) -> tuple:
+        """``_compute_lora_alignment`` without the JIT align: SGLang's own choice (its naive fallback
+        for sparse eager batches, ``M * top_k * _SPARSITY_FACTOR <= E * max_loras``, as on CUDA), the
+        JIT kernel's batches served by moelora's Triton align (the same contract, DESIGN.md §4) into
+        SGLang's capture buffers in a graph family and fresh buffers eagerly."""
         s = self.spec
         L, M = s.max_loras, topk_ids.shape[0]
         P = align_capacity(M, s.top_k, s.E, LEGACY_BLOCK_M)
-        if not graph:
+        if not graph and M * topk_ids.shape[1] * self.runners._SPARSITY_FACTOR <= s.E * L:
             sorted_ids, expert_ids, ntpp = self.runners._naive_moe_lora_align_block_size(
                 topk_ids, lora_info.seg_indptr, lora_info.req_to_lora, s.E, LEGACY_BLOCK_M, L, P,
                 P // LEGACY_BLOCK_M, lora_info.adapter_enabled, topk_ids.device)
-            lora_ids = torch.arange(L, dtype=I32, device=topk_ids.device)
-        else:
+            return sorted_ids.view(L, -1), expert_ids.view(L, -1), ntpp, torch.arange(L, dtype=I32,
+                                                                                        device=topk_ids.device)
+        if graph:
             cg = lora_info.cg_buffers
             out = AlignOutput(cg["sorted_token_ids_lora"][: L * P].view(L, P),
                               cg["expert_ids_lora"][: L * (P // LEGACY_BLOCK_M)].view(L, -1),
                               cg["num_tokens_post_padded_lora"][:L])
-            ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-            moe_lora_align_block_size(ids, lora_info.token_lora_mapping, s.E, LEGACY_BLOCK_M, L,
-                                      lora_info.adapter_enabled, out=out)
-            sorted_ids, expert_ids, ntpp, lora_ids = out[0], out[1], out[2], cg["lora_ids"][:L]
-        return sorted_ids.view(L, -1), expert_ids.view(L, -1), ntpp, lora_ids
+            lora_ids = cg["lora_ids"][:L]
+        else:
+            out = AlignOutput.empty(L, M, s.top_k, s.E, LEGACY_BLOCK_M, device=topk_ids.device)
+            lora_ids = torch.arange(L, dtype=I32, device=topk_ids.device)
+        ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+        moe_lora_align_block_size(ids, lora_info.token_lora_mapping, s.E, LEGACY_BLOCK_M, L,
+                                  lora_info.adapter_enabled, out=out)
+        return out[0].view(L, -1), out[1].view(L, -1), out[2], lora_ids
 
     # --- the two stages (lora_moe_runners._add_lora_*_delta) ------------------------------------------
 
@@ -215,9 +221,9 @@ def make_path(spec: LoRALayerSpec, *, virtual: bool) -> PeerPath:
     if (virtual and not sglang_modules.native_moe_align_available()) or (not virtual and not jit_align_available()):
         subs = ({"sgl_kernel moe_align_block_size": "virtual_experts._align_block_size_torch (SGLang's torch "
                  "fallback, eager)"} if virtual else
-                {"JIT moe_lora_align_block_size (eager)": "lora_moe_runners._naive_moe_lora_align_block_size "
-                 "(SGLang's CPU fallback)",
-                 "JIT moe_lora_align_block_size (graph families)": "moelora_kernels.align.moe_lora_align_block_size"})
+                {"JIT moe_lora_align_block_size": "moelora_kernels.align.moe_lora_align_block_size (the batches "
+                 "SGLang sends to the JIT kernel; sparse eager batches take SGLang's own "
+                 "_naive_moe_lora_align_block_size, as on CUDA)"})
     return PeerPath(
         peer="sglang", path="virtual_experts" if virtual else "legacy",
         version=sglang_modules.importer().dist.version, capabilities=capabilities(virtual),

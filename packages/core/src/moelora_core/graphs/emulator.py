@@ -41,8 +41,18 @@ class _OpStep:
     args: tuple
     kwargs: dict
     writeback: tuple[tuple[int, torch.Tensor], ...]  # (index among the output's leaves, captured alias)
+    #: Whether the op ran under ``torch.inference_mode`` at capture (code that enters it itself, e.g.
+    #: vLLM's LoRA ops, makes inference tensors an in-place replay outside it would refuse).
+    inference: bool = False
 
     def replay(self) -> None:
+        if self.inference and not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                self._run()
+        else:
+            self._run()
+
+    def _run(self) -> None:
         out = self.func(*self.args, **self.kwargs)
         if self.writeback:
             leaves = tree_leaves(out)
@@ -140,7 +150,8 @@ class Recorder(Interceptor):
             if func in ALLOC_ONLY_OPS or (not writeback and not func._schema.is_mutable):
                 return  # views and allocations: no kernel to re-issue
             bound_args, bound_kwargs = tree_map_only(torch.Tensor, self._bind_op_arg, (args, kwargs))
-            self.steps.append(_OpStep(func, bound_args, bound_kwargs, tuple(writeback)))
+            self.steps.append(_OpStep(func, bound_args, bound_kwargs, tuple(writeback),
+                                      torch.is_inference_mode_enabled()))
             self.num_ops += 1
 
     def on_launch(self, kernel: object, run: Callable, args: tuple, kwargs: dict, grid: object) -> object:

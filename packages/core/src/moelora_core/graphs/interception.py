@@ -145,6 +145,12 @@ class Interceptor:
             if isinstance(t, torch.Tensor) and not self.placement.is_host(t):
                 self.violation(f"Tensor.{name.strip('_')}() of device data {tuple(t.shape)}", "read")
             return func(*args, **kwargs)
+        if func is torch.Tensor.__setitem__ and sync_rules.is_scalar_setitem(args, self.placement):
+            # ``t[i] = <Python number>``: PyTorch makes the value on ``t``'s own device
+            # (``scalarToTensor`` in python_variable_indexing.cpp: a fill on CUDA, no copy); on a CPU
+            # run it is a CPU scalar, which must not read as a host-to-device copy.
+            with self.placing("device"):
+                return func(*args, **kwargs)
         if func in sync_rules.DATA_CREATORS:
             return self._create_from_data(func, args, kwargs)
         if func is torch.Tensor.new_tensor and "device" not in kwargs and not self.placement.is_host(args[0]):
@@ -198,7 +204,7 @@ class Interceptor:
 
     def dispatch(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict):
         pl = self.placement
-        if self._override == "host" or func is aten.lift_fresh.default:
+        if self._override == "host" or (func is aten.lift_fresh.default and self._override != "device"):
             out = func(*args, **kwargs)
             for t in _tensors((args, kwargs, out)):
                 pl.tag_host(t)

@@ -8,7 +8,8 @@ The rules follow what CUDA does with PyTorch 2.11 (checked on an H200, see
   that returns a Python value computed from device data (``torch.equal``);
 - ops whose output shape depends on device values: ``nonzero``, ``masked_select``, ``unique``,
   ``bincount``, ``repeat_interleave`` without ``output_size``, indexing with a boolean mask
-  (``x[mask]``; ``x[mask] = scalar`` is a ``masked_fill`` and is fine);
+  (``x[mask]``; ``x[mask] = scalar`` is a ``masked_fill`` and is fine; ``x[i] = scalar`` is a fill
+  on the device, :func:`is_scalar_setitem`);
 - copies between host and device: a blocking copy always synchronises; during a capture CUDA also
   refuses an asynchronous copy unless the host side is pinned;
 - a host tensor with more than zero dimensions read by a device op (on CUDA a device mismatch or
@@ -129,3 +130,21 @@ def copy_direction(func: torch._ops.OpOverload, args: tuple, kwargs: dict,
     if not placement.is_host(src) and target_host:
         return ("d2h", bool(kwargs.get("pin_memory", False)), non_blocking)
     return None
+
+
+def _basic_index(index: object) -> bool:
+    """A basic index (ints, slices, None, Ellipsis, tuples of them): a view, no index tensor. Tensor
+    indices keep their own rules (``x[mask] = scalar`` is a ``masked_fill``)."""
+    if isinstance(index, tuple):
+        return all(_basic_index(i) for i in index)
+    return index is None or index is Ellipsis or (isinstance(index, int | slice) and not isinstance(index, bool))
+
+
+def is_scalar_setitem(args: tuple, placement: Placement) -> bool:
+    """Whether ``Tensor.__setitem__(t, index, value)`` writes a Python number into device data
+    through a basic index: PyTorch creates the value on ``t``'s device (``scalarToTensor``), so on
+    CUDA it is a fill of a view, not a host-to-device copy."""
+    if len(args) != 3 or not isinstance(args[0], torch.Tensor) or placement.is_host(args[0]):
+        return False
+    value = args[2]
+    return isinstance(value, bool | int | float) and _basic_index(args[1])

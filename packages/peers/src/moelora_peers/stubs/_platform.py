@@ -20,5 +20,10 @@ def is_cuda() -> bool:
 
 
 def dispatch_key() -> str:
-    """The dispatch key a custom op is registered under on this machine ("CUDA" or "CPU")."""
-    return "CUDA" if is_cuda() else "CPU"
+    """The dispatch key the peers' custom ops are registered under on this machine: "CUDA" on a GPU
+    (the peers' own); on a CPU "CompositeImplicitAutograd", so the op's Python implementation runs
+    in the caller's torch modes and moelora's graph emulator records what it launches — the Triton
+    kernels a CUDA graph captures — and sees its host reads of host tensors (vLLM's
+    ``no_lora_flag_cpu``) as the host reads they are on CUDA, where "CPU" would hide the op's body
+    behind one opaque aten-level call that reads a host tensor (conformance/docs/peers.md, E1)."""
+    return "CUDA" if is_cuda() else "CompositeImplicitAutograd"

@@ -6,7 +6,7 @@ answering for the real device: ``is_cuda`` / ``is_cuda_alike`` (a CUDA device is
 ``is_rocm`` / ``is_xpu`` (False), ``is_cpu`` (no CUDA device), ``has_device_capability(90)`` /
 ``get_device_capability()`` (the device's compute capability; None / False on a CPU),
 ``num_compute_units(index)`` (the SM count; 1 on a CPU: a tiling heuristic's input only),
-``dispatch_key`` ("CUDA" or "CPU": where vLLM's ``direct_register_custom_op`` registers its ops),
+``dispatch_key`` (where vLLM's ``direct_register_custom_op`` registers its ops: ``_platform.dispatch_key``),
 ``device_type`` / ``device_name``, ``is_pin_memory_available()``.
 """
 
