@@ -17,8 +17,8 @@ from __future__ import annotations
 import graph_support as gs
 import pytest
 import runner_support as rs
-import torch
 
+from moelora_conformance.faulty.routing_faults import ROUTING_FAULTS, make_engine_faulty
 from moelora_conformance.fixtures.specs import DEEPSEEK_V3, DEEPSEEK_V3_ADAPTERS
 
 MODEL = DEEPSEEK_V3.name
@@ -107,53 +107,11 @@ def test_every_projection_lora_goes_through_dense_delta(deepseek):
                           "shared_down"]
 
 
-def _bias_in_weights(layer, m):
-    from moelora_reference.routing import route_grouped_sigmoid
-
-    w, ids = route_grouped_sigmoid(torch.nn.functional.linear(m.float(), layer.router.float()),
-                                   layer.moe.router_correction_bias, layer.config.top_k, layer.moe.routing,
-                                   layer.config.norm_topk_prob)
-    biased = w + layer.moe.routing.routed_scaling_factor * layer.moe.router_correction_bias[ids.long()]
-    return biased, ids
-
-
-def _no_group_limit(layer, m):
-    from moelora_core import GroupLimitedRouting
-    from moelora_reference.routing import route_grouped_sigmoid
-
-    r = layer.moe.routing
-    return route_grouped_sigmoid(torch.nn.functional.linear(m.float(), layer.router.float()),
-                                 layer.moe.router_correction_bias, layer.config.top_k,
-                                 GroupLimitedRouting(1, 1, r.routed_scaling_factor), layer.config.norm_topk_prob)
-
-
-@pytest.mark.parametrize("fault", ["bias in the weights", "no group limit", "scaling twice",
-                                   "scaling on the shared experts"])
-def test_each_routing_fault_fails_the_comparison(fault, deepseek, monkeypatch):
-    from moelora_runner import model as model_mod
-
+@pytest.mark.parametrize("fault", ROUTING_FAULTS)
+def test_each_routing_fault_fails_the_comparison(fault, deepseek):
     model_dir, adapters, hf = deepseek
     engine = _engine(model_dir, adapters, max_loras=3)
-    moe_layers = [layer for layer in engine.model.layers if layer.moe is not None]
-    assert moe_layers
-    for layer in moe_layers:
-        right = layer.route
-        if fault == "bias in the weights":
-            layer.route = lambda m, layer=layer: _bias_in_weights(layer, m)
-        elif fault == "no group limit":
-            layer.route = lambda m, layer=layer: _no_group_limit(layer, m)
-        elif fault == "scaling twice":
-            layer.route = lambda m, right=right, layer=layer: (
-                right(m)[0] * layer.moe.routing.routed_scaling_factor, right(m)[1])
-    if fault == "scaling on the shared experts":
-        inner = model_mod.shared_expert_forward
-
-        def scaled(x, weights, project):
-            out = inner(x, weights, project)
-            return out * DEEPSEEK_V3.deepseek.routed_scaling_factor if weights.gate is None and \
-                weights.modules[0] == "shared_gate" else out
-
-        monkeypatch.setattr(model_mod, "shared_expert_forward", scaled)
+    make_engine_faulty(engine, fault)
     requests = _requests(adapters, n=4)
     with pytest.raises(AssertionError):
         rs.check_against_hf(engine.generate(requests), requests, hf)
