@@ -9,7 +9,7 @@ fixture ``deepseek_v3`` (4 groups of 2 experts, 2 kept; a nonzero correction bia
   format (peft 0.21.2 refuses to wrap those modules: compared with the per-module reference);
 - checkpoint-pass on the MoE layer with the reference backend in every layer mode;
 - named refusals: expert or shared-expert keys on the dense layer, dense-MLP keys on the MoE layer,
-  LoRA on MLA's norms, configs moelora does not serve, and the engine (MLA is not in it yet).
+  LoRA on MLA's norms, configs moelora does not serve, and (engine) a value head wider than the key head.
 """
 
 import json
@@ -138,8 +138,9 @@ def test_adapter_keys_that_name_no_served_module_are_refused(fixture_set, tmp_pa
         read_adapter(_adapter(tmp_path, {key: shape}, targets), cfg)
 
 
-def test_the_engine_refuses_deepseek_v3_by_name(fixture_set):
+def test_the_engine_refuses_a_value_head_wider_than_the_key_head(fixture_set, tmp_path):
+    # the engine's cache holds V zero-padded to the query/key width (moelora_runner.mla)
     from moelora_runner.model_info import ModelInfo
 
-    with pytest.raises(UnsupportedModelError, match="MLA attention is not served by the engine"):
-        ModelInfo.read(fixture_set.model_dir(DEEPSEEK_V3.name))
+    with pytest.raises(UnsupportedModelError, match="v_head_dim"):
+        ModelInfo.read(_config(fixture_set, tmp_path, v_head_dim=40))

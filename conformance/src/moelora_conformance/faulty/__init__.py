@@ -9,6 +9,9 @@
 - :mod:`.e2e_mutants`: backend faults that show when an engine captures several graph buckets over one
   buffer set per family (:data:`E2E_MUTANTS`); the e2e suite must catch each one
   (``moelora-conformance mutations --engine``); loadable like the others, not in ``MUTANTS``.
+- :mod:`.routing_faults`: DeepSeek-V3's routing faults, put into the readers or the engine (not
+  backends: routing belongs to the caller); caught by hf-check, checkpoint-pass and the engine's
+  comparison with HF + PEFT.
 
 Load one as a backend with ``--backend moelora_conformance.faulty:<factory>`` (factories below, one
 per mutation).

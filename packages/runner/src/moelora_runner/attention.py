@@ -39,7 +39,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                     fb: ForwardBatch, *, sliding_window: int | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal attention of the step's queries over the cache (see the module doc).
 
     Args:
@@ -51,6 +51,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         sinks: [nh] GPT-OSS's per-head sink logits (model dtype), or None: one extra logit per head
             joins the softmax and its probability is dropped (it has no value), as transformers'
             ``GptOssAttention`` (``eager_attention_forward``: concatenate, softmax, drop the last column).
+        scale: the scores' factor (None: d^-0.5; DeepSeek-V3's MLA: its YaRN-scaled one).
 
     Returns:
         [T, nh · d] in q's dtype.
@@ -63,7 +64,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     key_pos = torch.arange(C, dtype=torch.int64, device=q.device)
     budget = GATHER_BUDGET.get(q.device.type, GATHER_BUDGET["cuda"])
     chunk = max(1, budget // max(1, C * nkv * d))
-    scale = d ** -0.5
+    scale = d ** -0.5 if scale is None else scale
     for start in range(0, T, chunk):  # T and C are host numbers: a fixed loop, graph-capturable
         stop = min(T, start + chunk)
         n = stop - start

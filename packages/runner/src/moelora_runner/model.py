@@ -1,5 +1,5 @@
-"""The decoder: Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE and GPT-OSS from ``moelora_core.checkpoint`` weights, with
-LoRA from one backend and one ``LoRAWeights`` pool per layer.
+"""The decoder: Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, GPT-OSS and DeepSeek-V3 from ``moelora_core.checkpoint``
+weights, with LoRA from one backend and one ``LoRAWeights`` pool per layer.
 
 Per decoder layer (as transformers 5.17 computes it; x rows are the step's tokens):
 
@@ -20,6 +20,9 @@ Per decoder layer (as transformers 5.17 computes it; x rows are the step's token
     h = h + moe_layer_forward(base path, m, topk_ids, topk_weights, base, backend, pool, info)
     Qwen2-MoE: h += shared_expert_forward(m, shared, dense path)   (sigmoid-gated SwiGLU; its gate / up /
                down are dense projections: base GEMM + backend.dense_delta("shared_gate"/"shared_up"/"shared_down"))
+    DeepSeek-V3: q/k/v from MLA (:mod:`moelora_runner.mla`, LoRA on q_a/q_b/kv_a/kv_b through dense_delta;
+               YaRN RoPE, its softmax scale); the ungated shared experts add to the routed sum; the first
+               ``first_k_dense_replace`` layers run a dense SwiGLU (dense_gate/up/down) instead of the MoE block
 
 then ``logits = rms_norm(h, norm)[logits_indices] lm_headᵀ`` (the embedding when tied).
 
@@ -63,6 +66,7 @@ from moelora_reference.routing import route_grouped_sigmoid
 from moelora_runner.attention import paged_attention, write_kv
 from moelora_runner.forward_batch import ForwardBatch
 from moelora_runner.kv_cache import KVCache
+from moelora_runner.mla import MLA_NORM_EPS, MLARotary, softmax_scale
 from moelora_runner.parallel.comm import Collectives
 from moelora_runner.parallel.layout import ParallelLayout
 from moelora_runner.parallel.sharding import shard_layer
@@ -148,9 +152,9 @@ class DecoderLayer:
         self.index = index
         self.w = weights
         self.config = config
-        self.moe: MoEBaseWeights = weights.moe
-        self.router = weights.moe.router if router is None else router
-        self.router_bias = weights.moe.router_bias  # GPT-OSS
+        self.moe: MoEBaseWeights | None = weights.moe  # None: DeepSeek-V3's dense first layers
+        self.router = (None if weights.moe is None else weights.moe.router) if router is None else router
+        self.router_bias = None if weights.moe is None else weights.moe.router_bias  # GPT-OSS
         self.parallel = parallel or ParallelLayout.single()
         self.comm = comm
         self.heads, self.kv_heads = self.parallel.heads(config)
@@ -167,6 +171,8 @@ class DecoderLayer:
         c = self.config
         eps = c.rms_norm_eps
         a = rms_norm(h, self.w.input_layernorm, eps)
+        if self.w.mla is not None:
+            return self._mla_qkv(a, fb, lora, rope)
         q, k, v = (self._dense(m, a, lora, fb) for m in ("q", "k", "v"))
         T = h.shape[0]
         if c.family.qk_norm == "full" and self.parallel.tp > 1:
@@ -184,6 +190,26 @@ class DecoderLayer:
         q, k = rope.apply(q, k, fb.positions)
         return q, k, v
 
+    def _mla_qkv(self, a: torch.Tensor, fb: ForwardBatch, lora: LoRAContext,
+                 rope: MLARotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's MLA (:mod:`moelora_runner.mla`): q, k [T, nh, qk_head_dim] and v [T, nh,
+        qk_head_dim] (zero-padded past v_head_dim) of the normed rows a [T, H]."""
+        m, w = self.config.mla, self.w.mla
+        T = a.shape[0]
+        if w.q_proj is not None:
+            q = self._dense("q", a, lora, fb)
+        else:
+            q = self._dense("q_b", rms_norm(self._dense("q_a", a, lora, fb), w.q_a_layernorm, MLA_NORM_EPS), lora, fb)
+        q_nope, q_rot = q.view(T, self.heads, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        c, k_rot = self._dense("kv_a", a, lora, fb).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        kv = self._dense("kv_b", rms_norm(c, w.kv_a_layernorm, MLA_NORM_EPS), lora, fb)
+        k_nope, v = kv.view(T, self.heads, m.qk_nope_head_dim + m.v_head_dim).split(
+            [m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        q_rot, k_rot = rope.apply(q_rot, k_rot.reshape(T, 1, m.qk_rope_head_dim), fb.positions)
+        q = torch.cat([q_nope, q_rot], dim=-1)
+        k = torch.cat([k_nope, k_rot.expand(T, self.heads, m.qk_rope_head_dim)], dim=-1)
+        return q, k, F.pad(v, (0, m.qk_head_dim - m.v_head_dim))
+
     def route(self, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_weights [T, k] fp32, topk_ids [T, k] int32) of the normed hidden states m [T, H] by the
         whole router (DESIGN.md §1; DeepSeek-V3's in fp32 as ``DeepseekV3TopkRouter``)."""
@@ -197,11 +223,15 @@ class DecoderLayer:
                        moe_path: BaseMoEPath) -> torch.Tensor:
         """The layer's output hidden states [T, H] from the attention output [T, nh·d] and its input h."""
         c, par = self.config, self.parallel
+        if c.mla is not None:  # MLA: the cache's padded V columns are cut before o
+            attn = attn.view(attn.shape[0], self.heads, c.head_dim)[..., :c.mla.v_head_dim].reshape(attn.shape[0], -1)
         o = self._dense("o", attn, lora, fb)
         if par.tp > 1:
             self.comm.all_reduce_(o)  # row-parallel o: base and LoRA partials summed together
         h = h + o
         m = rms_norm(h, self.w.post_attention_layernorm, c.rms_norm_eps)
+        if self.moe is None:  # DeepSeek-V3's dense first layers: an ungated SwiGLU, LoRA on dense_*
+            return h + shared_expert_forward(m, self.w.dense_mlp, lambda mod, x: self._dense(mod, x, lora, fb))
         topk_weights, topk_ids = self.route(m)
         if par.ep > 1:
             topk_ids = local_expert_ids(topk_ids, *self.experts)
@@ -214,6 +244,14 @@ class DecoderLayer:
             # (never on a split model: ParallelLayout.check refuses one with a shared expert).
             y = y + shared_expert_forward(m, self.w.shared_expert, lambda mod, x: self._dense(mod, x, lora, fb))
         return h + y
+
+
+def _moved_dense_layer(lw: DecoderLayerWeights, to) -> DecoderLayerWeights:
+    """A DeepSeek-V3 dense layer (MLA + dense MLP, no MoE block) moved by ``to``."""
+    return DecoderLayerWeights(q_proj=to(lw.q_proj), k_proj=None, v_proj=None, o_proj=to(lw.o_proj), q_norm=None,
+                               k_norm=None, input_layernorm=to(lw.input_layernorm),
+                               post_attention_layernorm=to(lw.post_attention_layernorm), moe=None,
+                               mla=lw.mla.map(to), dense_mlp=lw.dense_mlp.map(to))
 
 
 class MoEDecoder:
@@ -252,6 +290,10 @@ class MoEDecoder:
         self.lm_head = self.embed_tokens if weights.config.tie_word_embeddings else to(weights.lm_head)
         self.layers = []
         for i, lw in enumerate(weights.layers):
+            if lw.moe is None:  # DeepSeek-V3's dense first layers (never split: shared experts refuse TP/EP)
+                self.layers.append(DecoderLayer(i, _moved_dense_layer(lw, to), self.config, None, self.parallel,
+                                                comm))
+                continue
             router = to(lw.moe.router)
             if self.parallel.parallel:
                 lw = shard_layer(lw, self.config, self.parallel)
@@ -269,14 +311,17 @@ class MoEDecoder:
                                         post_attention_layernorm=to(lw.post_attention_layernorm), moe=moe,
                                         shared_expert=None if lw.shared_expert is None else lw.shared_expert.map(to),
                                         q_bias=to(lw.q_bias), k_bias=to(lw.k_bias), v_bias=to(lw.v_bias),
-                                        o_bias=to(lw.o_bias), sinks=to(lw.sinks))
+                                        o_bias=to(lw.o_bias), sinks=to(lw.sinks),
+                                        mla=None if lw.mla is None else lw.mla.map(to))
             self.layers.append(DecoderLayer(i, moved, self.config, router, self.parallel, comm))
         c = self.config
         # GPT-OSS: the window applies to its "sliding_attention" layers only (config.layer_types)
         self.windows: list[int | None] = (
             [c.sliding_window if t == "sliding_attention" else None for t in c.layer_types]
             if c.layer_types is not None else [sliding_window] * len(self.layers))
-        self.rope = RotaryEmbedding(c.head_dim, c.rope_theta, max_positions, dtype, device)
+        self.rope = (MLARotary(c, max_positions, dtype, device) if c.mla is not None
+                     else RotaryEmbedding(c.head_dim, c.rope_theta, max_positions, dtype, device))
+        self.attention_scale = softmax_scale(c) if c.mla is not None else None
 
     @property
     def num_layers(self) -> int:
@@ -294,12 +339,16 @@ class MoEDecoder:
         for layer in self.layers:
             w = layer.w
             tensors += [w.q_proj, w.k_proj, w.v_proj, w.o_proj, w.q_norm, w.k_norm, w.input_layernorm,
-                        w.post_attention_layernorm, w.moe.w_gate_up, w.moe.w_down, layer.router]
-            tensors += [w.q_bias, w.k_bias, w.v_bias, w.o_bias, w.sinks, w.moe.b_gate_up, w.moe.b_down,
-                        w.moe.router_bias]
-            if w.shared_expert is not None:
-                se = w.shared_expert
-                tensors += [se.gate_proj, se.up_proj, se.down_proj, se.gate]
+                        w.post_attention_layernorm, layer.router, w.q_bias, w.k_bias, w.v_bias, w.o_bias, w.sinks]
+            if w.moe is not None:
+                tensors += [w.moe.w_gate_up, w.moe.w_down, w.moe.b_gate_up, w.moe.b_down, w.moe.router_bias]
+            for se in (w.shared_expert, w.dense_mlp):
+                if se is not None:
+                    tensors += [se.gate_proj, se.up_proj, se.down_proj, se.gate]
+            if w.mla is not None:
+                m = w.mla
+                tensors += [m.q_proj, m.q_a_proj, m.q_a_layernorm, m.q_b_proj, m.kv_a_proj, m.kv_a_layernorm,
+                            m.kv_b_proj]
         for t in tensors:
             if t is not None:
                 seen[t.data_ptr()] = t.numel() * t.element_size()
@@ -319,7 +368,7 @@ class MoEDecoder:
         """Write the step's K/V into layer ``i``'s cache, then attend: [T, nh·d]."""
         write_kv(kv.k[i], kv.v[i], k, v, fb)
         return paged_attention(q, kv.k[i], kv.v[i], kv.req_to_token, fb, sliding_window=self.windows[i],
-                               sinks=self.layers[i].w.sinks)
+                               sinks=self.layers[i].w.sinks, scale=self.attention_scale)
 
     def post_attention(self, i: int, attn: torch.Tensor, h: torch.Tensor, fb: ForwardBatch,
                        lora: LoRAContext) -> torch.Tensor:

@@ -2,8 +2,8 @@
 length, the eos tokens, the attention window and the RoPE type, from ``config.json`` (and
 ``generation_config.json`` for eos, as ``transformers``' ``generate`` reads it).
 
-Refused here, before any weight is read: DeepSeek-V3 (MLA attention is not in the engine yet); a
-RoPE type other than "default" (scaled RoPE variants
+Refused here, before any weight is read: a RoPE type other than "default" (DeepSeek-V3: "default"
+or "yarn", which its MLA applies; other scaled RoPE variants
 change the position encoding; the engine would serve wrong logits); a Qwen2-MoE with
 ``use_sliding_window`` (its window applies to some layers only, by ``layer_types``).
 
@@ -62,14 +62,15 @@ class ModelInfo:
         """
         model_dir = Path(model_dir)
         config = read_model_config(model_dir)
-        if config.mla is not None:
-            raise UnsupportedModelError(model_dir, "config.json model_type", "DeepSeek-V3's MLA attention is not "
-                                        "served by the engine yet (the readers, hf-check and checkpoint-pass read "
-                                        "it)", found=repr(config.model_type))
+        if config.mla is not None and config.mla.v_head_dim > config.mla.qk_head_dim:
+            # the engine's one cache geometry holds V zero-padded to the key width (moelora_runner.mla)
+            raise UnsupportedModelError(model_dir, "config.json v_head_dim", "MLA with a value head wider than "
+                                        "the query/key head is not served", expected=f"<= {config.mla.qk_head_dim}",
+                                        found=config.mla.v_head_dim)
         raw = json.loads((model_dir / "config.json").read_text())
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-        if rope_type != "default":
+        if rope_type != "default" and not (config.mla is not None and rope_type == "yarn"):
             raise UnsupportedModelError(model_dir, "config.json rope_parameters.rope_type",
                                         "only the default RoPE is served", expected="'default'", found=repr(rope_type))
         if config.model_type == "qwen2_moe" and raw.get("use_sliding_window"):
