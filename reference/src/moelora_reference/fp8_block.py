@@ -18,9 +18,11 @@ written apart from this one.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
+from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.fp8_block import ACT_SCALE_EPS, FP8_E4M3_MAX
 
 F32 = torch.float32
@@ -78,3 +80,15 @@ def dequantize_weight(w_q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
     n, k = w_q.shape[-2:]
     s = scale_inv.to(F32).index_select(-2, weight_row_blocks(n, bn, half, w_q.device))
     return w_q.to(F32) * s.repeat_interleave(bk, dim=-1)[..., :k]
+
+
+def dequantize_moe(base: MoEBaseWeights) -> MoEBaseWeights:
+    """The same block with its fp8 experts dequantized to fp32 (Ŵ; no activation quantization): what
+    transformers 5.17 computes on a CPU, where it dequantizes fp8 checkpoints at load (weights only).
+    An unquantized block is returned as is."""
+    if base.weight_block is None:
+        return base
+    return replace(base, w_gate_up=dequantize_weight(base.w_gate_up, base.w_gate_up_scale_inv, base.weight_block,
+                                                     base.intermediate_size),
+                   w_down=dequantize_weight(base.w_down, base.w_down_scale_inv, base.weight_block),
+                   weight_block=None, w_gate_up_scale_inv=None, w_down_scale_inv=None)
