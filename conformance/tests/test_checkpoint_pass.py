@@ -154,3 +154,16 @@ def test_the_pass_on_gpt_oss_equals_hf_peft(fixture_set, tmp_path, backend):
     hf = {(r.subject, r.part) for r in rows if r.check == "hf"}
     assert {("gpt_oss-pass-r8", "moe"), ("gpt_oss-pass-rslora-r6", "moe"), ("gpt_oss-r8", "o"), ("(base)", "moe")} <= hf
     assert {r.mode for r in rows} == set(modes)
+
+
+def test_the_fp8_model_passes_w8a8_and_a_backend_not_declaring_it_is_refused(fixture_set, tmp_path):
+    # DESIGN.md §1 "Quantized base": the reference runs the w8a8 experts against the oracle's w8a8; csgmv,
+    # which does not declare base_quant=fp8_block, gets one start-up row and no run
+    rows = run_model(fixture_set, tmp_path, "qwen3_moe_fp8", backends=("reference", "csgmv"), modes=("eager",),
+                     layers=[0])
+    assert not [r for r in rows if not r.ok], [r for r in rows if not r.ok][:5]
+    ref = [r for r in rows if r.backend == "reference"]
+    assert any(r.check == "oracle" for r in ref)
+    assert {r.part for r in ref if r.check == "hf"} == {"q", "k", "v", "o"}  # HF computes w8a16 experts
+    refused = [r for r in rows if r.backend == "csgmv"]
+    assert [r.check for r in refused] == ["declared"] and "UnsupportedBaseQuantError" in refused[0].note

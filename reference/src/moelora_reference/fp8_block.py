@@ -18,9 +18,11 @@ written apart from this one.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
+from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.fp8_block import ACT_SCALE_EPS, FP8_E4M3_MAX
 
 F32 = torch.float32
@@ -35,7 +37,8 @@ def round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
     _, e = torch.frexp(a)  # a = m · 2^e, m in [0.5, 1): floor(log2 a) = e - 1
     exp = torch.clamp(e - 1, min=-6)  # subnormals share the smallest normal exponent's step
     step = torch.ldexp(torch.ones_like(a), exp - 3)
-    return torch.copysign(torch.round(a / step) * step, v)
+    r = torch.round(a / step) * step
+    return torch.where(v < 0, -r, r)  # as the kernel: a zero is +0.0
 
 
 def quantize_activation(x: torch.Tensor, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,3 +81,51 @@ def dequantize_weight(w_q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
     n, k = w_q.shape[-2:]
     s = scale_inv.to(F32).index_select(-2, weight_row_blocks(n, bn, half, w_q.device))
     return w_q.to(F32) * s.repeat_interleave(bk, dim=-1)[..., :k]
+
+
+def dequantize_moe(base: MoEBaseWeights) -> MoEBaseWeights:
+    """The same block with its fp8 experts dequantized to fp32 (Ŵ; no activation quantization): what
+    transformers 5.17 computes on a CPU, where it dequantizes fp8 checkpoints at load (weights only).
+    An unquantized block is returned as is."""
+    if base.weight_block is None:
+        return base
+    return replace(base, w_gate_up=dequantize_weight(base.w_gate_up, base.w_gate_up_scale_inv, base.weight_block,
+                                                     base.intermediate_size),
+                   w_down=dequantize_weight(base.w_down, base.w_down_scale_inv, base.weight_block),
+                   weight_block=None, w_gate_up_scale_inv=None, w_down_scale_inv=None)
+
+
+def fp8_moe_gemm(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, c: torch.Tensor,
+                 align, *, block: tuple[int, int], top_k: int, num_pairs: int, in_row_div: int,
+                 half: int | None = None, slot: int = 0, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Twin of ``moelora_kernels.fp8_block.fp8_moe_gemm``, in float64 loops over the alignment's blocks:
+
+        c[p, n] = w_p · Σ_g s[p', g] · scale_inv[e, rb(n), g] · Σ_{k∈g} q[p', k] · W_q[e, n, k]
+
+    (p' = p // in_row_div), rounded once to c's dtype; blocks of expert -1 and padding rows are skipped.
+    """
+    bn, bk = block
+    N, K = w.shape[1:]
+    groups = math.ceil(K / bk)
+    rows_scale = weight_row_blocks(N, bn, None if half is None or half == N else half, w.device)
+    sorted_ids = align.sorted_token_ids[slot].tolist()
+    expert_ids = align.expert_ids[slot].tolist()
+    block_m = len(sorted_ids) // len(expert_ids)
+    weights = None if topk_weights is None else topk_weights.reshape(-1).to(torch.float64)
+    for b in range(int(align.num_tokens_post_padded[slot]) // block_m):
+        e = expert_ids[b]
+        rows = [p for p in sorted_ids[b * block_m:(b + 1) * block_m] if 0 <= p < num_pairs]
+        if e < 0 or e >= w.shape[0] or not rows:
+            continue
+        p = torch.tensor(rows, device=c.device)
+        x = q[p // in_row_div].to(torch.float64)  # [rows, K]
+        sx = s[p // in_row_div].to(torch.float64)  # [rows, G]
+        sw = scale_inv[e].to(torch.float64)[rows_scale]  # [N, G]
+        v = torch.zeros(len(rows), N, dtype=torch.float64, device=c.device)
+        for g in range(groups):
+            k = slice(g * bk, (g + 1) * bk)
+            v += (x[:, k] @ w[e, :, k].to(torch.float64).T) * sx[:, g:g + 1] * sw[:, g][None, :]
+        if weights is not None:
+            v = v * weights[p][:, None]
+        c[p] = v.to(c.dtype)
+    return c

@@ -32,6 +32,15 @@ routed experts (``hf.mlp.experts``). The gated composition of the two is checked
 DeepSeek-V3: its MLA projections and ungated shared experts are dense modules alike; its dense first
 layers have no MoE block for the harness and are left to ``hf-check``.
 
+An fp8 block-scaled fixture (the manifest's ``quantized_from``; DESIGN.md §1) is served with its
+source model's pass adapters. Its MoE blocks run the w8a8 base (fp8 experts, activations quantized
+per token per K-group) and are checked against the oracle's w8a8 under the policy's fp8 rows; their
+HF rows are left out (transformers on a CPU computes the dequantized weights without activation
+quantization: ``hf-check`` compares that). Its dense projections enter the harness dequantized
+(the harness's projection step is a plain GEMM; their w8a8 is the engine's). A backend that does not
+declare ``base_quant=fp8_block`` gets one row saying it was refused at start-up
+(``UnsupportedBaseQuantError``), as the engine refuses it.
+
 Every comparison is a :class:`PassRow`; :func:`run_checkpoint_pass` returns them all and
 :mod:`.table` prints the summary. Needs the ``fixtures`` extra (transformers + peft).
 """
@@ -58,8 +67,10 @@ from moelora_core import (
     ForwardMode,
     InvalidFieldError,
     LoRAWeights,
+    UnsupportedBaseQuantError,
     load_backend,
 )
+from moelora_core.backend import check_base_quant_served
 from moelora_core.checkpoint import MoECheckpoint, load_adapter_into_slot, read_adapter
 
 F32 = torch.float32
@@ -159,12 +170,14 @@ def _hf_rows(model: str, backend: str, mode: str, layer: _LayerData, batch_name:
     rows = []
     slots = torch.tensor(inp.batch.token_lora_mapping)
     sides = [(NO_ADAPTER, BASE, layer.hf_base)] + [(s, a.name, layer.hf_adapters[s]) for s, a in enumerate(adapters)]
+    fp8 = layer.base.base_quant != "none"  # w8a8 experts: transformers computes w8a16 on a CPU (module doc)
     for slot, name, hf in sides:
         mask = slots == slot
         if not bool(mask.any()):
             continue
         with torch.no_grad():
-            want = {"moe": hf.mlp.experts(run.moe_in[mask], inp.topk_ids[mask].long(), inp.topk_weights[mask])}
+            want = {} if fp8 else {"moe": hf.mlp.experts(run.moe_in[mask], inp.topk_ids[mask].long(),
+                                                         inp.topk_weights[mask])}
             for m, x in inp.dense_x.items():
                 # The harness's projection is the GEMM and its LoRA; a bias (Qwen2-MoE q/k/v) is a
                 # constant row the engine adds in its base GEMM, checked by hf-check and the engine tests.
@@ -204,8 +217,10 @@ def run_model(fixtures: FixtureSet, work_dir: Path, model: str, *, backends: Seq
     adapters, or the given ``adapters`` (a user's, :func:`user_pass_adapters`)."""
     from moelora_conformance.hf_check.hf_model import decoder_layers, load_hf
     from moelora_conformance.hf_check.per_module import merged_reference_model
+    from moelora_conformance.hf_check.run import served_layer
 
-    adapters = build_pass_adapters(fixtures, work_dir, model) if adapters is None else list(adapters)
+    source = fixtures.manifest["models"][model].get("quantized_from", model)  # an fp8 copy: its source's adapters
+    adapters = build_pass_adapters(fixtures, work_dir, source) if adapters is None else list(adapters)
     max_rank = pool_max_rank(fixtures)
     model_dir = fixtures.model_dir(model)
     rows: list[PassRow] = []
@@ -224,7 +239,8 @@ def run_model(fixtures: FixtureSet, work_dir: Path, model: str, *, backends: Seq
         data = []
         for li in chosen:
             disk = ckpt.layer(li)
-            data.append(_LayerData(li, pools[li], disk.moe, _layer_dense(disk, spec),
+            dense = served_layer(disk)  # fp8 dense projections dequantized (module doc); the experts stay fp8
+            data.append(_LayerData(li, pools[li], disk.moe, _layer_dense(dense, spec),
                                    {m: b for m in spec.dense_shapes if (b := disk.bias(m)) is not None},
                                    hf_base[li], [hf[li] for hf in hf_adapters]))
     for layer in data:
@@ -237,6 +253,12 @@ def run_model(fixtures: FixtureSet, work_dir: Path, model: str, *, backends: Seq
         prepared = {name: _inputs(layer, b, seed + i) for i, (name, b) in enumerate(batches.items())}
         for backend in backends:
             factory = load_backend(backend)
+            try:
+                check_base_quant_served(backend, factory(spec).capabilities(), spec.base_quant)
+            except UnsupportedBaseQuantError as exc:
+                rows.append(PassRow(model, backend, "start-up", layer.index, "-", "declared", "all rows", "layer",
+                                    None, None, True, f"refused at start-up ({type(exc).__name__}: {exc})"))
+                continue
             for mode in modes:
                 names = ("extend", "decode") if mode == "eager" else ("decode",) if mode == "decode" else ("extend",)
                 for batch_name in names:
@@ -251,7 +273,7 @@ def run_model(fixtures: FixtureSet, work_dir: Path, model: str, *, backends: Seq
                     except AssertionError as exc:  # the run itself went wrong (a Fallback within capacity)
                         rows.append(PassRow(*where, False, _first_line(exc)))
                         continue
-                    ctx = CheckContext(describe, seed, F32, torch.device("cpu"))
+                    ctx = CheckContext(describe, seed, F32, torch.device("cpu"), base_quant=spec.base_quant)
                     try:
                         check_run(Oracle(harness), inp, run, base, ctx, f"{mode} {batch_name}", pad_rows=pad)
                         rows.append(PassRow(*where, True))

@@ -24,6 +24,8 @@ def summarize(rows: Iterable[PassRow], noop: dict[str, str] | None = None) -> li
         compared = {r.subject for r in hf} - {"(base)"}
         noop_only = bool(compared) and compared <= set(noop or {})
         notes = [f"L{r.layer} {r.batch} {r.subject} {r.part}: {r.note}" for r in rs if not r.ok]
+        refused = [r for r in rs if r.check == "declared"]  # the model's base_quant is not declared
+        notes += [r.note for r in refused[:1]]
         if noop_only:
             notes.append(f"not meaningful: every adapter compared is a no-op ({', '.join(sorted(compared))})")
         out.append({
@@ -31,7 +33,7 @@ def summarize(rows: Iterable[PassRow], noop: dict[str, str] | None = None) -> li
             "oracle": f"{sum(r.ok for r in oracle)}/{len(oracle)}",
             "hf": len(hf), "adapters": len({r.subject for r in hf} - {"(base)"}),
             "max_rel": max((r.max_rel for r in hf if r.max_rel is not None), default=0.0),
-            "ok": all(r.ok for r in rs), "noop": noop_only, "notes": notes,
+            "ok": all(r.ok for r in rs), "noop": noop_only, "notes": notes, "refused": bool(refused),
         })
     return out
 
@@ -53,7 +55,8 @@ def render(rows: list[PassRow], console: Console | None = None, *, noop: dict[st
     summary = summarize(rows, noop)
     for s in summary:
         result = "[bold red]FAIL[/bold red]" if not s["ok"] else \
-            "[yellow]not meaningful[/yellow]" if s["noop"] else "[green]PASS[/green]"
+            "[yellow]not meaningful[/yellow]" if s["noop"] else \
+            "not implemented" if s.get("refused") else "[green]PASS[/green]"
         table.add_row(s["model"], s["backend"], s["mode"], s["oracle"], str(s["adapters"]), str(s["hf"]),
                       f"{s['max_rel']:.2e}", result, "\n".join(s["notes"][:3]))
     console.print(table)

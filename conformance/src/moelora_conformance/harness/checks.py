@@ -95,6 +95,8 @@ class CheckContext:
     dtype: torch.dtype
     device: torch.device
     policy: TolerancePolicy = DEFAULT_POLICY
+    #: the layer's base quantization: "fp8_block" selects the policy's fp8 rows (DESIGN.md §7).
+    base_quant: str = "none"
 
     def what(self, what: str) -> str:
         return f"{what} | {self.describe}"
@@ -102,7 +104,8 @@ class CheckContext:
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, ctx: CheckContext, what: str) -> None:
     """``actual`` equals ``expected`` (float64 oracle) within the policy for the case dtype."""
-    ctx.policy.assert_close(actual, expected, dtype=ctx.dtype, device=ctx.device, what=ctx.what(what), seed=ctx.seed)
+    ctx.policy.assert_close(actual, expected, dtype=ctx.dtype, device=ctx.device, what=ctx.what(what), seed=ctx.seed,
+                            base_quant=ctx.base_quant)
 
 
 #: Multiple of ``u₃₂ · rounding scale`` a dense delta's fp32 accumulation may be off (measured worst: 3.5).
@@ -152,7 +155,7 @@ def assert_delta_close(
         AssertionError: with the max / RMS relative errors of ``quantity``, the bounds, and the first
             coordinates off (expected and actual ``quantity``).
     """
-    tol = ctx.policy.lookup(ctx.dtype, ctx.device)
+    tol = ctx.policy.lookup(ctx.dtype, ctx.device, base_quant=ctx.base_quant)
     a = actual_lora.detach().to("cpu", torch.float64) - actual_base.detach().to("cpu", torch.float64)
     e = expected_delta.detach().to("cpu", torch.float64)
     if a.shape != e.shape:

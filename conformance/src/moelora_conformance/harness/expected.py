@@ -145,7 +145,10 @@ class Oracle:
         """The oracle values of one MoE layer on its run input ``moe_in``."""
         x, ids, w = self._take(moe_in, rows), self._take(ids, rows), self._take(w, rows)
         # GPT-OSS's expert biases and activation; None / SiLU for the other families (DESIGN.md §1)
-        block = dict(b_gate_up=base.b_gate_up, b_down=base.b_down, activation=base.activation)
+        block = dict(b_gate_up=base.b_gate_up, b_down=base.b_down, activation=base.activation,
+                     # an fp8 block-scaled base: the oracle's w8a8 (DESIGN.md §1)
+                     weight_block=base.weight_block, w_gate_up_scale_inv=base.w_gate_up_scale_inv,
+                     w_down_scale_inv=base.w_down_scale_inv)
         y = moe_lora_forward(x, ids, w, base.w_gate_up, base.w_down, lora, mapping, **block)
         delta = y - moe_lora_forward(x, ids, w, base.w_gate_up, base.w_down, None, None, **block)
         layer = self.layer

@@ -64,6 +64,7 @@ from moelora_conformance.harness.checks import ACCUMULATION_LAMBDA, UNIT_ROUNDOF
 from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.moe_activation import MoEActivation
 from moelora_reference.base_moe import split_gate_up
+from moelora_reference.fp8_block import dequantize_moe
 from moelora_reference.oracle import gated_activation
 
 F64 = torch.float64
@@ -153,6 +154,9 @@ def moe_rounding_scale(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     Returns:
         [T, H] non-negative: the absolute error a correct run may carry per element.
     """
+    # fp8 experts: the roundings are those of the dequantized weights' GEMMs (the quantization steps are
+    # the tolerance policy's fp8 rows, not a rounding allowance)
+    base = dequantize_moe(base)
     x = x.detach().to("cpu", F64)
     ids = topk_ids.detach().to("cpu", torch.long)
     w = topk_weights.detach().to("cpu", F64)

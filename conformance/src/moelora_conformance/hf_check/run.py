@@ -23,6 +23,15 @@ adapter:
 - ``reference-backend``: the readers' pools run through the reference backend on a mixed batch
   (adapter request + base request) equal HF+PEFT on the adapter's rows (the per-module reference
   for the divergent case) and HF without adapter on the base rows.
+- fp8 block-scaled models (the manifest's ``quantized_from``; DESIGN.md §1): transformers 5.17 on a
+  CPU dequantizes them at load (weights only, no activation quantization), which is right where
+  every dimension is a multiple of the block (it infers the block from the scale grid, wrong for
+  partial edge blocks). There, the readers' fp8 weights times their scales equal transformers'
+  weights exactly (part ``fp8 weights``), and the oracle on those dequantized weights
+  (``readers (dequantized)``) equals HF, and HF+PEFT for the source model's adapters
+  (:attr:`~moelora_conformance.fixtures.specs.Fp8ModelSpec.adapters`) served on the fp8 model. The
+  w8a8 base itself has no HF counterpart on a CPU: it is checked against moelora's oracle
+  (``checkpoint-pass``, the suite). The reference backend's rows, w8a8, are left out here.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ import math
 import zlib
 from dataclasses import replace
 
+import torch
+
 from moelora_conformance.fixtures.manifest import FixtureSet
 from moelora_conformance.hf_check import hf_model
 from moelora_conformance.hf_check.backend_path import compare_backend_layer
@@ -38,8 +49,9 @@ from moelora_conformance.hf_check.compare import SLOT, CheckRow, compare_layer
 from moelora_conformance.hf_check.extract import base_from_hf, lora_from_peft
 from moelora_conformance.hf_check.per_module import merged_reference_layers
 from moelora_conformance.user_files import pool_max_rank
-from moelora_core import LoRAWeights, module_index
+from moelora_core import LoRAWeights, MoEBaseWeights, module_index
 from moelora_core.checkpoint import MoECheckpoint, load_adapter_into_slot, read_adapter
+from moelora_reference.fp8_block import dequantize_moe, dequantize_weight
 
 BASE = "(base)"
 
@@ -77,6 +89,30 @@ def _bias(disk) -> dict:
     return {m: b for m in "qkvo" if (b := disk.bias(m)) is not None}
 
 
+def served_layer(disk):
+    """A read layer as HF computes it on a CPU: fp8 weights dequantized (weights only), else as read."""
+    if disk.weight_block is None:
+        return disk
+    deq = {m: dequantize_weight(disk.dense(m), s, disk.weight_block) for m, s in disk.dense_scales.items()}
+    shared = disk.shared_expert
+    if shared is not None:
+        shared = replace(shared, **{f"{m.removeprefix('shared_')}_proj": w for m, w in deq.items()
+                                    if m.startswith("shared_")})
+    return replace(disk, moe=dequantize_moe(disk.moe), weight_block=None, dense_scales={}, shared_expert=shared,
+                   **{f"{m}_proj": w for m, w in deq.items() if m in ("q", "k", "v", "o")})
+
+
+def _fp8_weight_row(model: str, layer: int, disk, hf_moe: MoEBaseWeights, hf_dense: dict) -> CheckRow:
+    """The readers' fp8 weights times their block scales equal transformers' dequantized weights."""
+    served = served_layer(disk)
+    pairs = [("experts gate_up", served.moe.w_gate_up, hf_moe.w_gate_up), ("experts down", served.moe.w_down,
+                                                                             hf_moe.w_down)]
+    pairs += [(m, served.dense(m), hf_dense[m]) for m in disk.dense_scales if m in hf_dense]
+    bad = [name for name, ours, theirs in pairs if not torch.equal(ours.float(), theirs.float())]
+    return CheckRow(model, BASE, "readers", layer, "fp8 weights", 0.0, 0.0, None, not bad, "equal",
+                    f"differ from transformers' dequantized weights: {bad}" if bad else "")
+
+
 def _pools(ckpt_config, num_layers: int, max_rank: int) -> list[LoRAWeights]:
     spec = ckpt_config.layer_spec(max_loras=SLOT + 1, max_rank=max_rank)
     return [LoRAWeights(spec) for _ in range(num_layers)]
@@ -88,11 +124,16 @@ def check_model_base(fixtures: FixtureSet, model: str) -> list[CheckRow]:
     rows: list[CheckRow] = []
     with MoECheckpoint(fixtures.model_dir(model)) as ckpt:
         cfg = ckpt.config
+        fp8 = cfg.base_quant != "none"
         for li, layer in enumerate(hf_model.decoder_layers(hf)):
             moe, dense, shared, biases = base_from_hf(layer, norm_topk_prob=cfg.norm_topk_prob, routing=cfg.routing)
             disk = ckpt.layer(li)
+            if fp8:
+                rows.append(_fp8_weight_row(model, li, disk, moe, dense))
+                disk = served_layer(disk)
             for source, (m, d, se, b) in (("hf-memory", (moe, dense, shared, biases)),
-                                          ("readers", (disk.moe, _dense(disk, cfg), _mlp(disk), _bias(disk)))):
+                                          ("readers (dequantized)" if fp8 else "readers",
+                                           (disk.moe, _dense(disk, cfg), _mlp(disk), _bias(disk)))):
                 rows += compare_layer(model=model, adapter=BASE, source=source, layer=li, moe=m, dense=d, pool=None,
                                       top_k=cfg.top_k, seed=_seed(model, li), shared=se, dense_bias=b,
                                       **_hf_side(layer))
@@ -113,10 +154,11 @@ def _rank_sigma_row(model: str, adapter: str, read, expected: dict) -> CheckRow:
                     "; ".join(problems[:5]))
 
 
-def check_adapter(fixtures: FixtureSet, adapter: str) -> list[CheckRow]:
-    """Every check of one fixture adapter (see the module doc)."""
+def check_adapter(fixtures: FixtureSet, adapter: str, *, model: str | None = None) -> list[CheckRow]:
+    """Every check of one fixture adapter (see the module doc); ``model``: serve it on another fixture
+    model than its own, an fp8 copy of it (``quantized_from``)."""
     entry = fixtures.adapter(adapter)
-    model = entry["model"]
+    model = model or entry["model"]
     model_dir, adapter_dir = fixtures.model_dir(model), fixtures.adapter_dir(adapter)
     divergent = bool(entry["peft_divergent"])
     max_rank = pool_max_rank(fixtures)
@@ -138,10 +180,12 @@ def check_adapter(fixtures: FixtureSet, adapter: str) -> list[CheckRow]:
         rows.append(_rank_sigma_row(model, adapter, read, entry["modules"]))
         pools = _pools(cfg, cfg.num_layers, max_rank)
         load_adapter_into_slot(pools, SLOT, read)
-        disk_layers = [ckpt.layer(li) for li in range(cfg.num_layers)]
+        fp8 = cfg.base_quant != "none"
+        disk_layers = [served_layer(ckpt.layer(li)) for li in range(cfg.num_layers)]
         for li, layer in enumerate(hf_layers):
             disk = disk_layers[li]
-            rows += compare_layer(model=model, adapter=adapter, source="readers", layer=li, moe=disk.moe,
+            source = "readers (dequantized)" if fp8 else "readers"
+            rows += compare_layer(model=model, adapter=adapter, source=source, layer=li, moe=disk.moe,
                                   dense=_dense(disk, cfg), pool=pools[li], top_k=cfg.top_k, seed=_seed(adapter, li),
                                   shared=_mlp(disk), dense_bias=_bias(disk), **_hf_side(layer),
                                   expect="diverge" if divergent else "equal")
@@ -160,7 +204,8 @@ def check_adapter(fixtures: FixtureSet, adapter: str) -> list[CheckRow]:
             rows += _per_module_rows(model, adapter, cfg, disk_layers, pools, merged)
             if divergent:
                 lora_layers = merged  # moelora serves the file's modules, not peft's converted σ
-        rows += _backend_rows(model, adapter, cfg, disk_layers, pools, lora_layers, base_layers)
+        if not fp8:  # the reference backend runs the w8a8 base, which HF does not compute on a CPU
+            rows += _backend_rows(model, adapter, cfg, disk_layers, pools, lora_layers, base_layers)
     return rows
 
 
@@ -238,4 +283,17 @@ def run_hf_check(fixtures: FixtureSet, *, adapters: list[str] | None = None) -> 
         rows += check_model_base(fixtures, model)
     for adapter in names:
         rows += check_layout_adapter(fixtures, adapter) if adapter in layout else check_adapter(fixtures, adapter)
+    for model in models:  # an fp8 copy serves its source model's adapters (the spec names which are checked)
+        source = fixtures.manifest["models"][model].get("quantized_from")
+        for adapter in fp8_adapters(model) if source else ():
+            if adapter in fixtures.manifest["adapters"] and (adapters is None or adapter in names):
+                rows += check_adapter(fixtures, adapter, model=model)
     return rows
+
+
+def fp8_adapters(model: str) -> tuple[str, ...]:
+    """The adapters hf-check serves on fp8 fixture ``model`` (``Fp8ModelSpec.adapters``; none for a
+    model the specs do not list)."""
+    from moelora_conformance.fixtures.specs import FP8_MODELS
+
+    return next((m.adapters for m in FP8_MODELS if m.name == model), ())

@@ -16,6 +16,10 @@ Steps (each a kernel of this package; no host sync; every intermediate allocated
 6. optional ``deltas.down``: the MoE-LoRA down delta (router-weighted);
 7. top-k sum over pairs with an expert id >= 0 → y [M, H] (:func:`.moe_epilogue.moe_sum`).
 
+With fp8 block-scaled experts (``weight_block``, DESIGN.md §1) steps 2 and 5 are w8a8
+(:mod:`.fp8_block`: the GEMM's input quantized per token per K-group, then the fp8 grouped GEMM), and
+steps 3 and 6 still read the unquantized x and h.
+
 With ``fused_lora=`` (:class:`FusedLoRAInputs`, the ``fused_moe`` capability of DESIGN.md §5)
 steps 3 and 6 disappear into 2 and 5: the deltas are added inside the base GEMMs
 (:func:`.fused_moe.fused_moe_gemm` ``lora=``), each row its own token's slot's, over the base
@@ -37,12 +41,14 @@ import torch
 
 from moelora_core.align import AlignOutput
 from moelora_core.errors import KernelPreconditionError
+from moelora_core.fp8_block import FP8_DTYPE
 from moelora_core.moe_activation import GATE_UP_LAYOUTS
 from moelora_core.moe_deltas import MoEDeltas
 from moelora_core.weights import LoRAWeights
 from moelora_kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check_rank_covers, check_tensor
 from moelora_kernels.align import moe_align_block_size
 from moelora_kernels.configs import moe_block_m
+from moelora_kernels.fp8_block import fp8_moe_gemm, quantize_activation_fp8
 from moelora_kernels.fused_moe import GemmLoRA, fused_moe_gemm
 from moelora_kernels.moe_epilogue import moe_activation, moe_sum
 from moelora_kernels.moe_lora import STAGE_MODULES, moe_lora_delta, stage_tensors
@@ -140,6 +146,9 @@ def fused_moe(
     alpha: float = 1.702,
     limit: float = 7.0,
     fused_lora: FusedLoRAInputs | None = None,
+    weight_block: tuple[int, int] | None = None,
+    w_gate_up_scale_inv: torch.Tensor | None = None,
+    w_down_scale_inv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = Σ_k w_k · (W_down[e_k] act(W_gate_up[e_k] x + b_gate_up[e_k]) + b_down[e_k]) (+ the MoE-LoRA
     deltas of ``deltas``; biases only where given).
@@ -165,6 +174,11 @@ def fused_moe(
         fused_lora: the deltas fused into the base GEMMs (:class:`FusedLoRAInputs`; gated layers
             only, over the base alignment ``align`` / ``block_m``; ``deltas`` / ``lora`` must be
             None).
+        weight_block: (bn, bk) of fp8 block-scaled experts (DESIGN.md §1): ``w_gate_up`` / ``w_down``
+            are then float8_e4m3fn with ``w_gate_up_scale_inv`` [E_base, 2·⌈I/bn⌉, ⌈H/bk⌉] and
+            ``w_down_scale_inv`` [E_base, ⌈H/bn⌉, ⌈I/bk⌉]; the base GEMMs are w8a8
+            (:mod:`.fp8_block`: x and h quantized per token per K-group), the deltas read the
+            unquantized x and h. Gated halves-layout layers without biases, no ``fused_lora``.
 
     Returns:
         y [M, H] in x's dtype.
@@ -185,10 +199,15 @@ def fused_moe(
     if topk_ids.shape[0] != M:
         raise KernelPreconditionError(f"topk_ids: {topk_ids.shape[0]} rows for {M} tokens")
     top_k = topk_ids.shape[1]
-    check_tensor("w_gate_up", w_gate_up, dtypes=(x.dtype,), dim=3, device=x.device)
+    w_dtype = x.dtype if weight_block is None else FP8_DTYPE
+    check_tensor("w_gate_up", w_gate_up, dtypes=(w_dtype,), dim=3, device=x.device)
     E_base, width, _ = w_gate_up.shape
     inter = width // 2 if gated else width
-    check_tensor("w_down", w_down, dtypes=(x.dtype,), shape=(E_base, H, inter), device=x.device)
+    check_tensor("w_down", w_down, dtypes=(w_dtype,), shape=(E_base, H, inter), device=x.device)
+    if weight_block is not None and (fused_lora is not None or not gated or layout != "halves"
+                                     or b_gate_up is not None or b_down is not None):
+        raise KernelPreconditionError("fused_moe: an fp8 block-scaled base takes a gated halves-layout layer without "
+                                      "biases and its deltas through deltas= (no fused_lora)")
     if fused_lora is not None:
         if deltas is not None:
             raise KernelPreconditionError("fused_moe: fused_lora adds the deltas inside the base GEMMs; pass no "
@@ -203,7 +222,11 @@ def fused_moe(
         align = moe_align_block_size(topk_ids, E_base, block_m or moe_block_m(M, top_k, E_base))
     num_pairs = M * top_k
     gate_up = torch.empty(M, top_k, width, dtype=x.dtype, device=x.device)
-    if fused_lora is not None:
+    if weight_block is not None:  # w8a8 base; the deltas below read the unquantized x and h
+        q, s = quantize_activation_fp8(x, weight_block[1])
+        fp8_moe_gemm(q, s, w_gate_up, w_gate_up_scale_inv, gate_up.view(num_pairs, width), align, block=weight_block,
+                     top_k=top_k, num_pairs=num_pairs, in_row_div=top_k, half=inter)
+    elif fused_lora is not None:
         # one launch per slice: each has its own A and B (and column view of W, bias and output)
         for s in range(2):
             cols = _slice_columns(s, inter, layout)
@@ -219,9 +242,14 @@ def fused_moe(
     h = moe_activation(gate_up.view(num_pairs, width), activation=activation, gated=gated, topk_ids=topk_ids,
                        layout=layout, alpha=alpha, limit=limit)
     down = torch.empty(M, top_k, H, dtype=x.dtype, device=x.device)
-    fused_moe_gemm(h, w_down, down.view(num_pairs, H), align, top_k=top_k, num_pairs=num_pairs, in_row_div=1,
-                   topk_weights=topk_weights, tf32=tf32, bias=b_down,
-                   lora=None if fused_lora is None else fused_lora.slice("down"))
+    if weight_block is not None:
+        q, s = quantize_activation_fp8(h, weight_block[1])
+        fp8_moe_gemm(q, s, w_down, w_down_scale_inv, down.view(num_pairs, H), align, block=weight_block, top_k=top_k,
+                     num_pairs=num_pairs, in_row_div=1, topk_weights=topk_weights)
+    else:
+        fused_moe_gemm(h, w_down, down.view(num_pairs, H), align, top_k=top_k, num_pairs=num_pairs, in_row_div=1,
+                       topk_weights=topk_weights, tf32=tf32, bias=b_down,
+                       lora=None if fused_lora is None else fused_lora.slice("down"))
     if deltas is not None:
         deltas.down(h, topk_ids, topk_weights, down)
     return moe_sum(down, topk_ids)

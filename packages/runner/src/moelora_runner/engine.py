@@ -188,6 +188,10 @@ class Engine:
         # Before any weight is read: a backend that does not declare the model's base quantization
         # would drop or mis-scale deltas on that path (DESIGN.md §1, "Quantized base").
         check_base_quant_served(backend, caps, spec.base_quant)
+        if spec.base_quant != "none":  # the engine's model runs unquantized bases only, for now
+            raise EngineConfigError("model", f"{self.model_dir} is an fp8 block-scaled checkpoint (base_quant="
+                                    f"{spec.base_quant}): the engine's model does not serve that base yet; its "
+                                    "layer is checked by checkpoint-pass and the suite")
         if expert_layout != "per_expert" and not caps.shared_expert_factors:
             raise EngineConfigError("expert_layout", f"backend {backend!r} does not declare shared_expert_factors: "
                                     f"it cannot read expert factors stored once per slot ({expert_layout!r})")

@@ -37,7 +37,8 @@ def triton_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     act = base.activation  # GPT-OSS: swiglu_oai and expert biases, in the halves layout the readers give
     return fused_moe(x, topk_ids.contiguous(), topk_weights.contiguous(), base.w_gate_up, base.w_down, deltas=deltas,
                      activation=act.kind, alpha=act.alpha, limit=act.limit, b_gate_up=base.b_gate_up,
-                     b_down=base.b_down)
+                     b_down=base.b_down, weight_block=base.weight_block,  # fp8 experts: w8a8 (DESIGN.md §1)
+                     w_gate_up_scale_inv=base.w_gate_up_scale_inv, w_down_scale_inv=base.w_down_scale_inv)
 
 
 def base_moe_path(impl: str) -> BaseMoEPath:

@@ -35,6 +35,7 @@ from moelora_core.checkpoint.errors import (
     ShapeMismatchError,
     UnmatchedKeysError,
     UnsupportedModelError,
+    UnsupportedQuantizationError,
     UnsupportedTargetError,
     VocabularyTargetError,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "ShapeMismatchError",
     "UnmatchedKeysError",
     "UnsupportedModelError",
+    "UnsupportedQuantizationError",
     "UnsupportedTargetError",
     "VocabularyTargetError",
     "adapter_effect",

@@ -18,6 +18,15 @@ Formats read (transformers 5.17; see :mod:`moelora_core.checkpoint.families`):
   ``l < first_k_dense_replace`` a dense MLP ``mlp.{gate,up,down}_proj`` and no experts; on the others
   the experts (either form), the router ``mlp.gate.weight`` with its ``e_score_correction_bias`` [E],
   and the ungated shared experts ``mlp.shared_experts.{gate,up,down}_proj``.
+- fp8 block-scaled checkpoints (``quantization_config`` ``quant_method: fp8`` with
+  ``weight_block_size`` [bn, bk]; DESIGN.md §1, "Quantized base"): per-expert expert weights and the
+  dense projections (q/k/v/o, the shared expert's) may be stored float8_e4m3fn, each with its
+  ``weight_scale_inv`` fp32 [⌈out/bn⌉, ⌈in/bk⌉]; modules in ``modules_to_not_convert``, routers,
+  norms, embeddings and the LM head stay unquantized. The experts of an fp8 checkpoint are all fp8.
+  fp8 tensors and their scales are never cast to ``dtype``. Refused by name: an fp8 tensor where the
+  format has none or in a checkpoint without the config (``UnsupportedQuantizationError``), fused
+  3-D fp8 expert stacks, a missing (``MissingTensorError``) or mis-shaped (``CheckpointShapeError``)
+  scale.
 
 The orientation comes from the format, never from the shapes: a tensor whose shape is not exactly
 the one the config implies is refused (with H != 2I a transposed expert stack fails loudly; with
@@ -41,15 +50,19 @@ from moelora_core.checkpoint.errors import (
     CheckpointShapeError,
     MissingTensorError,
     UnsupportedModelError,
+    UnsupportedQuantizationError,
 )
 from moelora_core.checkpoint.gpt_oss import gpt_oss_experts
 from moelora_core.checkpoint.key_names import describe_non_canonical, non_canonical
 from moelora_core.checkpoint.layout import DecoderLayerWeights, MLAWeights, ModelWeights
 from moelora_core.checkpoint.model_config import MoEModelConfig, read_model_config
 from moelora_core.checkpoint.tensor_source import TensorSource
+from moelora_core.fp8_block import scale_grid
 from moelora_core.shared_expert import SharedExpertWeights, dense_mlp
 
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+_FP8 = "float8_e4m3fn"
+_SCALE = ".weight_scale_inv"
 
 
 class MoECheckpoint:
@@ -80,22 +93,54 @@ class MoECheckpoint:
             self.path, stem="model", error=lambda subject, problem: CheckpointFormatError(self.path, subject, problem)
         )
         self._layout: dict[str, tuple[int, ...]] = {}
+        #: weight keys stored fp8 (each with its ``weight_scale_inv``), kept as stored by ``tensor``.
+        self._fp8: set[str] = set()
         self.expert_format: list[str] = []
         self._plan()
 
     # --- planning: every key, its expected shape ------------------------------------------------
 
-    def _expect(self, key: str, shape: tuple[int, ...]) -> None:
+    def _expect(self, key: str, shape: tuple[int, ...], *, quantizable: bool = False) -> None:
+        """Plan ``key`` of ``shape``; a ``quantizable`` linear weight of an fp8 checkpoint may be stored
+        fp8 with its block scales (checked here)."""
         if key not in self._src:
             raise MissingTensorError(self.path, key, "required tensor is missing", expected=shape, found="no such key")
         found = self._src.shape(key)
         if found != shape:
             raise CheckpointShapeError(self.path, key, "wrong shape", expected=shape, found=found)
         dtype = self._src.dtype_name(key)
-        if dtype not in _FLOAT_DTYPES:
+        if dtype == _FP8:
+            self._expect_fp8(key, shape, quantizable)
+        elif dtype not in _FLOAT_DTYPES:
             raise CheckpointFormatError(self.path, key, "not a floating-point tensor",
                                         expected="/".join(_FLOAT_DTYPES), found=dtype)
         self._layout[key] = shape
+
+    def _expect_fp8(self, key: str, shape: tuple[int, ...], quantizable: bool) -> None:
+        c = self.config
+        if c.weight_block is None:
+            raise UnsupportedQuantizationError(self.path, key, "an fp8 tensor in a checkpoint without an fp8 "
+                                               "quantization_config", expected="/".join(_FLOAT_DTYPES), found=_FP8)
+        module = key.removesuffix(".weight")
+        if not quantizable or not key.endswith(".weight") or len(shape) != 2:
+            raise UnsupportedQuantizationError(self.path, key, "stored fp8 where the format has no fp8 tensor "
+                                               "(only expert weights and dense projections are quantized)",
+                                               expected="/".join(_FLOAT_DTYPES), found=_FP8)
+        if any(m in module for m in c.modules_to_not_convert):
+            raise UnsupportedQuantizationError(self.path, key, "stored fp8 but listed in modules_to_not_convert",
+                                               expected="/".join(_FLOAT_DTYPES), found=_FP8)
+        scale_key, grid = module + _SCALE, scale_grid(shape[0], shape[1], c.weight_block)
+        if scale_key not in self._src:
+            raise MissingTensorError(self.path, scale_key, "the block scales of an fp8 weight are missing",
+                                     expected=grid, found="no such key")
+        if self._src.shape(scale_key) != grid:
+            raise CheckpointShapeError(self.path, scale_key, f"wrong scale grid for a {shape} weight at block "
+                                       f"{list(c.weight_block)}", expected=grid, found=self._src.shape(scale_key))
+        if self._src.dtype_name(scale_key) != "float32":
+            raise CheckpointFormatError(self.path, scale_key, "block scales must be fp32", expected="float32",
+                                        found=self._src.dtype_name(scale_key))
+        self._fp8.add(key)
+        self._layout[scale_key] = grid
 
     def _moe_block(self, layer: int) -> tuple[str, str]:
         """(block name, "per_expert" | "fused") of ``layer``'s MoE block, as stored."""
@@ -126,7 +171,7 @@ class MoECheckpoint:
                 continue
             for module, leaf in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj")):
                 fin, fout = dense[module]
-                self._expect(f"{p}.self_attn.{leaf}.weight", (fout, fin))
+                self._expect(f"{p}.self_attn.{leaf}.weight", (fout, fin), quantizable=True)
                 if c.qkv_bias and (module != "o" or c.o_bias):
                     self._expect(f"{p}.self_attn.{leaf}.bias", (fout,))
             if c.family.attention_sinks:
@@ -149,17 +194,23 @@ class MoECheckpoint:
                 self._expect(f"{p}.mlp.experts.down_proj", (E, I, H))
                 self._expect(f"{p}.mlp.experts.down_proj_bias", (E, H))
             elif form == "fused":
+                # fused 3-D fp8 stacks are refused by _expect (not quantizable here: no 2-D scale grid)
                 self._expect(f"{p}.mlp.experts.gate_up_proj", (E, 2 * I, H))
                 self._expect(f"{p}.mlp.experts.down_proj", (E, H, I))
+                if c.weight_block is not None:
+                    raise UnsupportedQuantizationError(self.path, f"{p}.mlp.experts.gate_up_proj", "fused 3-D "
+                                                       "expert stacks in an fp8 checkpoint are not served (per-expert "
+                                                       "fp8 weights with their scales are)")
             else:
                 g, u, d = c.family.expert_leaves
                 for e in range(E):
-                    self._expect(f"{p}.{block}.experts.{e}.{g}.weight", (I, H))
-                    self._expect(f"{p}.{block}.experts.{e}.{u}.weight", (I, H))
-                    self._expect(f"{p}.{block}.experts.{e}.{d}.weight", (H, I))
+                    self._expect(f"{p}.{block}.experts.{e}.{g}.weight", (I, H), quantizable=True)
+                    self._expect(f"{p}.{block}.experts.{e}.{u}.weight", (I, H), quantizable=True)
+                    self._expect(f"{p}.{block}.experts.{e}.{d}.weight", (H, I), quantizable=True)
+                self._check_fp8_experts(layer, block)
             if c.family.shared_expert:
-                for key, shape in self._shared_keys(layer).values():
-                    self._expect(key, shape)
+                for name, (key, shape) in self._shared_keys(layer).items():
+                    self._expect(key, shape, quantizable=name != "gate")
         extra = [k for k in self._src.keys() if k not in self._layout]
         if extra:
             shown = ", ".join(extra[:5]) + (f" (+{len(extra) - 5} more)" if len(extra) > 5 else "")
@@ -221,6 +272,18 @@ class MoECheckpoint:
                 "up_proj": (f"{prefix}.up_proj.weight", (width, H)),
                 "down_proj": (f"{prefix}.down_proj.weight", (H, width))}
 
+    def _check_fp8_experts(self, layer: int, block: str) -> None:
+        """An fp8 checkpoint's experts are all fp8 (MoEBaseWeights holds one base_quant per block)."""
+        if self.config.weight_block is None:
+            return
+        keys = [k for k in self._layout if k.startswith(f"model.layers.{layer}.{block}.experts.")
+                and k.endswith(".weight")]
+        plain = [k for k in keys if k not in self._fp8]
+        if plain:
+            raise UnsupportedQuantizationError(self.path, plain[0], f"an fp8 checkpoint with {len(plain)} expert "
+                                               "weight(s) not stored fp8 (every expert weight must be)",
+                                               expected=_FP8, found=self._src.dtype_name(plain[0]))
+
     def _shared_keys(self, layer: int) -> dict[str, tuple[str, tuple[int, int]]]:
         """SharedExpertWeights field → (key, shape) of ``layer``'s shared expert (Qwen2-MoE)."""
         c = self.config
@@ -238,7 +301,13 @@ class MoECheckpoint:
         if key not in self._layout:
             raise MissingTensorError(self.path, key, "not a tensor of this checkpoint's layout")
         t = self._src.get(key)
+        if key in self._fp8 or key.endswith(_SCALE):  # fp8 weights and their fp32 scales stay as stored
+            return t
         return t if self.dtype is None else t.to(self.dtype)
+
+    def scale(self, key: str) -> torch.Tensor | None:
+        """The ``weight_scale_inv`` [⌈out/bn⌉, ⌈in/bk⌉] fp32 of weight ``key`` if it is stored fp8, else None."""
+        return self.tensor(key.removesuffix(".weight") + _SCALE) if key in self._fp8 else None
 
     def moe(self, layer: int) -> MoEBaseWeights | None:
         """Layer ``layer``'s MoE block: w_gate_up [E, 2I, H] (gate rows first), w_down [E, H, I],
@@ -275,6 +344,14 @@ class MoECheckpoint:
             up = torch.stack([self.tensor(f"{p}.{block}.experts.{e}.{u}.weight") for e in experts])  # [E, I, H]
             w_gate_up = torch.cat([gate, up], dim=1)  # [E, 2I, H], gate rows first
             w_down = torch.stack([self.tensor(f"{p}.{block}.experts.{e}.{d}.weight") for e in experts])  # [E, H, I]
+            if c.weight_block is not None:  # fp8: gate's scale grid then up's, per expert (MoEBaseWeights)
+                def scales(leaf: str) -> torch.Tensor:
+                    return torch.stack([self.scale(f"{p}.{block}.experts.{e}.{leaf}.weight") for e in experts])
+                return MoEBaseWeights(
+                    w_gate_up=w_gate_up.contiguous(), w_down=w_down.contiguous(), router=router,
+                    num_experts=c.num_experts, norm_topk_prob=c.norm_topk_prob, weight_block=c.weight_block,
+                    w_gate_up_scale_inv=torch.cat([scales(g), scales(u)], dim=1).contiguous(),
+                    w_down_scale_inv=scales(d).contiguous())
         return MoEBaseWeights(
             w_gate_up=w_gate_up.contiguous(),
             w_down=w_down.contiguous(),
@@ -322,6 +399,9 @@ class MoECheckpoint:
             **{f"{m}_bias": self.tensor(f"{p}.{m}_proj.bias") if self.config.qkv_bias else None for m in "qkv"},
             o_bias=self.tensor(f"{p}.o_proj.bias") if self.config.o_bias else None,
             sinks=self.tensor(f"{p}.sinks") if self.config.family.attention_sinks else None,
+            weight_block=self.config.weight_block,
+            dense_scales={m: sc for m, key in self._dense_keys(layer).items()
+                          if (sc := self.scale(key)) is not None},
         )
 
     def _deepseek_layer(self, layer: int) -> DecoderLayerWeights:
@@ -340,6 +420,14 @@ class MoECheckpoint:
             post_attention_layernorm=self.tensor(f"model.layers.{layer}.post_attention_layernorm.weight"),
             moe=self.moe(layer), shared_expert=self.shared_expert(layer), mla=mla, dense_mlp=dense,
         )
+
+    def _dense_keys(self, layer: int) -> dict[str, str]:
+        """moelora dense module → its weight key in ``layer`` (attention; the shared expert's)."""
+        p = f"model.layers.{layer}"
+        keys = {m: f"{p}.self_attn.{m}_proj.weight" for m in "qkvo"}
+        if self.config.family.shared_expert:
+            keys.update({f"shared_{n}": f"{p}.mlp.shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")})
+        return keys
 
     def embed_tokens(self) -> torch.Tensor:
         """[V, H] token embedding."""

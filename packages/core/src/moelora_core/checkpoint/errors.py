@@ -52,6 +52,13 @@ class UnsupportedModelError(CheckpointError):
     attention biases, non-SiLU experts)."""
 
 
+class UnsupportedQuantizationError(UnsupportedModelError):
+    """A quantized checkpoint moelora does not serve: a ``quant_method`` other than block-scaled fp8
+    (MXFP4, GPTQ, AWQ, ...), per-tensor fp8 (no ``weight_block_size``), static activation scales, an
+    fp8 tensor where the format has none (a router, a norm, a module listed in
+    ``modules_to_not_convert``) (DESIGN.md §1, "Quantized base")."""
+
+
 class MissingTensorError(CheckpointError):
     """A tensor the family's layout requires is not in the checkpoint."""
 

@@ -31,7 +31,7 @@ lm_head                    [V, H]                 the embedding itself when tied
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -95,6 +95,11 @@ class DecoderLayerWeights:
     sinks: torch.Tensor | None = None
     mla: MLAWeights | None = None
     dense_mlp: SharedExpertWeights | None = None
+    #: (bn, bk) of an fp8 block-scaled checkpoint (DESIGN.md §1), else None.
+    weight_block: tuple[int, int] | None = None
+    #: dense module → ``weight_scale_inv`` fp32 [⌈out/bn⌉, ⌈in/bk⌉] of each dense weight stored fp8 (that
+    #: weight is then float8_e4m3fn, read w8a8); modules absent here are unquantized.
+    dense_scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def bias(self, module: str) -> torch.Tensor | None:
         """The [out] bias of dense module ``module`` (q, k, v of a model with ``qkv_bias``; o too on

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from moelora_core.checkpoint.errors import CheckpointFormatError, UnsupportedModelError
+from moelora_core.checkpoint.errors import CheckpointFormatError, UnsupportedModelError, UnsupportedQuantizationError
 from moelora_core.checkpoint.families import FAMILIES, Family
 from moelora_core.errors import InvalidFieldError
 from moelora_core.layer_spec import LoRALayerSpec
@@ -88,6 +88,11 @@ class MoEModelConfig:
         first_k_dense_replace: the first layers that are dense MLPs (DeepSeek-V3), else 0.
         dense_intermediate_size: their width (DeepSeek-V3's ``intermediate_size``), else None.
         routing: DeepSeek-V3's group-limited routing, else None (softmax top-k).
+        base_quant: "none", or "fp8_block" for a checkpoint with ``quantization_config``
+            ``{"quant_method": "fp8", "weight_block_size": [bn, bk], "activation_scheme": "dynamic"}``
+            (DESIGN.md §1, "Quantized base"; :func:`read_quantization`).
+        weight_block: (bn, bk) of an fp8 block-scaled checkpoint, else None.
+        modules_to_not_convert: the ``quantization_config``'s module names kept unquantized.
     """
 
     family: Family
@@ -116,6 +121,9 @@ class MoEModelConfig:
     first_k_dense_replace: int = 0
     dense_intermediate_size: int | None = None
     routing: GroupLimitedRouting | None = None
+    base_quant: str = "none"
+    weight_block: tuple[int, int] | None = None
+    modules_to_not_convert: tuple[str, ...] = ()
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` has an MoE block (DeepSeek-V3's first layers do not)."""
@@ -179,6 +187,7 @@ class MoEModelConfig:
             max_rank=max_rank,
             dtype=dtype,
             device=torch.device(device),
+            base_quant=self.base_quant,
         )
 
     @classmethod
@@ -191,6 +200,7 @@ class MoEModelConfig:
                 or MLP biases (Qwen2-MoE's q/k/v-only ``qkv_bias`` is read); an activation other
                 than SiLU.
             CheckpointFormatError: a required field is missing or not a positive int.
+            UnsupportedQuantizationError: see :func:`read_quantization`.
         """
         model_type = raw.get("model_type")
         family = FAMILIES.get(str(model_type))
@@ -255,6 +265,7 @@ class MoEModelConfig:
             raise CheckpointFormatError(path, "config.json num_experts_per_tok", "exceeds the number of experts",
                                         expected=f"<= {num_experts}", found=top_k)
         clip = raw.get("clip_qkv")
+        base_quant, block, not_convert = read_quantization(raw.get("quantization_config"), path)
         return cls(
             family=family,
             architecture=archs[0],
@@ -278,6 +289,9 @@ class MoEModelConfig:
             o_bias=o_bias,
             layer_types=layer_types,
             sliding_window=window,
+            base_quant=base_quant,
+            weight_block=block,
+            modules_to_not_convert=not_convert,
         )
 
 
@@ -360,6 +374,59 @@ def _deepseek_v3(cls, family: Family, raw: Mapping[str, object], path: object, p
         dense_intermediate_size=positive("intermediate_size") if first_dense else None,
         routing=routing,
     )
+
+
+#: The one quantized format served (DESIGN.md §1): HF's fine-grained fp8 (Qwen3-FP8, DeepSeek-V3).
+FP8_QUANT_METHOD = "fp8"
+
+
+def read_quantization(qc: object, path: object) -> tuple[str, tuple[int, int] | None, tuple[str, ...]]:
+    """(base_quant, weight_block, modules_to_not_convert) of config.json's ``quantization_config``
+    as HF writes it: absent → ("none", None, ()); ``{"quant_method": "fp8", "weight_block_size":
+    [bn, bk], "activation_scheme": "dynamic"}`` (``fmt`` "e4m3" where given) → ("fp8_block", (bn, bk),
+    its ``modules_to_not_convert``).
+
+    Raises:
+        UnsupportedQuantizationError: another ``quant_method`` (MXFP4 named as GPT-OSS's released
+            format), per-tensor fp8 (no ``weight_block_size``) or a malformed one, static activation
+            scales, an fp8 format other than e4m3, ``dequantize`` set (moelora reads fp8 as stored).
+    """
+    if qc is None:
+        return "none", None, ()
+    where = "config.json quantization_config"
+    if not isinstance(qc, Mapping):
+        raise UnsupportedQuantizationError(path, where, "must be a JSON object", found=repr(qc))
+    method = qc.get("quant_method")
+    if method != FP8_QUANT_METHOD:
+        problem = ("MXFP4 (GPT-OSS's released checkpoints) is not served: only fp8 block-scaled bases are"
+                   if str(method).lower() == "mxfp4" else "only fp8 block-scaled bases are served")
+        raise UnsupportedQuantizationError(path, f"{where}.quant_method", problem, expected="'fp8'",
+                                           found=repr(method))
+    block = qc.get("weight_block_size")
+    if block is None:
+        raise UnsupportedQuantizationError(path, f"{where}.weight_block_size", "per-tensor fp8 is not served: "
+                                           "the weights must be block-scaled", expected="[bn, bk]", found=None)
+    if not isinstance(block, list) or len(block) != 2 or \
+            not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block):
+        raise UnsupportedQuantizationError(path, f"{where}.weight_block_size", "must be two positive ints",
+                                           expected="[bn, bk]", found=repr(block))
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise UnsupportedQuantizationError(path, f"{where}.activation_scheme", "static activation scales are not "
+                                           "served (activations are quantized per token per K-group)",
+                                           expected="'dynamic'", found=repr(scheme))
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise UnsupportedQuantizationError(path, f"{where}.fmt", "only float8 e4m3 weights are served",
+                                           expected="'e4m3'", found=repr(fmt))
+    if qc.get("dequantize"):
+        raise UnsupportedQuantizationError(path, f"{where}.dequantize", "a dequantizing config is not served",
+                                           expected="false", found=True)
+    not_convert = qc.get("modules_to_not_convert") or []
+    if not isinstance(not_convert, list) or not all(isinstance(m, str) for m in not_convert):
+        raise UnsupportedQuantizationError(path, f"{where}.modules_to_not_convert", "must be a list of module "
+                                           "names", found=repr(not_convert))
+    return "fp8_block", (block[0], block[1]), tuple(not_convert)
 
 
 def _gpt_oss_attention(raw: Mapping[str, object], path: object, layers: int) -> tuple[tuple[str, ...], int]:

@@ -1,0 +1,42 @@
+"""The fp8 block-scaled fixtures (DESIGN.md §1, "Quantized base"): quantized by moelora's builder from a
+built fixture model and written as HF writes the format.
+
+Covers: the manifest lists each fp8 model with ``quantized_from`` and its block; config.json holds
+``quantization_config`` as HF writes it (routers and LM head in ``modules_to_not_convert``); the reader
+serves it as ``fp8_block`` and its weights times their scales are within half an e4m3 step of the source
+model's; the source model's adapters are the ones served on it (hf-check's list names existing ones).
+"""
+
+import json
+
+import torch
+
+from moelora_conformance.fixtures.specs import FP8_MODELS
+from moelora_core.checkpoint import MoECheckpoint
+from moelora_reference.fp8_block import dequantize_moe
+
+
+def test_manifest_and_config_describe_each_fp8_model(fixture_set):
+    for spec in FP8_MODELS:
+        entry = fixture_set.manifest["models"][spec.name]
+        assert entry["quantized_from"] == spec.quantized_from
+        assert entry["quantization"] == {"quant_method": "fp8", "weight_block_size": list(spec.block)}
+        qc = json.loads((fixture_set.model_dir(spec.name) / "config.json").read_text())["quantization_config"]
+        assert (qc["quant_method"], qc["weight_block_size"], qc["activation_scheme"]) == ("fp8", list(spec.block),
+                                                                                          "dynamic")
+        assert "lm_head" in qc["modules_to_not_convert"] and "model.layers.0.mlp.gate" in qc["modules_to_not_convert"]
+        assert set(spec.adapters) <= set(fixture_set.manifest["adapters"])
+        assert all(fixture_set.adapter(a)["model"] == spec.quantized_from for a in spec.adapters)
+
+
+def test_fp8_weights_are_the_source_models_within_half_a_step(fixture_set):
+    for spec in FP8_MODELS:
+        with MoECheckpoint(fixture_set.model_dir(spec.name)) as fp8, \
+                MoECheckpoint(fixture_set.model_dir(spec.quantized_from)) as src:
+            assert fp8.config.base_quant == "fp8_block" and fp8.config.weight_block == spec.block
+            for li in range(fp8.config.num_layers):
+                ours, theirs = dequantize_moe(fp8.layer(li).moe), src.layer(li).moe
+                for a, b in ((ours.w_gate_up, theirs.w_gate_up), (ours.w_down, theirs.w_down)):
+                    err = (a - b.float()).abs()
+                    assert bool((err <= 2.0 ** -4 * b.abs() + 1e-6).all())  # e4m3: 3 mantissa bits
+                assert torch.equal(fp8.layer(li).moe.router, theirs.router)  # the router stays unquantized

@@ -1,0 +1,168 @@
+"""fp8 block-scaled w8a8 kernels (``moelora_kernels.fp8_block``) against their twins and the oracle
+(DESIGN.md §1, "Quantized base").
+
+Covers: the activation quantization bit for bit against its twin (fp32 and fp16 inputs; every e4m3
+value and tie, subnormals, an all-zero group, a value at amax that would overflow an unclamped
+quotient, a partial last group); the fp8 grouped GEMM per pair against its float64 twin on the same
+quantized input (gate_up with gate's and up's scale grids and partial row blocks; down with router
+weights; rows of -1 pairs stay NaN); the whole w8a8 layer with deltas against the oracle under the fp8
+rows, its base rows bit-identical to the layer without deltas, the deltas reading the unquantized
+activations (the oracle's LoRA term); precondition errors (a block that is not a power of two >= 16,
+a mis-shaped scale grid).
+"""
+
+import math
+
+import pytest
+import torch
+from kernel_testing import DEVICE, assert_bitwise_equal, assert_close, launch_guard, poisoned
+
+from moelora_core import DEFAULT_POLICY, KernelPreconditionError, LoRALayerSpec, LoRAWeights, ModuleLoRA, MoEBaseWeights
+from moelora_core.fp8_block import quantize_weight_fp8_block
+from moelora_kernels import moe_align_block_size, moe_block_m
+from moelora_kernels.fp8_block import fp8_moe_gemm, quantize_activation_fp8
+from moelora_kernels.moe_forward import fused_moe
+from moelora_reference import fp8_block as twin
+from moelora_reference.base_moe import route_topk
+from moelora_reference.oracle import moe_block_forward
+
+pytestmark = pytest.mark.interpreter
+DTYPES = [torch.float32, torch.float16]  # the interpreter's bf16 math is wrong (CPU tests: fp32 / fp16)
+
+
+def _codes() -> torch.Tensor:
+    vals = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    vals = vals[torch.isfinite(vals)].unique().sort().values
+    return torch.cat([vals, (vals[1:] + vals[:-1]) / 2])  # every e4m3 value and every tie
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_activation_quantization_is_bit_identical_to_the_twin(dtype):
+    gen = torch.Generator().manual_seed(0)
+    codes = _codes()
+    x = torch.zeros(6, 48)
+    x[0, :16] = 448.0  # group of 448 → scale 1: the rows below land on the values and ties as they are
+    x[0, 16:48] = codes[torch.randint(0, codes.numel(), (32,), generator=gen)]
+    x[1] = torch.randn(48, generator=gen) * torch.logspace(-7, 2, 48)  # subnormal e4m3 codes in a group
+    x[2, :16] = 0.0  # an all-zero group: the eps floor, zeros
+    x[3] = torch.randn(48, generator=gen) * 50
+    x[4, 5] = 464.0  # amax of its group: x / s rounds near 448, the clamp keeps it finite
+    x[5] = -torch.rand(48, generator=gen)
+    x = x.to(dtype).to(DEVICE)
+    for K in (48, 40):  # 40: a partial last group of 8
+        with launch_guard():
+            q, s = quantize_activation_fp8(x[:, :K].contiguous(), 16)
+        q2, s2 = twin.quantize_activation(x[:, :K].cpu(), 16)
+        assert_bitwise_equal(q.float().cpu(), q2, what=f"q K={K} {dtype}")
+        assert_bitwise_equal(s.cpu(), s2, what=f"s K={K} {dtype}")
+        assert bool(torch.isfinite(q.float()).all())
+
+
+def _fp8_case(dtype, T=9, H=40, inter=24, E=4, k=2, r=4, block=(16, 16), seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    qg, sg = quantize_weight_fp8_block(torch.randn(E, inter, H, generator=gen) / math.sqrt(H), block)
+    qu, su = quantize_weight_fp8_block(torch.randn(E, inter, H, generator=gen) / math.sqrt(H), block)
+    qd, sd = quantize_weight_fp8_block(torch.randn(E, H, inter, generator=gen) / math.sqrt(inter), block)
+    base = MoEBaseWeights(torch.cat([qg, qu], 1), qd, weight_block=block,
+                          w_gate_up_scale_inv=torch.cat([sg, su], 1), w_down_scale_inv=sd)
+    pool = LoRAWeights(LoRALayerSpec(H, inter, E, k, {}, 2, r, dtype=dtype, base_quant="fp8_block"))
+    pool.load_slot(1, {m: ModuleLoRA(torch.randn(E, r, i, generator=gen) / math.sqrt(i),
+                                     torch.randn(E, o, r, generator=gen) / math.sqrt(r), 0.75)
+                       for m, (i, o) in (("gate", (H, inter)), ("up", (H, inter)), ("down", (inter, H)))})
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    weights, ids = route_topk(torch.randn(T, E, generator=gen), k, True)
+    ids[2, 1] = -1  # a pair handled elsewhere: nothing, base or LoRA
+    mapping = torch.tensor([1, -1, 1, 1, -1, 1, -1, 1, 1][:T], dtype=torch.int32)
+    return base, pool, x, ids, weights, mapping
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_gemm_matches_its_twin_per_pair(dtype):
+    base, _, x, ids, weights, _ = _fp8_case(dtype)
+    M, k = ids.shape
+    E, width, H = base.w_gate_up.shape
+    dev = lambda t: t.to(DEVICE)
+    with launch_guard():
+        align = moe_align_block_size(dev(ids), E, moe_block_m(M, k, E))
+        q, s = quantize_activation_fp8(dev(x), 16)
+        gate_up = fp8_moe_gemm(q, s, dev(base.w_gate_up), dev(base.w_gate_up_scale_inv),
+                               poisoned(M * k, width, dtype=dtype), align, block=(16, 16), top_k=k, num_pairs=M * k,
+                               in_row_div=k, half=width // 2)
+    cpu_align = type(align)(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in align))
+    want = twin.fp8_moe_gemm(q.float().cpu(), s.cpu(), base.w_gate_up, base.w_gate_up_scale_inv,
+                             torch.full((M * k, width), float("nan"), dtype=dtype), cpu_align, block=(16, 16),
+                             top_k=k, num_pairs=M * k, in_row_div=k, half=width // 2)
+    here = (ids >= 0).reshape(-1)
+    assert_close(gate_up.cpu()[here], want[here], dtype=dtype, what="fp8 gate_up per pair")
+    assert bool(gate_up.cpu()[~here].isnan().all())
+    h = torch.randn(M * k, width // 2, generator=torch.Generator().manual_seed(4)).to(dtype)
+    with launch_guard():
+        qh, sh = quantize_activation_fp8(dev(h), 16)
+        down = fp8_moe_gemm(qh, sh, dev(base.w_down), dev(base.w_down_scale_inv), poisoned(M * k, H, dtype=dtype),
+                            align, block=(16, 16), top_k=k, num_pairs=M * k, in_row_div=1,
+                            topk_weights=dev(weights.reshape(-1).contiguous()))
+    want = twin.fp8_moe_gemm(qh.float().cpu(), sh.cpu(), base.w_down, base.w_down_scale_inv,
+                             torch.full((M * k, H), float("nan"), dtype=dtype), cpu_align, block=(16, 16), top_k=k,
+                             num_pairs=M * k, in_row_div=1, topk_weights=weights.reshape(-1))
+    assert_close(down.cpu()[here], want[here], dtype=dtype, what="fp8 down per pair")
+
+
+class _TorchDeltas:
+    """The LoRA deltas in fp32 torch (rounded once into the output), reading the activations given."""
+
+    def __init__(self, pool, mapping):
+        self.pool, self.mapping = pool, mapping.tolist()
+
+    def gate_up(self, x, ids, out):
+        for t, s in enumerate(self.mapping):
+            for j in range(ids.shape[1]):
+                e = int(ids[t, j])
+                if s < 0 or e < 0:
+                    continue
+                xt = x[t].float().cpu()
+                d = [self.pool.scalings(m)[s] * (self.pool.factors(m)[1][s, e].float() @
+                                                  (self.pool.factors(m)[0][s, e].float() @ xt)) for m in ("gate", "up")]
+                out[t, j] = (out[t, j].float().cpu() + torch.cat(d)).to(out.dtype).to(out.device)
+
+    def down(self, h, ids, w, out):
+        k = ids.shape[1]
+        for t, s in enumerate(self.mapping):
+            for j in range(k):
+                e = int(ids[t, j])
+                if s < 0 or e < 0:
+                    continue
+                A, B = self.pool.factors("down")
+                d = self.pool.scalings("down")[s] * (B[s, e].float() @ (A[s, e].float() @ h[t * k + j].float().cpu()))
+                out[t, j] = (out[t, j].float().cpu() + float(w[t, j]) * d).to(out.dtype).to(out.device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_w8a8_layer_equals_the_oracle_and_base_rows_equal_the_base_alone(dtype):
+    base, pool, x, ids, weights, mapping = _fp8_case(dtype)
+    dev = lambda t: t.to(DEVICE)
+    kw = dict(weight_block=base.weight_block, w_gate_up_scale_inv=dev(base.w_gate_up_scale_inv),
+              w_down_scale_inv=dev(base.w_down_scale_inv))
+    args = (dev(x), dev(ids.contiguous()), dev(weights.contiguous()), dev(base.w_gate_up), dev(base.w_down))
+    with launch_guard():
+        y = fused_moe(*args, deltas=_TorchDeltas(pool, mapping), **kw)
+        y_base = fused_moe(*args, **kw)
+    DEFAULT_POLICY.assert_close(y.cpu(), moe_block_forward(x, ids, weights, base, pool, mapping), dtype=dtype,
+                                base_quant="fp8_block", what="w8a8 layer with LoRA vs oracle")
+    DEFAULT_POLICY.assert_close(y_base.cpu(), moe_block_forward(x, ids, weights, base, None, None), dtype=dtype,
+                                base_quant="fp8_block", what="w8a8 base vs oracle")
+    rows = mapping < 0
+    assert_bitwise_equal(y.cpu()[rows], y_base.cpu()[rows], what="base rows")
+
+
+def test_preconditions_are_refused_by_name():
+    x = torch.randn(4, 24, device=DEVICE)
+    with pytest.raises(KernelPreconditionError, match="power of two >= 16"):
+        quantize_activation_fp8(x, 12)
+    base, _, x, ids, _, _ = _fp8_case(torch.float32)
+    q, s = quantize_activation_fp8(x.to(DEVICE), 16)
+    with launch_guard():
+        align = moe_align_block_size(ids.to(DEVICE), 4, 16)
+    with pytest.raises(KernelPreconditionError, match="scale_inv"):
+        fp8_moe_gemm(q, s, base.w_gate_up.to(DEVICE), base.w_gate_up_scale_inv[:, :3].to(DEVICE),
+                     torch.empty(18, 48, device=DEVICE), align, block=(16, 16), top_k=2, num_pairs=18, in_row_div=2,
+                     half=24)
