@@ -144,3 +144,18 @@ def test_the_engine_refuses_a_value_head_wider_than_the_key_head(fixture_set, tm
 
     with pytest.raises(UnsupportedModelError, match="v_head_dim"):
         ModelInfo.read(_config(fixture_set, tmp_path, v_head_dim=40))
+
+
+def test_the_e2e_engine_adapters_target_mla_and_read_back(fixture_set, tmp_path):
+    # ``moelora-conformance e2e --families deepseek_v3`` (opt-in, outside the CI-sized default)
+    from moelora_conformance.e2e.adapters import build_engine_adapters, engine_adapter_dirs, engine_adapter_specs
+
+    for _, fields in engine_adapter_specs(DEEPSEEK_V3.name):
+        assert not set(fields["dense"]) & {"q", "k", "v"} and set(fields["dense"]) <= set(MLA)
+        assert not any(k.endswith(("q_proj", "k_proj", "v_proj")) and "q_b" not in k
+                       for k in {**fields["rank_pattern"], **fields["alpha_pattern"]})
+    build_engine_adapters(tmp_path, [DEEPSEEK_V3.name])
+    cfg = read_model_config(fixture_set.model_dir(DEEPSEEK_V3.name))
+    for name, path in engine_adapter_dirs(tmp_path, [DEEPSEEK_V3.name])[DEEPSEEK_V3.name]:
+        read = read_adapter(path, cfg, name=name)
+        assert any(m in layer for layer in read.layers for m in ("q_a", "q_b", "kv_a", "kv_b", "o")), name

@@ -18,6 +18,9 @@ gate / up / down, and the legacy one — which peft 0.21.2 does not convert for 
 HF + PEFT forward exists (``moelora_conformance.checkpoint_pass.adapters``) — is replaced by a
 shared-expert + o adapter (``eng-shared-r3``).
 
+On DeepSeek-V3 (run only when ``--families`` names it) the attention targets are its MLA projections
+(q → q_a, q_b; k → kv_a; v → kv_b), in the patterns too.
+
 Building needs the ``fixtures`` extra (transformers + peft).
 """
 
@@ -58,10 +61,35 @@ def model_names() -> list[str]:
     return [m.name for m in MODELS]
 
 
+def opt_in_model_names() -> list[str]:
+    """Fixture models the e2e suite runs only when ``--families`` names them (outside its CI-sized
+    default): DeepSeek-V3."""
+    from moelora_conformance.fixtures.specs import DEEPSEEK_V3
+
+    return [DEEPSEEK_V3.name]
+
+
+def _mla_fields(fields: dict) -> dict:
+    """DeepSeek-V3: each attention target becomes its MLA projections (q → q_a, q_b; k → kv_a;
+    v → kv_b), the patterns' attention keys too."""
+    from moelora_conformance.checkpoint_pass.adapters import MLA_FOR
+
+    leaves = {"q_proj": "q_b_proj", "k_proj": "kv_a_proj_with_mqa", "v_proj": "kv_b_proj"}
+
+    def key(k: str) -> str:
+        return next((k.replace(a, b) for a, b in leaves.items() if k.endswith(a)), k)
+
+    return {**fields, "dense": tuple(m for d in fields["dense"] for m in MLA_FOR[d]),
+            "rank_pattern": {key(k): v for k, v in fields.get("rank_pattern", {}).items()},
+            "alpha_pattern": {key(k): v for k, v in fields.get("alpha_pattern", {}).items()}}
+
+
 def engine_adapter_specs(model: str) -> list[tuple[str, dict]]:
     """(suffix, AdapterSpec fields) of ``model``'s engine adapters."""
     from moelora_conformance.fixtures.specs import model_spec
 
+    if model_spec(model).deepseek is not None:
+        return [(suffix, _mla_fields(fields)) for suffix, fields in ENGINE_ADAPTERS]
     if model_spec(model).shared_inter is None:
         return list(ENGINE_ADAPTERS)
     return [SHARED_EXPERT_ADAPTERS.get(suffix, (suffix, fields)) for suffix, fields in ENGINE_ADAPTERS]

@@ -233,7 +233,12 @@ def _fixture_plan(args, backends: list[str], tmp: Path):
     """backend → [(family, model dir, {adapter: dir})] on the fixtures (built here unless given)."""
     if not require_fixtures_extra("e2e"):
         return 2
-    from moelora_conformance.e2e.adapters import build_engine_adapters, engine_adapter_dirs, model_names
+    from moelora_conformance.e2e.adapters import (
+        build_engine_adapters,
+        engine_adapter_dirs,
+        model_names,
+        opt_in_model_names,
+    )
     from moelora_conformance.e2e.suite import default_models
     from moelora_conformance.fixtures import build_fixtures
 
@@ -242,9 +247,10 @@ def _fixture_plan(args, backends: list[str], tmp: Path):
         return 2
     chosen = {b: ([f.strip() for f in args.families.split(",") if f.strip()] if args.families else default_models(b))
               for b in backends}
-    unknown = sorted({f for fams in chosen.values() for f in fams} - set(model_names()))
+    known = model_names() + opt_in_model_names()
+    unknown = sorted({f for fams in chosen.values() for f in fams} - set(known))
     if unknown:
-        return _usage(f"--families: unknown {unknown}; known {model_names()}")
+        return _usage(f"--families: unknown {unknown}; known {known}")
     needed = sorted({f for fams in chosen.values() for f in fams})
     root = tmp / "engine-adapters"
     build_engine_adapters(root, needed)
