@@ -39,6 +39,10 @@ device value or reads one; every shape comes from host numbers. :meth:`MoEDecode
 the forward up to the final norm (what ``full`` and decode graphs capture; the LM head runs on the
 step's logits rows after the replay).
 
+fp8 block-scaled checkpoints (DESIGN.md §1): the experts and the dense projections stored fp8 stay fp8
+with their fp32 block scales; their base products are w8a8 (the MoE base path's fp8 GEMMs; dense:
+``moelora_reference.fp8_block.fp8_linear``), and every LoRA delta reads the unquantized activations.
+
 Dtypes: weights and activations in the model dtype; RMSNorm and the router softmax in fp32 (as
 transformers); the MoE base path and the backend decide their own intermediates.
 """
@@ -53,11 +57,13 @@ import torch.nn.functional as F
 
 from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.checkpoint import DecoderLayerWeights, ModelWeights, MoEModelConfig
+from moelora_core.fp8_block import FP8_DTYPE
 from moelora_core.moe_deltas import BaseMoEPath, moe_layer_forward
 from moelora_core.sentinels import EXPERT_NOT_HERE
 from moelora_core.shared_expert import shared_expert_forward
 from moelora_core.weights import LoRAWeights
 from moelora_reference.base_moe import route_topk
+from moelora_reference.fp8_block import fp8_linear
 from moelora_runner.attention import paged_attention, write_kv
 from moelora_runner.forward_batch import ForwardBatch
 from moelora_runner.kv_cache import KVCache
@@ -155,7 +161,11 @@ class DecoderLayer:
         self.experts = self.parallel.experts(config)
 
     def _dense(self, module: str, x: torch.Tensor, lora: LoRAContext, fb: ForwardBatch) -> torch.Tensor:
-        out = F.linear(x, self.w.dense(module), self.w.bias(module))  # q/k/v bias: Qwen2-MoE qkv_bias
+        scale = self.w.dense_scales.get(module)
+        if scale is not None:  # an fp8 projection: w8a8 base, the delta below on the unquantized x (DESIGN.md §1)
+            out = fp8_linear(x, self.w.dense(module), scale, self.w.weight_block, self.w.bias(module))
+        else:
+            out = F.linear(x, self.w.dense(module), self.w.bias(module))  # q/k/v bias: Qwen2-MoE qkv_bias
         lora.backend.dense_delta(module, x, out, lora.pools[self.index], fb.lora_info)
         return out
 
@@ -233,7 +243,12 @@ class MoEDecoder:
         self.moe_path = moe_path
 
         def to(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is not None and t.dtype == FP8_DTYPE:  # fp8 weights stay fp8 (their scales fp32: keep)
+                return t.to(device=device).contiguous()
             return None if t is None else t.to(device=device, dtype=dtype).contiguous()
+
+        def keep(t: torch.Tensor | None) -> torch.Tensor | None:  # fp32 block scales: moved, never cast
+            return None if t is None else t.to(device=device).contiguous()
 
         self.embed_tokens = to(weights.embed_tokens)
         self.norm = to(weights.norm)
@@ -248,14 +263,17 @@ class MoEDecoder:
                                  router=None if self.parallel.parallel else router,
                                  num_experts=lw.moe.num_experts, norm_topk_prob=lw.moe.norm_topk_prob,
                                  b_gate_up=to(lw.moe.b_gate_up), b_down=to(lw.moe.b_down),
-                                 router_bias=to(lw.moe.router_bias), activation=lw.moe.activation)
+                                 router_bias=to(lw.moe.router_bias), activation=lw.moe.activation,
+                                 weight_block=lw.moe.weight_block, w_gate_up_scale_inv=keep(lw.moe.w_gate_up_scale_inv),
+                                 w_down_scale_inv=keep(lw.moe.w_down_scale_inv))
             moved = DecoderLayerWeights(q_proj=to(lw.q_proj), k_proj=to(lw.k_proj), v_proj=to(lw.v_proj),
                                         o_proj=to(lw.o_proj), q_norm=to(lw.q_norm), k_norm=to(lw.k_norm),
                                         input_layernorm=to(lw.input_layernorm),
                                         post_attention_layernorm=to(lw.post_attention_layernorm), moe=moe,
                                         shared_expert=None if lw.shared_expert is None else lw.shared_expert.map(to),
                                         q_bias=to(lw.q_bias), k_bias=to(lw.k_bias), v_bias=to(lw.v_bias),
-                                        o_bias=to(lw.o_bias), sinks=to(lw.sinks))
+                                        o_bias=to(lw.o_bias), sinks=to(lw.sinks), weight_block=lw.weight_block,
+                                        dense_scales={m: keep(t) for m, t in lw.dense_scales.items()})
             self.layers.append(DecoderLayer(i, moved, self.config, router, self.parallel, comm))
         c = self.config
         # GPT-OSS: the window applies to its "sliding_attention" layers only (config.layer_types)
@@ -282,7 +300,7 @@ class MoEDecoder:
             tensors += [w.q_proj, w.k_proj, w.v_proj, w.o_proj, w.q_norm, w.k_norm, w.input_layernorm,
                         w.post_attention_layernorm, w.moe.w_gate_up, w.moe.w_down, layer.router]
             tensors += [w.q_bias, w.k_bias, w.v_bias, w.o_bias, w.sinks, w.moe.b_gate_up, w.moe.b_down,
-                        w.moe.router_bias]
+                        w.moe.router_bias, w.moe.w_gate_up_scale_inv, w.moe.w_down_scale_inv, *w.dense_scales.values()]
             if w.shared_expert is not None:
                 se = w.shared_expert
                 tensors += [se.gate_proj, se.up_proj, se.down_proj, se.gate]
