@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from moelora_conformance.cli import main
 from moelora_conformance.fixtures import ADAPTERS, BAD_ADAPTERS, LAYOUT_ADAPTERS, MODELS
-from moelora_conformance.fixtures.specs import ALL_ADAPTERS, ALL_MODELS, DEEPSEEK_V3, GPT_OSS, SHARED
+from moelora_conformance.fixtures.specs import ALL_ADAPTERS, ALL_MODELS, DEEPSEEK_V3, FP8_MODELS, GPT_OSS, SHARED
 
 
 def _keys(path):
@@ -25,7 +25,8 @@ def _keys(path):
 
 def test_manifest_lists_every_spec(fixture_set):
     m = fixture_set.manifest
-    assert sorted(m["models"]) == sorted(s.name for s in ALL_MODELS)  # MODELS, GPT-OSS and DeepSeek-V3
+    # MODELS, GPT-OSS and DeepSeek-V3, and the fp8 copies (listed with quantized_from)
+    assert sorted(m["models"]) == sorted([s.name for s in ALL_MODELS] + [s.name for s in FP8_MODELS])
     assert sorted(m["adapters"]) == sorted(s.name for s in ALL_ADAPTERS)
     assert [s for s in ALL_MODELS if s not in MODELS] == [GPT_OSS, DEEPSEEK_V3]
     assert all(s in ALL_ADAPTERS for s in ADAPTERS)
@@ -169,7 +170,7 @@ def _digest(root):
 
 def test_make_fixtures_cli_is_deterministic(fixture_set, tmp_path, capsys):
     assert main(["make-fixtures", str(tmp_path / "again")]) == 0
-    assert "built 9 models, 24 adapters, 5 shared-outer / fully shared adapters, 16 bad adapters" in \
+    assert "built 10 models, 24 adapters, 5 shared-outer / fully shared adapters, 16 bad adapters" in \
         capsys.readouterr().out
     first, second = _digest(fixture_set.root), _digest(tmp_path / "again")
     assert first.keys() == second.keys()

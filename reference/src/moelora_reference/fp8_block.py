@@ -129,3 +129,14 @@ def fp8_moe_gemm(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, scale_inv: t
             v = v * weights[p][:, None]
         c[p] = v.to(c.dtype)
     return c
+
+
+def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A dense w8a8 projection (DESIGN.md §1): x̂ Ŵᵀ (+ b) with x [T, in] quantized per token per K-group
+    and W_q [out, in] fp8 dequantized by ``scale_inv`` [⌈out/bn⌉, ⌈in/bk⌉], in fp32, rounded once to x's
+    dtype. Graph-safe (no host reads). The LoRA delta of the projection reads the unquantized x."""
+    y = dequantize_activation(x, block[1]) @ dequantize_weight(w_q, scale_inv, block).T
+    if bias is not None:
+        y = y + bias.to(F32)
+    return y.to(x.dtype)

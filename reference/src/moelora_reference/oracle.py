@@ -79,18 +79,16 @@ def e4m3_round(v: torch.Tensor) -> torch.Tensor:
     e4m3: sign, 4 exponent bits (bias 7), 3 mantissa bits; normals from 2^-6, subnormals k · 2^-9.
     Between 2^e and 2^(e+1) (e >= -6) the values are spaced 2^(e-3); below 2^-6 they are spaced 2^-9.
     """
-    out = torch.empty_like(v)
-    for i, value in enumerate(v.tolist()):
-        a = abs(value)
-        e = max(math.frexp(a)[1] - 1, -6) if a > 0 else -6  # floor(log2 a), exactly
-        spacing = 2.0 ** (e - 3)
-        n = a / spacing  # exact: a power-of-two division
-        lower = math.floor(n)
-        frac = n - lower
-        if frac > 0.5 or (frac == 0.5 and lower % 2 == 1):
-            lower += 1
-        out[i] = math.copysign(lower * spacing, value)
-    return out
+    a = v.to(F64).abs()
+    _, exp = torch.frexp(a)  # a = m · 2^exp with m in [0.5, 1): floor(log2 a) = exp - 1, exactly
+    e = torch.where(a > 0, exp - 1, torch.full_like(exp, -6)).clamp(min=-6)
+    spacing = torch.pow(torch.full_like(a, 2.0), (e - 3).to(F64))
+    n = a / spacing  # exact: a power-of-two division
+    lower = torch.floor(n)
+    frac = n - lower
+    odd = torch.remainder(lower, 2) == 1
+    up = (frac > 0.5) | ((frac == 0.5) & odd)  # nearest, ties to the even multiple
+    return torch.where(v < 0, -1.0, 1.0).to(F64) * torch.where(up, lower + 1, lower) * spacing
 
 
 def fp8_group_quantize(v: torch.Tensor, block_k: int) -> torch.Tensor:
@@ -112,11 +110,9 @@ def fp8_dequantize(w_q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int,
     """Ŵ [N, K] fp64: every element of the fp8 weight W_q [N, K] times the scale of its (bn, bk) block
     (``scale_inv`` [⌈N/bn⌉, ⌈K/bk⌉]; edge blocks partial)."""
     bn, bk = block
-    out = w_q.to(F64).clone()
-    for i in range(scale_inv.shape[0]):
-        for j in range(scale_inv.shape[1]):
-            out[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] *= float(scale_inv[i, j])
-    return out
+    n, k = w_q.shape
+    per_element = scale_inv.to(F64).repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return w_q.to(F64) * per_element
 
 
 def fp8_block_matvec(w_q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
@@ -241,14 +237,17 @@ def moe_lora_forward(
     y = torch.zeros(T, H, dtype=F64)
     gate_rows = 0 if weight_block is None else math.ceil(inter / weight_block[0])
 
-    def gate_scale(e: int) -> torch.Tensor | None:
-        return None if weight_block is None else w_gate_up_scale_inv[e, :gate_rows]
+    if weight_block is not None:  # dequantize each expert once (Ŵ); the products stay w8a8 below
+        deq = {e: (fp8_dequantize(w_gate_up[e, :inter], w_gate_up_scale_inv[e, :gate_rows], weight_block),
+                   fp8_dequantize(w_gate_up[e, inter:], w_gate_up_scale_inv[e, gate_rows:], weight_block),
+                   fp8_dequantize(w_down[e], w_down_scale_inv[e], weight_block)) for e in range(E_base)}
 
-    def up_scale(e: int) -> torch.Tensor | None:
-        return None if weight_block is None else w_gate_up_scale_inv[e, gate_rows:]
-
-    def down_scale(e: int) -> torch.Tensor | None:
-        return None if weight_block is None else w_down_scale_inv[e]
+    def base(e: int, which: int, v: torch.Tensor) -> torch.Tensor:
+        """W v of expert e's gate (0), up (1) or down (2), or its w8a8 Ŵ v̂."""
+        if weight_block is None:
+            w = (w_gate_up[e, :inter], w_gate_up[e, inter:], w_down[e])[which]
+            return w.to(F64) @ v
+        return deq[e][which] @ fp8_group_quantize(v, weight_block[1])
 
     for t in range(T):
         slot = NO_ADAPTER if lora is None else int(token_lora_mapping[t])
@@ -261,8 +260,8 @@ def moe_lora_forward(
                 continue  # EXPERT_NOT_HERE: handled by another rank
             if e >= E_base:
                 raise InvalidFieldError(f"topk_ids[{t}, {j}]", f"expert {e} >= number of base experts {E_base}")
-            g = _base_matvec(w_gate_up[e, :inter], xt, gate_scale(e), weight_block)  # [I]
-            u = _base_matvec(w_gate_up[e, inter:], xt, up_scale(e), weight_block)  # [I]
+            g = base(e, 0, xt)  # [I]
+            u = base(e, 1, xt)  # [I]
             if b_gate_up is not None:
                 g = g + b_gate_up[e, :inter].to(F64)
                 u = u + b_gate_up[e, inter:].to(F64)
@@ -271,7 +270,7 @@ def moe_lora_forward(
                 g = g + lora_delta(lora.gate_A[slot, e], lora.gate_B[slot, e], lora.scalings("gate")[slot], xt)
                 u = u + lora_delta(lora.up_A[slot, e], lora.up_B[slot, e], lora.scalings("up")[slot], xt)
             h = gated_activation(g, u, activation)  # [I]; the delta and bias came before the clamp
-            out = _base_matvec(w_down[e], h, down_scale(e), weight_block)  # [H]; h unquantized for LoRA
+            out = base(e, 2, h)  # [H]; the down delta below reads the unquantized h
             if b_down is not None:
                 out = out + b_down[e].to(F64)
             if has_lora:

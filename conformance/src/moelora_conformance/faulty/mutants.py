@@ -287,6 +287,55 @@ _POOL_LOAD_SLOT = LoRAWeights.load_slot
 _PARSE_ADAPTER_CONFIG = peft_config.parse_adapter_config
 
 
+class _QuantizedShrinkDeltas:
+    """A reference backend's MoE deltas whose gate_up shrink reads x quantized to fp8 codes."""
+
+    def __init__(self, deltas, block_k: int):
+        self.deltas, self.block_k = deltas, block_k
+
+    def gate_up(self, x, topk_ids, gate_up_out):
+        from moelora_reference.fp8_block import quantize_activation
+
+        codes = quantize_activation(x, self.block_k)[0].to(x.dtype)
+        # FAULT: the shrink reads the base GEMM's fp8-quantized activations (the codes, without their
+        # scale) instead of the unquantized x (vLLM #42007 / #42120: deltas 50-500x off).
+        self.deltas.gate_up(codes, topk_ids, gate_up_out)
+
+    def down(self, h, topk_ids, topk_weights, down_out):
+        self.deltas.down(h, topk_ids, topk_weights, down_out)
+
+
+class QuantizedShrinkOnFp8(ReferenceBackend):
+    """``moe_forward`` on an fp8 block-scaled base feeds the LoRA shrink the quantized activations the
+    base GEMM reads (the fp8 codes) instead of the unquantized x."""
+
+    name = "mutant-fp8-quantized-shrink"
+
+    def moe_forward(self, x, topk_ids, topk_weights, base_weights, weights, info):
+        if base_weights.weight_block is None:
+            return super().moe_forward(x, topk_ids, topk_weights, base_weights, weights, info)
+        from moelora_core.moe_deltas import BackendMoEDeltas
+        from moelora_reference import base_moe
+
+        deltas = _QuantizedShrinkDeltas(BackendMoEDeltas(self, weights, info), base_weights.weight_block[1])
+        return base_moe.moe_forward(x, topk_ids, topk_weights, base_weights, deltas=deltas)
+
+
+class SkipsDeltasOnFp8(ReferenceBackend):
+    """``moe_forward`` on an fp8 block-scaled base runs the quantized base alone: the expert deltas are
+    loaded but never executed on that path (a vLLM fork's W4A16 experts consumed none of them)."""
+
+    name = "mutant-fp8-skips-deltas"
+
+    def moe_forward(self, x, topk_ids, topk_weights, base_weights, weights, info):
+        if base_weights.weight_block is not None:
+            from moelora_reference import base_moe
+
+            # FAULT: the quantized path takes no deltas.
+            return base_moe.moe_forward(x, topk_ids, topk_weights, base_weights)
+        return super().moe_forward(x, topk_ids, topk_weights, base_weights, weights, info)
+
+
 def _load_slot_keeping_absent_modules(self: LoRAWeights, slot: int, adapter, *, adapter_scaling=None) -> None:
     kept = {}
     for module in (*("gate", "up", "down"), *self.spec.dense_shapes):
@@ -351,5 +400,7 @@ MUTANTS: dict[str, type[ReferenceBackend]] = {
     "expert-id-E-off-by-one": ExpertIdEOffByOne,
     "folds-sigma-into-pool": FoldsSigmaIntoPool,
     "pool-keeps-stale-modules": PoolKeepsStaleModules,
+    "fp8-quantized-shrink": QuantizedShrinkOnFp8,
+    "fp8-skips-deltas": SkipsDeltasOnFp8,
     "reader-drops-rslora": ReaderDropsRsLoRA,
 }

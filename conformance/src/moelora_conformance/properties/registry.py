@@ -64,20 +64,23 @@ PROPERTIES: dict[str, Property] = {p.id: p for p in (
              FAMILY_MODES),
     Property("P13", "adapters read from real PEFT files (fused, per-expert, rsLoRA, patterns, fp16) mean what "
              "their files say", LAYER_MODES, requires=("transformers", "peft", "safetensors")),
+    Property("P14", "on an fp8 block-scaled base (w8a8) the delta is applied on every MoE path and base rows equal "
+             "the quantized base alone", LAYER_MODES, capability="fp8_block_base"),
 )}
 
 
 #: The order the plugin runs items in, within each dtype (fp32 first: exact enough for every fault):
 #: the metadata-only properties first (cheap, and a metadata fault is then reported as one), then
 #: the eager items of the properties that catch the most faults per second — P01 (outputs), P04
-#: (histories, reloads), P13 (adapter files) — then P05 (replays after a larger batch and after a
+#: (histories, reloads), P13 (adapter files), with P14 (fp8 base: one example runs every MoE path)
+#: after P01 — then P05 (replays after a larger batch and after a
 #: reload since the capture), P04 and P01 under graphs (faults a captured graph keeps: frozen σ,
 #: rank bounds), the rest. ``(property, modes)``; ``"*"`` = every mode.
 #: Seconds to each mutant's first counterexample: ``docs/mutations.md``.
 RUN_ORDER: tuple[tuple[str, str], ...] = (
-    ("P06", "*"), ("P07", "*"), ("P01", "eager"), ("P04", "eager"), ("P13", "eager"), ("P05", "*"), ("P04", "*"),
-    ("P01", "*"), ("P13", "*"), ("P02", "*"), ("P03", "*"), ("P09", "*"), ("P11", "*"), ("P08", "*"), ("P10", "*"),
-    ("P12", "*"),
+    ("P06", "*"), ("P07", "*"), ("P01", "eager"), ("P14", "eager"), ("P04", "eager"), ("P13", "eager"), ("P05", "*"),
+    ("P04", "*"), ("P01", "*"), ("P13", "*"), ("P02", "*"), ("P03", "*"), ("P09", "*"), ("P11", "*"), ("P08", "*"),
+    ("P10", "*"), ("P14", "*"), ("P12", "*"),
 )
 _DTYPE_ORDER = ("fp32", "fp16", "bf16")
 _MODE_ORDER = (*LAYER_MODES, *FAMILY_MODES)

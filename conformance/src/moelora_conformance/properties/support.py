@@ -122,12 +122,14 @@ def draw_case(data: st.DataObject, suite: Suite, mode: str, dtype: torch.dtype, 
         kwargs: passed to :func:`~moelora_conformance.strategies.suite.suite_cases` (kinds,
             adapter_modes, routing_modes, virtual_experts, extra_experts: by default drawn only where
             the backend declares ``fused_shared_experts``; shared_expert_factors: pools storing expert
-            factors once per slot, by default where the backend declares ``shared_expert_factors``).
+            factors once per slot, by default where the backend declares ``shared_expert_factors``);
+            caps: size caps tighter than the suite's (default: the suite's).
     """
+    caps = kwargs.pop("caps", suite.caps)
     kwargs.setdefault("virtual_experts", suite.virtual_experts)
     kwargs.setdefault("extra_experts", suite.capabilities.fused_shared_experts)
     kwargs.setdefault("shared_expert_factors", suite.capabilities.shared_expert_factors)
-    case = data.draw(suite_cases(suite.caps, mode, dtype, **kwargs), label="case")
+    case = data.draw(suite_cases(caps, mode, dtype, **kwargs), label="case")
     trace(f"case: {case.describe()}")
     return case
 
@@ -205,7 +207,8 @@ class Subject:
             self.graph = GraphLayer(self.layer, self.mode, max_requests=cap.max_requests, max_tokens=cap.max_tokens,
                                     tokens_per_request=cap.tokens_per_request, pad_seed=self.case.seed)
         self.oracle = Oracle(self.layer, oracle_rows=s.oracle_rows)
-        self.ctx = CheckContext(self.case.describe(), self.case.seed, self.case.dtype, s.device)
+        self.ctx = CheckContext(self.case.describe(), self.case.seed, self.case.dtype, s.device,
+                                base_quant=self.layer.spec.base_quant)
 
     @property
     def backend(self):

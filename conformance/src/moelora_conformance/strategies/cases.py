@@ -104,7 +104,28 @@ def _base_to(base: MoEBaseWeights, device: torch.device | str) -> MoEBaseWeights
         return None if t is None else t.to(device)
 
     return replace(base, w_gate_up=base.w_gate_up.to(device), w_down=base.w_down.to(device), router=to(base.router),
-                   b_gate_up=to(base.b_gate_up), b_down=to(base.b_down), router_bias=to(base.router_bias))
+                   b_gate_up=to(base.b_gate_up), b_down=to(base.b_down), router_bias=to(base.router_bias),
+                   w_gate_up_scale_inv=to(base.w_gate_up_scale_inv), w_down_scale_inv=to(base.w_down_scale_inv))
+
+
+def quantize_base_fp8(base: MoEBaseWeights, block: tuple[int, int]) -> MoEBaseWeights:
+    """``base`` with its experts quantized to fp8 block-scaled (DESIGN.md §1, "Quantized base"): gate and
+    up each on their own scale grid, as a checkpoint stores them. SwiGLU blocks without biases only."""
+    from moelora_core.fp8_block import quantize_weight_fp8_block
+
+    inter = base.intermediate_size
+    qg, sg = quantize_weight_fp8_block(base.w_gate_up[:, :inter], block)
+    qu, su = quantize_weight_fp8_block(base.w_gate_up[:, inter:], block)
+    qd, sd = quantize_weight_fp8_block(base.w_down, block)
+    return replace(base, w_gate_up=torch.cat([qg, qu], 1), w_down=qd, weight_block=tuple(block),
+                   w_gate_up_scale_inv=torch.cat([sg, su], 1), w_down_scale_inv=sd)
+
+
+def quantized_case(m: MaterializedCase, block: tuple[int, int]) -> MaterializedCase:
+    """``m`` with every MoE layer's experts fp8 block-scaled and its spec's ``base_quant`` "fp8_block"
+    (the adapters, inputs and routing unchanged)."""
+    return replace(m, spec=replace(m.spec, base_quant="fp8_block"), base=quantize_base_fp8(m.base, block),
+                   layers=[MoELayer(quantize_base_fp8(ly.base, block), ly.lora) for ly in m.layers])
 
 
 #: MoE blocks a case draws: the SwiGLU of DESIGN.md §1, or GPT-OSS's (expert biases, swiglu_oai).

@@ -72,6 +72,8 @@ class KernelBackend(BackendBase):
     topk_id_dtypes = (torch.int32, torch.int64)
     #: Declares ``fused_moe``: :meth:`moe_forward` is then part of the protocol it serves.
     fused_moe = False
+    #: ``LoRALayerSpec.base_quant`` values served (``Capabilities.base_quants``; DESIGN.md §1).
+    base_quants: frozenset[str] = frozenset({"none"})
 
     def __init__(self, spec: LoRALayerSpec) -> None:
         super().__init__(spec, __version__)
@@ -93,6 +95,7 @@ class KernelBackend(BackendBase):
             fused_shared_experts=True,
             shared_moe_alignment=True,
             shared_expert_factors=True,
+            base_quants=self.base_quants,
         )
 
     def check_family_sizes(self, family: str, sizes: LaunchSizes) -> None:

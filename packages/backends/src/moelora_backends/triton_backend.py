@@ -44,6 +44,9 @@ class TritonBackend(KernelBackend):
 
     name = "triton"
     chunked = False
+    #: Its MoE deltas read the activations they are given, whatever base the caller ran (the engine's
+    #: w8a8 Triton base hands them the unquantized x and h): fp8 block-scaled bases are served.
+    base_quants = frozenset({"none", "fp8_block"})
     #: The segmentation of each situation (host functions of a ``BatchSpec``).
     extend_segments = staticmethod(request_segments)
     decode_segments = staticmethod(adapter_segments)
@@ -73,6 +76,8 @@ class TritonFusedBackend(TritonBackend):
 
     name = "triton-fused"
     fused_moe = True
+    #: Its moe_forward fuses the deltas into the bf16/fp16 base GEMMs: no fp8 base there.
+    base_quants = frozenset({"none"})
 
 
 def make_fused_backend(spec: LoRALayerSpec) -> TritonFusedBackend:

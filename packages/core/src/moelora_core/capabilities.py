@@ -83,6 +83,11 @@ class Capabilities:
         if self.prefill_graph_modes and "prefill" not in self.graph_families:
             raise InvalidFieldError("prefill_graph_modes", "declared without the 'prefill' graph family")
 
+    @property
+    def fp8_block_base(self) -> bool:
+        """Whether "fp8_block" is among ``base_quants`` (the suite's P14 runs only then)."""
+        return "fp8_block" in self.base_quants
+
     def as_dict(self) -> dict[str, object]:
         """JSON-friendly form (for report headers)."""
         return {

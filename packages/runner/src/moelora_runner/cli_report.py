@@ -26,7 +26,9 @@ def sizing_line(engine) -> str:
     """One line: model bytes, KV cache tokens and bytes, bytes per adapter slot, the configuration."""
     s = engine.sizing()
     layout = "" if engine.expert_layout == "per_expert" else f", expert factors {engine.expert_layout}"
-    return (f"moelora: model {human_bytes(s['model_bytes'])}; KV cache {s['kv_cache_tokens']} tokens "
+    block = getattr(engine, "weight_block", None)
+    quant = "" if block is None else f" (base fp8 e4m3, block {block[0]}×{block[1]}, w8a8)"
+    return (f"moelora: model {human_bytes(s['model_bytes'])}{quant}; KV cache {s['kv_cache_tokens']} tokens "
             f"({human_bytes(s['kv_cache_bytes'])}, {s['kv_bytes_per_token']} B/token); adapter slot "
             f"{human_bytes(s['adapter_slot_bytes'])} x {s['max_loras']} slots (R {s['max_lora_rank']}{layout}); "
             f"backend {engine.backend_name}, dtype {str(engine.dtype).removeprefix('torch.')}, "

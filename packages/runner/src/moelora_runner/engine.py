@@ -188,10 +188,10 @@ class Engine:
         # Before any weight is read: a backend that does not declare the model's base quantization
         # would drop or mis-scale deltas on that path (DESIGN.md §1, "Quantized base").
         check_base_quant_served(backend, caps, spec.base_quant)
-        if spec.base_quant != "none":  # the engine's model runs unquantized bases only, for now
-            raise EngineConfigError("model", f"{self.model_dir} is an fp8 block-scaled checkpoint (base_quant="
-                                    f"{spec.base_quant}): the engine's model does not serve that base yet; its "
-                                    "layer is checked by checkpoint-pass and the suite")
+        if spec.base_quant != "none" and self.parallel.parallel:
+            raise EngineConfigError("tp", f"{self.model_dir} is an fp8 block-scaled checkpoint: TP / EP shard no "
+                                    "block scales (serve it at tp=1, ep=1)")
+        self.base_quant, self.weight_block = spec.base_quant, config.weight_block
         if expert_layout != "per_expert" and not caps.shared_expert_factors:
             raise EngineConfigError("expert_layout", f"backend {backend!r} does not declare shared_expert_factors: "
                                     f"it cannot read expert factors stored once per slot ({expert_layout!r})")
@@ -227,7 +227,8 @@ class Engine:
         shard = (lambda w: shard_adapter(w, config, layout)) if layout.parallel else None
         # The no-op probe needs the whole base weights: one rank holds a shard of them, so parallel
         # engines run the exact-zero tests only (moelora_core.checkpoint.adapter_effect).
-        base = None if layout.parallel else [layer.w for layer in self.model.layers]
+        # An fp8 base (weights as codes plus scales) too: its probe would read the codes as weights.
+        base = None if layout.parallel or spec.base_quant != "none" else [layer.w for layer in self.model.layers]
         self.adapters = self.adapter_pool_class(
             pools, self.backend, config, on_event=self.metrics_.adapter_event, shard=shard,
             inspect=lambda w: adapter_effect(w, base, dtype=self.dtype, device=self.device))

@@ -43,6 +43,10 @@ device value or reads one; every shape comes from host numbers. :meth:`MoEDecode
 the forward up to the final norm (what ``full`` and decode graphs capture; the LM head runs on the
 step's logits rows after the replay).
 
+fp8 block-scaled checkpoints (DESIGN.md §1): the experts and the dense projections stored fp8 stay fp8
+with their fp32 block scales; their base products are w8a8 (the MoE base path's fp8 GEMMs; dense:
+``moelora_reference.fp8_block.fp8_linear``), and every LoRA delta reads the unquantized activations.
+
 Dtypes: weights and activations in the model dtype; RMSNorm and the router softmax in fp32 (as
 transformers); the MoE base path and the backend decide their own intermediates.
 """
@@ -57,11 +61,13 @@ import torch.nn.functional as F
 
 from moelora_core.base_weights import MoEBaseWeights
 from moelora_core.checkpoint import DecoderLayerWeights, ModelWeights, MoEModelConfig
+from moelora_core.fp8_block import FP8_DTYPE
 from moelora_core.moe_deltas import BaseMoEPath, moe_layer_forward
 from moelora_core.sentinels import EXPERT_NOT_HERE
 from moelora_core.shared_expert import shared_expert_forward
 from moelora_core.weights import LoRAWeights
 from moelora_reference.base_moe import route_topk
+from moelora_reference.fp8_block import fp8_linear
 from moelora_reference.routing import route_grouped_sigmoid
 from moelora_runner.attention import paged_attention, write_kv
 from moelora_runner.forward_batch import ForwardBatch
@@ -161,7 +167,11 @@ class DecoderLayer:
         self.experts = self.parallel.experts(config)
 
     def _dense(self, module: str, x: torch.Tensor, lora: LoRAContext, fb: ForwardBatch) -> torch.Tensor:
-        out = F.linear(x, self.w.dense(module), self.w.bias(module))  # q/k/v bias: Qwen2-MoE qkv_bias
+        scale = self.w.dense_scales.get(module)
+        if scale is not None:  # an fp8 projection: w8a8 base, the delta below on the unquantized x (DESIGN.md §1)
+            out = fp8_linear(x, self.w.dense(module), scale, self.w.weight_block, self.w.bias(module))
+        else:
+            out = F.linear(x, self.w.dense(module), self.w.bias(module))  # q/k/v bias: Qwen2-MoE qkv_bias
         lora.backend.dense_delta(module, x, out, lora.pools[self.index], fb.lora_info)
         return out
 
@@ -282,7 +292,12 @@ class MoEDecoder:
         self.moe_path = moe_path
 
         def to(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is not None and t.dtype == FP8_DTYPE:  # fp8 weights stay fp8 (their scales fp32: keep)
+                return t.to(device=device).contiguous()
             return None if t is None else t.to(device=device, dtype=dtype).contiguous()
+
+        def keep(t: torch.Tensor | None) -> torch.Tensor | None:  # fp32 block scales: moved, never cast
+            return None if t is None else t.to(device=device).contiguous()
 
         self.embed_tokens = to(weights.embed_tokens)
         self.norm = to(weights.norm)
@@ -304,7 +319,9 @@ class MoEDecoder:
                                  router_bias=to(lw.moe.router_bias), activation=lw.moe.activation,
                                  routing=lw.moe.routing, router_correction_bias=None
                                  if lw.moe.router_correction_bias is None
-                                 else lw.moe.router_correction_bias.to(device=device, dtype=F32))
+                                 else lw.moe.router_correction_bias.to(device=device, dtype=F32),
+                                 weight_block=lw.moe.weight_block, w_gate_up_scale_inv=keep(lw.moe.w_gate_up_scale_inv),
+                                 w_down_scale_inv=keep(lw.moe.w_down_scale_inv))
             moved = DecoderLayerWeights(q_proj=to(lw.q_proj), k_proj=to(lw.k_proj), v_proj=to(lw.v_proj),
                                         o_proj=to(lw.o_proj), q_norm=to(lw.q_norm), k_norm=to(lw.k_norm),
                                         input_layernorm=to(lw.input_layernorm),
@@ -312,7 +329,9 @@ class MoEDecoder:
                                         shared_expert=None if lw.shared_expert is None else lw.shared_expert.map(to),
                                         q_bias=to(lw.q_bias), k_bias=to(lw.k_bias), v_bias=to(lw.v_bias),
                                         o_bias=to(lw.o_bias), sinks=to(lw.sinks),
-                                        mla=None if lw.mla is None else lw.mla.map(to))
+                                        mla=None if lw.mla is None else lw.mla.map(to),
+                                        weight_block=lw.weight_block,
+                                        dense_scales={m: keep(t) for m, t in lw.dense_scales.items()})
             self.layers.append(DecoderLayer(i, moved, self.config, router, self.parallel, comm))
         c = self.config
         # GPT-OSS: the window applies to its "sliding_attention" layers only (config.layer_types)
@@ -339,9 +358,11 @@ class MoEDecoder:
         for layer in self.layers:
             w = layer.w
             tensors += [w.q_proj, w.k_proj, w.v_proj, w.o_proj, w.q_norm, w.k_norm, w.input_layernorm,
-                        w.post_attention_layernorm, layer.router, w.q_bias, w.k_bias, w.v_bias, w.o_bias, w.sinks]
+                        w.post_attention_layernorm, layer.router, w.q_bias, w.k_bias, w.v_bias, w.o_bias, w.sinks,
+                        *w.dense_scales.values()]
             if w.moe is not None:
-                tensors += [w.moe.w_gate_up, w.moe.w_down, w.moe.b_gate_up, w.moe.b_down, w.moe.router_bias]
+                tensors += [w.moe.w_gate_up, w.moe.w_down, w.moe.b_gate_up, w.moe.b_down, w.moe.router_bias,
+                            w.moe.w_gate_up_scale_inv, w.moe.w_down_scale_inv]
             for se in (w.shared_expert, w.dense_mlp):
                 if se is not None:
                     tensors += [se.gate_proj, se.up_proj, se.down_proj, se.gate]
