@@ -39,6 +39,14 @@ base GEMMs: ``fused_moe(fused_lora=FusedLoRAInputs)`` over the same base alignme
 adding its own slot's delta; ``LORA_SLOT_GROUP`` of the kernel-config table, through
 ``MOELORA_KERNEL_CONFIGS``, sets how many slots share a shrink/expand tile pair);
 ``err_ab_fused`` compares the two layers' outputs.
+
+``--base-quant fp8`` adds, per (M, R), the fp8 block-scaled base (DESIGN.md §1; the base weights
+quantized at block 128 × 128 by ``moelora_core.fp8_block.quantize_weight_fp8_block``, the Qwen3-FP8 /
+DeepSeek-V3 format): ``a_fp8_us`` the w8a8 base fused MoE alone (activation quantization per token per
+K-group + the fp8 grouped GEMMs, ``fused_moe(weight_block=...)``), ``ab_fp8_us`` the same layer with the
+MoE-LoRA deltas on the unquantized x and h (``deltas=MoELoRAInputs``), ``b_fp8_over_a_fp8`` the LoRA
+overhead on it and ``a_fp8_over_a`` the fp8 base against the bf16 one; ``err_a_fp8`` is the fp8 base's
+relative error against the bf16 torch path (quantization, a few percent).
 """
 
 from __future__ import annotations
@@ -324,6 +332,43 @@ def layer_paths(row: dict, p: Problem, w: LoRAWeights, timer: Timer) -> None:
           f"µs ({row['ab_fused_over_separate']:.2f}x)", flush=True)
 
 
+#: The block of the fp8 base (Qwen3-FP8 / DeepSeek-V3 checkpoints).
+FP8_BLOCK = (128, 128)
+
+
+def fp8_base(base: dict, inter: int) -> dict:
+    """The bf16 base weights quantized to fp8 block-scaled (gate's and up's own grids, as checkpoints hold
+    them): ``fused_moe``'s fp8 keyword arguments."""
+    from moelora_core.fp8_block import quantize_weight_fp8_block
+
+    qg, sg = quantize_weight_fp8_block(base["w_gu"][:, :inter], FP8_BLOCK)
+    qu, su = quantize_weight_fp8_block(base["w_gu"][:, inter:], FP8_BLOCK)
+    qd, sd = quantize_weight_fp8_block(base["w_d"], FP8_BLOCK)
+    return {"w_gu": torch.cat([qg, qu], 1).contiguous(), "w_d": qd.contiguous(),
+            "kw": {"weight_block": FP8_BLOCK, "w_gate_up_scale_inv": torch.cat([sg, su], 1).contiguous(),
+                   "w_down_scale_inv": sd.contiguous()}}
+
+
+def fp8_paths(row: dict, p: Problem, w: LoRAWeights, timer: Timer, fp8: dict) -> None:
+    """``--base-quant fp8``: the w8a8 base alone and with the MoE-LoRA deltas (module docstring), into ``row``."""
+    deltas = MoELoRAInputs(w, p.lora_align, adapter_enabled=p.enabled)
+
+    def base_only(p=p):
+        return fused_moe(p.x, p.topk_ids, p.topk_weights, fp8["w_gu"], fp8["w_d"], align=p.base_align, **fp8["kw"])
+
+    def with_lora(p=p):
+        return fused_moe(p.x, p.topk_ids, p.topk_weights, fp8["w_gu"], fp8["w_d"], align=p.base_align,
+                         deltas=deltas, **fp8["kw"])
+
+    row["err_a_fp8"] = close(base_only(), torch_base(p), f"fp8 base M={p.M}", tol=1e-1)
+    row["a_fp8_us"] = timer(base_only)["median_us"]
+    row["ab_fp8_us"] = timer(with_lora)["median_us"]
+    row["a_fp8_over_a"] = row["a_fp8_us"] / row["a_us"]
+    row["b_fp8_over_a_fp8"] = (row["ab_fp8_us"] - row["a_fp8_us"]) / row["a_fp8_us"]
+    print(f"  M={p.M} R={w.spec.R}: fp8 base {row['a_fp8_us']:.1f} µs ({row['a_fp8_over_a']:.2f}x bf16), with LoRA "
+          f"{row['ab_fp8_us']:.1f} µs (+{100 * row['b_fp8_over_a_fp8']:.0f} %)", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON output path")
@@ -335,6 +380,8 @@ def main() -> int:
     parser.add_argument("--no-baseline", action="store_true", help="skip the reference backend's torch path")
     parser.add_argument("--expert-layout", default="per_expert", choices=sorted(EXPERT_LAYOUTS),
                         help="the pool's expert layout (shared_outer: the stride-0 path)")
+    parser.add_argument("--base-quant", default="none", choices=["none", "fp8"],
+                        help="also time the fp8 block-scaled (w8a8) base and the LoRA overhead on it")
     parser.add_argument("--path", nargs="*", default=[], choices=["fused_moe"],
                         help="extra layer paths to time (fused_moe: the deltas inside the base GEMMs)")
     args = parser.parse_args()
@@ -349,6 +396,7 @@ def main() -> int:
     H, I, E = shape["H"], shape["I"], shape["E"]  # noqa: E741
     base = {"w_gu": (torch.randn(E, 2 * I, H, generator=gen, device="cuda") / math.sqrt(H)).to(DT),
             "w_d": (torch.randn(E, H, I, generator=gen, device="cuda") / math.sqrt(I)).to(DT)}
+    fp8 = fp8_base(base, I) if args.base_quant == "fp8" else None
     copy = copy_bandwidth(timer)
     copy_plain = plain_copy_ceiling()
     pools = {R: make_pool(shape, R, gen, args.expert_layout) for R in args.ranks}
@@ -436,6 +484,8 @@ def main() -> int:
             row["b_idle_us"] = timer(lambda gu=gu, d=d, f=idle_fn: f(gu, d))["median_us"]
             if "fused_moe" in args.path:
                 layer_paths(row, p, w, timer)
+            if fp8 is not None:
+                fp8_paths(row, p, w, timer, fp8)
             row["b_us"] = row["b_auto_us"]
             row["b_over_a"] = row["b_us"] / row["a_us"]
             row["b_min_bytes"] = min_bytes_lora(p, R, w.spec.shared_factors)

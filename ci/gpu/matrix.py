@@ -317,7 +317,7 @@ def command(cell: Cell, work: Path, timeout_s: float | None = None) -> list[str]
         return _e2e_command(cell, work)
     if suite == "benchmarks":
         script = str(o.get("script", "benchmarks/bench_moe_lora.py"))
-        return [py, script, "--out", str(work / "bench.json")]
+        return [py, script, "--out", str(work / "bench.json"), *map(str, o.get("script_args", []))]
     raise MatrixError(f"cell {cell.id}: no command for suite {suite!r} yet")
 
 

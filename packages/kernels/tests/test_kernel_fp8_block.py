@@ -76,33 +76,34 @@ def _fp8_case(dtype, T=9, H=40, inter=24, E=4, k=2, r=4, block=(16, 16), seed=3)
     return base, pool, x, ids, weights, mapping
 
 
+@pytest.mark.parametrize("block", [(16, 16), (16, 32)])  # bk 32: the tensor cores' fp8 dot on a GPU
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fp8_gemm_matches_its_twin_per_pair(dtype):
-    base, _, x, ids, weights, _ = _fp8_case(dtype)
+def test_fp8_gemm_matches_its_twin_per_pair(dtype, block):
+    base, _, x, ids, weights, _ = _fp8_case(dtype, H=72, block=block)  # H = 72: a partial last K-group
     M, k = ids.shape
     E, width, H = base.w_gate_up.shape
     dev = lambda t: t.to(DEVICE)
     with launch_guard():
         align = moe_align_block_size(dev(ids), E, moe_block_m(M, k, E))
-        q, s = quantize_activation_fp8(dev(x), 16)
+        q, s = quantize_activation_fp8(dev(x), block[1])
         gate_up = fp8_moe_gemm(q, s, dev(base.w_gate_up), dev(base.w_gate_up_scale_inv),
-                               poisoned(M * k, width, dtype=dtype), align, block=(16, 16), top_k=k, num_pairs=M * k,
+                               poisoned(M * k, width, dtype=dtype), align, block=block, top_k=k, num_pairs=M * k,
                                in_row_div=k, half=width // 2)
     cpu_align = type(align)(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in align))
     want = twin.fp8_moe_gemm(q.float().cpu(), s.cpu(), base.w_gate_up, base.w_gate_up_scale_inv,
-                             torch.full((M * k, width), float("nan"), dtype=dtype), cpu_align, block=(16, 16),
+                             torch.full((M * k, width), float("nan"), dtype=dtype), cpu_align, block=block,
                              top_k=k, num_pairs=M * k, in_row_div=k, half=width // 2)
     here = (ids >= 0).reshape(-1)
     assert_close(gate_up.cpu()[here], want[here], dtype=dtype, what="fp8 gate_up per pair")
     assert bool(gate_up.cpu()[~here].isnan().all())
     h = torch.randn(M * k, width // 2, generator=torch.Generator().manual_seed(4)).to(dtype)
     with launch_guard():
-        qh, sh = quantize_activation_fp8(dev(h), 16)
+        qh, sh = quantize_activation_fp8(dev(h), block[1])
         down = fp8_moe_gemm(qh, sh, dev(base.w_down), dev(base.w_down_scale_inv), poisoned(M * k, H, dtype=dtype),
-                            align, block=(16, 16), top_k=k, num_pairs=M * k, in_row_div=1,
+                            align, block=block, top_k=k, num_pairs=M * k, in_row_div=1,
                             topk_weights=dev(weights.reshape(-1).contiguous()))
     want = twin.fp8_moe_gemm(qh.float().cpu(), sh.cpu(), base.w_down, base.w_down_scale_inv,
-                             torch.full((M * k, H), float("nan"), dtype=dtype), cpu_align, block=(16, 16), top_k=k,
+                             torch.full((M * k, H), float("nan"), dtype=dtype), cpu_align, block=block, top_k=k,
                              num_pairs=M * k, in_row_div=1, topk_weights=weights.reshape(-1))
     assert_close(down.cpu()[here], want[here], dtype=dtype, what="fp8 down per pair")
 
