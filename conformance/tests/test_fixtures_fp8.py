@@ -40,3 +40,24 @@ def test_fp8_weights_are_the_source_models_within_half_a_step(fixture_set):
                     err = (a - b.float()).abs()
                     assert bool((err <= 2.0 ** -4 * b.abs() + 1e-6).all())  # e4m3: 3 mantissa bits
                 assert torch.equal(fp8.layer(li).moe.router, theirs.router)  # the router stays unquantized
+
+
+def test_adapter_effect_probes_an_fp8_base_through_its_scales(fixture_set):
+    # `hf-check --model <fp8 checkpoint> --adapter ...` once crashed here: the no-op probe multiplied the
+    # fp8 codes themselves (torch has no fp8 matmul on the CPU). The probe reads the dequantized weight,
+    # so an fp8 model and its source measure one adapter alike (within the quantization's few percent).
+    from moelora_core.checkpoint import read_adapter
+    from moelora_core.checkpoint.adapter_effect import adapter_effect
+
+    for spec in FP8_MODELS:
+        adapter = spec.adapters[0]
+        with MoECheckpoint(fixture_set.model_dir(spec.name)) as fp8, \
+                MoECheckpoint(fixture_set.model_dir(spec.quantized_from)) as src:
+            read = read_adapter(fixture_set.adapter_dir(adapter), fp8.config, name=adapter)
+            n = fp8.config.num_layers
+            ours = adapter_effect(read, [fp8.layer(li) for li in range(n)], dtype=torch.float32)
+            theirs = adapter_effect(read, [src.layer(li) for li in range(n)], dtype=torch.float32)
+        assert not ours.noop and len(ours.modules) == len(theirs.modules)
+        for a, b in zip(ours.modules, theirs.modules, strict=True):
+            assert (a.layer, a.module) == (b.layer, b.module)
+            assert a.delta_rel is not None and abs(a.delta_rel - b.delta_rel) <= 0.1 * b.delta_rel, (a, b)

@@ -23,7 +23,7 @@ from dataclasses import replace
 import torch
 
 from moelora_core.base_weights import MoEBaseWeights
-from moelora_core.fp8_block import ACT_SCALE_EPS, FP8_E4M3_MAX
+from moelora_core.fp8_block import ACT_SCALE_EPS, FP8_E4M3_MAX, dequantize_weight, weight_row_blocks
 
 F32 = torch.float32
 
@@ -63,24 +63,6 @@ def dequantize_activation(x: torch.Tensor, block_k: int) -> torch.Tensor:
     """x̂ = q · s of :func:`quantize_activation`, in fp32 ([T, K]): what the base GEMM multiplies."""
     q, s = quantize_activation(x, block_k)
     return q * s.repeat_interleave(block_k, dim=1)[:, : x.shape[1]]
-
-
-def weight_row_blocks(n: int, block_n: int, half: int | None, device: torch.device) -> torch.Tensor:
-    """[n] long: the scale row of each weight row. ``half`` = I for a fused gate_up ([2I] rows, gate's
-    grid then up's, ``moelora_core.fp8_block.gate_up_scale_rows``), None for one grid."""
-    rows = torch.arange(n, device=device)
-    if half is None:
-        return rows // block_n
-    return (rows // half) * math.ceil(half / block_n) + (rows % half) // block_n
-
-
-def dequantize_weight(w_q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                      half: int | None = None) -> torch.Tensor:
-    """Ŵ = W_q · scale_inv of its block, fp32, for W_q [.., N, K] fp8 and scale_inv [.., rows, ⌈K/bk⌉]."""
-    bn, bk = block
-    n, k = w_q.shape[-2:]
-    s = scale_inv.to(F32).index_select(-2, weight_row_blocks(n, bn, half, w_q.device))
-    return w_q.to(F32) * s.repeat_interleave(bk, dim=-1)[..., :k]
 
 
 def dequantize_moe(base: MoEBaseWeights) -> MoEBaseWeights:

@@ -106,3 +106,23 @@ def gate_up_scale_rows(moe_intermediate_size: int, block_n: int) -> int:
     """Rows of a fused gate_up scale: gate's ⌈I/bn⌉ blocks then up's (each half keeps its own grid, as
     the checkpoint stores gate_proj and up_proj apart; a partial last block of gate never spans into up)."""
     return 2 * math.ceil(moe_intermediate_size / block_n)
+
+
+def weight_row_blocks(n: int, block_n: int, half: int | None, device: torch.device) -> torch.Tensor:
+    """[n] long: the scale row of each weight row. ``half`` = I for a fused gate_up ([2I] rows, gate's
+    grid then up's, ``moelora_core.fp8_block.gate_up_scale_rows``), None for one grid."""
+    rows = torch.arange(n, device=device)
+    if half is None:
+        return rows // block_n
+    return (rows // half) * math.ceil(half / block_n) + (rows % half) // block_n
+
+
+def dequantize_weight(w_q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                      half: int | None = None) -> torch.Tensor:
+    """Ŵ = W_q · scale_inv of its block, fp32, for W_q [.., N, K] fp8 and scale_inv [.., rows, ⌈K/bk⌉]:
+    the format's dequantized weight (the torch base path, hf-check and the adapter-effect probe read it;
+    no activation quantization here)."""
+    bn, bk = block
+    n, k = w_q.shape[-2:]
+    s = scale_inv.to(torch.float32).index_select(-2, weight_row_blocks(n, bn, half, w_q.device))
+    return w_q.to(torch.float32) * s.repeat_interleave(bk, dim=-1)[..., :k]

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moelora_core.fp8_block import dequantize_weight
 from moelora_core.layer_spec import ALL_MODULES
 from moelora_core.tolerance import DEFAULT_POLICY, Tolerance
 
@@ -125,9 +126,16 @@ def _base_weight(layer, module: str) -> torch.Tensor:
     """[E, out, in] (MoE: the routed experts only) or [out, in] of ``module`` in ``layer`` (a
     ``DecoderLayerWeights``)."""
     if module not in _MOE:
-        return layer.dense(module)
+        w = layer.dense(module)
+        scale = getattr(layer, "dense_scales", {}).get(module)
+        return w if scale is None else dequantize_weight(w, scale, layer.weight_block)
     moe = layer.moe
     E, inter = moe.num_experts, moe.w_down.shape[-1]
+    if moe.weight_block is not None:  # fp8 block-scaled experts: the probe multiplies the dequantized weight
+        if module == "down":
+            return dequantize_weight(moe.w_down[:E], moe.w_down_scale_inv[:E], moe.weight_block)
+        w = dequantize_weight(moe.w_gate_up[:E], moe.w_gate_up_scale_inv[:E], moe.weight_block, inter)
+        return w[:, :inter] if module == "gate" else w[:, inter:]
     if module == "down":
         return moe.w_down[:E]
     return moe.w_gate_up[:E, :inter] if module == "gate" else moe.w_gate_up[:E, inter:]
