@@ -82,11 +82,12 @@ def test_fp8_gemm_matches_its_twin_per_pair(dtype, block):
     base, _, x, ids, weights, _ = _fp8_case(dtype, H=72, block=block)  # H = 72: a partial last K-group
     M, k = ids.shape
     E, width, H = base.w_gate_up.shape
-    dev = lambda t: t.to(DEVICE)
+    # inputs staged before the launch guard: a host-to-device copy inside it counts as a host sync
+    d_ids, d_x, d_w, d_ws = (t.to(DEVICE) for t in (ids, x, base.w_gate_up, base.w_gate_up_scale_inv))
     with launch_guard():
-        align = moe_align_block_size(dev(ids), E, moe_block_m(M, k, E))
-        q, s = quantize_activation_fp8(dev(x), block[1])
-        gate_up = fp8_moe_gemm(q, s, dev(base.w_gate_up), dev(base.w_gate_up_scale_inv),
+        align = moe_align_block_size(d_ids, E, moe_block_m(M, k, E))
+        q, s = quantize_activation_fp8(d_x, block[1])
+        gate_up = fp8_moe_gemm(q, s, d_w, d_ws,
                                poisoned(M * k, width, dtype=dtype), align, block=block, top_k=k, num_pairs=M * k,
                                in_row_div=k, half=width // 2)
     cpu_align = type(align)(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in align))
@@ -97,11 +98,12 @@ def test_fp8_gemm_matches_its_twin_per_pair(dtype, block):
     assert_close(gate_up.cpu()[here], want[here], dtype=dtype, what="fp8 gate_up per pair")
     assert bool(gate_up.cpu()[~here].isnan().all())
     h = torch.randn(M * k, width // 2, generator=torch.Generator().manual_seed(4)).to(dtype)
+    d_h, d_w, d_ws, d_tw = (t.to(DEVICE) for t in (h, base.w_down, base.w_down_scale_inv,
+                                                     weights.reshape(-1).contiguous()))
     with launch_guard():
-        qh, sh = quantize_activation_fp8(dev(h), block[1])
-        down = fp8_moe_gemm(qh, sh, dev(base.w_down), dev(base.w_down_scale_inv), poisoned(M * k, H, dtype=dtype),
-                            align, block=block, top_k=k, num_pairs=M * k, in_row_div=1,
-                            topk_weights=dev(weights.reshape(-1).contiguous()))
+        qh, sh = quantize_activation_fp8(d_h, block[1])
+        down = fp8_moe_gemm(qh, sh, d_w, d_ws, poisoned(M * k, H, dtype=dtype),
+                            align, block=block, top_k=k, num_pairs=M * k, in_row_div=1, topk_weights=d_tw)
     want = twin.fp8_moe_gemm(qh.float().cpu(), sh.cpu(), base.w_down, base.w_down_scale_inv,
                              torch.full((M * k, H), float("nan"), dtype=dtype), cpu_align, block=block, top_k=k,
                              num_pairs=M * k, in_row_div=1, topk_weights=weights.reshape(-1))
@@ -109,32 +111,36 @@ def test_fp8_gemm_matches_its_twin_per_pair(dtype, block):
 
 
 class _TorchDeltas:
-    """The LoRA deltas in fp32 torch (rounded once into the output), reading the activations given."""
+    """The LoRA deltas in fp32 torch (rounded once into the output), reading the activations given.
 
-    def __init__(self, pool, mapping):
-        self.pool, self.mapping = pool, mapping.tolist()
+    Everything a call reads is staged on ``device`` at construction (before the launch guard): the calls do
+    device arithmetic only, indexed by host ints, so nothing in them synchronizes under the guard."""
+
+    def __init__(self, pool, mapping, ids, device):
+        self.mapping, self.ids = mapping.tolist(), ids.tolist()
+        self.f = {m: tuple(f.float().to(device) for f in pool.factors(m)) for m in ("gate", "up", "down")}
+        self.sigma = {m: pool.scalings(m).tolist() for m in ("gate", "up", "down")}
+
+    def _delta(self, m, s, e, v):
+        A, B = self.f[m]
+        return self.sigma[m][s] * (B[s, e] @ (A[s, e] @ v.float()))
 
     def gate_up(self, x, ids, out):
         for t, s in enumerate(self.mapping):
             for j in range(ids.shape[1]):
-                e = int(ids[t, j])
-                if s < 0 or e < 0:
-                    continue
-                xt = x[t].float().cpu()
-                d = [self.pool.scalings(m)[s] * (self.pool.factors(m)[1][s, e].float() @
-                                                  (self.pool.factors(m)[0][s, e].float() @ xt)) for m in ("gate", "up")]
-                out[t, j] = (out[t, j].float().cpu() + torch.cat(d)).to(out.dtype).to(out.device)
+                e = self.ids[t][j]
+                if s >= 0 and e >= 0:
+                    d = torch.cat([self._delta(m, s, e, x[t]) for m in ("gate", "up")])
+                    out[t, j] = (out[t, j].float() + d).to(out.dtype)
 
     def down(self, h, ids, w, out):
         k = ids.shape[1]
         for t, s in enumerate(self.mapping):
             for j in range(k):
-                e = int(ids[t, j])
-                if s < 0 or e < 0:
-                    continue
-                A, B = self.pool.factors("down")
-                d = self.pool.scalings("down")[s] * (B[s, e].float() @ (A[s, e].float() @ h[t * k + j].float().cpu()))
-                out[t, j] = (out[t, j].float().cpu() + float(w[t, j]) * d).to(out.dtype).to(out.device)
+                e = self.ids[t][j]
+                if s >= 0 and e >= 0:
+                    out[t, j] = (out[t, j].float() + w[t, j].float() * self._delta("down", s, e, h[t * k + j])
+                                 ).to(out.dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -144,8 +150,9 @@ def test_w8a8_layer_equals_the_oracle_and_base_rows_equal_the_base_alone(dtype):
     kw = dict(weight_block=base.weight_block, w_gate_up_scale_inv=dev(base.w_gate_up_scale_inv),
               w_down_scale_inv=dev(base.w_down_scale_inv))
     args = (dev(x), dev(ids.contiguous()), dev(weights.contiguous()), dev(base.w_gate_up), dev(base.w_down))
+    deltas = _TorchDeltas(pool, mapping, ids, DEVICE)
     with launch_guard():
-        y = fused_moe(*args, deltas=_TorchDeltas(pool, mapping), **kw)
+        y = fused_moe(*args, deltas=deltas, **kw)
         y_base = fused_moe(*args, **kw)
     DEFAULT_POLICY.assert_close(y.cpu(), moe_block_forward(x, ids, weights, base, pool, mapping), dtype=dtype,
                                 base_quant="fp8_block", what="w8a8 layer with LoRA vs oracle")
@@ -161,8 +168,9 @@ def test_preconditions_are_refused_by_name():
         quantize_activation_fp8(x, 12)
     base, _, x, ids, _, _ = _fp8_case(torch.float32)
     q, s = quantize_activation_fp8(x.to(DEVICE), 16)
+    d_ids = ids.to(DEVICE)
     with launch_guard():
-        align = moe_align_block_size(ids.to(DEVICE), 4, 16)
+        align = moe_align_block_size(d_ids, 4, 16)
     with pytest.raises(KernelPreconditionError, match="scale_inv"):
         fp8_moe_gemm(q, s, base.w_gate_up.to(DEVICE), base.w_gate_up_scale_inv[:, :3].to(DEVICE),
                      torch.empty(18, 48, device=DEVICE), align, block=(16, 16), top_k=2, num_pairs=18, in_row_div=2,

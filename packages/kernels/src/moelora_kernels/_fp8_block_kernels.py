@@ -19,7 +19,7 @@ def _round_to_e4m3(v):
     e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 a); -127 for 0 and fp32 subnormals
     e = tl.maximum(e, -6)
     spacing = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
-    n = a / spacing  # exact: a power-of-two division
+    n = tl.div_rn(a, spacing)  # exact: a power-of-two division (div_rn: IEEE on every device)
     low = tl.floor(n)
     frac = n - low
     up = (frac > 0.5) | ((frac == 0.5) & ((low.to(tl.int32) & 1) == 1))
@@ -47,8 +47,11 @@ def _quant_fp8_groups_kernel(
     offs = g * GROUP + tl.arange(0, BLOCK)
     ok = (tl.arange(0, BLOCK) < GROUP) & (offs < K)
     x = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
-    s = tl.maximum(tl.max(tl.abs(x), axis=0), eps) / 448.0
-    q = _round_to_e4m3(tl.minimum(tl.maximum(x / s, -448.0), 448.0))
+    # tl.div_rn, not `/`: on a GPU Triton's fp32 `/` is an approximate division (about 1 ulp off), while
+    # the contract (DESIGN.md §1) and the twin divide correctly rounded; the GPU matrix's fp8 kernel
+    # cell caught 9 of 18 scales one bit off
+    s = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), eps), 448.0)
+    q = _round_to_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, s), -448.0), 448.0))
     tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + row * stride_sm + g, s)
 
