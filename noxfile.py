@@ -275,14 +275,15 @@ def e2e(session: nox.Session) -> None:
 def peers(session: nox.Session) -> None:
     """The field's own code through the suite: SGLang 0.5.23's MoE-LoRA paths (legacy, virtual
     experts, grouped) and vLLM 0.34.0's fused path as backends (packages/peers), each through the
-    layer suite (interpret profile, 1 example per item, a fixed Hypothesis seed, no shrinking) with
-    its expected-failure manifest (packages/peers/manifests, each entry citing
-    conformance/docs/peers.md). The peers are installed with ``--no-deps`` (their metadata pins a
-    torch that ci/constraints/cpu.txt forbids); their small dependencies come from
-    ci/constraints/peers.txt. Writes .reports/peers.json (one record per cell) and
+    layer suite (interpret profile, 1 example per item, a fixed Hypothesis seed, no shrinking) and the
+    e2e suite on the engine (CI-sized, every engine mode) with its expected-failure manifests
+    (packages/peers/manifests, each entry citing conformance/docs/peers.md). The peers are installed
+    with ``--no-deps`` (their metadata pins a torch that ci/constraints/cpu.txt forbids); their small
+    dependencies come from ci/constraints/peers.txt. Writes .reports/peers.json (one record per cell) and
     .reports/peers-matrix.md; red on an unexpected failure, a stale manifest entry or a refused path.
 
-    Extra arguments go to ``python -m moelora_peers.grid run`` (``nox -s peers -- --path sglang:legacy``).
+    Extra arguments go to ``python -m moelora_peers.grid run`` (``nox -s peers -- --path sglang:legacy``;
+    ``-- --path sglang:legacy --smoke``: the CI's one path, layer suite in one dtype, no fixtures).
     """
     peers_constraints = ROOT / "ci" / "constraints" / "peers.txt"
     _install_moelora(session)
@@ -291,4 +292,9 @@ def peers(session: nox.Session) -> None:
     session.install("-c", str(CONSTRAINTS), "--no-deps", "--no-build-isolation", "-e", "./packages/peers[test]")
     REPORTS.mkdir(exist_ok=True)
     session.run("python", "-m", "pytest", "packages/peers/tests", "-q", "-p", "no:cacheprovider", env=CPU_ENV)
-    session.run("python", "-m", "moelora_peers.grid", "run", "--out", str(REPORTS), *session.posargs, env=CPU_ENV)
+    grid = ["python", "-m", "moelora_peers.grid", "run", "--out", str(REPORTS)]
+    if "--smoke" not in session.posargs and "--fixtures" not in session.posargs:
+        fixtures = ROOT / "fixtures-cache"  # the e2e suite's models and adapters (reused when built)
+        session.run("moelora-conformance", "make-fixtures", str(fixtures), env=CPU_ENV)
+        grid += ["--fixtures", str(fixtures)]
+    session.run(*grid, *session.posargs, env=CPU_ENV)

@@ -38,11 +38,20 @@ EXTRA_TREES = {
 #: (requirement, why) of the cp312 wheels; versions from ci/constraints/peers.txt where pinned there.
 WHEELS = ["msgspec==0.23.0", "pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0",
           "typing-inspection==0.4.5", "apache-tvm-ffi==0.1.11"]
+#: Modules the paths import lazily, inside a call (not among ``MODULES``): imported here too, so their
+#: files and imports are collected (regression: the virtual-experts expand's base kernel was missing).
+LAZY_IMPORTS = {
+    "sglang": ["sglang.kernels.ops.moe.fused_moe_triton_kernels",
+               "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config"],
+    "vllm": [],
+}
 _COLLECT = """
 import json, sys
 from moelora_peers import {peer}_modules as m
 for short in m.MODULES:
     m.module(short)
+for name in {lazy!r}:
+    m.import_peer(m.importer(), name)
 print(json.dumps({{"root": str(m.importer().dist.root), "version": m.importer().dist.version,
                   "loaded": m.importer().loaded}}))
 """
@@ -50,8 +59,8 @@ print(json.dumps({{"root": str(m.importer().dist.root), "version": m.importer().
 
 def collect(peer: str) -> dict:
     """The peer's root, version and loaded files (imported in a fresh process)."""
-    proc = subprocess.run([sys.executable, "-c", _COLLECT.format(peer=peer)], capture_output=True, text=True,
-                          check=True)
+    code = _COLLECT.format(peer=peer, lazy=LAZY_IMPORTS[peer])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     import json
 
     return json.loads(proc.stdout.strip().splitlines()[-1])

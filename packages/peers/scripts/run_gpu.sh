@@ -5,7 +5,7 @@
 # carried to the GPU machine; never committed). Per peer path and profile (interpret-sized draws on
 # CUDA, then the gpu profile, $PEERS_MAX_EXAMPLES examples per item, default 2), one JSON report + log
 # in OUT_DIR, and a probe of what each path loaded and substituted (probe-<path>.json). Each cell is
-# cut at $PEERS_CELL_TIMEOUT seconds (default 55: 4 paths x 2 profiles stay within 9 minutes) with
+# cut at $PEERS_CELL_TIMEOUT seconds (default 45: 4 paths x 2 profiles stay within 9 minutes) with
 # SIGINT, so pytest still writes the JSON report of the items it ran; summary.txt lists every cell's
 # exit status (124: cut by the budget).
 set -uo pipefail
@@ -19,7 +19,7 @@ SITE=.gpu/peers/site
 [ -d "$SITE" ] || "$PY" -m pip install --no-index --no-deps --target "$SITE" .gpu/peers/wheels/*.whl -q
 export PYTHONUNBUFFERED=1 MOELORA_PEERS_ROOT="$PWD/.gpu/peers/root"
 export PYTHONPATH=packages/core/src:packages/kernels/src:packages/backends/src:packages/runner/src:reference/src:conformance/src:packages/peers/src:$SITE
-CELL_TIMEOUT="${PEERS_CELL_TIMEOUT:-55}"
+CELL_TIMEOUT="${PEERS_CELL_TIMEOUT:-45}"
 EXAMPLES="${PEERS_MAX_EXAMPLES:-2}"
 status=0
 for p in "${PATHS[@]}"; do
@@ -28,7 +28,7 @@ for p in "${PATHS[@]}"; do
     "$PY" -c "from moelora_peers.grid import PeerPathSpec, probe; import json; \
 print(json.dumps(probe(PeerPathSpec('${p%%:*}', '${p##*:}', '$target'))))" > "$OUT_DIR/probe-$name.json" || status=1
     for profile in interpret gpu; do
-        timeout -s INT -k 20 "$CELL_TIMEOUT" "$PY" -m pytest -p moelora_conformance.plugin --backend "$target" \
+        timeout -s INT -k 10 "$CELL_TIMEOUT" "$PY" -m pytest -p moelora_conformance.plugin --backend "$target" \
             --device cuda --profile "$profile" --max-examples "$EXAMPLES" --no-shrink --hypothesis-seed=20261206 \
             -p no:cacheprovider -q --report-json "$OUT_DIR/peers-$name-$profile.json" \
             > "$OUT_DIR/peers-$name-$profile.log" 2>&1
