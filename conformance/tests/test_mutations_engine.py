@@ -12,6 +12,7 @@ reference resets them (the e2e catch itself: ``e2e/test_e2e_workload.py::test_fa
 the docs table lists it as caught.
 """
 
+import re
 from pathlib import Path
 
 import pytest
@@ -76,4 +77,35 @@ def test_the_docs_table_lists_every_e2e_mutant_as_caught():
     for name, cls in E2E_MUTANTS.items():
         assert cls.__doc__.strip() and "FAULT" not in cls.__doc__
         rows = [line for line in text.splitlines() if line.startswith(f"| `{name}` |")]
-        assert len(rows) == 1 and "NOT CAUGHT" not in rows[0] and "E01" in rows[0], rows
+        assert len(rows) == 1 and "NOT CAUGHT" not in rows[0] and re.search(r"E0[1-6]", rows[0]), rows
+
+
+def _prefill_infos(batches, name):
+    """The token maps the reference backend and mutant ``name`` give ``batches`` prepared in turn on one
+    prefill family (capacity 16 tokens, 6 requests)."""
+    spec = LoRALayerSpec(8, 8, 4, 2, {}, 3, 4)
+    out = {}
+    for cls in (ReferenceBackend, E2E_MUTANTS[name]):
+        backend = cls(spec)
+        backend.init_graph("prefill", GraphCapacity.prefill(16, 6))
+        out[cls] = [backend.prepare(b, "prefill").token_lora_mapping.tolist() for b in batches]
+    return out.values()
+
+
+def test_chunk_metadata_memoised_keeps_the_previous_chunk_layout():
+    pool = (3, (4, 4, 4), (1.0, 1.0, 1.0))
+    middle = BatchSpec(ForwardMode.EXTEND, [Request(0, 1, 5), Request(1, 12, 12)], *pool)  # a decode, a chunk
+    last = BatchSpec(ForwardMode.EXTEND, [Request(1, 8, 24), Request(0, 1, 6)], *pool)
+    last_same_slots = BatchSpec(ForwardMode.EXTEND, [Request(0, 1, 6), Request(1, 8, 24)], *pool)
+    clean, mutant = _prefill_infos([middle, last_same_slots], "chunk-metadata-memoised")
+    assert clean[1] == [0] + [1] * 8 + [-1] * 7
+    assert mutant[1] == clean[0] == [0] + [1] * 12 + [-1] * 3  # the middle chunk's layout, kept
+    clean, mutant = _prefill_infos([middle, last], "chunk-metadata-memoised")
+    assert mutant == clean  # other slots in the list: prepared anew
+
+
+def test_hot_slot_frozen_at_capture_drops_a_slot_loaded_after_the_capture():
+    capture = BatchSpec(ForwardMode.IDLE, [], 3, (4, 0, 0), (1.0, 0.0, 0.0))  # slot 1 empty at capture
+    hot = BatchSpec(ForwardMode.EXTEND, [Request(0, 2), Request(1, 3)], 3, (4, 4, 0), (1.0, 1.0, 0.0))
+    clean, mutant = _prefill_infos([capture, hot], "hot-slot-frozen-at-capture")
+    assert clean[1][:5] == [0, 0, 1, 1, 1] and mutant[1][:5] == [0, 0, -1, -1, -1]

@@ -16,7 +16,8 @@ budget B): at three quarters of the arrival span, in a window other arrivals are
 D (2 prompt tokens) starts decoding and request P arrives a step later with 2(B-1) + 5B/6 prompt tokens
 (or the longest prompt allowed): P's first, middle and last chunks run next to D's decodes, the middle
 and last on the same prefill bucket with the same requests in the same slots and a changed chunk layout
-(a backend that memoises a graph's metadata on the request → slot mapping fails there). The *reload*:
+(P's rows end earlier: a backend that memoises a graph's metadata on the request → slot mapping keeps
+the middle chunk's extend lengths there). The *reload*:
 at a quarter of the span, the adapter with the most later requests is reloaded with new weights of its
 exact config (:func:`reloaded_weights`, RL weight sync), once no request uses it.
 
@@ -95,10 +96,11 @@ def make_workload(adapters: list[str], *, vocab: int, max_prompt_tokens: int, n:
         arrivals[i + 2], new_tokens[i + 2] = span // 2, max_new_tokens
     scene = None
     if budget is not None and n >= 8 and max_new_tokens >= 4 and max_prompt_tokens > budget:
-        # the chunk scene: D (2 prompt tokens, max_new_tokens) arrives at step a in a quiet window, P one
-        # step later with a prompt of two full chunks and a last one past half the budget (or what the
-        # longest prompt allows): P's first, middle and last chunks run next to D's decodes, the last on
-        # the same bucket as the middle one with the same requests in the same slots
+        # the chunk scene (module doc): D (2 prompt tokens) arrives at step a in a quiet window, P one step
+        # later with a prompt of two full chunks and a last one past half the budget (or what the longest
+        # prompt allows): P's first, middle and last chunks run next to D's decodes, the last on the same
+        # bucket as the middle one with the same requests in the same slots (D runs first: the scheduler
+        # serves running requests before it admits P, and P's chunks take the budget D leaves)
         d, p = n - 2, n - 1
         a = max(1, span * 3 // 4)
         lengths[d], new_tokens[d], arrivals[d] = 2, max_new_tokens, a

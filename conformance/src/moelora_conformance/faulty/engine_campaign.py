@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from moelora_conformance.e2e.results import E2E_MODES
 from moelora_conformance.fixtures.manifest import FixtureSet
 
 #: The fixture family and adapters of the campaign, in the named histories' order (0: MoE + attention,
@@ -93,13 +92,25 @@ class E2EMutationResult:
 
 #: The e2e workload of the backend mutants: the e2e tests' smaller one (16 requests, prompts up to 134
 #: tokens — the chunk scene's three chunks —, arriving over 8 steps, 4 prefill-graph request slots), every
-#: engine mode, no HF comparison, no state machine.
+#: engine mode, no state machine; HF + PEFT only for :data:`E2E_NEEDS_HF`.
 E2E_WORKLOAD = dict(requests=16, max_new_tokens=4, max_prompt_tokens=134, arrival_steps=8, max_num_requests=4,
                     state_machine_examples=0)
 
 
+#: The e2e campaign's adapters: the engine campaign's and the layer-patterned fixture adapter (rank and α
+#: patterns with layer-specific keys).
+E2E_ADAPTERS = (*ADAPTERS, "qwen3_moe-pattern")
+#: The backend mutants whose fault is the same eagerly and on the graphs: only HF + PEFT (E02) sees them.
+E2E_NEEDS_HF = frozenset({"layer-zero-sigma", "same-config-reload-kept"})
+
+
+#: The campaign's mode order: eager (every mode's reference), then the prefill graph modes, where most
+#: faults of a graph family show, then the decode graph alone.
+CAMPAIGN_MODES = ("eager", "full", "breakable", "decode_graph")
+
+
 def run_e2e_mutation(name: str, fixtures: FixtureSet, *, seed: int = 0,
-                     modes: tuple[str, ...] = E2E_MODES) -> E2EMutationResult:
+                     modes: tuple[str, ...] = CAMPAIGN_MODES) -> E2EMutationResult:
     """The e2e suite (:func:`moelora_conformance.e2e.run.run_model`) on backend mutant ``name`` over
     the campaign's model and adapters; caught by its first failed record."""
     from moelora_conformance.e2e.run import E2EConfig, run_model
@@ -110,11 +121,13 @@ def run_e2e_mutation(name: str, fixtures: FixtureSet, *, seed: int = 0,
 
     def progress(record) -> None:
         if record.outcome == "failed" and not first:
-            first.append((record, time.perf_counter() - start))
+            # the catch's time, without the diagnosis that followed it (``details["locate_seconds"]``)
+            first.append((record, time.perf_counter() - start - record.details.get("locate_seconds", 0.0)))
 
-    records = run_model(target(name), fixtures.model_dir(MODEL), campaign_adapters(fixtures),
-                        config=E2EConfig(seed=seed, modes=modes, **E2E_WORKLOAD), model_name=MODEL, hf=False,
-                        progress=progress)
+    adapters = {n: fixtures.adapter_dir(n) for n in E2E_ADAPTERS}
+    records = run_model(target(name), fixtures.model_dir(MODEL), adapters,
+                        config=E2EConfig(seed=seed, modes=modes, **E2E_WORKLOAD), model_name=MODEL,
+                        hf=name in E2E_NEEDS_HF, progress=progress)
     if not first:
         return E2EMutationResult(name, False, "", "", "", time.perf_counter() - start)
     record, seconds = first[0]
