@@ -55,6 +55,19 @@ def test_naive_alignment_blocks_expert_ids_past_e() -> None:
     assert int(ntpp[0]) == 2 * block
 
 
+def test_naive_alignment_syncs_the_host() -> None:
+    # docs F3: the sparse-batch fallback reads its inputs with .cpu().tolist() inside the forward.
+    from moelora_core import HostSyncError
+    from moelora_core.graphs import host_sync_guard
+
+    runners = sglang_modules.module("runners")
+    topk_ids = torch.tensor([[0], [1]], dtype=I32)
+    with pytest.raises(HostSyncError), host_sync_guard("cpu"):
+        runners._naive_moe_lora_align_block_size(
+            topk_ids, torch.tensor([0, 2], dtype=I32), torch.tensor([0], dtype=I32), 2, 64, 1, 192, 3,
+            torch.tensor([1], dtype=I32), topk_ids.device)
+
+
 @pytest.mark.skipif(not (is_cuda() or __import__("os").environ.get("TRITON_INTERPRET") == "1"),
                     reason="needs CUDA or the Triton interpreter")
 def test_fused_moe_lora_reads_weights_in_the_output_dtype() -> None:
