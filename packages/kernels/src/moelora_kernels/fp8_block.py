@@ -49,7 +49,7 @@ from moelora_kernels._common import (
 )
 from moelora_kernels._fp8_block_kernels import _fp8_moe_gemm_kernel, _quant_fp8_groups_kernel
 from moelora_kernels.configs import kernel_config
-from moelora_kernels.fused_moe import used_blocks_bound
+from moelora_kernels.fused_moe import check_pairs_and_align, used_blocks_bound
 
 
 def _check_group(block_k: int) -> int:
@@ -134,17 +134,8 @@ def fp8_moe_gemm(
     check_tensor("scale_inv", scale_inv, dtypes=(torch.float32,), shape=(E_w, (N // half) * half_blocks, G),
                  device=device)
     check_tensor("c", c, dtypes=FLOAT_DTYPES, shape=(num_pairs, N), device=device)
-    check_positive_int("top_k", top_k)
-    check_positive_int("num_pairs", num_pairs, minimum=0)
-    check_positive_int("in_row_div", in_row_div)
-    if q.shape[0] * in_row_div < num_pairs:
-        raise KernelPreconditionError(f"q: {q.shape[0]} rows cannot serve {num_pairs} pairs at in_row_div={in_row_div}")
-    if not isinstance(align, AlignOutput):
-        raise KernelPreconditionError(f"align: expected an AlignOutput, got {type(align).__name__}")
-    check_tensor("align.sorted_token_ids", align.sorted_token_ids, dtypes=(torch.int32,), dim=2, contiguous=True,
-                 device=device)
-    if not 0 <= slot < align.sorted_token_ids.shape[0]:
-        raise KernelPreconditionError(f"slot: {slot} outside the alignment's {align.sorted_token_ids.shape[0]} slots")
+    check_pairs_and_align("q", q.shape[0], top_k=top_k, num_pairs=num_pairs, in_row_div=in_row_div, align=align,
+                          slot=slot, device=device)
     P, num_blocks = align.sorted_token_ids.shape[1], align.expert_ids.shape[1]
     if num_blocks == 0 or P % num_blocks:
         raise KernelPreconditionError(f"align: {P} rows do not split into {num_blocks} blocks")

@@ -117,6 +117,30 @@ def used_blocks_bound(num_pairs: int, num_experts: int, block_m: int, capacity_b
     return max(1, min(capacity_blocks, num_pairs // block_m + min(num_experts, num_pairs)))
 
 
+def check_pairs_and_align(rows_name: str, rows: int, *, top_k: int, num_pairs: int, in_row_div: int,
+                          align: AlignOutput, slot: int, device: torch.device) -> None:
+    """The preconditions every grouped GEMM over an alignment shares (this module's and the fp8 one's):
+    ``rows`` input rows serve ``num_pairs`` (token, expert) pairs at ``in_row_div`` pairs a row, and
+    ``align`` is an :class:`AlignOutput` whose int32 [S, P] ``sorted_token_ids`` has a slot ``slot``.
+
+    Raises:
+        KernelPreconditionError: a count that is not a positive int, too few rows, another align type,
+            a slot outside the alignment.
+    """
+    check_positive_int("top_k", top_k)
+    check_positive_int("num_pairs", num_pairs, minimum=0)
+    check_positive_int("in_row_div", in_row_div)
+    if rows * in_row_div < num_pairs:
+        raise KernelPreconditionError(f"{rows_name}: {rows} rows cannot serve {num_pairs} pairs at "
+                                      f"in_row_div={in_row_div}")
+    if not isinstance(align, AlignOutput):
+        raise KernelPreconditionError(f"align: expected an AlignOutput, got {type(align).__name__}")
+    check_tensor("align.sorted_token_ids", align.sorted_token_ids, dtypes=(torch.int32,), dim=2, contiguous=True,
+                 device=device)
+    if not 0 <= slot < align.sorted_token_ids.shape[0]:
+        raise KernelPreconditionError(f"slot: {slot} outside the alignment's {align.sorted_token_ids.shape[0]} slots")
+
+
 def fused_moe_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -184,17 +208,8 @@ def fused_moe_gemm(
         raise KernelPreconditionError(f"a: {a.shape[1]} columns, but w's reduction size K is {K}")
     # c in a's dtype or fp32: the epilogue works in fp32 and rounds once to c's dtype.
     check_tensor("c", c, dtypes=(dtype, torch.float32), shape=(num_pairs, N), device=device)
-    check_positive_int("top_k", top_k)
-    check_positive_int("num_pairs", num_pairs, minimum=0)
-    check_positive_int("in_row_div", in_row_div)
-    if a.shape[0] * in_row_div < num_pairs:
-        raise KernelPreconditionError(f"a: {a.shape[0]} rows cannot serve {num_pairs} pairs at in_row_div={in_row_div}")
-    if not isinstance(align, AlignOutput):
-        raise KernelPreconditionError(f"align: expected an AlignOutput, got {type(align).__name__}")
-    check_tensor("align.sorted_token_ids", align.sorted_token_ids, dtypes=(torch.int32,), dim=2, contiguous=True,
-                 device=device)
-    if not 0 <= slot < align.sorted_token_ids.shape[0]:
-        raise KernelPreconditionError(f"slot: {slot} outside the alignment's {align.sorted_token_ids.shape[0]} slots")
+    check_pairs_and_align("a", a.shape[0], top_k=top_k, num_pairs=num_pairs, in_row_div=in_row_div, align=align,
+                          slot=slot, device=device)
     P = align.sorted_token_ids.shape[1]
     num_blocks = align.expert_ids.shape[1]
     if num_blocks == 0 or P % num_blocks:
