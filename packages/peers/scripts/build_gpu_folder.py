@@ -32,17 +32,29 @@ CARRY_LIMIT = 64 * 1024 * 1024
 #: Trees copied whole (beside the loaded files): read at run time, or imported only on CUDA.
 EXTRA_TREES = {
     "sglang": ["sglang/kernels/jit", "sglang/kernels/ops/lora", "sglang/kernels/ops/moe/moe_align.py",
-               "sglang/srt/lora/moe", "sglang/srt/layers/moe/moe_runner/triton_utils"],
+               "sglang/srt/lora/moe", "sglang/srt/layers/moe/moe_runner/triton_utils",
+               # fp8_kernel.py's CUDA-only ``from sglang.kernels.ops.quantization import
+               # sgl_per_token_quant_fp8`` reads the package init (a kernel-registry wrapper), which a
+               # CPU collection never runs (first H100 run: ImportError at fp8_kernel.py:42); the
+               # init and the three registry modules it imports are copied whole.
+               "sglang/kernels/ops/quantization/__init__.py", "sglang/kernels/registry.py",
+               "sglang/kernels/spec.py", "sglang/kernels/selector.py"],
     "vllm": ["vllm/lora/ops/triton_ops", "vllm/lora/punica_wrapper"],
 }
 #: (requirement, why) of the cp312 wheels; versions from ci/constraints/peers.txt where pinned there.
 WHEELS = ["msgspec==0.23.0", "pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0",
           "typing-inspection==0.4.5", "apache-tvm-ffi==0.1.11"]
-#: Modules the paths import lazily, inside a call (not among ``MODULES``): imported here too, so their
-#: files and imports are collected (regression: the virtual-experts expand's base kernel was missing).
+#: Modules the paths import lazily, inside a call (not among ``MODULES``), or only on CUDA (behind an
+#: ``if _is_cuda:`` that is false where this script runs): imported here too, so their files and
+#: imports are collected (regressions: the virtual-experts expand's base kernel was missing; then
+#: the CUDA-only JIT quantization modules ``quantization/fp8_kernel.py`` and ``int8_kernel.py``
+#: import, with ``kernel_api_logging`` and ``srt/utils/custom_op``).
 LAZY_IMPORTS = {
     "sglang": ["sglang.kernels.ops.moe.fused_moe_triton_kernels",
-               "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config"],
+               "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config",
+               "sglang.kernels.ops.quantization.per_tensor_quant_fp8",
+               "sglang.kernels.ops.quantization.per_token_group_quant",
+               "sglang.kernels.ops.quantization.per_token_quant_fp8"],
     "vllm": [],
 }
 _COLLECT = """
