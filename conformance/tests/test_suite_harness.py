@@ -7,11 +7,14 @@ is allowed, a real fp16 error is not; NaN fails); an output check's failure says
 run checks on the reference (eager and each graph mode) and their failure on a base row nudged by
 one ulp and on a pad row that picked up LoRA; the metadata checks on the reference's metadata, and
 their failure on a stale tail, a lost token, a wrong per-request field, a launch count that misses
-segments and a segment longer than ``max_len``; the break op (live and
+segments and a segment longer than ``max_len``; a backend's own MoE alignment with garbage in a
+disabled slot passes only where it declares that its consumer never reads those rows, and a dropped
+pair of an enabled slot fails either way; the break op (live and
 static maps agree with the float64 twin); ``BatchInputs.select`` keeps rows with their request.
 """
 
 import dataclasses
+from functools import partial
 
 import pytest
 import torch
@@ -29,7 +32,7 @@ from moelora_conformance.harness.checks import (
 )
 from moelora_conformance.harness.expected import dense_delta_rounding_scale
 from moelora_conformance.harness.layer import inter_layer_norm
-from moelora_conformance.harness.metadata import check_batch_metadata, check_segments
+from moelora_conformance.harness.metadata import check_batch_metadata, check_moe_alignment, check_segments
 from moelora_conformance.profiles import PROFILES
 from moelora_conformance.strategies import (
     BatchPlan,
@@ -41,6 +44,7 @@ from moelora_conformance.strategies import (
 )
 from moelora_core import DEFAULT_POLICY, BatchSpec, ForwardMode, LoRALayerSpec, LoRAWeights, ModuleLoRA, Request
 from moelora_core.backend_checks import GraphCapacity
+from moelora_reference.align import moe_lora_align_block_size
 from moelora_reference.backend import make_backend
 from moelora_reference.oracle import dense_lora_forward
 
@@ -331,6 +335,49 @@ def test_metadata_checks_pass_on_the_reference_and_fail_on_faults():
         check_segments(dataclasses.replace(eager, num_segments=1), big, ctx())
     with pytest.raises(AssertionError, match="> max_len"):
         check_segments(dataclasses.replace(eager, max_len=2), big, ctx())
+
+
+class _OwnAlignment:
+    """The reference backend with an alignment hook of its own: the twin's output, then a disabled
+    slot's rows left as an align that skips it leaves them (garbage) and optionally an enabled slot's
+    pair dropped; capabilities declare whether the consumer reads disabled slots' rows."""
+
+    def __init__(self, reads_disabled: bool, drop_enabled_pair: bool = False):
+        self.inner = make_backend(_spec())
+        self.caps = dataclasses.replace(self.inner.capabilities(), alignment_reads_disabled_slots=reads_disabled)
+        self.drop = drop_enabled_pair
+
+    def capabilities(self):
+        return self.caps
+
+    def moe_alignment(self, topk_ids, info):
+        out = moe_lora_align_block_size(topk_ids, info.token_lora_mapping, 4, 16, 3, info.adapter_enabled)
+        out.sorted_token_ids[1].fill_(-1084073718)  # slot 1: disabled (rank 0)
+        out.expert_ids[1].fill_(3)
+        out.num_tokens_post_padded[1] = 64
+        if self.drop:
+            out.sorted_token_ids[0, 0] = topk_ids.numel()  # slot 0's first pair turned into padding
+        return out, 16
+
+
+@pytest.mark.parametrize(("reads_disabled", "drop_enabled_pair", "fails"), [
+    (False, False, False),  # declared: disabled rows are not read, so not checked
+    (True, False, True),    # the default: the contract holds for every slot
+    (False, True, True),    # declared, but an enabled slot's alignment is wrong
+])
+def test_alignment_of_disabled_slots_is_checked_only_where_the_consumer_reads_it(
+        reads_disabled, drop_enabled_pair, fails):
+    backend = _OwnAlignment(reads_disabled, drop_enabled_pair)
+    batch = _pool_batch([2, 0, 1], [1, 2, 2])
+    assert batch.adapter_enabled == (1, 0, 1)
+    info = backend.inner.prepare(batch)
+    ids = torch.randint(0, 4, (batch.num_tokens, 2), generator=torch.Generator().manual_seed(5), dtype=torch.int32)
+    check = partial(check_moe_alignment, backend, info, batch, ids, ctx(), num_experts=4, max_loras=3)
+    if fails:
+        with pytest.raises(AssertionError, match=r"MoE alignment \(backend"):
+            check()
+    else:
+        assert check() == "backend"
 
 
 def test_break_op_live_and_static_agree_with_the_float64_twin():

@@ -3,7 +3,8 @@
 Covers: named cases with exact outputs (T < BLOCK_M, all tokens to one expert, empty experts, ids -1
 and E, a single token, top_k = 1, disabled slots, base tokens mixed in, graph-capacity tails, IDLE);
 refusals of malformed inputs; the checker accepting every legal reordering (experts, rows within an
-expert) and rejecting each kind of corruption with coordinates; Hypothesis: the twin passes the
+expert) and rejecting each kind of corruption with coordinates, disabled slots skipped only when
+told; Hypothesis: the twin passes the
 checker and equals an independent sort-based formulation exactly.
 """
 
@@ -199,6 +200,22 @@ def test_checker_rejects_a_disabled_slot_with_rows():
     out = good()  # computed with every slot enabled
     with pytest.raises(AssertionError, match=r"slot 1 \(disabled\)"):
         check(out, adapter_enabled=[1, 0])
+
+
+def test_checker_skips_disabled_slots_only_when_told():
+    # An align that leaves a disabled slot's rows untouched (SGLang's JIT align) for a consumer that
+    # never reads them: the rows of slot 1 hold garbage, the count a stale value.
+    ids, mapping = ids_([[0, 1], [1, 2], [2, 0]]), ids_([1, 0, 1])
+    out = moe_lora_align_block_size(ids, mapping, 3, 4, 2, [1, 0])
+    out.sorted_token_ids[1].fill_(-1084073718)
+    out.expert_ids[1].fill_(7)
+    out.num_tokens_post_padded[1] = 16843009
+    check_alignment(out, ids, mapping, 3, 4, 2, [1, 0], check_disabled_slots=False)
+    with pytest.raises(AssertionError, match=r"slot 1 \(disabled\)"):
+        check_alignment(out, ids, mapping, 3, 4, 2, [1, 0])
+    out.sorted_token_ids[0, 0] = 6  # an enabled slot's pair dropped to padding: still caught
+    with pytest.raises(AssertionError, match=r"slot 0 expert .*missing pairs"):
+        check_alignment(out, ids, mapping, 3, 4, 2, [1, 0], check_disabled_slots=False)
 
 
 # --- Hypothesis: the twin against the checker and a sort-based formulation ------------------------

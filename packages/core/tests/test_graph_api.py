@@ -141,3 +141,28 @@ def test_a_collection_during_capture_cannot_free_cuda_objects(kind):
     assert freed == [True]
     x.copy_(torch.randn(8, device=device))
     assert torch.equal(graph.replay(), x * 3.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the emulator has no streams)")
+def test_capture_runs_on_the_warmup_stream():
+    # SGLang's LoraWorkspace keys its graph scratch by the current raw CUDA stream and refuses a
+    # capture on a stream it was not warmed on ("MoE LoRA workspace was not warmed before CUDA
+    # capture"); a capture on torch's own capture stream missed every key (the first peers H100 run).
+    pool = GraphPool("decode", "cuda")
+    x = torch.randn(8, device="cuda")
+    scratch: dict[int, torch.Tensor] = {}
+
+    def fn():
+        key = torch.cuda.current_stream().cuda_stream
+        if torch.cuda.is_current_stream_capturing():
+            if key not in scratch:
+                raise RuntimeError("scratch was not warmed on the capture stream")
+        else:
+            scratch.setdefault(key, torch.empty(8, device="cuda"))
+        return torch.mul(x, 3.0, out=scratch[key])
+
+    before = torch.cuda.current_stream()
+    graph = pool.capture(fn, warmup=1)
+    assert torch.cuda.current_stream() == before
+    x.copy_(torch.randn(8, device="cuda"))
+    assert torch.equal(graph.replay(), x * 3.0)

@@ -5,7 +5,8 @@ which .gitignore's ``/.gpu/`` keeps out of every commit).
 Contents:
 
 - ``OUT/root/``: the peers' files the adapters load (each finder's ``loaded`` list, collected by
-  importing every module of ``moelora_peers.sglang_modules.MODULES`` / ``vllm_modules.MODULES`` here)
+  ``moelora_peers.collect``: every module of ``MODULES`` and ``LAZY_MODULES``, imported here and
+  again with the stubs' platform answering CUDA sm90, so the CUDA-only import branches are taken)
   plus the trees those files read at run time or import only on CUDA (:data:`EXTRA_TREES`: SGLang's
   JIT sources and tuned tables, its plan tables, vLLM's LoRA ops), and each release's
   ``*.dist-info/METADATA`` (``MOELORA_PEERS_ROOT=OUT/root`` points the finders there). Copied from
@@ -16,16 +17,21 @@ Contents:
   --only-binary=:all: --python-version 3.12``;
 - ``OUT/README.txt``: the commands to run on the GPU machine.
 
-Refuses (exit 1) if the folder would pass the carry limit.
+Checks the built folder: every module imports from ``OUT/root`` alone as on CUDA sm90 (fails with
+the import's traceback otherwise). Refuses (exit 1) if the folder would pass the carry limit.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from moelora_peers.loader import ROOT_ENV
 
 REPO = Path(__file__).resolve().parents[3]
 CARRY_LIMIT = 64 * 1024 * 1024
@@ -34,9 +40,9 @@ EXTRA_TREES = {
     "sglang": ["sglang/kernels/jit", "sglang/kernels/ops/lora", "sglang/kernels/ops/moe/moe_align.py",
                "sglang/srt/lora/moe", "sglang/srt/layers/moe/moe_runner/triton_utils",
                # fp8_kernel.py's CUDA-only ``from sglang.kernels.ops.quantization import
-               # sgl_per_token_quant_fp8`` reads the package init (a kernel-registry wrapper), which a
-               # CPU collection never runs (first H100 run: ImportError at fp8_kernel.py:42); the
-               # init and the three registry modules it imports are copied whole.
+               # sgl_per_token_quant_fp8`` reads the package init (a kernel-registry wrapper, in
+               # sglang_modules.RUN_INIT); the init and the three registry modules it imports are
+               # copied whole.
                "sglang/kernels/ops/quantization/__init__.py", "sglang/kernels/registry.py",
                "sglang/kernels/spec.py", "sglang/kernels/selector.py"],
     "vllm": ["vllm/lora/ops/triton_ops", "vllm/lora/punica_wrapper"],
@@ -44,37 +50,27 @@ EXTRA_TREES = {
 #: (requirement, why) of the cp312 wheels; versions from ci/constraints/peers.txt where pinned there.
 WHEELS = ["msgspec==0.23.0", "pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0",
           "typing-inspection==0.4.5", "apache-tvm-ffi==0.1.11"]
-#: Modules the paths import lazily, inside a call (not among ``MODULES``), or only on CUDA (behind an
-#: ``if _is_cuda:`` that is false where this script runs): imported here too, so their files and
-#: imports are collected (regressions: the virtual-experts expand's base kernel was missing; then
-#: the CUDA-only JIT quantization modules ``quantization/fp8_kernel.py`` and ``int8_kernel.py``
-#: import, with ``kernel_api_logging`` and ``srt/utils/custom_op``).
-LAZY_IMPORTS = {
-    "sglang": ["sglang.kernels.ops.moe.fused_moe_triton_kernels",
-               "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config",
-               "sglang.kernels.ops.quantization.per_tensor_quant_fp8",
-               "sglang.kernels.ops.quantization.per_token_group_quant",
-               "sglang.kernels.ops.quantization.per_token_quant_fp8"],
-    "vllm": [],
-}
-_COLLECT = """
-import json, sys
-from moelora_peers import {peer}_modules as m
-for short in m.MODULES:
-    m.module(short)
-for name in {lazy!r}:
-    m.import_peer(m.importer(), name)
-print(json.dumps({{"root": str(m.importer().dist.root), "version": m.importer().dist.version,
-                  "loaded": m.importer().loaded}}))
-"""
+#: The compute capability the folder is collected and checked for (the H100s of the GPU matrix).
+GPU_CAPABILITY = "9.0"
 
 
-def collect(peer: str) -> dict:
-    """The peer's root, version and loaded files (imported in a fresh process)."""
-    code = _COLLECT.format(peer=peer, lazy=LAZY_IMPORTS[peer])
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    import json
+def collect(peer: str, as_cuda: str | None = None, root: Path | None = None) -> dict:
+    """The peer's root, version and loaded files: ``python -m moelora_peers.collect`` in a fresh
+    process (every module and lazy import of the paths), on this device or ``as_cuda``, from the
+    installed release or from ``root`` (``MOELORA_PEERS_ROOT``).
 
+    Raises:
+        subprocess.CalledProcessError: a module does not import (its traceback is printed).
+    """
+    env = dict(os.environ)
+    env.pop(ROOT_ENV, None)
+    if root is not None:
+        env[ROOT_ENV] = str(root)
+    cmd = [sys.executable, "-m", "moelora_peers.collect", peer, *(["--as-cuda", as_cuda] if as_cuda else [])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        print(proc.stderr, file=sys.stderr)
+        proc.check_returncode()
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -109,15 +105,19 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(out)
     root_out = out / "root"
     for peer in ("sglang", "vllm"):
-        info = collect(peer)
+        # the CPU collection misses the peers' CUDA-only import branches; the as-CUDA one takes them
+        info, on_cuda = collect(peer), collect(peer, GPU_CAPABILITY)
         root = Path(info["root"])
-        for rel in info["loaded"]:
+        for rel in sorted(set(info["loaded"]) | set(on_cuda["loaded"])):
             copy_file(root / rel, root_out / rel)
         for rel in EXTRA_TREES[peer]:
             copy_tree(root, rel, root_out)
         dist = next(root.glob(f"{peer}-{info['version']}.dist-info"))
         copy_file(dist / "METADATA", root_out / dist.name / "METADATA")
-        print(f"{peer} {info['version']}: {len(info['loaded'])} loaded files + {len(EXTRA_TREES[peer])} trees")
+        print(f"{peer} {info['version']}: {len(info['loaded'])} loaded files (+{len(on_cuda['loaded'])} as CUDA "
+              f"{GPU_CAPABILITY}) + {len(EXTRA_TREES[peer])} trees")
+        # the folder alone must serve every import as on the GPU (the first H100 run's ImportError)
+        collect(peer, GPU_CAPABILITY, root_out)
     if not args.no_wheels:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                         "--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",

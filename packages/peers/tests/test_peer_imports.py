@@ -2,13 +2,17 @@
 conformance/docs/peers.md says of SGLang's own helpers still holds for the installed release.
 
 Covers: ``sglang/__init__.py`` and ``vllm/__init__.py`` never run (their packages are shells); every
-file the finders load is the release's own; the stubs answer for the real device; the two peer
+file the finders load is the release's own; every module and lazy import of both peers imports with
+the stubs answering CUDA sm90 (the peers' CUDA-only branches); the stubs answer for the real device,
+and vLLM's ``is_device_capability`` with vLLM's meaning; the peer
 behaviours the grid's manifests cite (docs "F1" and "F2") on the smallest cases that show them.
 Runs in ``nox -s peers`` (the peers installed with ``--no-deps``).
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +35,34 @@ def test_package_init_never_runs_and_files_are_the_release(peer) -> None:
     for rel in importer.loaded:
         assert (importer.dist.root / rel).is_file(), rel
         assert not rel.endswith(f"{importer.dist.name}/__init__.py")
+
+
+@pytest.mark.parametrize("peer", ["sglang", "vllm"])
+def test_every_module_imports_as_on_cuda(peer) -> None:
+    # SGLang's quantization/fp8_kernel.py imports sgl_per_token_quant_fp8 from its package init on
+    # CUDA only (the virtual-experts expand's base kernel imports it): a CPU import never takes the
+    # branch, and the init is served only if RUN_INIT names it. A fresh process: the finders and the
+    # platform answers are per process.
+    proc = subprocess.run([sys.executable, "-m", "moelora_peers.collect", peer, "--as-cuda", "9.0"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])["loaded"]
+    if peer == "sglang":
+        assert "sglang/kernels/ops/quantization/__init__.py" in loaded
+        assert "sglang/kernels/ops/quantization/fp8_kernel.py" in loaded
+
+
+@pytest.mark.parametrize(("cap", "asked", "expected"), [
+    ((9, 0), (9, 0), True), ((9, 0), 90, True),     # the H100: vLLM's sm90 NUM_STAGES workaround applies
+    ((9, 0), (8, 9), False), ((10, 0), 90, False),  # exact, not "at least" (has_device_capability)
+    (None, 90, False),                              # no CUDA
+])
+def test_vllm_is_device_capability_means_exactly_this_capability(monkeypatch, cap, asked, expected) -> None:
+    platforms = vllm_modules.import_peer(vllm_modules.importer(), "vllm.platforms")
+    stub = sys.modules[platforms.__stub__]
+    monkeypatch.setattr(stub, "cuda_capability", lambda: cap)
+    assert platforms.current_platform.is_device_capability(asked) is expected
+    assert platforms.current_platform.is_device_capability(asked, device_id=0) is expected
 
 
 def test_stubs_answer_for_this_device() -> None:

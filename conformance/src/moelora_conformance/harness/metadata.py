@@ -17,7 +17,8 @@ Against the batch's host lists (what any correct backend must derive):
 - the MoE alignment: every block of ``BLOCK_M`` rows holds one (slot, expert), each routed pair
   exactly once (``moelora_reference.align.check_alignment``), on the backend's own alignment when
   it exposes one (``backend.moe_alignment(topk_ids, info) -> (AlignOutput, block_m)``), else on
-  the reference twin run on the backend's metadata.
+  the reference twin run on the backend's metadata; disabled slots' rows only where the backend's
+  consumer reads them (capability ``alignment_reads_disabled_slots``, default True).
 """
 
 from __future__ import annotations
@@ -143,7 +144,9 @@ def check_segments(info: LoRABatchInfo, batch: BatchSpec, ctx: CheckContext) -> 
 def check_moe_alignment(backend, info: LoRABatchInfo, batch: BatchSpec, topk_ids: torch.Tensor, ctx: CheckContext,
                         *, num_experts: int, max_loras: int, block_m: int = 16) -> str:
     """Every alignment block holds one expert and every routed pair appears once (the contract of
-    DESIGN.md §4), for the backend's own alignment if it exposes ``moe_alignment``.
+    DESIGN.md §4), for the backend's own alignment if it exposes ``moe_alignment``. Disabled slots
+    are checked too unless the backend declares ``alignment_reads_disabled_slots=False`` (its
+    consumer never reads them).
 
     Args:
         topk_ids: [rows, k] ids of every token row of ``info`` (pad rows included in graph mode).
@@ -155,15 +158,18 @@ def check_moe_alignment(backend, info: LoRABatchInfo, batch: BatchSpec, topk_ids
     expected_mapping = torch.tensor(list(batch.token_lora_mapping) + [-1] * (rows - batch.num_tokens), dtype=I32)
     enabled = list(batch.adapter_enabled)
     hook = getattr(backend, "moe_alignment", None)
+    strict = True
     if callable(hook):
         out, block_m = hook(topk_ids, info)
         source = "backend"
+        strict = backend.capabilities().alignment_reads_disabled_slots
     else:
         out = moe_lora_align_block_size(topk_ids.cpu(), info.token_lora_mapping.cpu(), num_experts, block_m,
                                         max_loras, info.adapter_enabled.cpu())
         source = "twin"
     try:
-        check_alignment(out, topk_ids.cpu(), expected_mapping, num_experts, block_m, max_loras, enabled, seed=ctx.seed)
+        check_alignment(out, topk_ids.cpu(), expected_mapping, num_experts, block_m, max_loras, enabled, seed=ctx.seed,
+                        check_disabled_slots=strict)
     except AssertionError as exc:
         raise AssertionError(ctx.what(f"MoE alignment ({source}, BLOCK_M={block_m})") + f": {exc}") from None
     return source

@@ -43,6 +43,13 @@ class Capabilities:
             slot ("shared_outer", "fully_shared": ``LoRAWeights`` buffers with expert dim 1, exposed
             with expert stride 0) and reads them through those views, without an expand-copy. The
             suite draws such pools only for a backend declaring it.
+        alignment_reads_disabled_slots: the consumer of the backend's own per-slot MoE alignment (the
+            ``moe_alignment`` hook the suite's P07 checks exactly) reads the alignment rows of a
+            disabled slot (``adapter_enabled[slot] == 0``), so P07 requires them to be all padding
+            with count 0 (the contract of DESIGN.md §4; the default). False: its kernels return on a
+            disabled slot before any alignment load, and the alignment may leave that slot's rows
+            untouched (SGLang's JIT align and ``_fused_moe_lora_kernel``); P07 then checks enabled
+            slots only, and P01 / P02 / P09 still judge the outputs.
         base_quants: the ``LoRALayerSpec.base_quant`` values it serves (DESIGN.md §1, "Quantized
             base"). For a deltas-only backend, declaring "fp8_block" promises that its deltas read the
             unquantized activations they are given; a ``fused_moe`` backend's ``moe_forward`` then
@@ -62,6 +69,7 @@ class Capabilities:
     shared_moe_alignment: bool = False
     slot_load_hook: bool = False
     shared_expert_factors: bool = False
+    alignment_reads_disabled_slots: bool = True
     base_quants: frozenset[str] = frozenset({"none"})
 
     def __post_init__(self) -> None:
@@ -103,6 +111,7 @@ class Capabilities:
             "shared_moe_alignment": self.shared_moe_alignment,
             "slot_load_hook": self.slot_load_hook,
             "shared_expert_factors": self.shared_expert_factors,
+            "alignment_reads_disabled_slots": self.alignment_reads_disabled_slots,
             "base_quants": sorted(self.base_quants),
         }
 

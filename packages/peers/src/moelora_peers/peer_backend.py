@@ -58,14 +58,17 @@ def csgmv_chunk_size(num_tokens: int) -> int:
     return next(size for bound, size in _CHUNK_STEPS if num_tokens >= bound)
 
 
-def peer_capabilities(dtypes: set[torch.dtype], *, virtual_experts: bool = False) -> Capabilities:
-    """What every peer path declares but its dtypes (and virtual experts): both graph families and
-    prefill modes, ids >= E accepted, one alignment per layer, the slot-load hook, per-expert factors
-    only (conformance/docs/peers.md, "Capabilities")."""
+def peer_capabilities(dtypes: set[torch.dtype], *, virtual_experts: bool = False,
+                      alignment_reads_disabled_slots: bool = True) -> Capabilities:
+    """What every peer path declares but its dtypes (and virtual experts, and whether the consumer
+    of its own alignment reads disabled slots' rows): both graph families and prefill modes, ids >= E
+    accepted, one alignment per layer, the slot-load hook, per-expert factors only
+    (conformance/docs/peers.md, "Capabilities")."""
     return Capabilities(
         dtypes=frozenset(dtypes), devices=frozenset({"cpu", "cuda"}),
         graph_families=frozenset({"decode", "prefill"}), prefill_graph_modes=frozenset({"full", "breakable"}),
         virtual_experts=virtual_experts, fused_shared_experts=True, shared_moe_alignment=True, slot_load_hook=True,
+        alignment_reads_disabled_slots=alignment_reads_disabled_slots,
     )
 
 

@@ -176,8 +176,16 @@ class SGLangGroupedPath:
         down_out.add_(weighted.to(down_out.dtype))
 
 
-def capabilities() -> Capabilities:
-    """What the grouped path declares (conformance/docs/peers.md, "Capabilities")."""
+def capabilities(device: torch.device | str = "cpu") -> Capabilities:
+    """What the grouped path declares on ``device`` (conformance/docs/peers.md, "Capabilities").
+
+    On CUDA the dtype SGLang's plan runner admits (``MoeLoraRunner._weight_family``: BF16 layers
+    only); its stage kernels call ``tl.dot`` without ``input_precision`` (TF32 for fp32 operands on
+    NVIDIA). Off CUDA (the Triton interpreter, IEEE dots) the dtype-generic stage kernels in fp32,
+    fp16 and bf16.
+    """
+    if torch.device(device).type == "cuda":
+        return peer_capabilities({torch.bfloat16})
     return peer_capabilities({torch.float32, torch.float16, torch.bfloat16})
 
 
@@ -187,7 +195,8 @@ def make_path(spec: LoRALayerSpec) -> PeerPath:
     subs = {} if is_cuda() else {
         "common/lora_b.slice_geometry (CUDA tables)": "moelora_peers.substitutes.sglang_slice_geometry"}
     return PeerPath(
-        peer="sglang", path="grouped", version=sglang_modules.importer().dist.version, capabilities=capabilities(),
+        peer="sglang", path="grouped", version=sglang_modules.importer().dist.version,
+        capabilities=capabilities(spec.device),
         on_slot_loaded=path.pool.on_slot_loaded, align=path.align, gate_up=path.gate_up, down=path.down,
         dense=partial(csgmv_dense_delta, path.pool), cpu_substitutes=subs,
     )

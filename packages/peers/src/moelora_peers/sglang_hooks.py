@@ -207,11 +207,20 @@ def jit_align_available() -> bool:
         shutil.which("nvcc") is not None or bool(os.environ.get("CUDA_HOME")))
 
 
-def capabilities(virtual: bool) -> Capabilities:
-    """What the two hook paths declare (conformance/docs/peers.md, "Capabilities"). The virtual-experts
-    expand (``invoke_fused_moe_kernel`` with ``a_output_slices=2``) asserts fp16 / bf16."""
-    dtypes = {torch.float16, torch.bfloat16} if virtual else {torch.float32, torch.float16, torch.bfloat16}
-    return peer_capabilities(dtypes, virtual_experts=virtual)
+def capabilities(virtual: bool, device: torch.device | str = "cpu") -> Capabilities:
+    """What the two hook paths declare on ``device`` (conformance/docs/peers.md, "Capabilities").
+
+    The virtual-experts expand (``invoke_fused_moe_kernel`` with ``a_output_slices=2``) asserts
+    fp16 / bf16. The legacy ``fused_moe_lora`` and the csgmv dense kernels call ``tl.dot`` without
+    ``input_precision``: TF32 for fp32 operands on NVIDIA, IEEE under the CPU interpreter, and SGLang
+    serves fp16 / bf16 models; so fp32 is declared off CUDA only. The legacy path's consumer
+    (``_fused_moe_lora_kernel``) returns on a disabled slot before any alignment load, and SGLang's
+    JIT align leaves that slot's rows untouched (``alignment_reads_disabled_slots=False``).
+    """
+    if virtual:  # no per-slot alignment hook
+        return peer_capabilities({torch.float16, torch.bfloat16}, virtual_experts=True)
+    dtypes = {torch.float16, torch.bfloat16} | ({torch.float32} if torch.device(device).type != "cuda" else set())
+    return peer_capabilities(dtypes, alignment_reads_disabled_slots=False)
 
 
 def make_path(spec: LoRALayerSpec, *, virtual: bool) -> PeerPath:
@@ -226,7 +235,7 @@ def make_path(spec: LoRALayerSpec, *, virtual: bool) -> PeerPath:
                  "_naive_moe_lora_align_block_size, as on CUDA)"})
     return PeerPath(
         peer="sglang", path="virtual_experts" if virtual else "legacy",
-        version=sglang_modules.importer().dist.version, capabilities=capabilities(virtual),
+        version=sglang_modules.importer().dist.version, capabilities=capabilities(virtual, spec.device),
         on_slot_loaded=path.pool.on_slot_loaded, align=path.align, gate_up=path.gate_up, down=path.down,
         dense=partial(csgmv_dense_delta, path.pool),
         alignment=None if virtual else path.alignment, init_graph=path.init_graph,

@@ -48,9 +48,14 @@ CPU_SUBSTITUTES: dict[str, str] = {
 
 #: Packages whose own ``__init__.py`` runs (small: they re-export what the kernel files import);
 #: every other SGLang package is a shell (``sglang/__init__.py`` included).
+#: ``sglang.kernels.ops.quantization``: its init defines ``sgl_per_token_quant_fp8`` (a kernel-registry
+#: wrapper of a JIT kernel), which ``quantization/fp8_kernel.py`` imports from the package on CUDA only
+#: (the base MoE kernel of the virtual-experts expand imports ``fp8_kernel``;
+#: ``test_every_module_imports_as_on_cuda``).
 RUN_INIT: tuple[str, ...] = (
     "sglang.kernels.jit.utils",
     "sglang.kernels.jit.utils.compile",
+    "sglang.kernels.ops.quantization",
     "sglang.srt.lora.moe.base_gemm_provider",
 )
 
@@ -69,6 +74,19 @@ MODULES: dict[str, str] = {
     "csgmv_expand": "sglang.kernels.ops.lora.dense.chunked_sgmv_expand",
     "capture": "sglang.srt.model_executor.runner",
 }
+
+#: Modules the paths import inside a call (not among :data:`MODULES`) or only on CUDA (behind an
+#: ``if _is_cuda:`` false on a CPU): ``moelora_peers.collect`` imports them too, so the GPU folder
+#: carries their files and ``test_every_module_imports_as_on_cuda`` imports them as on a GPU. The
+#: virtual-experts expand runs the base MoE kernel, whose ``quantization/fp8_kernel.py`` imports the
+#: JIT quantization modules on CUDA.
+LAZY_MODULES: tuple[str, ...] = (
+    "sglang.kernels.ops.moe.fused_moe_triton_kernels",
+    "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config",
+    "sglang.kernels.ops.quantization.per_tensor_quant_fp8",
+    "sglang.kernels.ops.quantization.per_token_group_quant",
+    "sglang.kernels.ops.quantization.per_token_quant_fp8",
+)
 
 
 def native_moe_align_available() -> bool:

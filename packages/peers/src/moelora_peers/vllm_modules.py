@@ -37,6 +37,9 @@ MODULES: dict[str, str] = {
     "lora_layers": "vllm.lora.layers",
 }
 
+#: Modules the path imports inside a call or only on CUDA (``sglang_modules.LAZY_MODULES``): none.
+LAZY_MODULES: tuple[str, ...] = ()
+
 
 @functools.cache
 def importer() -> PeerImporter:

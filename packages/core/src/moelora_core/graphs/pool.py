@@ -142,7 +142,10 @@ class GraphPool:
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with collector_paused(), torch.cuda.graph(graph, pool=self._handle):
+            # captured on the warm-up stream: a callee that keys scratch by the current stream
+            # (SGLang's LoraWorkspace: "warm on the streams used during capture") finds at capture
+            # what warm-up made (test_capture_runs_on_the_warmup_stream).
+            with collector_paused(), torch.cuda.graph(graph, pool=self._handle, stream=side):
                 output = fn()
         except BaseException as exc:
             self._after_failed_capture(current)

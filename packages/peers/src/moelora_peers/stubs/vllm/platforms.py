@@ -3,8 +3,9 @@
 vLLM resolves ``current_platform`` by probing plugins and NVML/ROCm libraries; without a GPU driver
 it becomes an "unspecified" platform whose kernels are placeholders. Provides ``current_platform``,
 answering for the real device: ``is_cuda`` / ``is_cuda_alike`` (a CUDA device is present),
-``is_rocm`` / ``is_xpu`` (False), ``is_cpu`` (no CUDA device), ``has_device_capability(90)`` /
-``get_device_capability()`` (the device's compute capability; None / False on a CPU),
+``is_rocm`` / ``is_xpu`` (False), ``is_cpu`` (no CUDA device), ``has_device_capability(90)`` (at least) /
+``is_device_capability((9, 0))`` (exactly; a tuple or ``major*10+minor``) / ``get_device_capability()``
+(the device's compute capability; None / False on a CPU),
 ``num_compute_units(index)`` (the SM count; 1 on a CPU: a tiling heuristic's input only),
 ``dispatch_key`` (where vLLM's ``direct_register_custom_op`` registers its ops: ``_platform.dispatch_key``),
 ``device_type`` / ``device_name``, ``is_pin_memory_available()``.
@@ -64,6 +65,16 @@ class _Platform:
             return False
         want = capability if isinstance(capability, int) else capability[0] * 10 + capability[1]
         return cap[0] * 10 + cap[1] >= want
+
+    def is_device_capability(self, capability, device_id: int = 0) -> bool:
+        # vLLM's meaning (vllm/platforms/interface.py): exactly this capability, a (major, minor)
+        # tuple or major*10+minor; False without CUDA. lora_expand_op.py asks it on CUDA for sm90.
+        cap = cuda_capability()
+        if cap is None:
+            return False
+        if isinstance(capability, tuple):
+            return tuple(cap) == tuple(capability)
+        return cap[0] * 10 + cap[1] == capability
 
     def num_compute_units(self, device_id: int | None = 0) -> int:
         if not is_cuda():
