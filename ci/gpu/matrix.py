@@ -71,7 +71,12 @@ MATRIX = ROOT / "ci" / "matrix.toml"
 SOURCES = ["packages/core/src", "packages/kernels/src", "packages/backends/src", "packages/runner/src",
            "reference/src", "conformance/src"]
 AXES = ("suite", "backend", "mode", "dtype", "family", "profile")
-SUITES = ("kernels", "graphs", "conformance", "engine", "checkpoint-pass", "e2e", "benchmarks")
+SUITES = ("kernels", "graphs", "conformance", "peers", "engine", "checkpoint-pass", "e2e", "benchmarks")
+#: The peers' files and their small libraries on the GPU host: the folder built on a CPU machine by
+#: packages/peers/scripts/build_gpu_folder.py and carried (its wheels installed into ``site``).
+PEERS_FOLDER = ".gpu/peers"
+#: The Hypothesis seed of the peers grid (CPU and GPU cells draw the same cases).
+PEERS_SEED = 20261206
 FINISHED = ("pass", "incomplete", "fail", "error", "timeout", "nothing-ran")
 #: Longest timeout of one cell: the device's 10-minute call less its start-up.
 MAX_TIMEOUT_S = 570
@@ -274,6 +279,17 @@ def _mode_filter(cell: Cell) -> str:
     return " or ".join(terms)
 
 
+def _peers_mode_filter(cell: Cell) -> str:
+    """The ``-k`` expression of a peers cell: its mode's items in every dtype (item ids end in
+    ``[<mode>-<dtype>]``; graph-family items ``decode-<dtype>`` / ``prefill-<dtype>`` go with the
+    decode and prefill-full cells, as in :func:`_mode_filter`)."""
+    mode = cell.axes["mode"]
+    terms = [f"{mode}-{d}" for d in ("bf16", "fp16", "fp32")]
+    if mode == "prefill-full":
+        terms += [f"prefill-{d}" for d in ("bf16", "fp16", "fp32")]
+    return " or ".join(terms)
+
+
 #: Seconds a kernels cell leaves pytest, between its interrupt and the cell's timeout, to report.
 KERNELS_REPORT_S = 40.0
 
@@ -305,6 +321,17 @@ def command(cell: Cell, work: Path, timeout_s: float | None = None) -> list[str]
         if "max_examples" in o:
             cmd += ["--max-examples", str(o["max_examples"])]
         return cmd
+    if suite == "peers":
+        # every dtype the path declares on CUDA, the mode's items; no shrinking (a cell's time is its draws)
+        cmd = [py, "-m", "pytest", "-p", "moelora_conformance.plugin", "-p", "no:cacheprovider",
+               "--backend", cell.target, "--device", "cuda", "--profile", cell.axes["profile"],
+               "--report-json", str(work / "report.json"), "-q", "-rfE", "-k", _peers_mode_filter(cell),
+               "--no-shrink", f"--hypothesis-seed={PEERS_SEED}"]
+        if cell.manifest:
+            cmd += ["--manifest", str(ROOT / cell.manifest)]
+        if "max_examples" in o:
+            cmd += ["--max-examples", str(o["max_examples"])]
+        return cmd
     if suite == "graphs":
         return [py, "ci/gpu/graph_agreement.py", "--seeds", str(o.get("seeds", 3)), "--overhead",
                 "--out", str(work / "graphs.txt")]
@@ -324,10 +351,15 @@ def command(cell: Cell, work: Path, timeout_s: float | None = None) -> list[str]
 def cell_env(cell: Cell, env: dict[str, str], work: Path) -> dict[str, str]:
     """The environment of ``cell``: the common one, plus, for engine cells, the runner tests' CUDA
     switches (engines on the GPU in the cell's dtype, the gpu profile, measurements under ``work``),
-    and for kernels cells with ``max_examples`` the profile's example count overridden."""
+    for kernels cells with ``max_examples`` the profile's example count overridden, and for peers
+    cells the peers' adapters, files and libraries (:data:`PEERS_FOLDER`)."""
     if cell.axes["suite"] == "kernels" and "max_examples" in cell.options:
         # the example budget that fits a call (the layer tests run the oracle on the host: ~6 s an example)
         return dict(env, MOELORA_MAX_EXAMPLES=str(cell.options["max_examples"]))
+    if cell.axes["suite"] == "peers":
+        folder = ROOT / PEERS_FOLDER
+        path = os.pathsep.join([str(ROOT / "packages/peers/src"), str(folder / "site"), env.get("PYTHONPATH", "")])
+        return dict(env, PYTHONPATH=path, MOELORA_PEERS_ROOT=str(folder / "root"))
     if cell.axes["suite"] != "engine":
         return env
     dtype = TORCH_DTYPE.get(cell.axes["dtype"], "bfloat16")
@@ -381,7 +413,7 @@ def summarize(cell: Cell, work: Path) -> dict:
     tolerance where the suite records one, the first failure messages (empty without a report)."""
     out: dict[str, object] = {}
     report = work / "report.json"
-    if cell.axes["suite"] in ("conformance", "e2e") and report.is_file():
+    if cell.axes["suite"] in ("conformance", "peers", "e2e") and report.is_file():
         data = json.loads(report.read_text())
         records = data.get("records", [])
         counts: dict[str, int] = {}

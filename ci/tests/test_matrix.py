@@ -209,6 +209,25 @@ def test_conformance_cells_select_their_mode_and_dtype_items_only():
     assert k("conformance/csgmv/decode/fp32/-/gpu") == "decode-fp32"
 
 
+def test_peers_cells_run_each_path_per_mode_and_profile_with_the_peers_folder(tmp_path):
+    cells = [c for c in matrix.load_matrix() if c.axes["suite"] == "peers"]
+    paths = {c.target for c in cells}
+    assert paths == {"moelora_peers.sglang:legacy", "moelora_peers.sglang:virtual_experts",
+                     "moelora_peers.sglang:grouped", "moelora_peers.vllm:fused"}
+    assert len(cells) == len(paths) * 4 * 2  # x graph mode x profile (interpret, gpu)
+    for c in cells:
+        assert (matrix.ROOT / c.manifest).is_file(), c.manifest
+    cell = next(c for c in cells if c.id == "peers/sglang-grouped/prefill-full/-/-/gpu")
+    cmd = matrix.command(cell, tmp_path)
+    assert cmd[cmd.index("-k") + 1] == ("prefill-full-bf16 or prefill-full-fp16 or prefill-full-fp32 or "
+                                       "prefill-bf16 or prefill-fp16 or prefill-fp32")
+    assert "--no-shrink" in cmd and cmd[cmd.index("--max-examples") + 1] == "2"
+    env = matrix.cell_env(cell, {"PYTHONPATH": "src"}, tmp_path)
+    assert env["MOELORA_PEERS_ROOT"] == str(matrix.ROOT / ".gpu/peers/root")
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(matrix.ROOT / "packages/peers/src"),
+                                                   str(matrix.ROOT / ".gpu/peers/site"), "src"]
+
+
 def test_the_cli_lists_cells_and_refuses_a_selection_that_matches_nothing(capsys):
     assert matrix.main(["list", "--select", "suite=kernels"]) == 0
     assert "kernels/-/-/-/-/gpu" in capsys.readouterr().out
