@@ -17,8 +17,17 @@ Per (M, R) and path:
 
 Paths: moelora's shipped product path (``moe_lora_delta``'s own choice, ``moe_lora_align_block_size``),
 and every peer path through the same ``moelora_peers`` backends the conformance grid runs (a graph
-family prepared at the problem's size, as a captured engine step prepares it). The base fused MoE of
-each peer is not compared here yet (conformance/docs/peers.md, "Not done yet").
+family prepared at the problem's size, as a captured engine step prepares it).
+
+The base fused MoE, per M (rows with ``R`` None, ``unit`` "base"): moelora's ``fused_moe`` against
+SGLang 0.5.23's ``fused_moe_triton`` kernel sequence (``moelora_peers.sglang_base_moe``: its
+``invoke_fused_moe_kernel`` / ``act_and_mul_triton`` / ``moe_sum_reduce_triton`` with the config
+``try_get_optimal_moe_config`` picks) and vLLM 0.34.0's ``fused_moe`` where it imports through the
+stubs (otherwise a row with ``skipped`` quoting the import error). ``a_us``: gate_up GEMM, SiLU·up,
+down GEMM with the router weight, top-k sum, the alignment precomputed; ``c_us``: that alignment
+alone; ``err``: against ``bench_moe_lora.torch_base`` (fp32, rounded where the kernels round) on the
+same inputs, checked before timing; ``config``: the config file each loaded (moelora: its card table;
+SGLang: the file its lookup logged) or "default config"; ``a_over_moelora``.
 
     PYTHONPATH=<the src folders>:.gpu/peers/site MOELORA_PEERS_ROOT=.gpu/peers/root \\
         python benchmarks/bench_peers.py --out benchmarks/results/<date>-<card>-peers.json
@@ -108,6 +117,71 @@ def peer_unit(target: str, p: bench.Problem, w, h: torch.Tensor):
     return align, deltas, align()
 
 
+#: vLLM's base fused MoE module (imported through the stubs where it can be).
+VLLM_FUSED_MOE = "vllm.model_executor.layers.fused_moe.fused_moe"
+
+
+def moelora_config_source() -> str:
+    """The config table moelora's kernels read here (``moelora_kernels.configs``)."""
+    from moelora_kernels import configs
+
+    if configs.interpreting():
+        return "interpreter config (moelora_kernels.configs.INTERPRETER_CONFIG)"
+    path = Path(os.environ.get("MOELORA_KERNEL_CONFIGS") or configs.device_table_path())
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def base_rows(p: bench.Problem, timer, tol: float) -> list[dict]:
+    """The base fused MoE of moelora, SGLang and vLLM on problem ``p`` (module docstring), each
+    checked against the fp32 torch path before it is timed."""
+    from moelora_peers import sglang_base_moe, vllm_modules
+
+    from moelora_kernels import fused_moe, moe_align_block_size
+
+    want = bench.torch_base(p)
+    rows = []
+
+    def moelora():
+        return (lambda: moe_align_block_size(p.topk_ids, p.E, p.bm_base),
+                lambda a: fused_moe(p.x, p.topk_ids, p.topk_weights, p.w_gu, p.w_d, align=a), moelora_config_source())
+
+    def sglang():
+        picked = sglang_base_moe.config(p.w_gu, p.w_d, p.k, p.M)
+        bm = picked.config["BLOCK_SIZE_M"]
+        source = picked.source + (" (USE_TMA requested, run without TMA)" if picked.tma_requested else "")
+        return (lambda: sglang_base_moe.align(p.topk_ids, bm, p.E),
+                lambda a: sglang_base_moe.fused_moe(p.x, p.topk_ids, p.topk_weights, p.w_gu, p.w_d, a, picked),
+                source)
+
+    for name, make in (("moelora", moelora), ("sglang:fused_moe_triton", sglang)):
+        row = {"M": p.M, "R": None, "unit": "base", "regime": bench.regime(p.M), "path": name}
+        try:
+            align, run, row["config"] = make()
+            a = align()
+            row["err"] = bench.close(run(a), want, f"{name} base M={p.M}", tol=tol)
+            row["a_us"] = timer(lambda run=run, a=a: run(a))["median_us"]
+            row["c_us"] = timer(align)["median_us"]
+        except Exception as exc:  # a path that cannot run this shape: recorded, not timed
+            row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        rows.append(row)
+    row = {"M": p.M, "R": None, "unit": "base", "regime": bench.regime(p.M), "path": "vllm:fused_moe"}
+    try:
+        vllm_modules.import_peer(vllm_modules.importer(), VLLM_FUSED_MOE)
+        row["skipped"] = "imports through the stubs, but its call is not wired into this benchmark yet"
+    except ImportError as exc:  # its module imports the model executor's config classes (not stubbed)
+        row["skipped"] = f"{VLLM_FUSED_MOE} does not import through the stubs: {type(exc).__name__}: {exc}"[:500]
+    rows.append(row)
+    ref = rows[0]
+    for r in rows:
+        if "a_us" in r and "a_us" in ref:
+            r["a_over_moelora"] = r["a_us"] / ref["a_us"]
+    for r in rows:
+        shown = (f"a {r['a_us']:.1f} µs, c {r['c_us']:.1f} µs, err {r['err']:.1e}, {r['config']}" if "a_us" in r
+                 else r.get("error") or r.get("skipped"))
+        print(f"  M={p.M} base {r['path']}: {shown}", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON output path")
@@ -115,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="*", default=list(bench.TOKENS))
     ap.add_argument("--ranks", type=int, nargs="*", default=list(bench.RANKS))
     ap.add_argument("--paths", nargs="*", default=list(PEER_PATHS), choices=list(PEER_PATHS))
+    ap.add_argument("--no-base", action="store_true", help="skip the base fused MoE rows")
     ap.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny fp16 shape, one call per unit")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -136,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for M in tokens:
         p = bench.Problem(M, shape, gen, base)
+        if not args.no_base:
+            rows += base_rows(p, timer, tol)
         gate_up0, h, down0 = p.base_buffers()
         for R in ranks:
             w = pools[R]
@@ -145,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             units.update({name: (peer_unit, target, config) for name, (target, config) in PEER_PATHS.items()
                           if name in args.paths})
             for name, (make, target, config) in units.items():
-                row = {"M": M, "R": R, "regime": bench.regime(M), "path": name, "config": config}
+                row = {"M": M, "R": R, "unit": "lora", "regime": bench.regime(M), "path": name, "config": config}
                 try:
                     align, deltas, a = make(p, w, h) if target is None else make(target, p, w, h)
                     gu, d = gate_up0.clone(), down0.clone()
@@ -167,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  M={M} R={R} {name}: {shown}", flush=True)
         del p
     for r in rows:
-        ref = next((x for x in rows if x["M"] == r["M"] and x["R"] == r["R"] and x["path"] == "moelora"), None)
+        ref = next((x for x in rows if x["M"] == r["M"] and x["R"] == r["R"] and x["path"] == "moelora"
+                    and x["unit"] == r["unit"]), None)
         if ref and "b_us" in r and "b_us" in ref:
             r["b_over_moelora"] = r["b_us"] / ref["b_us"]
     import triton

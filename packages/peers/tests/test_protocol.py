@@ -7,7 +7,8 @@ call with the same capacity keeps its buffers); a bucket's info reads the family
 addresses) and carries ``private["family"]``; the MoE (base MoE in fp32, the path's gate_up delta
 before the activation, its router-weighted down delta) and a dense delta of a mixed batch (adapter,
 base and rank-0-slot requests, a sentinel expert id) equal ``moelora_reference.oracle`` under the
-default tolerance policy; pad rows of the bucket get nothing. Regression of the port from
+default tolerance policy; pad rows of the bucket get nothing; the SGLang paths declare fp32 off CUDA only and the legacy path
+that its consumer never reads a disabled slot's alignment. Regression of the port from
 ``init_decode_graph`` / ``info.moe.*``.
 """
 
@@ -97,3 +98,25 @@ def test_eager_and_a_smaller_bucket_equal_the_oracle_on_the_family_buffers(targe
         backend.dense_delta("q", torch.cat([xd, torch.randn(pad, H, generator=gen).to(F16)]), out, weights, info)
         DEFAULT_POLICY.assert_close(out[:T], want_q, dtype=F16, what=f"{target} dense q ({family_name or 'eager'})")
         assert not out[T:].any()
+
+
+@pytest.mark.parametrize(("path", "cuda", "cpu"), [
+    # fp32 off CUDA only: the peers' tl.dot without input_precision is TF32 on NVIDIA, IEEE under the
+    # interpreter; on CUDA the dtypes SGLang serves (its plan runner admits BF16 layers only)
+    ("moelora_peers.sglang:legacy", {torch.float16, torch.bfloat16}, {F32, torch.float16, torch.bfloat16}),
+    ("moelora_peers.sglang:grouped", {torch.bfloat16}, {F32, torch.float16, torch.bfloat16}),
+    ("moelora_peers.sglang:virtual_experts", {torch.float16, torch.bfloat16}, {torch.float16, torch.bfloat16}),
+])
+def test_sglang_paths_declare_fp32_off_cuda_only(path, cuda, cpu):
+    from moelora_peers import sglang_grouped, sglang_hooks
+
+    declared = {"legacy": lambda d: sglang_hooks.capabilities(False, d),
+                "virtual_experts": lambda d: sglang_hooks.capabilities(True, d),
+                "grouped": sglang_grouped.capabilities}[path.rpartition(":")[2]]
+    assert set(declared("cuda").dtypes) == cuda and set(declared("cpu").dtypes) == cpu
+    spec = LoRALayerSpec(hidden_size=H, moe_intermediate_size=I, num_experts=E, top_k=K, dense_shapes={},
+                         max_loras=L, max_rank=R, dtype=F16)  # on the CPU
+    caps = load_backend(path)(spec).capabilities()  # the factory declares for its spec's device
+    assert set(caps.dtypes) == cpu
+    # SGLang's JIT align leaves a disabled slot's rows untouched and _fused_moe_lora_kernel never reads them
+    assert caps.alignment_reads_disabled_slots is (not path.endswith(":legacy"))
