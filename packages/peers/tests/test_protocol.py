@@ -107,13 +107,16 @@ def test_eager_and_a_smaller_bucket_equal_the_oracle_on_the_family_buffers(targe
     ("moelora_peers.sglang:grouped", {torch.bfloat16}, {F32, torch.float16, torch.bfloat16}),
     ("moelora_peers.sglang:virtual_experts", {torch.float16, torch.bfloat16}, {torch.float16, torch.bfloat16}),
 ])
-def test_sglang_paths_declare_fp32_off_cuda_only(path, cuda, cpu):
+def test_sglang_paths_declare_fp32_off_cuda_only(monkeypatch, path, cuda, cpu):
     from moelora_peers import sglang_grouped, sglang_hooks
 
     declared = {"legacy": lambda d: sglang_hooks.capabilities(False, d),
                 "virtual_experts": lambda d: sglang_hooks.capabilities(True, d),
                 "grouped": sglang_grouped.capabilities}[path.rpartition(":")[2]]
     assert set(declared("cuda").dtypes) == cuda and set(declared("cpu").dtypes) == cpu
+    monkeypatch.setenv("MOELORA_PEERS_FP32_ON_CUDA", "1")  # the TF32 diagnostic's switch
+    assert (F32 in declared("cuda").dtypes) is (F32 in cpu)
+    monkeypatch.delenv("MOELORA_PEERS_FP32_ON_CUDA")
     spec = LoRALayerSpec(hidden_size=H, moe_intermediate_size=I, num_experts=E, top_k=K, dense_shapes={},
                          max_loras=L, max_rank=R, dtype=F16)  # on the CPU
     caps = load_backend(path)(spec).capabilities()  # the factory declares for its spec's device

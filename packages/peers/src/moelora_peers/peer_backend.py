@@ -32,6 +32,7 @@ cell in ``.reports/peers.json``; empty on a GPU).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -56,6 +57,18 @@ _CHUNK_STEPS = ((256, 128), (64, 32), (0, 16))
 def csgmv_chunk_size(num_tokens: int) -> int:
     """SGLang's csgmv chunk size for ``num_tokens`` tokens (a token capacity in graph mode)."""
     return next(size for bound, size in _CHUNK_STEPS if num_tokens >= bound)
+
+
+#: Diagnostic switch: "1" makes the SGLang legacy and grouped paths declare fp32 on CUDA too, where
+#: their ``tl.dot`` calls without ``input_precision`` run TF32 (conformance/docs/peers.md, "fp32 on
+#: CUDA"); for the ``TRITON_F32_DEFAULT=ieee`` diagnostic cell only. The report header echoes it.
+FP32_ON_CUDA_ENV = "MOELORA_PEERS_FP32_ON_CUDA"
+
+
+def fp32_declared(device: torch.device | str) -> bool:
+    """Whether an SGLang path whose dots default to TF32 declares fp32 on ``device``: off CUDA (the
+    Triton interpreter's dots are IEEE), or with :data:`FP32_ON_CUDA_ENV` set to "1"."""
+    return torch.device(device).type != "cuda" or os.environ.get(FP32_ON_CUDA_ENV) == "1"
 
 
 def peer_capabilities(dtypes: set[torch.dtype], *, virtual_experts: bool = False,

@@ -52,7 +52,7 @@ from moelora_core.forward_mode import ForwardMode
 from moelora_core.layer_spec import LoRALayerSpec
 from moelora_core.weights import LoRAWeights
 from moelora_peers import sglang_modules
-from moelora_peers.peer_backend import PeerPath, peer_capabilities
+from moelora_peers.peer_backend import PeerPath, fp32_declared, peer_capabilities
 from moelora_peers.sglang_dense import csgmv_dense_delta
 from moelora_peers.sglang_pool import SGLangPool
 from moelora_peers.stubs._platform import cuda_capability, is_cuda
@@ -182,10 +182,10 @@ def capabilities(device: torch.device | str = "cpu") -> Capabilities:
     On CUDA the dtype SGLang's plan runner admits (``MoeLoraRunner._weight_family``: BF16 layers
     only); its stage kernels call ``tl.dot`` without ``input_precision`` (TF32 for fp32 operands on
     NVIDIA). Off CUDA (the Triton interpreter, IEEE dots) the dtype-generic stage kernels in fp32,
-    fp16 and bf16.
+    fp16 and bf16. fp32 on CUDA only for the TF32 diagnostic (:func:`fp32_declared`).
     """
     if torch.device(device).type == "cuda":
-        return peer_capabilities({torch.bfloat16})
+        return peer_capabilities({torch.bfloat16} | ({torch.float32} if fp32_declared(device) else set()))
     return peer_capabilities({torch.float32, torch.float16, torch.bfloat16})
 
 

@@ -54,7 +54,7 @@ from moelora_core.layer_spec import LoRALayerSpec
 from moelora_core.weights import LoRAWeights
 from moelora_kernels.align import moe_lora_align_block_size
 from moelora_peers import sglang_modules
-from moelora_peers.peer_backend import PeerPath, peer_capabilities
+from moelora_peers.peer_backend import PeerPath, fp32_declared, peer_capabilities
 from moelora_peers.sglang_dense import csgmv_dense_delta
 from moelora_peers.sglang_pool import SGLangPool
 from moelora_peers.stubs._platform import is_cuda
@@ -213,13 +213,13 @@ def capabilities(virtual: bool, device: torch.device | str = "cpu") -> Capabilit
     The virtual-experts expand (``invoke_fused_moe_kernel`` with ``a_output_slices=2``) asserts
     fp16 / bf16. The legacy ``fused_moe_lora`` and the csgmv dense kernels call ``tl.dot`` without
     ``input_precision``: TF32 for fp32 operands on NVIDIA, IEEE under the CPU interpreter, and SGLang
-    serves fp16 / bf16 models; so fp32 is declared off CUDA only. The legacy path's consumer
+    serves fp16 / bf16 models; so fp32 is declared off CUDA only (:func:`fp32_declared`). The legacy path's consumer
     (``_fused_moe_lora_kernel``) returns on a disabled slot before any alignment load, and SGLang's
     JIT align leaves that slot's rows untouched (``alignment_reads_disabled_slots=False``).
     """
     if virtual:  # no per-slot alignment hook
         return peer_capabilities({torch.float16, torch.bfloat16}, virtual_experts=True)
-    dtypes = {torch.float16, torch.bfloat16} | ({torch.float32} if torch.device(device).type != "cuda" else set())
+    dtypes = {torch.float16, torch.bfloat16} | ({torch.float32} if fp32_declared(device) else set())
     return peer_capabilities(dtypes, alignment_reads_disabled_slots=False)
 
 
