@@ -22,7 +22,8 @@ family prepared at the problem's size, as a captured engine step prepares it).
 The base fused MoE, per M (rows with ``R`` None, ``unit`` "base"): moelora's ``fused_moe`` against
 SGLang 0.5.23's ``fused_moe_triton`` kernel sequence (``moelora_peers.sglang_base_moe``: its
 ``invoke_fused_moe_kernel`` / ``act_and_mul_triton`` / ``moe_sum_reduce_triton`` with the config
-``try_get_optimal_moe_config`` picks) and vLLM 0.34.0's ``fused_moe`` where it imports through the
+``try_get_optimal_moe_config`` picks; its alignment is ``sgl_kernel``'s where installed, else SGLang's
+torch fallback) and vLLM 0.34.0's ``fused_moe`` where it imports through the
 stubs (otherwise a row with ``skipped`` quoting the import error). ``a_us``: gate_up GEMM, SiLU·up,
 down GEMM with the router weight, top-k sum, the alignment precomputed; ``c_us``: that alignment
 alone; ``err``: against ``bench_moe_lora.torch_base`` (fp32, rounded where the kernels round) on the
