@@ -43,6 +43,18 @@ STORED = ("float32", "float16", "bfloat16")
 _LEAF = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
 
 
+def pattern_value(pattern: tuple[tuple[str, object], ...], module_path: str, default):
+    """The value ``pattern`` gives the module at ``module_path`` (its path in the transformers model:
+    ``model.layers.1.mlp.experts.down_proj``), or ``default``: peft 0.21.2's own matching
+    (``peft.utils.other.get_pattern_key``: the first key, in file order, with
+    ``re.match(rf"(.*\\.)?({key})$", module_path)``), called here so the suite's description of a file
+    cannot drift from peft's reading of it."""
+    from peft.utils.other import get_pattern_key
+
+    values = dict(pattern)
+    return values.get(get_pattern_key(list(values), module_path), default)
+
+
 def peft_available() -> bool:
     """Whether transformers and peft (the ``fixtures`` extra) are importable."""
     return all(importlib.util.find_spec(m) is not None for m in ("transformers", "peft"))
@@ -72,8 +84,11 @@ class FileAdapter:
         r, alpha, use_rslora: the config's r, lora_alpha, use_rslora.
         experts: fused: ``gate_up_proj`` / ``down_proj``; legacy: ``gate`` / ``up`` / ``down``.
         dense: attention modules targeted ("q".."o").
-        rank_pattern, alpha_pattern: fused only: ((leaf, value), ...).
+        rank_pattern, alpha_pattern: fused only: ((key, value), ...) in file order; a key is a module
+            leaf (``down_proj``: every layer) or names a layer (``layers.1.mlp.experts.down_proj``,
+            ``layers\\.0\\..*q_proj``), matched as peft matches it (:func:`pattern_value`).
         stored_dtype: the factors' dtype in the file. seed: the factors' seed.
+        layers: the decoder layers the file covers (the keys naming a layer count on them).
     """
 
     format: str
@@ -86,22 +101,32 @@ class FileAdapter:
     alpha_pattern: tuple[tuple[str, float], ...] = ()
     stored_dtype: str = "float32"
     seed: int = 0
+    layers: int = 1
 
-    def modules(self) -> tuple[tuple[str, int, float], ...]:
-        """((moelora module, rank, α), ...) the file holds, patterns applied (its σ = α/r or α/√r)."""
-        ranks, alphas = dict(self.rank_pattern), dict(self.alpha_pattern)
+    def modules(self, layer: int | None = None) -> tuple[tuple[str, int, float], ...]:
+        """((moelora module, rank, α), ...) the file holds in decoder layer ``layer``, patterns applied
+        (its σ = α/r or α/√r); ``layer`` None: per module the largest rank over the layers (what a
+        scheduler sees as the slot's rank), with layer 0's α."""
+        if layer is None:
+            per_layer = [self.modules(n) for n in range(self.layers)]
+            return tuple((m, max(mods[i][1] for mods in per_layer), a) for i, (m, _, a) in enumerate(per_layer[0]))
         out = []
         for target in self.experts:
             names = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}.get(target, (target,))
+            path = f"model.layers.{layer}.mlp.experts.{target}"
             for m in names:
-                out.append((m, ranks.get(target, self.r), alphas.get(target, self.alpha)))
+                out.append((m, pattern_value(self.rank_pattern, path, self.r),
+                            pattern_value(self.alpha_pattern, path, self.alpha)))
         for m in self.dense:
-            out.append((m, ranks.get(_LEAF[m], self.r), alphas.get(_LEAF[m], self.alpha)))
+            path = f"model.layers.{layer}.self_attn.{_LEAF[m]}"
+            out.append((m, pattern_value(self.rank_pattern, path, self.r),
+                        pattern_value(self.alpha_pattern, path, self.alpha)))
         order = ("gate", "up", "down", "q", "k", "v", "o")
         return tuple(sorted(out, key=lambda t: order.index(t[0])))
 
     def slot_adapter(self) -> SlotAdapter:
-        """The adapter as the suite's other draws describe one (ranks and σ for ``BatchSpec``)."""
+        """The adapter as the suite's other draws describe one (ranks and σ for ``BatchSpec``: the slot's
+        rank is the largest over every layer's modules, as the engine's ``AdapterPool.slot_ranks``)."""
         return SlotAdapter(self.r, self.alpha, self.use_rslora, self.modules())
 
     def describe(self) -> str:
@@ -120,15 +145,30 @@ def geometries(draw, max_hidden: int) -> Geometry:
     return Geometry(heads, kv, head_dim)
 
 
+def _pattern_keys(draw, leaf: str, block: str, layers: int) -> list[str]:
+    """The keys of one target's pattern entries: its leaf (every layer), or one or two keys naming a
+    layer — ``layers.{n}.{block}.{leaf}`` or peft's regex form ``layers\\.{n}\\..*{leaf}`` — in a drawn
+    order, before or after a leaf key (the first matching key wins: both orders are drawn)."""
+    if layers < 2 or not draw(st.booleans()):
+        return [leaf]
+    named = [draw(uniform((f"layers.{n}.{block}.{leaf}", rf"layers\.{n}\..*{leaf}")))
+             for n in sorted(draw(st.sets(st.integers(0, layers - 1), min_size=1, max_size=layers)))]
+    where = draw(uniform(("named only", "named first", "leaf first")))
+    return named if where == "named only" else [*named, leaf] if where == "named first" else [leaf, *named]
+
+
 @st.composite
-def file_adapters(draw, shape: LayerShape, *, experts_lacking: tuple[str, ...] = ()) -> FileAdapter:
+def file_adapters(draw, shape: LayerShape, *, experts_lacking: tuple[str, ...] = (), layers: int = 1) -> FileAdapter:
     """An adapter file for a layer of ``shape`` (ranks within R, dense targets among the shape's).
 
     The simplest draw — the first example Hypothesis tries — is a fused rsLoRA adapter of rank 2
-    (where R allows).
+    (where R allows). Fused files draw ``rank_pattern`` / ``alpha_pattern`` on some targets, keyed by
+    the module leaf or, with ``layers`` > 1, by keys naming a layer (:func:`_pattern_keys`), so a
+    reader that gives every layer layer 0's rank or σ reads another adapter than the file.
 
     Args:
         experts_lacking: MoE modules the adapter must not target (a reload that drops modules).
+        layers: the decoder layers of the model the file is built for.
     """
     R = shape.max_rank
     fmt = draw(uniform(FORMATS))
@@ -150,12 +190,16 @@ def file_adapters(draw, shape: LayerShape, *, experts_lacking: tuple[str, ...] =
             dense = tuple(m for m, _ in shape.dense_shapes[:1])
     ranks, alphas = (), ()
     if fmt == "fused" and draw(st.booleans()):  # rank_pattern / alpha_pattern on some targets
-        leaves = [*experts, *(_LEAF[m] for m in dense)]
-        ranks = tuple((leaf, draw(st.integers(1, R))) for leaf in leaves if draw(st.booleans()))
-        alphas = tuple((leaf, round(draw(sigmas()) * r, 4)) for leaf in leaves if draw(st.booleans()))
+        leaves = [(t, "mlp.experts") for t in experts] + [(_LEAF[m], "self_attn") for m in dense]
+        ranks, alphas = [], []
+        for values, value in ((ranks, lambda: draw(st.integers(1, R))), (alphas, lambda: round(draw(sigmas()) * r, 4))):
+            for leaf, block in leaves:
+                if draw(st.booleans()):  # a value per key: layers named apart differ from each other
+                    values += [(key, value()) for key in _pattern_keys(draw, leaf, block, layers)]
+        ranks, alphas = tuple(ranks), tuple(alphas)
     stored = draw(uniform(STORED))
     seed = draw(st.integers(0, 2**16))
-    return FileAdapter(fmt, r, round(alpha, 6), rslora, experts, dense, ranks, alphas, stored, seed)
+    return FileAdapter(fmt, r, round(alpha, 6), rslora, experts, dense, ranks, alphas, stored, seed, layers)
 
 
 @dataclass
