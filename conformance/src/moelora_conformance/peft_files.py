@@ -32,7 +32,7 @@ import torch
 from hypothesis import strategies as st
 
 from moelora_conformance.strategies.adapters import SlotAdapter, sigmas
-from moelora_conformance.strategies.choice import uniform
+from moelora_conformance.strategies.choice import uniform, weighted
 from moelora_conformance.strategies.shapes import LayerShape
 from moelora_core.weights import ModuleLoRA
 
@@ -84,9 +84,10 @@ class FileAdapter:
         r, alpha, use_rslora: the config's r, lora_alpha, use_rslora.
         experts: fused: ``gate_up_proj`` / ``down_proj``; legacy: ``gate`` / ``up`` / ``down``.
         dense: attention modules targeted ("q".."o").
-        rank_pattern, alpha_pattern: fused only: ((key, value), ...) in file order; a key is a module
-            leaf (``down_proj``: every layer) or names a layer (``layers.1.mlp.experts.down_proj``,
-            ``layers\\.0\\..*q_proj``), matched as peft matches it (:func:`pattern_value`).
+        rank_pattern, alpha_pattern: fused only: ((key, value), ...) in file order (sorted: peft writes
+            the config with sorted keys); a key is a module leaf (``down_proj``: every layer) or names a
+            layer (``layers.1.mlp.experts.down_proj``, ``layers\\.0\\..*q_proj``), matched as peft
+            matches it (:func:`pattern_value`).
         stored_dtype: the factors' dtype in the file. seed: the factors' seed.
         layers: the decoder layers the file covers (the keys naming a layer count on them).
     """
@@ -147,14 +148,17 @@ def geometries(draw, max_hidden: int) -> Geometry:
 
 def _pattern_keys(draw, leaf: str, block: str, layers: int) -> list[str]:
     """The keys of one target's pattern entries: its leaf (every layer), or one or two keys naming a
-    layer — ``layers.{n}.{block}.{leaf}`` or peft's regex form ``layers\\.{n}\\..*{leaf}`` — in a drawn
-    order, before or after a leaf key (the first matching key wins: both orders are drawn)."""
-    if layers < 2 or not draw(st.booleans()):
+    layer — ``layers.{n}.{block}.{leaf}`` or peft's regex form ``layers\\.{n}\\..*{leaf}`` — alone or
+    beside the leaf key (which of two matching keys wins is then decided by the file's key order)."""
+    # keys naming a layer three times in four where there are layers to tell apart: they are what a
+    # reader giving every layer layer 0's σ gets wrong (P13 eager should meet them within its examples)
+    if layers < 2 or not draw(weighted([(False, 1), (True, 3)])):
         return [leaf]
     named = [draw(uniform((f"layers.{n}.{block}.{leaf}", rf"layers\.{n}\..*{leaf}")))
              for n in sorted(draw(st.sets(st.integers(0, layers - 1), min_size=1, max_size=layers)))]
-    where = draw(uniform(("named only", "named first", "leaf first")))
-    return named if where == "named only" else [*named, leaf] if where == "named first" else [leaf, *named]
+    # beside the leaf key one time in four: in sorted order "down_proj" / "gate_up_proj" / "k_proj" come
+    # before "layers…" and shadow it, "o_proj" / "q_proj" / "v_proj" after it and are shadowed
+    return named if draw(weighted([(True, 3), (False, 1)])) else [*named, leaf]
 
 
 @st.composite
@@ -189,14 +193,26 @@ def file_adapters(draw, shape: LayerShape, *, experts_lacking: tuple[str, ...] =
         if not experts:
             dense = tuple(m for m, _ in shape.dense_shapes[:1])
     ranks, alphas = (), ()
-    if fmt == "fused" and draw(st.booleans()):  # rank_pattern / alpha_pattern on some targets
+    # patterns more often where layers can differ (three times in four; half the time otherwise)
+    often = weighted([(False, 1), (True, 3 if layers > 1 else 1)])
+    if fmt == "fused" and draw(often):  # rank_pattern / alpha_pattern on some targets
         leaves = [(t, "mlp.experts") for t in experts] + [(_LEAF[m], "self_attn") for m in dense]
         ranks, alphas = [], []
         for values, value in ((ranks, lambda: draw(st.integers(1, R))), (alphas, lambda: round(draw(sigmas()) * r, 4))):
             for leaf, block in leaves:
-                if draw(st.booleans()):  # a value per key: layers named apart differ from each other
+                if draw(often):  # a value per key: layers named apart differ from each other
                     values += [(key, value()) for key in _pattern_keys(draw, leaf, block, layers)]
-        ranks, alphas = tuple(ranks), tuple(alphas)
+        leaf = draw(uniform(experts)) if layers > 1 and experts and draw(often) else None
+        if leaf is not None and not any(k.endswith(leaf) for k, _ in alphas):
+            # an expert target's α set for one layer alone: a reader giving every layer layer 0's σ
+            # reads another σ there (every MoE layer of a case runs its expert deltas)
+            n = draw(st.integers(0, layers - 1))
+            key = draw(uniform((f"layers.{n}.mlp.experts.{leaf}", rf"layers\.{n}\..*{leaf}")))
+            alphas.append((key, round(draw(sigmas()) * r * 1.5, 4)))
+        # In the file's order: peft 0.21.2 writes adapter_config.json with sort_keys=True and resolves a
+        # module by the first matching key, so a file means its patterns in sorted key order whatever
+        # order the LoraConfig held (peft's in-memory model of another order disagrees with its own file)
+        ranks, alphas = tuple(sorted(ranks)), tuple(sorted(alphas))
     stored = draw(uniform(STORED))
     seed = draw(st.integers(0, 2**16))
     return FileAdapter(fmt, r, round(alpha, 6), rslora, experts, dense, ranks, alphas, stored, seed, layers)
