@@ -60,6 +60,7 @@ class Reload:
     slot: int
     adapter: SlotAdapter | None
     seed: int
+    same_config: bool = False  # new weights of the slot's own config (RL weight sync)
 
     def applied(self, pool: tuple[SlotAdapter | None, ...]) -> tuple[SlotAdapter | None, ...]:
         """The pool's structure after this reload."""
@@ -68,7 +69,7 @@ class Reload:
     def describe(self) -> str:
         a = self.adapter
         what = "clear_slot" if a is None else f"load_slot {a.describe()} σ={a.adapter_scaling:.6g}"
-        return f"slot {self.slot}: {what} (seed {self.seed})"
+        return f"slot {self.slot}: {what} (seed {self.seed}{', same config: new weights' if self.same_config else ''})"
 
     def with_slot_used(self, batch: BatchSpec) -> BatchSpec:
         """``batch`` with its first request on this reload's slot (unchanged for a clear or an empty
@@ -166,7 +167,7 @@ def draw_reload(data: st.DataObject, case: MoELoRACase, pool: tuple[SlotAdapter 
         if how == "clear":
             return Reload(slot, None, seed)
         if how == "same config":
-            return Reload(slot, old, seed)
+            return Reload(slot, old, seed, same_config=True)
     rank_r = data.draw(weighted([(True, 3), (False, 1)]), label=f"{label}: rank R")
     adapter = data.draw(slot_adapters(shape, ranks=st.just(shape.max_rank) if rank_r else None,
                                       exclude_sigma=None if old is None else old.adapter_scaling),
