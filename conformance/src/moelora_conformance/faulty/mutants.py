@@ -466,5 +466,5 @@ MUTANTS: dict[str, type[ReferenceBackend]] = {
     "reader-drops-rslora": ReaderDropsRsLoRA,
     "reader-layer-zero-sigma": ReaderLayerZeroSigma,
     "slot-hook-skipped-on-same-config": SlotHookSkippedOnSameConfig,
-    "hot-slot-frozen-at-capture": HotSlotFrozenAtCapture,
+    "layer-hot-slot-frozen-at-capture": HotSlotFrozenAtCapture,  # the e2e mutant, in the layer campaign
 }
