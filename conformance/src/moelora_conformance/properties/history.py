@@ -203,7 +203,8 @@ def draw_history(data: st.DataObject, suite: Suite, case: MoELoRACase, m: Materi
 
     def add_reload(reload: Reload, i: int, what: str = "reload") -> None:
         nonlocal pool
-        steps.append(Step("reload", mode, None, reload=reload))
+        kind = {"emptied before the capture": "empty_before_capture", "hot load after the capture": "hot_load"}
+        steps.append(Step(kind.get(what, "reload"), mode, None, reload=reload))
         pool = reload.applied(pool)
         trace(f"history step {i} ({what}): {reload.describe()}")
 
