@@ -27,7 +27,8 @@ def test_manifest_and_config_describe_each_fp8_model(fixture_set):
         qc = json.loads((fixture_set.model_dir(spec.name) / "config.json").read_text())["quantization_config"]
         assert (qc["quant_method"], qc["weight_block_size"], qc["activation_scheme"]) == ("fp8", list(spec.block),
                                                                                           "dynamic")
-        assert "lm_head" in qc["modules_to_not_convert"] and "model.layers.0.mlp.gate" in qc["modules_to_not_convert"]
+        router = "model.layers.0.block_sparse_moe.gate" if spec.quantized_from == "mixtral" else "model.layers.0.mlp.gate"
+        assert "lm_head" in qc["modules_to_not_convert"] and router in qc["modules_to_not_convert"]
         assert set(spec.adapters) <= set(fixture_set.manifest["adapters"])
         assert all(fixture_set.adapter(a)["model"] == spec.quantized_from for a in spec.adapters)
 
@@ -69,10 +70,11 @@ def test_adapter_effect_probes_an_fp8_base_through_its_scales(fixture_set):
 def test_hf_check_w8a8_rows_hold_the_oracle_to_transformers_made_w8a8(fixture_set):
     # hf-check's "readers (w8a8)" rows: the oracle's w8a8 on the layer as read against transformers' dequantized
     # model with the fp8 activation rule (hf_check.hf_w8a8), base and an adapter, every part under the fp8 rows;
-    # the deltas are a visible fraction of each block (a row that drops them fails)
+    # the deltas are a visible fraction of each block (a row that drops them fails); one model here, hf-check
+    # itself runs every fp8 fixture
     from moelora_conformance.hf_check.run import check_adapter, check_model_base
 
-    for fp8 in FP8_MODELS:
+    for fp8 in FP8_MODELS[:1]:
         rows = check_model_base(fixture_set, fp8.name) + check_adapter(fixture_set, fp8.adapters[0], model=fp8.name)
         w8a8 = [r for r in rows if r.source == "readers (w8a8)"]
         assert {r.part for r in w8a8} >= {"routing", "moe", "q", "o"} and all(r.ok for r in w8a8), \
