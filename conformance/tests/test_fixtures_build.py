@@ -170,7 +170,7 @@ def _digest(root):
 
 def test_make_fixtures_cli_is_deterministic(fixture_set, tmp_path, capsys):
     assert main(["make-fixtures", str(tmp_path / "again")]) == 0
-    assert "built 10 models, 24 adapters, 5 shared-outer / fully shared adapters, 16 bad adapters" in \
+    assert "built 12 models, 24 adapters, 5 shared-outer / fully shared adapters, 16 bad adapters" in \
         capsys.readouterr().out
     first, second = _digest(fixture_set.root), _digest(tmp_path / "again")
     assert first.keys() == second.keys()

@@ -4,11 +4,14 @@ built fixture model and written as HF writes the format.
 Covers: the manifest lists each fp8 model with ``quantized_from`` and its block; config.json holds
 ``quantization_config`` as HF writes it (routers and LM head in ``modules_to_not_convert``); the reader
 serves it as ``fp8_block`` and its weights times their scales are within half an e4m3 step of the source
-model's; the source model's adapters are the ones served on it (hf-check's list names existing ones).
+model's; the source model's adapters are the ones served on it (hf-check's list names existing ones);
+hf-check's ``readers (w8a8)`` rows hold the oracle to transformers made w8a8 (``hf_check.hf_w8a8``, E02's
+reference on an fp8 base), which refuses by name a checkpoint whose weights it cannot make w8a8.
 """
 
 import json
 
+import pytest
 import torch
 
 from moelora_conformance.fixtures.specs import FP8_MODELS
@@ -24,7 +27,8 @@ def test_manifest_and_config_describe_each_fp8_model(fixture_set):
         qc = json.loads((fixture_set.model_dir(spec.name) / "config.json").read_text())["quantization_config"]
         assert (qc["quant_method"], qc["weight_block_size"], qc["activation_scheme"]) == ("fp8", list(spec.block),
                                                                                           "dynamic")
-        assert "lm_head" in qc["modules_to_not_convert"] and "model.layers.0.mlp.gate" in qc["modules_to_not_convert"]
+        router = "model.layers.0.block_sparse_moe.gate" if spec.quantized_from == "mixtral" else "model.layers.0.mlp.gate"
+        assert "lm_head" in qc["modules_to_not_convert"] and router in qc["modules_to_not_convert"]
         assert set(spec.adapters) <= set(fixture_set.manifest["adapters"])
         assert all(fixture_set.adapter(a)["model"] == spec.quantized_from for a in spec.adapters)
 
@@ -61,3 +65,37 @@ def test_adapter_effect_probes_an_fp8_base_through_its_scales(fixture_set):
         for a, b in zip(ours.modules, theirs.modules, strict=True):
             assert (a.layer, a.module) == (b.layer, b.module)
             assert a.delta_rel is not None and abs(a.delta_rel - b.delta_rel) <= 0.1 * b.delta_rel, (a, b)
+
+
+def test_hf_check_w8a8_rows_hold_the_oracle_to_transformers_made_w8a8(fixture_set):
+    # hf-check's "readers (w8a8)" rows: the oracle's w8a8 on the layer as read against transformers' dequantized
+    # model with the fp8 activation rule (hf_check.hf_w8a8), base and an adapter, every part under the fp8 rows;
+    # the deltas are a visible fraction of each block (a row that drops them fails); one model here, hf-check
+    # itself runs every fp8 fixture
+    from moelora_conformance.hf_check.run import check_adapter, check_model_base
+
+    for fp8 in FP8_MODELS[:1]:
+        rows = check_model_base(fixture_set, fp8.name) + check_adapter(fixture_set, fp8.adapters[0], model=fp8.name)
+        w8a8 = [r for r in rows if r.source == "readers (w8a8)"]
+        assert {r.part for r in w8a8} >= {"routing", "moe", "q", "o"} and all(r.ok for r in w8a8), \
+            [r for r in w8a8 if not r.ok]
+        assert {r.adapter for r in w8a8} == {"(base)", fp8.adapters[0]}
+        assert all(r.delta_rel > 0.1 for r in w8a8 if r.adapter != "(base)" and r.part == "moe")
+
+
+def test_the_w8a8_reference_refuses_a_checkpoint_it_cannot_make_w8a8(fixture_set, tmp_path):
+    import shutil
+
+    from moelora_conformance.hf_check.hf_model import load_hf
+    from moelora_conformance.hf_check.hf_w8a8 import W8A8ReferenceError, make_w8a8
+
+    with pytest.raises(W8A8ReferenceError, match="not an fp8 block-scaled checkpoint"):
+        make_w8a8(torch.nn.Linear(2, 2), fixture_set.model_dir("qwen3_moe"))
+    # a block size that disagrees with the scale grid: transformers' dequantized weights are not W_q · scale_inv
+    bad = tmp_path / "bad"
+    shutil.copytree(fixture_set.model_dir(FP8_MODELS[0].name), bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [32, 32]
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(W8A8ReferenceError, match="is not W_q · scale_inv of its 32x32 blocks"):
+        make_w8a8(load_hf(fixture_set.model_dir(FP8_MODELS[0].name)), bad)

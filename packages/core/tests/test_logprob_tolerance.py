@@ -49,3 +49,19 @@ def test_mean_is_held_only_over_enough_logprobs():
     fine = LogprobCheck("engine_vs_hf", "float32")
     fine.add([-1.00005] + [-1.0] * MEAN_MIN_SAMPLES, [-1.0] * (MEAN_MIN_SAMPLES + 1), what="one off")
     assert fine.finish()[0] == pytest.approx(5e-5)
+
+
+def test_an_fp8_base_has_its_own_measured_rows_and_no_assumed_ones():
+    # a w8a8 model's rows (DESIGN.md §1): fp32 only, for the comparisons a rounding difference crossing an
+    # e4m3 midpoint reaches; another dtype or base_quant has no row (its comparison is not run)
+    for comparison in ("engine_vs_hf", "graph_vs_eager", "batched_vs_alone"):
+        row = logprob_tolerance(comparison, "float32", base_quant="fp8_block")
+        assert row.status == "measured" and row.max_abs > logprob_tolerance(comparison, "float32").max_abs
+    with pytest.raises(KeyError, match="no logprob tolerance for 'engine_vs_hf' at bfloat16 over base_quant=fp8_block"):
+        logprob_tolerance("engine_vs_hf", "bfloat16", base_quant="fp8_block")
+    with pytest.raises(KeyError, match="base_quant='mxfp4'"):
+        LogprobCheck("engine_vs_hf", "float32", base_quant="mxfp4")
+    check = LogprobCheck("engine_vs_hf", "float32", base_quant="fp8_block")
+    check.add([0.0] * MEAN_MIN_SAMPLES, [2e-3] * MEAN_MIN_SAMPLES, what="w8a16")  # within max, above the mean
+    with pytest.raises(AssertionError, match=r"mean \|Δlogprob\| 2.000e-03 over 64 logprobs > 1.0e-03"):
+        check.finish()

@@ -234,4 +234,4 @@ def test_make_fixtures_reports_what_it_built(tmp_path, fixture_set, monkeypatch,
     monkeypatch.setattr(fixtures, "build_fixtures", lambda directory: fixture_set)
     assert main(["make-fixtures", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "built 10 models, 24 adapters, 16 bad adapters" in out and "models/qwen3_moe: adapters qwen3_moe-bf16" in out
+    assert "built 12 models, 24 adapters, 16 bad adapters" in out and "models/qwen3_moe: adapters qwen3_moe-bf16" in out

@@ -7,7 +7,8 @@ breakable) gives the eager run's outputs within the graph_vs_eager row, on the t
 base paths; the adapters take effect on the fp8 base (a request's output moves with its adapter) while a
 base request's output is its output alone (within batched_vs_alone) whatever its LoRA batch mates; the w8a8 engine stays near the
 unquantized model (mean |Δlogprob| well under the quantization's reach) and is not it (the quantized
-base runs).
+base runs); its logprobs equal HF + PEFT made w8a8 (E02's reference on an fp8 base) within the fp8 logprob
+rows, which the w8a16 model transformers loads on a CPU fails.
 """
 
 import graph_support as gs
@@ -15,7 +16,7 @@ import pytest
 import runner_support as rs
 
 from moelora_core import UnsupportedBaseQuantError
-from moelora_core.tolerance import assert_logprobs_close
+from moelora_core.tolerance import MEAN_MIN_SAMPLES, LogprobCheck, assert_logprobs_close
 from moelora_runner.cli_report import sizing_line
 from moelora_runner.engine import Engine
 
@@ -77,3 +78,22 @@ def test_the_w8a8_engine_is_near_the_unquantized_model_and_not_it(fixture_set, e
     diffs = [abs(a - b) for x, y in zip(fp8, ref) for a, b in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:])]
     mean = sum(diffs) / len(diffs)
     assert 1e-4 < mean < 0.1, mean  # e4m3 weights and activations: a few percent per product, not zero
+
+
+def test_the_engine_equals_hf_peft_made_w8a8_within_the_fp8_rows_and_they_tell_w8a16_apart(fixture_set,
+                                                                                            engine_adapters):
+    # E02's reference on an fp8 base (hf_check.hf_w8a8): transformers' dequantized model with its fp8 modules'
+    # inputs quantized and peft's deltas on the unquantized inputs; the base as transformers loads it on a CPU
+    # (w8a16) fails the same fp8 logprob rows (tolerance.FP8_LOGPROB_TOLERANCES)
+    requests = _requests(engine_adapters, n=16)  # >= MEAN_MIN_SAMPLES logprobs: the mean bound bites too
+    outputs = _engine(fixture_set, engine_adapters).generate(requests)
+    model_dir, adapters = fixture_set.model_dir(MODEL), dict(engine_adapters[SOURCE][:2])
+    got = rs.check_against_hf(outputs, requests, rs.HFReference(model_dir, adapters, w8a8=True))
+    assert got["logprobs"] >= MEAN_MIN_SAMPLES and got["compared"] > 0, got
+    w8a16, check = rs.HFReference(model_dir, adapters), LogprobCheck("engine_vs_hf", "float32", base_quant="fp8_block")
+    with pytest.raises(AssertionError, match="Δlogprob"):
+        for r, out in zip(requests, outputs):
+            prompt = r["prompt_token_ids"]
+            ref = w8a16.teacher_forced(r["adapter"], prompt + out.output_token_ids, len(prompt))
+            check.add(out.prompt_logprobs[1:] + out.output_logprobs, ref.logprobs, what=r["request_id"])
+        check.finish()

@@ -63,10 +63,18 @@ def model_names() -> list[str]:
 
 def opt_in_model_names() -> list[str]:
     """Fixture models the e2e suite runs only when ``--families`` names them (outside its CI-sized
-    default): DeepSeek-V3."""
-    from moelora_conformance.fixtures.specs import DEEPSEEK_V3
+    default): DeepSeek-V3 and the fp8 block-scaled copies (``FP8_MODELS``)."""
+    from moelora_conformance.fixtures.specs import DEEPSEEK_V3, FP8_MODELS
 
-    return [DEEPSEEK_V3.name]
+    return [DEEPSEEK_V3.name, *(m.name for m in FP8_MODELS)]
+
+
+def adapter_source(model: str) -> str:
+    """The fixture model whose engine adapters ``model`` serves: an fp8 copy serves its source's
+    (``quantized_from``: an adapter trained on Qwen3-30B-A3B is served on -FP8); any other model its own."""
+    from moelora_conformance.fixtures.specs import FP8_MODELS
+
+    return next((m.quantized_from for m in FP8_MODELS if m.name == model), model)
 
 
 def _mla_fields(fields: dict) -> dict:
@@ -85,8 +93,10 @@ def _mla_fields(fields: dict) -> dict:
 
 
 def engine_adapter_specs(model: str) -> list[tuple[str, dict]]:
-    """(suffix, AdapterSpec fields) of ``model``'s engine adapters."""
+    """(suffix, AdapterSpec fields) of ``model``'s engine adapters (an fp8 copy's: its source's)."""
     from moelora_conformance.fixtures.specs import model_spec
+
+    model = adapter_source(model)
 
     if model_spec(model).deepseek is not None:
         return [(suffix, _mla_fields(fields)) for suffix, fields in ENGINE_ADAPTERS]
@@ -97,11 +107,12 @@ def engine_adapter_specs(model: str) -> list[tuple[str, dict]]:
 
 def build_engine_adapters(root: Path, models: list[str] | None = None) -> None:
     """Build the engine adapters of ``models`` (default every fixture model) under
-    ``root/<model>/<model>-<suffix>``, then ``root/done``."""
+    ``root/<model>/<model>-<suffix>``, then ``root/done`` (an fp8 copy's are its source's, built under
+    the source's name)."""
     from moelora_conformance.fixtures.adapters import build_fused_adapter, build_legacy_adapter
     from moelora_conformance.fixtures.specs import AdapterSpec, model_spec
 
-    for model in models or model_names():
+    for model in sorted({adapter_source(m) for m in models or model_names()}):
         mspec = model_spec(model)
         for suffix, fields in engine_adapter_specs(model):
             name = f"{model}-{suffix}"
@@ -114,9 +125,11 @@ def build_engine_adapters(root: Path, models: list[str] | None = None) -> None:
 
 
 def engine_adapter_dirs(root: Path, models: list[str] | None = None) -> dict[str, list[tuple[str, Path]]]:
-    """model → [(adapter name, directory)] of the engine adapters under ``root``."""
-    return {model: [(f"{model}-{suffix}", Path(root) / model / f"{model}-{suffix}")
-                    for suffix, _ in engine_adapter_specs(model)] for model in models or model_names()}
+    """model → [(adapter name, directory)] of the engine adapters under ``root`` (an fp8 copy: its
+    source's adapters)."""
+    return {model: [(f"{src}-{suffix}", Path(root) / src / f"{src}-{suffix}")
+                    for suffix, _ in engine_adapter_specs(model)]
+            for model in models or model_names() for src in (adapter_source(model),)}
 
 
 def session_engine_adapters(tmp_path_factory) -> dict[str, list[tuple[str, Path]]]:

@@ -97,18 +97,19 @@ def check_graph_paths(base: E2EResult, served: Served, capacity: Capacity, *, la
 
 
 def check_graph_vs_eager(base: E2EResult, served: Served, eager: Served, *, dtype: str,
-                         record_path=None) -> E2EResult:
-    """E01: the graph mode's outputs against the eager run's (``graph_vs_eager``); ``not_run`` where
-    the tolerance policy has no row for ``dtype`` (a comparison nobody measured has no bound)."""
+                         record_path=None, base_quant: str = "none") -> E2EResult:
+    """E01: the graph mode's outputs against the eager run's (``graph_vs_eager``, over ``base_quant``'s
+    rows); ``not_run`` where the tolerance policy has no row for ``dtype`` (a comparison nobody measured
+    has no bound)."""
     from moelora_core import logprob_tolerance
 
     try:
-        logprob_tolerance("graph_vs_eager", dtype)
+        logprob_tolerance("graph_vs_eager", dtype, base_quant=base_quant)
     except KeyError as exc:
         return _like(base, "E01").not_run(str(exc).strip("'\""))
     with checking(_like(base, "E01")) as r:
         worst, mean = compare_outputs(served.outputs, eager.outputs, what=f"{base.backend} {base.mode} vs eager",
-                                      dtype=dtype, record_path=record_path,
+                                      dtype=dtype, record_path=record_path, base_quant=base_quant,
                                       record=dict(backend=base.backend, mode=base.mode, model=base.model, suite="e2e"))
         r.passed(max_abs=worst, mean_abs=mean, requests=len(served.outputs))
     return r

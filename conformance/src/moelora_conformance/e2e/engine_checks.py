@@ -37,7 +37,7 @@ def passes(engine) -> dict[tuple[str, str, str], int]:
 
 def compare_outputs(got, want, *, what: str, dtype: str = "float32", record_path: str | Path | None = None,
                     record: dict | None = None, device: str = "cpu",
-                    comparison: str = "graph_vs_eager") -> tuple[float, float]:
+                    comparison: str = "graph_vs_eager", base_quant: str = "none") -> tuple[float, float]:
     """``got`` (graph) against ``want`` (eager), request by request: prompt and output logprobs within
     the ``comparison`` row (``graph_vs_eager``; the TP tests compare against TP = 1 in ``tp_vs_tp1``),
     greedy tokens equal up to the first near-tie of the reference run's top-2
@@ -49,6 +49,7 @@ def compare_outputs(got, want, *, what: str, dtype: str = "float32", record_path
         record_path: a JSONL file the measurement (max and mean |Δlogprob| over every compared logprob,
             ``record``'s fields, ``device``) is appended to before any assertion, so a failing run still
             records what it measured (the GPU runs' tolerance rows).
+        base_quant: the model's base storage ("fp8_block": the w8a8 rows, ``tolerance.FP8_LOGPROB_TOLERANCES``).
 
     Returns:
         (max, mean) |Δlogprob|.
@@ -57,7 +58,7 @@ def compare_outputs(got, want, *, what: str, dtype: str = "float32", record_path
         AssertionError: a request id, finish reason or greedy token differs, or a logprob is out of
             tolerance (the message names the request and the first differing position).
     """
-    tol = logprob_tolerance(comparison, dtype).max_abs
+    tol = logprob_tolerance(comparison, dtype, base_quant=base_quant).max_abs
     items = []
     for a, b in zip(got, want, strict=True):
         assert a.request_id == b.request_id and a.finish_reason == b.finish_reason, \
@@ -79,7 +80,7 @@ def compare_outputs(got, want, *, what: str, dtype: str = "float32", record_path
         with open(record_path, "a") as fh:
             fh.write(json.dumps({"what": what, "dtype": dtype, "device": device, "count": len(diffs),
                                  "max_abs": measured[0], "mean_abs": measured[1], **(record or {})}) + "\n")
-    check = LogprobCheck(comparison, dtype)
+    check = LogprobCheck(comparison, dtype, base_quant=base_quant)
     for mine, theirs, name in items:
         check.add(mine, theirs, what=f"{what} {name}")
     check.finish(what)
@@ -106,11 +107,14 @@ class HFReference:
 
     Args:
         model_dir: the HF checkpoint. adapter_dirs: adapter name → PEFT directory.
+        w8a8: ``model_dir`` is fp8 block-scaled and its fp8 modules compute w8a8, the LoRA deltas on the
+            unquantized activations (``hf_check.hf_w8a8``: transformers on a CPU computes it w8a16).
     """
 
-    def __init__(self, model_dir: Path, adapter_dirs: dict[str, Path]) -> None:
+    def __init__(self, model_dir: Path, adapter_dirs: dict[str, Path], *, w8a8: bool = False) -> None:
         self.model_dir = Path(model_dir)
         self.adapter_dirs = dict(adapter_dirs)
+        self.w8a8 = w8a8
         self._models: dict[str | None, object] = {}
         self._cache: dict[tuple, TeacherForced] = {}
 
@@ -120,7 +124,8 @@ class HFReference:
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                self._models[adapter] = load_hf(self.model_dir, None if adapter is None else self.adapter_dirs[adapter])
+                self._models[adapter] = load_hf(self.model_dir, None if adapter is None else self.adapter_dirs[adapter],
+                                                w8a8=self.w8a8)
         return self._models[adapter]
 
     @torch.no_grad()
@@ -141,7 +146,14 @@ class PerModuleReference(HFReference):
     """Like :class:`HFReference`, but each adapter is the transformers model with the file's own
     per-module deltas merged into its weights (``hf_check.per_module.merged_reference_model``): the
     reference for adapters peft cannot load (shared-outer / fully shared expert LoRA) or serves with
-    other σ. Same API; base requests run the plain model."""
+    other σ. Same API; base requests run the plain model. Not for an fp8 base (``w8a8``): a delta merged
+    into the weights would read the quantized activations."""
+
+    def __init__(self, model_dir: Path, adapter_dirs: dict[str, Path], *, w8a8: bool = False) -> None:
+        if w8a8:
+            raise ValueError("PerModuleReference merges each delta into its weight: it cannot keep the LoRA path "
+                             "on the unquantized activations of a w8a8 base (DESIGN.md §1)")
+        super().__init__(model_dir, adapter_dirs)
 
     def model(self, adapter: str | None):
         if adapter not in self._models:
@@ -175,7 +187,8 @@ def greedy_agreement(tokens: list[int], ref: TeacherForced, tol: float) -> int:
 def check_against_hf(outputs, requests: list[dict], hf: HFReference, *, dtype: str = "float32",
                      what: str = "engine vs HF+PEFT") -> dict[str, int]:
     """Every output's prompt and output logprobs within the ``engine_vs_hf`` row (each within max_abs,
-    all of them on average within mean_abs) and its greedy tokens equal where the margin allows.
+    all of them on average within mean_abs) and its greedy tokens equal where the margin allows. A w8a8
+    reference (``hf.w8a8``) takes the fp8 block-scaled base's row (``tolerance.FP8_LOGPROB_TOLERANCES``).
 
     Returns:
         {"tokens": greedy output tokens, "compared": those compared, "logprobs": logprobs compared,
@@ -184,8 +197,9 @@ def check_against_hf(outputs, requests: list[dict], hf: HFReference, *, dtype: s
     Raises:
         AssertionError: a request did not finish, a token or a logprob differs (named).
     """
-    tol = logprob_tolerance("engine_vs_hf", dtype)
-    check = LogprobCheck("engine_vs_hf", dtype)
+    quant = "fp8_block" if getattr(hf, "w8a8", False) else "none"
+    tol = logprob_tolerance("engine_vs_hf", dtype, base_quant=quant)
+    check = LogprobCheck("engine_vs_hf", dtype, base_quant=quant)
     total = compared = count = 0
     for req, out in zip(requests, outputs, strict=True):
         assert out.finish_reason in ("stop", "length"), f"{req['request_id']} finished {out.finish_reason}: {out.error}"

@@ -288,7 +288,8 @@ def _run_modes(backend, model_dir, adapters, *, config, dtype, device, name, hf,
             eager = served
         else:
             if eager is not None:
-                mode_records.append(check_graph_vs_eager(base, served, eager, dtype=dtype, record_path=record_path))
+                mode_records.append(check_graph_vs_eager(base, served, eager, dtype=dtype, record_path=record_path,
+                                                         base_quant=info.config.base_quant))
             else:
                 mode_records.append(E2EResult("E01", backend, mode, dt, name).failed("the eager reference run failed"))
             mode_records += check_graph_paths(base, served, config.capacity, last_fallback=engine.runner.last_fallback)
@@ -361,13 +362,16 @@ def _hf_reference(model_dir: Path, adapters: dict[str, Path], hf: bool, dtype: s
     missing = [m for m in ("transformers", "peft") if importlib.util.find_spec(m) is None]
     if missing:
         return None, f"{' and '.join(missing)} not installed (the 'fixtures' extra)"
+    from moelora_conformance.hf_check.hf_w8a8 import fp8_block
     from moelora_core import logprob_tolerance
 
+    # an fp8 block-scaled base: transformers' dequantized model made w8a8 (hf_check.hf_w8a8, DESIGN.md §9)
+    w8a8 = fp8_block(model_dir) is not None
     try:
-        logprob_tolerance("engine_vs_hf", dtype)
+        logprob_tolerance("engine_vs_hf", dtype, base_quant="fp8_block" if w8a8 else "none")
     except KeyError as exc:
         return None, str(exc)
-    return HFReference(model_dir, adapters), ""
+    return HFReference(model_dir, adapters, w8a8=w8a8), ""
 
 
 def run_stateful(backend: str, model_dir: Path, adapters: dict[str, Path], *, config: E2EConfig, max_loras: int,

@@ -165,8 +165,11 @@ class EngineStateMachine(RuleBasedStateMachine):
         self.finished = 0
         self.steps = 0
         self.refusals = 0
-        self.row = tolerance_row(cfg.dtype)
-        self.check = LogprobCheck(self.row, cfg.dtype)
+        from moelora_runner.model_info import ModelInfo
+
+        quant = ModelInfo.read(cfg.model_dir).config.base_quant  # an fp8 base: the w8a8 rows
+        self.row = tolerance_row(cfg.dtype, quant)
+        self.check = LogprobCheck(self.row, cfg.dtype, base_quant=quant)
         self._fingerprints: dict[tuple[str, int], list] = {}
         self._ids = 0
         self._expected: tuple[str, str, str] | None = None

@@ -163,14 +163,14 @@ def compare_with_alone(got, want, check: LogprobCheck, request: dict, what: str)
             f"({want.finish_reason})")
 
 
-def tolerance_row(dtype: str) -> str:
+def tolerance_row(dtype: str, base_quant: str = "none") -> str:
     """The logprob row of a batched-and-replayed request against itself alone and eager: the
     graph row's bound is batched_vs_alone's (same cause: other matmul shapes); bf16 has only the
-    graph row."""
+    graph row. ``base_quant``: the model's base storage (an fp8 block-scaled base has rows of its own)."""
     for row in ("batched_vs_alone", "graph_vs_eager"):
         try:
-            logprob_tolerance(row, dtype)
+            logprob_tolerance(row, dtype, base_quant=base_quant)
             return row
         except KeyError:
             continue
-    raise KeyError(f"no batched_vs_alone or graph_vs_eager logprob tolerance for {dtype}")
+    raise KeyError(f"no batched_vs_alone or graph_vs_eager logprob tolerance for {dtype} (base_quant={base_quant})")

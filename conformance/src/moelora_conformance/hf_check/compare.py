@@ -76,6 +76,8 @@ def compare_layer(
     diverge_bound: float = 1e-2,
     shared: SharedExpertWeights | None = None,
     dense_bias: dict[str, torch.Tensor] | None = None,
+    dense_scales: dict[str, torch.Tensor] | None = None,
+    weight_block: tuple[int, int] | None = None,
 ) -> list[CheckRow]:
     """Compare the oracle with the HF side on fresh random inputs.
 
@@ -90,6 +92,9 @@ def compare_layer(
             experts plus the oracle's (gated) shared expert with the pool's shared-expert LoRA. With
             ``moe`` None (DeepSeek-V3's dense layers) the dense MLP, compared as the row "mlp".
         dense_bias: module → [out] bias of the dense projections that have one (Qwen2-MoE's q/k/v).
+        dense_scales, weight_block: an fp8 block-scaled layer's dense ``weight_scale_inv`` by module and
+            its block: those projections are computed w8a8 by the oracle (``moe``'s own ``weight_block``
+            makes its experts w8a8) and held to the policy's fp8 rows (DESIGN.md §1).
 
     Returns:
         One row for routing, one for the MoE block, one per dense projection.
@@ -100,9 +105,12 @@ def compare_layer(
     mapping = torch.full((T,), SLOT if pool is not None else NO_ADAPTER, dtype=torch.int32)
     rows: list[CheckRow] = []
 
-    def row(part: str, actual: torch.Tensor, expected: torch.Tensor, delta: float | None, part_expect: str):
+    dense_scales = dense_scales or {}
+
+    def row(part: str, actual: torch.Tensor, expected: torch.Tensor, delta: float | None, part_expect: str,
+            fp8: bool = False):
         rep = DEFAULT_POLICY.check(actual, expected, dtype=torch.float32, what=f"{model}/{adapter} L{layer} {part}",
-                                   seed=seed)
+                                   seed=seed, base_quant="fp8_block" if fp8 else "none")
         if part_expect == "diverge":
             ok = rep.non_finite == 0 and rep.max_rel > diverge_bound
             note = f"differs as documented (max_rel {rep.max_rel:.2e} > {diverge_bound:.0e})" if ok else \
@@ -127,20 +135,23 @@ def compare_layer(
     def block(lora: LoRAWeights | None) -> torch.Tensor:
         y = torch.zeros(T, H, dtype=torch.float64) if moe is None else moe_lora_forward(
             x, ids0, w0, moe.w_gate_up, moe.w_down, lora, mapping, b_gate_up=moe.b_gate_up, b_down=moe.b_down,
-            activation=moe.activation)
+            activation=moe.activation, weight_block=moe.weight_block, w_gate_up_scale_inv=moe.w_gate_up_scale_inv,
+            w_down_scale_inv=moe.w_down_scale_inv)
         return y if shared is None else y + shared_expert_forward(x, shared, lora, mapping)
 
     y = block(pool)
     delta = None if pool is None else _delta_rel(y, block(None))
     # DeepSeek-V3's dense layers: the whole dense MLP, "mlp"
-    row("moe" if moe is not None else "mlp", hf_moe(x), y, delta, expect)
+    row("moe" if moe is not None else "mlp", hf_moe(x), y, delta, expect,
+        fp8=moe is not None and moe.weight_block is not None)
 
     for m, weight in dense.items():
         xd = torch.randn(T, weight.shape[1], generator=gen)
         bias = (dense_bias or {}).get(m)
-        yd = dense_lora_forward(xd, weight, m, pool, mapping, bias=bias)
+        quant = dict(weight_block=weight_block, weight_scale_inv=dense_scales[m]) if m in dense_scales else {}
+        yd = dense_lora_forward(xd, weight, m, pool, mapping, bias=bias, **quant)
         d = None
         if pool is not None and m in pool.dense_A and pool.host_ranks[m][SLOT]:
-            d = _delta_rel(yd, dense_lora_forward(xd, weight, m, None, None, bias=bias))
-        row(m, hf_dense(m, xd), yd, d, "equal")
+            d = _delta_rel(yd, dense_lora_forward(xd, weight, m, None, None, bias=bias, **quant))
+        row(m, hf_dense(m, xd), yd, d, "equal", fp8=m in dense_scales)
     return rows

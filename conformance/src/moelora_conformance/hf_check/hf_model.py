@@ -11,9 +11,13 @@ import torch
 from moelora_conformance.fixtures.adapters import PEFT_PATTERN_WARNING
 
 
-def load_hf(model_dir: Path, adapter_dir: Path | None = None):
+def load_hf(model_dir: Path, adapter_dir: Path | None = None, *, w8a8: bool = False):
     """The transformers model of ``model_dir`` (fp32, eval), wrapped by peft with ``adapter_dir``
-    loaded as its only adapter when given. Offline: nothing is downloaded."""
+    loaded as its only adapter when given. Offline: nothing is downloaded.
+
+    ``w8a8``: ``model_dir`` is an fp8 block-scaled checkpoint and its fp8 modules compute w8a8
+    (``hf_w8a8.make_w8a8``, before peft wraps them); without it transformers computes such a
+    checkpoint w8a16 on a CPU (it dequantizes the weights at load)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -21,6 +25,10 @@ def load_hf(model_dir: Path, adapter_dir: Path | None = None):
     hf_logging.disable_progress_bar()  # a bar per tiny model would bury the table
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    if w8a8:
+        from moelora_conformance.hf_check.hf_w8a8 import make_w8a8
+
+        make_w8a8(model, Path(model_dir))
     if adapter_dir is None:
         return model
     from peft import PeftModel

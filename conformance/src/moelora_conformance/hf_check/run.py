@@ -30,8 +30,11 @@ adapter:
   weights exactly (part ``fp8 weights``), and the oracle on those dequantized weights
   (``readers (dequantized)``) equals HF, and HF+PEFT for the source model's adapters
   (:attr:`~moelora_conformance.fixtures.specs.Fp8ModelSpec.adapters`) served on the fp8 model. The
-  w8a8 base itself has no HF counterpart on a CPU: it is checked against moelora's oracle
-  (``checkpoint-pass``, the suite). The reference backend's rows, w8a8, are left out here.
+  w8a8 base itself has no HF counterpart on a CPU; rows ``readers (w8a8)`` compare the oracle's w8a8 on
+  the layer as read (fp8 experts and projections with their scales) with transformers' model made
+  w8a8 (``hf_w8a8``: its fp8 modules' inputs quantized by the oracle's rule, the LoRA deltas on the
+  unquantized inputs; layers with a shared expert left out), under the policy's fp8 rows — the check
+  of the reference E02 uses on an fp8 base. The reference backend's rows, w8a8, are left out here.
 """
 
 from __future__ import annotations
@@ -113,6 +116,17 @@ def _fp8_weight_row(model: str, layer: int, disk, hf_moe: MoEBaseWeights, hf_den
                     f"differ from transformers' dequantized weights: {bad}" if bad else "")
 
 
+def _w8a8_rows(model: str, adapter: str, cfg, disk, pool, hf_layer, seed: int) -> list[CheckRow]:
+    """The oracle's w8a8 on the layer as read (fp8 experts and dense projections, their scales)
+    against transformers' model made w8a8 (``hf_w8a8``): routing, the MoE block, each projection.
+    A layer with a shared expert is left out (the oracle's shared expert has no fp8 path)."""
+    if disk.shared_expert is not None:
+        return []
+    return compare_layer(model=model, adapter=adapter, source="readers (w8a8)", layer=hf_layer[0], moe=disk.moe,
+                         dense=_dense(disk, cfg), pool=pool, top_k=cfg.top_k, seed=seed, dense_bias=_bias(disk),
+                         dense_scales=disk.dense_scales, weight_block=disk.weight_block, **_hf_side(hf_layer[1]))
+
+
 def _pools(ckpt_config, num_layers: int, max_rank: int) -> list[LoRAWeights]:
     spec = ckpt_config.layer_spec(max_loras=SLOT + 1, max_rank=max_rank)
     return [LoRAWeights(spec) for _ in range(num_layers)]
@@ -125,11 +139,13 @@ def check_model_base(fixtures: FixtureSet, model: str) -> list[CheckRow]:
     with MoECheckpoint(fixtures.model_dir(model)) as ckpt:
         cfg = ckpt.config
         fp8 = cfg.base_quant != "none"
+        w8a8 = hf_model.decoder_layers(hf_model.load_hf(fixtures.model_dir(model), w8a8=True)) if fp8 else []
         for li, layer in enumerate(hf_model.decoder_layers(hf)):
             moe, dense, shared, biases = base_from_hf(layer, norm_topk_prob=cfg.norm_topk_prob, routing=cfg.routing)
             disk = ckpt.layer(li)
             if fp8:
                 rows.append(_fp8_weight_row(model, li, disk, moe, dense))
+                rows += _w8a8_rows(model, BASE, cfg, disk, None, (li, w8a8[li]), _seed(model, li))
                 disk = served_layer(disk)
             for source, (m, d, se, b) in (("hf-memory", (moe, dense, shared, biases)),
                                           ("readers (dequantized)" if fp8 else "readers",
@@ -181,6 +197,10 @@ def check_adapter(fixtures: FixtureSet, adapter: str, *, model: str | None = Non
         pools = _pools(cfg, cfg.num_layers, max_rank)
         load_adapter_into_slot(pools, SLOT, read)
         fp8 = cfg.base_quant != "none"
+        if fp8:  # the layer as read, w8a8, against transformers' model made w8a8 with the same adapter
+            w8a8 = hf_model.decoder_layers(hf_model.load_hf(model_dir, adapter_dir, w8a8=True))
+            for li in range(cfg.num_layers):
+                rows += _w8a8_rows(model, adapter, cfg, ckpt.layer(li), pools[li], (li, w8a8[li]), _seed(adapter, li))
         disk_layers = [served_layer(ckpt.layer(li)) for li in range(cfg.num_layers)]
         for li, layer in enumerate(hf_layers):
             disk = disk_layers[li]

@@ -1,0 +1,167 @@
+"""transformers' model of an fp8 block-scaled checkpoint made w8a8: the HF side of E02 on an fp8 base.
+
+transformers 5.17 on a CPU cannot run an fp8 checkpoint as stored: its fine-grained fp8 quantizer
+needs a GPU (the Triton ``finegrained-fp8`` kernel from the hub) and, without one, sets
+``quantization_config.dequantize`` and loads Ŵ = W_q · scale_inv (weights only, fp32 here; the
+block taken from the scale grid, right where every dimension is a multiple of it). That model is w8a16;
+the served semantics are w8a8 (DESIGN.md §1, "Quantized base"). :func:`make_w8a8` adds the one rule
+transformers leaves out, on the modules stored fp8 (those with a ``weight_scale_inv`` on disk):
+
+- each fp8 dense projection (an ``nn.Linear``; attention, the shared expert) gets a forward pre-hook
+  that replaces its input by v̂ (the oracle's ``fp8_group_quantize``, row by row). peft's ``lora.Linear``
+  calls its base layer with x and its LoRA path with x, so the delta still reads the unquantized x;
+- each fp8 experts module gets :func:`w8a8_experts_forward` (transformers' eager expert loop) in
+  place of its forward. peft applies expert LoRA by parametrising ``gate_up_proj`` / ``down_proj``
+  (W + ΔW while the adapter is active), so the loop takes the base products on v̂ from the original
+  parameter and the delta products on v from the difference: x̂ Wᵀ + x ΔWᵀ, h = act(gate) ⊙ up,
+  ĥ W_dᵀ + h ΔW_dᵀ, times the routing weight — the LoRA rule of DESIGN.md §1.
+
+Everything else (embedding, attention, norms, routing, the LM head, peft's factors and σ) is
+transformers' and peft's own. Nothing here shares code with the engine: the activation quantization
+is the oracle's fp64 emulation (``moelora_reference.oracle``), not the engine's torch path.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch.nn.utils import parametrize
+
+from moelora_core.errors import MoeLoraError
+
+
+class W8A8ReferenceError(MoeLoraError):
+    """transformers' dequantized model cannot be made the w8a8 reference (named module and why)."""
+
+
+def _quantize_rows(v: torch.Tensor, block_k: int) -> torch.Tensor:
+    """v [..., K] → v̂ of the same shape and dtype, each row quantized per K-group by the oracle."""
+    from moelora_reference.oracle import fp8_group_quantize
+
+    flat = v.reshape(-1, v.shape[-1])
+    out = torch.stack([fp8_group_quantize(row, block_k) for row in flat]) if flat.shape[0] else flat.double()
+    return out.to(v.dtype).reshape(v.shape)
+
+
+def _base_and_delta(module: torch.nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(W, ΔW) of the expert parameter ``name``: ΔW is peft's active delta (None without one)."""
+    if parametrize.is_parametrized(module, name):
+        base = getattr(module.parametrizations, name).original
+        return base, getattr(module, name) - base
+    return getattr(module, name), None
+
+
+def w8a8_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' eager expert loop (``Qwen3MoeExperts.forward``) with w8a8 base products and
+    unquantized delta products (module doc). hidden_states [T, H]; top_k_index, top_k_weights [T, k];
+    returns [T, H] in hidden_states' dtype. ``self._w8a8_block_k`` is the checkpoint's bk."""
+    bk = self._w8a8_block_k
+    w_gu, d_gu = _base_and_delta(self, "gate_up_proj")
+    w_d, d_d = _base_and_delta(self, "down_proj")
+    out = torch.zeros_like(hidden_states)
+    mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
+    for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()[:, 0].tolist():
+        pos, tok = torch.where(mask[e])
+        x = hidden_states[tok]
+        gate_up = torch.nn.functional.linear(_quantize_rows(x, bk), w_gu[e])
+        if d_gu is not None:
+            gate_up = gate_up + torch.nn.functional.linear(x, d_gu[e])
+        h = self._apply_gate(gate_up)
+        y = torch.nn.functional.linear(_quantize_rows(h, bk), w_d[e])
+        if d_d is not None:
+            y = y + torch.nn.functional.linear(h, d_d[e])
+        out.index_add_(0, tok, (y * top_k_weights[tok, pos, None]).to(out.dtype))
+    return out
+
+
+def _scaled_modules(model_dir: Path) -> set[str]:
+    """Module names with a ``weight_scale_inv`` on disk (the modules stored fp8)."""
+    from safetensors import safe_open
+
+    names = set()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            names |= {k.removesuffix(".weight_scale_inv") for k in f.keys() if k.endswith(".weight_scale_inv")}
+    return names
+
+
+def fp8_block(model_dir: Path) -> tuple[int, int] | None:
+    """config.json's ``weight_block_size`` when its ``quantization_config`` is fp8, else None."""
+    qc = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config") or {}
+    if qc.get("quant_method") != "fp8":
+        return None
+    return tuple(qc["weight_block_size"])
+
+
+#: A per-expert weight's module name on disk: (layer prefix, block, expert, leaf).
+_EXPERT_KEY = re.compile(r"^(.*\.layers\.\d+)\.(\w+)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)$")
+#: Disk leaf → gate / up / down (Mixtral's w1 / w3 / w2).
+_EXPERT_LEAVES = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+def make_w8a8(model: torch.nn.Module, model_dir: Path) -> torch.nn.Module:
+    """Make transformers' dequantized model of the fp8 checkpoint ``model_dir`` w8a8 (module doc), in
+    place, before peft wraps it. Returns ``model``.
+
+    Raises:
+        W8A8ReferenceError: the checkpoint is not fp8 block-scaled; a module stored fp8 has no
+            transformers module (a name this rule does not know: fused experts stored fp8, say); a
+            weight of transformers' (a dense projection, an expert's gate/up or down) is not W_q ·
+            scale_inv of its blocks (the oracle's ``fp8_dequantize``; transformers infers the block
+            from the scale grid, wrong for partial edge blocks).
+    """
+    from safetensors import safe_open
+
+    from moelora_reference.oracle import fp8_dequantize
+
+    block = fp8_block(model_dir)
+    if block is None:
+        raise W8A8ReferenceError(f"{model_dir}: not an fp8 block-scaled checkpoint (no quantization_config "
+                                 "with quant_method 'fp8')")
+    scaled = _scaled_modules(model_dir)
+    modules = dict(model.named_modules())
+    disk = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            disk |= {k: f.get_tensor(k) for k in f.keys() if k.rsplit(".", 1)[0] in scaled}
+
+    def dequantized(name: str) -> torch.Tensor:
+        return fp8_dequantize(disk[f"{name}.weight"], disk[f"{name}.weight_scale_inv"], block)
+
+    def check(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        if not torch.equal(got.detach(), want.to(got.dtype)):  # the fp64 product, rounded once as transformers'
+            raise W8A8ReferenceError(f"{model_dir}: transformers' dequantized {what} is not W_q · scale_inv of its "
+                                     f"{block[0]}x{block[1]} blocks (partial edge blocks: transformers infers the "
+                                     "block from the scale grid)")
+
+    def quantize_input(module, args):
+        return (_quantize_rows(args[0], block[1]), *args[1:])
+
+    experts_of: dict[str, dict[int, dict[str, str]]] = {}
+    for name in sorted(scaled):
+        if m := _EXPERT_KEY.match(name):
+            experts_of.setdefault(m.group(1), {}).setdefault(int(m.group(3)), {})[_EXPERT_LEAVES[m.group(4)]] = name
+            continue
+        linear = modules.get(name)
+        if not isinstance(linear, torch.nn.Linear):
+            raise W8A8ReferenceError(f"{model_dir}: {name} is stored fp8 but transformers has no linear of that name")
+        check(name, linear.weight, dequantized(name))
+        linear.register_forward_pre_hook(quantize_input)
+    for layer, per_expert in sorted(experts_of.items()):
+        found = [m for n, m in modules.items() if n.startswith(layer + ".") and n.endswith(".experts")
+                 and hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
+        if len(found) != 1:
+            raise W8A8ReferenceError(f"{model_dir}: {layer} stores fp8 experts but transformers has "
+                                     f"{len(found)} fused experts modules there")
+        experts = found[0]
+        for e, leaves in sorted(per_expert.items()):
+            check(f"{layer} expert {e} gate/up", experts.gate_up_proj[e],
+                  torch.cat([dequantized(leaves["gate"]), dequantized(leaves["up"])]))
+            check(f"{layer} expert {e} down", experts.down_proj[e], dequantized(leaves["down"]))
+        experts._w8a8_block_k = block[1]
+        experts.forward = w8a8_experts_forward.__get__(experts)
+    return model
