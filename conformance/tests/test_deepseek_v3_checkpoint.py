@@ -7,9 +7,12 @@ fixture ``deepseek_v3`` (4 groups of 2 experts, 2 kept; a nonzero correction bia
   MLP of layer 0, every MLA projection), the peft adapters (routed experts + MLA projections, one
   under rsLoRA with a rank pattern) and the builder's shared-expert / dense-MLP adapter in PEFT's key
   format (peft 0.21.2 refuses to wrap those modules: compared with the per-module reference);
+- hf-check's whole-model rows: the engine's prompt logprobs equal HF + PEFT, and a routing fault
+  of the engine fails them;
 - checkpoint-pass on the MoE layer with the reference backend in every layer mode;
 - named refusals: expert or shared-expert keys on the dense layer, dense-MLP keys on the MoE layer,
-  LoRA on MLA's norms, configs moelora does not serve, and (engine) a value head wider than the key head.
+  LoRA on MLA's norms, configs moelora does not serve, and (engine) a value head wider than the key head
+  and TP / EP.
 """
 
 import json
@@ -20,7 +23,7 @@ import torch
 
 from moelora_conformance.checkpoint_pass.run import MODES, run_model
 from moelora_conformance.fixtures.specs import DEEPSEEK_V3, DEEPSEEK_V3_ADAPTERS, MLA
-from moelora_conformance.hf_check import check_adapter, check_layout_adapter, check_model_base
+from moelora_conformance.hf_check import check_adapter, check_layout_adapter, check_model_base, summarize
 from moelora_core.checkpoint import (
     CheckpointFormatError,
     MissingTensorError,
@@ -72,6 +75,26 @@ def test_shared_expert_and_dense_mlp_adapter_equals_the_per_module_reference(fix
             (1, "shared_up"), (1, "shared_down"), (0, "kv_b"), (1, "kv_b")} <= visible
     backend = {(r.layer, r.part) for r in rows if r.source == "reference-backend" and r.ok}
     assert {(0, "mlp"), (1, "moe"), (0, "mlp base rows"), (1, "moe base rows")} <= backend
+
+
+def test_whole_model_logprobs_equal_hf_peft_and_a_routing_fault_fails_them(fixture_set):
+    # hf-check's engine rows: prompt logprobs of the base model, a peft adapter and the builder's
+    # shared-expert / dense-MLP adapter (per-module reference) within engine_vs_hf; the engine with
+    # routed_scaling_factor on the shared experts too fails every row (base rows included)
+    pytest.importorskip("moelora_runner")
+    from moelora_conformance.faulty.routing_faults import make_engine_faulty
+    from moelora_conformance.hf_check.model_logprobs import model_logprob_rows
+
+    adapters = [DEEPSEEK_V3_ADAPTERS[0].name, LAYOUT]
+    rows = model_logprob_rows(fixture_set, DEEPSEEK_V3.name, adapters)
+    assert [r.adapter for r in rows] == ["(base)", *adapters]
+    assert all(r.ok and r.part == "logprobs" and r.max_rel <= 1e-4 for r in rows), rows
+    table = {s["adapter"]: s for s in summarize(rows)}  # hf-check's table: a note, not a relative error
+    assert table["(base)"]["max_rel"] == 0.0 and "engine logprobs vs HF+PEFT" in table["(base)"]["notes"][0]
+    faulty = model_logprob_rows(fixture_set, DEEPSEEK_V3.name, adapters,
+                                prepare=lambda engine: make_engine_faulty(engine, "scaling-on-shared"))
+    assert not any(r.ok for r in faulty), faulty
+    assert "|Δlogprob|" in faulty[0].note
 
 
 def test_checkpoint_pass_on_the_moe_layer(fixture_set, tmp_path):
@@ -144,6 +167,16 @@ def test_the_engine_refuses_a_value_head_wider_than_the_key_head(fixture_set, tm
 
     with pytest.raises(UnsupportedModelError, match="v_head_dim"):
         ModelInfo.read(_config(fixture_set, tmp_path, v_head_dim=40))
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(2, 1), (1, 2), (2, 2)])
+def test_the_engine_refuses_tp_and_ep_on_mla_by_name(fixture_set, tp, ep):
+    # before it joins a process group: nothing of the family is sharded (ParallelLayout.check)
+    pytest.importorskip("moelora_runner")
+    from moelora_runner import Engine, EngineConfigError
+
+    with pytest.raises(EngineConfigError, match=r"MLA attention \(DeepSeek-V3 / Kimi-K2\).*--tp 1 --ep 1"):
+        Engine(fixture_set.model_dir(DEEPSEEK_V3.name), tp=tp, ep=ep)
 
 
 def test_the_e2e_engine_adapters_target_mla_and_read_back(fixture_set, tmp_path):

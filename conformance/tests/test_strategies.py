@@ -3,14 +3,17 @@
 Covers: over 500 draws, at least 20 % of batches have more than 32 requests and every forward
 kind, adapter mode and routing mode occurs in at least 5 %; IDLE batches, sentinel ids and mixed
 ranks occur; sizes stay within the profile's caps; materialize is deterministic and consistent
-with the drawn structure (ranks, σ, routing modes, sentinels); the boundary expert ids -1, E - 1, E
-and E_base - 1 are in every draw with sentinels; every ``data.draw`` in the
+with the drawn structure (ranks, σ, routing modes, sentinels); the grouped sigmoid mode is
+DeepSeek-V3's routing (group-limited experts, weights summing to a scaling factor > 1, a fused
+shared expert) in a share of the draws; the boundary expert ids -1, E - 1, E and E_base - 1 are in
+every draw with sentinels; every ``data.draw`` in the
 repository carries a ``label=``; ``$CI`` derandomizes every profile.
 """
 
 import ast
 import math
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -54,6 +57,10 @@ def test_draw_mix_over_500_cases():
         for mode in modes:
             assert counts[mode] / n >= 0.05, f"{attr}={mode} in {counts[mode] / n:.1%} of draws: {dict(counts)}"
     assert share(lambda c: c.routing.sentinel_share > 0) >= 0.2
+    # DeepSeek-style routing that drops groups, and with a fused shared expert
+    grouped = lambda c: c.routing.grouping is not None
+    assert share(lambda c: grouped(c) and c.routing.grouping.topk_group < c.routing.grouping.n_group) >= 0.02
+    assert share(lambda c: grouped(c) and c.routing.shared_expert) >= 0.01
     assert share(lambda c: c.shape.num_base_experts > c.shape.num_experts) >= 0.2
     assert share(lambda c: 0 in c.batch.lora_ranks) >= 0.1  # empty slots
     assert share(lambda c: any(0 < r < c.shape.max_rank for r in c.batch.lora_ranks)) >= 0.3  # r < R
@@ -117,12 +124,18 @@ def test_materialize_matches_the_structure(case):
     assert bool(((ids >= -1) & (ids < case.shape.num_base_experts)).all())
     valid = ids[(ids >= 0) & (ids < spec.E)]
     assert valid.numel() == 0 or int(valid.max()) < spec.E
-    if case.routing.sentinel_share == 0:
-        assert bool(((ids >= 0) & (ids < spec.E)).all()), case.describe()
+    if case.routing.sentinel_share == 0:  # every routed column holds a LoRA expert, the shared one a fused id
+        kr = case.routing.routed_k
+        assert bool(((ids[:, :kr] >= 0) & (ids[:, :kr] < spec.E)).all()), case.describe()
+        assert bool((ids[:, kr:] >= spec.E).all()), case.describe()
         for row in ids.tolist():
             assert len(set(row)) == len(row), "top-k experts must be distinct"
     if case.routing.renormalize and T:
-        assert torch.allclose(m.topk_weights.sum(-1), torch.ones(T), atol=1e-5)
+        # softmax: the k weights sum to 1; grouped sigmoid: the routed ones to the scaling factor
+        routing = case.routing
+        total = routing.grouping.routed_scaling_factor if routing.grouping else 1.0
+        routed = m.topk_weights[:, :routing.routed_k].sum(-1)
+        assert torch.allclose(routed, torch.full((T,), total), atol=1e-5), case.describe()
     assert case.describe().startswith(f"seed={case.seed}")
 
 
@@ -134,7 +147,44 @@ def test_routing_modes_do_what_they_say(plan):
         assert float(weights[:, 1].min()) > 1e-3  # the other pair still matters
     if plan.mode == "some_empty":
         assert not set(ids.flatten().tolist()) & set(plan.empty_experts)
-    assert bool((weights[:, 0] >= weights[:, 1]).all())
+    if plan.mode != "grouped_sigmoid":  # the grouped routing's columns are by biased score
+        assert bool((weights[:, 0] >= weights[:, 1]).all())
+
+
+@settings(max_examples=30, deadline=None)
+@given(E=st.sampled_from((4, 6, 8, 12)), extra=st.integers(0, 2), k=st.integers(1, 4), renorm=st.booleans(),
+       data=st.data())
+def test_grouped_sigmoid_routing_is_deepseek_v3s(E, extra, k, renorm, data):
+    # the grouped mode is transformers' DeepseekV3TopkRouter on the drawn logits and bias: experts in
+    # the token's best topk_group groups (by the two best biased scores), weights from the unbiased
+    # sigmoid (renormalised: they sum to the scaling factor > 1), the fused shared expert's column of
+    # weight 1 where the base has extra experts; the routing equation itself is held to transformers
+    # in test_deepseek_routing
+    k = min(k, E)
+    plan = data.draw(routing_plans(E, k, E + extra, modes=("grouped_sigmoid",), sentinel_shares=(0.0,)),
+                     label="plan")
+    plan = replace(plan, renormalize=renorm)
+    assert plan.mode == "grouped_sigmoid" and plan.grouping.routed_scaling_factor > 1
+    assert plan.shared_expert == (extra > 0 and k >= 2)
+    T = 24
+    ids, weights, logits = plan.materialize(T)
+    gen = torch.Generator().manual_seed(plan.seed)
+    assert torch.equal(logits, torch.randn(T, E, generator=gen))
+    bias = torch.randn(E, generator=gen) * 0.5
+    g, kr = plan.grouping, plan.routed_k
+    p = torch.sigmoid(logits.double())
+    q = (p + bias.double()).view(T, g.n_group, E // g.n_group)
+    kept = q.topk(2, dim=-1).values.sum(-1).topk(g.topk_group, dim=-1).indices  # [T, topk_group]
+    routed = ids[:, :kr].long()
+    assert bool((routed // (E // g.n_group)).unsqueeze(-1).eq(kept.unsqueeze(1)).any(-1).all()), "outside kept groups"
+    expected = p.gather(1, routed)
+    if renorm:
+        expected = expected / expected.sum(-1, keepdim=True)
+    torch.testing.assert_close(weights[:, :kr].double(), expected * g.routed_scaling_factor, rtol=1e-6, atol=0)
+    if plan.shared_expert:
+        assert bool(((ids[:, -1] >= E) & (ids[:, -1] < E + extra)).all()) and bool((weights[:, -1] == 1).all())
+    for row in routed.tolist():
+        assert len(set(row)) == len(row)
 
 
 @given(plan=routing_plans(4, 2, 6, sentinel_shares=(0.5,)))

@@ -192,7 +192,7 @@ def check_against_hf(outputs, requests: list[dict], hf: HFReference, *, dtype: s
 
     Returns:
         {"tokens": greedy output tokens, "compared": those compared, "logprobs": logprobs compared,
-        "max_abs": the largest |Δlogprob|}.
+        "max_abs": the largest |Δlogprob|, "mean_abs": their mean}.
 
     Raises:
         AssertionError: a request did not finish, a token or a logprob differs (named).
@@ -217,4 +217,5 @@ def check_against_hf(outputs, requests: list[dict], hf: HFReference, *, dtype: s
                 raise AssertionError(f"{what}: {req['request_id']} ({req.get('adapter') or 'base'}) {exc}") from None
             total += len(out.output_token_ids)
     check.finish(what)
-    return {"tokens": total, "compared": compared, "logprobs": count, "max_abs": check.max_abs}
+    return {"tokens": total, "compared": compared, "logprobs": count, "max_abs": check.max_abs,
+            "mean_abs": check.mean_abs}

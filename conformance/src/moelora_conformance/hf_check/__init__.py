@@ -6,6 +6,7 @@ Needs the ``fixtures`` extra. CLI: ``moelora-conformance hf-check [--fixtures DI
 - :mod:`.extract`: moelora tensors from the in-memory transformers / peft modules.
 - :mod:`.compare`: one layer, oracle vs HF, by the tolerance policy (:class:`CheckRow`).
 - :mod:`.per_module`: the per-module reference for legacy per-expert adapters.
+- :mod:`.model_logprobs`: whole-model prompt logprobs, the engine vs HF + PEFT (DeepSeek-V3).
 - :mod:`.run`: every model and adapter of a fixtures directory.
 - :mod:`.table`: the rich summary table.
 """

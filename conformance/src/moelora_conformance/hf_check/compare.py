@@ -24,11 +24,13 @@ class CheckRow:
         model, adapter: fixture names ("(base)" for the model alone).
         source: where the oracle's weights came from: "hf-memory" (transformers / peft modules),
             "readers" (moelora_core.checkpoint from disk), "readers σ·√2" (the readers' factors with
-            peft's converted σ on gate/up), or "per-module" (readers vs a per-module reference).
-        layer: decoder layer.
+            peft's converted σ on gate/up), or "per-module" (readers vs a per-module reference);
+            "engine": the whole model served by moelora_runner (``hf_check.model_logprobs``).
+        layer: decoder layer (-1: the whole model or adapter).
         part: "moe", "routing", a dense module ("q", "k", "v", "o", "shared_gate", "shared_up",
-            "shared_down") or "rank/σ".
-        max_rel, rms_rel: errors against the expected side (see ``expect``).
+            "shared_down") or "rank/σ"; "logprobs" for the engine's whole-model prompt logprobs.
+        max_rel, rms_rel: errors against the expected side (see ``expect``); for "logprobs" the max
+            and the mean absolute logprob difference.
         delta_rel: ||LoRA output − base output|| / ||base output|| of the oracle (None for base).
         ok: the check passed.
         expect: "equal" (within tolerance) or "diverge" (a documented divergence: must differ).

@@ -23,6 +23,9 @@ adapter:
 - ``reference-backend``: the readers' pools run through the reference backend on a mixed batch
   (adapter request + base request) equal HF+PEFT on the adapter's rows (the per-module reference
   for the divergent case) and HF without adapter on the base rows.
+- ``engine`` (DeepSeek-V3, part ``logprobs``; :mod:`.model_logprobs`): whole-model prompt logprobs
+  of the engine on a mixed batch of every adapter and the base model equal HF + PEFT (the
+  per-module reference where peft cannot serve the file) within the ``engine_vs_hf`` row.
 - fp8 block-scaled models (the manifest's ``quantized_from``; DESIGN.md §1): transformers 5.17 on a
   CPU dequantizes them at load (weights only, no activation quantization), which is right where
   every dimension is a multiple of the block (it infers the block from the scale grid, wrong for
@@ -50,6 +53,7 @@ from moelora_conformance.hf_check import hf_model
 from moelora_conformance.hf_check.backend_path import compare_backend_layer
 from moelora_conformance.hf_check.compare import SLOT, CheckRow, compare_layer
 from moelora_conformance.hf_check.extract import base_from_hf, lora_from_peft
+from moelora_conformance.hf_check.model_logprobs import model_logprob_rows
 from moelora_conformance.hf_check.per_module import merged_reference_layers
 from moelora_conformance.user_files import pool_max_rank
 from moelora_core import LoRAWeights, MoEBaseWeights, module_index
@@ -303,6 +307,9 @@ def run_hf_check(fixtures: FixtureSet, *, adapters: list[str] | None = None) -> 
         rows += check_model_base(fixtures, model)
     for adapter in names:
         rows += check_layout_adapter(fixtures, adapter) if adapter in layout else check_adapter(fixtures, adapter)
+    for model in models:  # whole-model prompt logprobs, the engine against HF + PEFT (DeepSeek-V3)
+        own = [a for a in names if (layout[a] if a in layout else fixtures.adapter(a))["model"] == model]
+        rows += model_logprob_rows(fixtures, model, own)
     for model in models:  # an fp8 copy serves its source model's adapters (the spec names which are checked)
         source = fixtures.manifest["models"][model].get("quantized_from")
         for adapter in fp8_adapters(model) if source else ():

@@ -11,7 +11,7 @@ from moelora_conformance.hf_check.compare import CheckRow
 
 #: Short source names for the table (the rows keep the long ones).
 _SHORT = {"hf-memory": "mem", "readers": "disk", "readers σ·√2": "disk·σ√2", "per-module": "per-mod",
-          "reference-backend": "backend"}
+          "reference-backend": "backend", "engine": "engine"}
 
 
 def summarize(rows: Iterable[CheckRow], noop: dict[str, str] | None = None) -> list[dict]:
@@ -23,9 +23,12 @@ def summarize(rows: Iterable[CheckRow], noop: dict[str, str] | None = None) -> l
         groups.setdefault((r.model, r.adapter), []).append(r)
     out = []
     for (model, adapter), rs in groups.items():
-        equal = [r for r in rs if r.expect == "equal" and r.part != "rank/σ"]
+        # rank/σ rows hold no error; logprobs rows hold absolute logprob differences (a note, below)
+        equal = [r for r in rs if r.expect == "equal" and r.part not in ("rank/σ", "logprobs")]
         deltas = [r.delta_rel for r in rs if r.delta_rel is not None and r.source != "readers σ·√2"]
         notes = [f"{r.source} L{r.layer} {r.part}: {r.note.splitlines()[0]}" for r in rs if not r.ok]
+        notes += [f"engine logprobs vs HF+PEFT: max |Δ| {r.max_rel:.1e} ({r.note})" for r in rs
+                  if r.ok and r.part == "logprobs"]
         diverged = [r for r in rs if r.ok and r.expect == "diverge"]
         if diverged:
             notes.append(f"peft σ differs, as documented (disk vs peft up to {max(r.max_rel for r in diverged):.1e})")
@@ -50,7 +53,8 @@ def render(rows: list[CheckRow], console: Console | None = None, *, noop: dict[s
     table = Table(title="oracle vs HF transformers + PEFT (fp32, max relative error bound 1e-5)",
                   caption="sources: mem = weights from the transformers/peft modules; disk = moelora_core.checkpoint "
                           "readers; per-mod = per-module reference (legacy adapters); disk·σ√2 = peft's converted σ; "
-                          "backend = readers → load_adapter_into_slot → reference backend (adapter + base rows)")
+                          "backend = readers → load_adapter_into_slot → reference backend (adapter + base rows); "
+                          "engine = whole-model prompt logprobs of moelora_runner (DeepSeek-V3)")
     for col, kw in (("model", {}), ("adapter", {}), ("sources", {}), ("checks", {"justify": "right"}),
                     ("max rel err", {"justify": "right"}), ("min LoRA Δ", {"justify": "right"}),
                     ("result", {}), ("notes", {"overflow": "fold"})):

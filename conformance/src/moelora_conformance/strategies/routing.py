@@ -9,6 +9,16 @@ Hypothesis draws the *plan* (mode, hot or empty experts, sentinel share, renorma
   logit, so every token routes to it first with a non-degenerate weight (top_k > 1: the other
   experts as drawn, with weights that still matter).
 - ``some_empty``: a drawn set of experts (leaving at least top_k) gets -inf: no token routes there.
+- ``grouped_sigmoid``: DeepSeek-V3 / Kimi-K2 routing (DESIGN.md §1) by the one function that
+  computes it, ``moelora_reference.routing.route_grouped_sigmoid``: a drawn
+  :class:`~moelora_core.routing.GroupLimitedRouting` (``n_group``, ``topk_group``, a
+  ``routed_scaling_factor`` > 1) and a correction bias ~ N(0, 0.5²) [E] drawn after the logits, so
+  the experts of a token lie in its kept groups, the bias changes the selection but not the
+  weights, and the weights sum to the scaling factor (renormalised) or to a sum of sigmoids — never
+  to 1. Where the base has extra fused experts and top_k >= 2, the last column is a fused shared
+  expert (SGLang's shared-expert fusion: top_k - 1 routed experts, then an id in ``[E, E_base)``
+  drawn per token) with weight 1: the shared experts take neither a routing weight nor the scaling
+  factor. The ids of the routed columns are in descending biased score, not by weight.
 
 Sentinel replacement: each (token, k) pair is replaced with probability ``sentinel_share`` by -1
 (expert parallelism: not handled here) or, where the base declares extra fused experts, by an id in
@@ -19,7 +29,8 @@ that many pairs are replaced) hold exactly the boundary ids :meth:`RoutingPlan.b
 E and E_base - 1 — and, unless that expert is empty, one routed pair holds E - 1, the last LoRA
 expert. An upper-bound check that tests only ``id >= 0`` (an id of exactly E indexing the next
 slot's first expert: SGLang's shared-expert-fusion fault) is then caught by the first example with
-sentinels and fused experts, not after a hundred.
+sentinels and fused experts, not after a hundred. E - 1 goes into a routed column, never the fused
+shared one; in ``grouped_sigmoid`` mode that one token may then hold E - 1 outside its kept groups.
 """
 
 from __future__ import annotations
@@ -29,9 +40,16 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from moelora_conformance.strategies.choice import uniform
+from moelora_conformance.strategies.choice import weighted
+from moelora_core.routing import GroupLimitedRouting
+from moelora_reference.routing import route_grouped_sigmoid
 
-ROUTING_MODES = ("uniform", "one_expert", "some_empty")
+ROUTING_MODES = ("uniform", "one_expert", "some_empty", "grouped_sigmoid")
+#: How often each mode is drawn: DeepSeek-style routing in a fifth of the draws (where feasible).
+_MODE_WEIGHTS = {"uniform": 1.0, "one_expert": 1.0, "some_empty": 1.0, "grouped_sigmoid": 0.75}
+#: ``routed_scaling_factor`` values drawn (DeepSeek-V3's 2.5, Kimi-K2's 2.827), all > 1.
+SCALING_FACTORS = (2.5, 1.5, 2.827)
+_BIAS_STD = 0.5
 #: Sentinel shares drawn by default (0 half the time).
 SENTINEL_SHARES = (0.0, 0.0, 0.1, 0.3)
 _HOT_MARGIN = 0.5
@@ -49,6 +67,9 @@ class RoutingPlan:
         empty_experts: experts no token routes to (``some_empty``), else ().
         sentinel_share: probability that a pair is replaced by a sentinel id.
         seed: seeds the generator of ``materialize``.
+        grouping: the group-limited router of ``grouped_sigmoid``, else None.
+        shared_expert: ``grouped_sigmoid`` only: the last column is a fused shared expert of weight 1
+            (needs E_base > E and top_k >= 2).
     """
 
     mode: str
@@ -60,6 +81,13 @@ class RoutingPlan:
     empty_experts: tuple[int, ...]
     sentinel_share: float
     seed: int
+    grouping: GroupLimitedRouting | None = None
+    shared_expert: bool = False
+
+    @property
+    def routed_k(self) -> int:
+        """The columns routed to LoRA experts: top_k, less the fused shared expert's column."""
+        return self.top_k - int(self.shared_expert)
 
     def boundary_ids(self) -> tuple[int, ...]:
         """The sentinel ids every draw with sentinels holds: -1, then E and E_base - 1 where the base
@@ -69,6 +97,10 @@ class RoutingPlan:
 
     def describe(self) -> str:
         detail = {"one_expert": f"({self.hot_expert})", "some_empty": f"({list(self.empty_experts)})"}
+        if self.grouping is not None:
+            g = self.grouping
+            detail["grouped_sigmoid"] = (f"(G={g.n_group} keep={g.topk_group} scale={g.routed_scaling_factor:g}"
+                                         f"{' +shared' if self.shared_expert else ''})")
         return (f"routing={self.mode}{detail.get(self.mode, '')} sentinels={self.sentinel_share:g}"
                 f"{' renorm' if self.renormalize else ''}")
 
@@ -94,10 +126,13 @@ class RoutingPlan:
             logits[:, self.hot_expert] = logits.max(dim=-1).values + _HOT_MARGIN
         if self.empty_experts:
             logits[:, list(self.empty_experts)] = float("-inf")
-        probs = torch.softmax(logits, dim=-1)
-        weights, ids = torch.topk(probs, k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.grouping is not None:
+            weights, ids = self._grouped(logits, generator)
+        else:
+            probs = torch.softmax(logits, dim=-1)
+            weights, ids = torch.topk(probs, k, dim=-1)
+            if self.renormalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         ids = ids.to(torch.int32)
         # Draw the sentinel coins whatever the share, so the other values do not depend on it.
         coin = torch.rand(num_tokens, k, generator=generator, device=device)
@@ -113,6 +148,21 @@ class RoutingPlan:
             ids, sentinel, replaced = self._with_boundaries(ids, sentinel, replaced)
         ids = torch.where(replaced, sentinel, ids)
         return ids, weights.to(torch.float32).contiguous(), logits
+
+    def _grouped(self, logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_weights [T, k] fp32, topk_ids [T, k] int32) of ``grouped_sigmoid`` (module docstring):
+        a correction bias drawn from ``generator``, the routed columns by ``route_grouped_sigmoid``,
+        then the fused shared expert's column where the plan has one."""
+        T, device = logits.shape[0], logits.device
+        bias = torch.randn(self.num_experts, generator=generator, device=device) * _BIAS_STD
+        weights, ids = route_grouped_sigmoid(logits, bias, self.routed_k, self.grouping, self.renormalize)
+        if self.shared_expert:
+            extra = self.num_base_experts - self.num_experts
+            u = torch.rand(T, 1, generator=generator, device=device)
+            shared = self.num_experts + (u * extra).long().clamp(max=extra - 1)
+            ids = torch.cat([ids, shared.to(torch.int32)], dim=1)
+            weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
+        return weights, ids
 
     def _with_boundaries(self, ids: torch.Tensor, sentinel: torch.Tensor,
                          replaced: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -141,9 +191,9 @@ class RoutingPlan:
         routed = host_ids.masked_fill(replaced.cpu(), -2)
         if last not in self.empty_experts and not bool((routed == last).any()):
             for t in range(T):
-                free = [j for j in range(k) if not flat[t * k + j]]
+                free = [j for j in range(self.routed_k) if not flat[t * k + j]]
                 if free and last not in host_ids[t].tolist():
-                    host_ids[t, free[-1]] = last  # the token's least-weighted routed pair
+                    host_ids[t, free[-1]] = last  # the token's last routed pair (the least-weighted, softmax)
                     break
         ids, s = host_ids.to(device), s.to(device)
         return ids, s.reshape(T, k), replaced
@@ -162,12 +212,24 @@ def routing_plans(
 ) -> RoutingPlan:
     """A ``RoutingPlan`` for E experts (E_base = ``num_base_experts`` or E) and ``top_k``.
 
-    ``some_empty`` is drawn only where an expert can be empty (E > top_k).
+    ``some_empty`` is drawn only where an expert can be empty (E > top_k); ``grouped_sigmoid`` where
+    E splits into groups of at least two (E >= 2), with a fused shared expert where E_base > E and
+    top_k >= 2, and a grouping drawn among those whose kept groups hold the routed columns (one
+    group first: the simplest, where shrinking goes; groupings that drop groups weigh most).
     """
     E_base = num_experts if num_base_experts is None else num_base_experts
-    feasible = [m for m in modes if m != "some_empty" or num_experts > top_k] or ["uniform"]
-    mode = draw(uniform(feasible))
-    hot, empty = None, ()
+    shared = E_base > num_experts and top_k >= 2
+    groupings = _groupings(num_experts, top_k - int(shared))
+    feasible = [m for m in modes
+                if (m != "some_empty" or num_experts > top_k) and (m != "grouped_sigmoid" or groupings)] or ["uniform"]
+    mode = draw(weighted([(m, _MODE_WEIGHTS[m]) for m in feasible]))
+    hot, empty, grouping = None, (), None
+    if mode == "grouped_sigmoid":
+        # groupings that drop groups (topk_group < n_group) three times as often as the others
+        n_group, topk_group = draw(weighted([((g, kg), 3.0 if kg < g else 1.0) for g, kg in groupings]))
+        grouping = GroupLimitedRouting(n_group, topk_group, draw(st.sampled_from(SCALING_FACTORS)))
+    else:
+        shared = False
     if mode == "one_expert":
         hot = draw(st.integers(0, num_experts - 1))
     elif mode == "some_empty":
@@ -177,4 +239,13 @@ def routing_plans(
     renormalize = draw(st.booleans())
     if seed is None:
         seed = draw(st.integers(0, 2**31 - 1))
-    return RoutingPlan(mode, num_experts, E_base, top_k, renormalize, hot, empty, share, seed)
+    return RoutingPlan(mode, num_experts, E_base, top_k, renormalize, hot, empty, share, seed, grouping, shared)
+
+
+def _groupings(num_experts: int, routed_k: int) -> list[tuple[int, int]]:
+    """Every (n_group, topk_group) that ``GroupLimitedRouting.check_experts`` accepts for
+    ``num_experts`` and ``routed_k`` (none where E < 2 or routed_k < 1), one group first."""
+    if routed_k < 1:
+        return []
+    return [(g, kg) for g in range(1, num_experts // 2 + 1) if num_experts % g == 0
+            for kg in range(1, g + 1) if kg * (num_experts // g) >= routed_k]

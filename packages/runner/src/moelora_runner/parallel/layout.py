@@ -104,8 +104,15 @@ class ParallelLayout:
         Raises:
             EngineConfigError: tp does not divide the attention heads or the kv heads, the MoE TP size
                 does not divide I, ep does not divide the experts or leaves fewer than top_k per rank,
-                or a split model has a shared expert or q/k/v biases (Qwen2-MoE: not sharded yet).
+                or a split model has a shared expert or q/k/v biases (Qwen2-MoE: not sharded yet) or MLA
+                attention (DeepSeek-V3 / Kimi-K2: MLA, its dense first layers and its shared experts are
+                not sharded yet).
         """
+        if self.parallel and config.mla is not None:
+            raise EngineConfigError("tp" if self.tp > 1 else "ep",
+                                    f"{self.describe()} is not supported for a model with MLA attention "
+                                    "(DeepSeek-V3 / Kimi-K2): its MLA projections and cache, dense first layers "
+                                    "and shared experts are not sharded yet; run it with --tp 1 --ep 1")
         if self.parallel and (config.shared_expert_intermediate_size is not None or config.qkv_bias):
             what = "a shared expert" if config.shared_expert_intermediate_size is not None else "q/k/v biases"
             raise EngineConfigError("tp" if self.tp > 1 else "ep",
