@@ -33,8 +33,7 @@ class LayerGraph:
         moe: (b) -> y.
         mode: "full" or "breakable" (``PREFILL_GRAPH_MODES``).
         pool: the family's pool (both graphs of ``breakable`` share it).
-        warmup: eager warm-up calls before each capture; None: the pool's rule
-            (``GraphPool.default_warmup``, the engine's too).
+        warmup: eager warm-up calls before each capture.
 
     Raises:
         InvalidFieldError: unknown mode.
@@ -48,7 +47,7 @@ class LayerGraph:
         *,
         mode: str,
         pool: GraphPool,
-        warmup: int | None = None,
+        warmup: int = 1,
     ) -> None:
         if mode not in PREFILL_GRAPH_MODES:
             raise InvalidFieldError("mode", f"unknown layer graph mode {mode!r}; expected one of {PREFILL_GRAPH_MODES}")
