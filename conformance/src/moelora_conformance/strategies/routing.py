@@ -37,15 +37,16 @@ that one token may then hold E - 1 outside its kept groups.
 A boundary id only tests a bound where a LoRA is read: on a base token (slot -1) every id means "no
 LoRA" to a right backend and to a wrong one alike. Given the batch's token slots
 (``materialize(token_slots=...)``, as every case and derived batch passes them), "first" is in token
-order with the adapter tokens (slot >= 0) before the base ones (E placed first), and where the base
-has extra fused experts a token of every adapter slot of the batch holds E: with a fused shared
-expert, whatever the share, the shared column of the slot's first token; where sentinels are drawn,
-a replaced pair (a routed pair replaced for it where none is to spare; none where every pair of the
-slot's tokens holds another boundary). An upper-bound check off by one (an id of exactly E reading
-the next slot's first expert through a flat ``[L·E]`` index: SGLang's shared-expert-fusion fault,
-the mutant ``expert-id-E-off-by-one``) is then seen by every such example whose batch has a token
-on the next slot (and an expert LoRA there), not only where a boundary happened to land on an
-adapter token.
+order with the adapter tokens (slot >= 0) before the base ones (E placed first). A token of every
+adapter slot of the batch holds E where the base has extra fused experts — with a fused shared
+expert, whatever the share, the shared column of the slot's first token — and, where sentinels are
+drawn, -1 and E in replaced pairs (a routed pair replaced for one where none is to spare; none where
+every pair of the slot's tokens holds another boundary). An upper-bound check off by one (an id of
+exactly E reading the next slot's first expert through a flat ``[L·E]`` index: SGLang's
+shared-expert-fusion fault, the mutant ``expert-id-E-off-by-one``), or a -1 turned into the previous
+slot's last expert (``sentinel-to-other-adapter``), is then seen by every such example whose batch
+has a token on that other slot (and an expert LoRA there), not only where a boundary happened to
+land on an adapter token.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from hypothesis import strategies as st
 
 from moelora_conformance.strategies.choice import uniform, weighted
 from moelora_core.routing import GroupLimitedRouting
-from moelora_core.sentinels import NO_ADAPTER
+from moelora_core.sentinels import EXPERT_NOT_HERE, NO_ADAPTER
 from moelora_reference.routing import route_grouped_sigmoid
 
 ROUTING_MODES = ("uniform", "one_expert", "some_empty", "grouped_sigmoid")
@@ -198,10 +199,10 @@ class RoutingPlan:
                          token_slots: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids, sentinel, replaced) with the boundary ids placed (module docstring): in token order,
         adapter tokens first, the first replaced pairs take :meth:`boundary_ids`, E first (pairs from the
-        end of a token group are replaced too where too few were); where the base has extra fused
-        experts, the first token of every adapter slot that holds no E yet with a pair not holding a
-        boundary gets E in a replaced pair (its last routed pair is replaced for it where it has no
-        other); and, where no routed pair holds E - 1 and E - 1 is not empty, the least-weighted free
+        end of a token group are replaced too where too few were); every adapter slot that holds no
+        -1 (no E, where the base has extra fused experts) yet gets it in a replaced pair of its first
+        token with a pair not holding a boundary (its last routed pair is replaced for it where it has
+        no other); and, where no routed pair holds E - 1 and E - 1 is not empty, the least-weighted free
         routed pair of the first token (same order) that lacks it gets E - 1 (ids of a token stay
         distinct)."""
         T, k = ids.shape
@@ -221,23 +222,24 @@ class RoutingPlan:
             flat[pos] = True
             s[pos] = value
         host_ids = ids.cpu().clone()
-        if self.num_base_experts > E:
-            taken = set(positions)
-            held, routed_ids = s.tolist(), host_ids.flatten().tolist()
-            value = [held[p] if flat[p] else routed_ids[p] for p in range(T * k)]
-            tokens_of: dict[int, list[int]] = {}
-            for t in range(T):
-                tokens_of.setdefault(slots[t], []).append(t)
-            for slot in _first_tokens(token_slots):
-                tokens = tokens_of[slot]
-                if any(value[t * k + j] == E for t in tokens for j in range(k)):
+        taken = set(positions)
+        held, routed_ids = s.tolist(), host_ids.flatten().tolist()
+        value = [held[p] if flat[p] else routed_ids[p] for p in range(T * k)]
+        tokens_of: dict[int, list[int]] = {}
+        for t in range(T):
+            tokens_of.setdefault(slots[t], []).append(t)
+        for slot in _first_tokens(token_slots):
+            tokens = tokens_of[slot]
+            for bound in (E, EXPERT_NOT_HERE) if self.num_base_experts > E else (EXPERT_NOT_HERE,):
+                if any(value[t * k + j] == bound for t in tokens for j in range(k)):
                     continue
                 for t in tokens:  # the first token with a pair to give: a replaced one, else its last routed
                     spare = [t * k + j for j in range(k) if flat[t * k + j] and t * k + j not in taken]
                     free = [t * k + j for j in range(self.routed_k) if t * k + j not in taken]
                     if spare or free:
                         pos = spare[0] if spare else free[-1]
-                        flat[pos], s[pos] = True, E
+                        flat[pos], s[pos], value[pos] = True, bound, bound
+                        taken.add(pos)
                         break
         replaced = torch.tensor(flat, device=device).reshape(T, k)
         last = E - 1
@@ -245,7 +247,7 @@ class RoutingPlan:
         if last not in self.empty_experts and not bool((routed == last).any()):
             for t in order:
                 free = [j for j in range(self.routed_k) if not flat[t * k + j]]
-                if free and last not in host_ids[t].tolist():
+                if free and last not in routed[t].tolist():  # the ids it keeps (replaced ones become sentinels)
                     host_ids[t, free[-1]] = last  # the token's last routed pair (the least-weighted, softmax)
                     break
         ids, s = host_ids.to(device), s.to(device)
