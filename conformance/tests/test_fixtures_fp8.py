@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from moelora_conformance.fixtures.specs import FP8_MODELS
+from moelora_conformance.fixtures.specs import FP8_MODELS, OPT_IN_FP8_MODELS
 from moelora_core.checkpoint import MoECheckpoint
 from moelora_reference.fp8_block import dequantize_moe
 
@@ -99,3 +99,63 @@ def test_the_w8a8_reference_refuses_a_checkpoint_it_cannot_make_w8a8(fixture_set
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(W8A8ReferenceError, match="is not W_q · scale_inv of its 32x32 blocks"):
         make_w8a8(load_hf(fixture_set.model_dir(FP8_MODELS[0].name)), bad)
+
+
+@pytest.fixture(scope="module")
+def with_qwen2_moe_fp8(fixture_set, tmp_path_factory):
+    """The session's fixtures plus the opt-in ``qwen2_moe_fp8`` (built from its ``qwen2_moe``, about 1 s),
+    in a directory of its own: the session's manifest stays the default set's."""
+    from moelora_conformance.fixtures.build import fp8_model_entry
+    from moelora_conformance.fixtures.fp8_models import save_fp8_model
+    from moelora_conformance.fixtures.manifest import FixtureSet
+
+    spec = next(m for m in OPT_IN_FP8_MODELS if m.name == "qwen2_moe_fp8")
+    root = tmp_path_factory.mktemp("opt-in-fixtures")
+    (root / "models").mkdir()
+    for model in (fixture_set.root / "models").iterdir():
+        (root / "models" / model.name).symlink_to(model)
+    for sub in ("adapters", "layout_adapters", "bad_adapters"):
+        (root / sub).symlink_to(fixture_set.root / sub)
+    save_fp8_model(spec, fixture_set.model_dir(spec.quantized_from), root / "models" / spec.name)
+    manifest = json.loads(json.dumps(fixture_set.manifest))
+    manifest["models"][spec.name] = fp8_model_entry(spec, manifest["models"][spec.quantized_from])
+    return spec, FixtureSet(root, manifest)
+
+
+@pytest.mark.slow
+def test_qwen2_moe_fp8_shared_expert_is_w8a8_in_the_oracle_and_in_transformers_made_w8a8(with_qwen2_moe_fp8,
+                                                                                       monkeypatch):
+    # the opt-in fixture stores Qwen2-MoE's shared expert fp8 (its sigmoid gate and the routers not): hf-check's
+    # "readers (w8a8)" rows hold the oracle's MoE block — routed experts plus the shared expert, each fp8
+    # projection w8a8, the shared-expert LoRA on the unquantized inputs — and each shared projection to
+    # transformers made w8a8; an oracle whose shared expert is w8a16 (dequantized weights, x as given) fails
+    # the MoE rows
+    from moelora_conformance.hf_check import compare
+    from moelora_conformance.hf_check.run import check_adapter, check_model_base
+
+    spec, fixtures = with_qwen2_moe_fp8
+    with MoECheckpoint(fixtures.model_dir(spec.name)) as ckpt:
+        layer = ckpt.layer(0)
+        assert {"shared_gate", "shared_up", "shared_down"} <= set(layer.dense_scales)
+        assert layer.shared_expert.gate_proj.dtype == torch.float8_e4m3fn
+        assert layer.shared_expert.gate.dtype != torch.float8_e4m3fn  # mlp.shared_expert_gate: not converted
+    rows = check_model_base(fixtures, spec.name) + check_adapter(fixtures, "qwen2_moe-r8", model=spec.name)
+    w8a8 = [r for r in rows if r.source == "readers (w8a8)"]
+    assert {r.part for r in w8a8} >= {"moe", "shared_gate", "shared_up", "shared_down"}
+    assert all(r.ok for r in rows), [r for r in rows if not r.ok]
+    assert all(r.delta_rel > 0.1 for r in w8a8 if r.adapter != "(base)" and r.part.startswith("shared_"))
+
+    w8a8_oracle = compare.shared_expert_forward
+
+    def w8a16(x, shared, lora, mapping, *, weight_block=None, weight_scales=None):
+        from dataclasses import replace
+
+        from moelora_reference.fp8_block import dequantize_weight
+
+        names = dict(zip(shared.modules, ("gate_proj", "up_proj", "down_proj"), strict=True))
+        deq = {names[m]: dequantize_weight(shared.dense(m), s, weight_block) for m, s in (weight_scales or {}).items()}
+        return w8a8_oracle(x, replace(shared, **deq), lora, mapping)
+
+    monkeypatch.setattr(compare, "shared_expert_forward", w8a16)
+    bad = [r for r in check_model_base(fixtures, spec.name) if r.source == "readers (w8a8)" and not r.ok]
+    assert {r.part for r in bad} == {"moe"}, bad

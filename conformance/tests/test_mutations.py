@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from moelora_conformance.faulty import MUTANTS
+from moelora_conformance.faulty import MUTANTS, target
 from moelora_conformance.faulty.campaign import run_mutation
+from moelora_conformance.session import run_suite
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "mutations.md"
 
@@ -35,6 +36,22 @@ def test_mutant_is_caught_by_a_general_property(name, record_property):
     record_property("caught_by", f"{result.property} {result.test}")
     record_property("seconds", round(result.seconds, 1))
     print(f"{name}: caught by {result.property} {result.test} in {result.seconds:.1f} s")
+
+
+@pytest.mark.slow
+def test_expert_id_E_off_by_one_is_caught_by_p01_eager():
+    # P01 alone, seed 0, the profile's 15 examples: the routing puts id E on a token of every adapter
+    # slot of a batch (strategies.routing), so an off-by-one upper bound that reads the next slot's
+    # first expert is an output mismatch wherever that slot is in the batch too; before, id E could land
+    # on base tokens only, and P01 passed this run (P13 caught the mutant later in the campaign)
+    run = run_suite(target("expert-id-E-off-by-one"), profile="interpret", no_shrink=True, hypothesis_seed=0,
+                    extra=["-k", "test_every_output_row_equals_the_oracle and eager-fp32"])
+    assert run.returncode == 1, run.output[-3000:]
+    (rec,) = run.report["records"]
+    assert rec["outcome"] == "failed" and rec["property"] == "P01", rec
+    assert rec["message"].startswith("OutputMismatch:") and "MoE output" in rec["message"], rec["message"]
+    case = next(t for t in rec["repro"]["trace"] if t.startswith("case: "))
+    assert "virtual=False" in case and "fused)" in case, case  # the fault's domain: flat ids, fused experts
 
 
 def test_the_docs_table_lists_every_mutation_as_caught():

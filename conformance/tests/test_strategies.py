@@ -147,8 +147,10 @@ def test_routing_modes_do_what_they_say(plan):
         assert float(weights[:, 1].min()) > 1e-3  # the other pair still matters
     if plan.mode == "some_empty":
         assert not set(ids.flatten().tolist()) & set(plan.empty_experts)
-    if plan.mode != "grouped_sigmoid":  # the grouped routing's columns are by biased score
+    if plan.mode != "grouped_sigmoid" and plan.routed_k == 2:  # the grouped routing's columns are by biased score
         assert bool((weights[:, 0] >= weights[:, 1]).all())
+    if plan.shared_expert:  # a fused shared expert's column in any mode: weight 1, an id in [E, E_base)
+        assert bool(((ids[:, -1] >= 6) & (ids[:, -1] < 8)).all()) and bool((weights[:, -1] == 1).all())
 
 
 @settings(max_examples=30, deadline=None)
@@ -205,13 +207,44 @@ def test_boundary_expert_ids_are_in_every_draw_with_sentinels(E, extra, k, T, sh
     assert plan.boundary_ids() == ((-1, *sorted({E, E + extra - 1})) if extra else (-1,))
     ids, _, _ = plan.materialize(T)
     present = set(ids.flatten().tolist())
-    bounds = plan.boundary_ids()
+    bounds = sorted(plan.boundary_ids(), key=lambda b: b != E)  # placed E first where not all fit
     assert set(bounds[: T * k]) <= present, (bounds, present)
     if bool(((ids >= 0) & (ids < E)).any()) and E - 1 not in plan.empty_experts:
         assert E - 1 in present, present
     for t in range(T):  # a token's routed experts stay distinct
         row = [e for e in ids[t].tolist() if 0 <= e < E]
         assert len(row) == len(set(row)), ids[t]
+
+
+@settings(max_examples=40, deadline=None)
+@given(E=st.integers(1, 8), extra=st.integers(1, 2), k=st.integers(1, 2), L=st.integers(1, 4),
+       share=st.sampled_from((0.0, 0.1, 1.0)), mode=st.sampled_from(ROUTING_MODES), data=st.data())
+def test_ids_E_and_minus_1_are_on_a_token_of_every_adapter_slot(E, extra, k, L, share, mode, data):
+    # given the batch's token slots, the boundary ids go to adapter tokens first, and E and -1 to a token
+    # of every adapter slot (E: sentinels drawn, or a fused shared column; -1: sentinels drawn): an
+    # off-by-one upper bound that reads the next slot's first expert (expert-id-E-off-by-one), or a -1
+    # read as the previous slot's last expert (sentinel-to-other-adapter), is seen wherever the batch has
+    # a token on that other slot, not only where a boundary lands on an adapter token
+    k = min(k, E)
+    slots = data.draw(st.lists(st.integers(-1, L - 1), min_size=1, max_size=30), label="token slots")
+    plan = data.draw(routing_plans(E, k, E + extra, modes=(mode,), sentinel_shares=(share,)), label="plan")
+    ids, _, _ = plan.materialize(len(slots), token_slots=slots)
+    assert torch.equal(plan.materialize(len(slots), token_slots=slots)[0], ids)  # deterministic
+    for slot in {s for s in slots if s >= 0}:
+        rows = ids[[t for t, s in enumerate(slots) if s == slot]]
+        has_pairs = rows.numel() > len(plan.boundary_ids())  # the boundaries may take them all
+        if (plan.shared_expert and share == 0) or (share > 0 and has_pairs):
+            assert bool((rows == E).any()), (slot, slots, ids.tolist())
+        if share > 0 and has_pairs:  # and -1: a sentinel turned into another slot's expert is seen too
+            assert bool((rows == -1).any()), (slot, slots, ids.tolist())
+    adapter = [t for t, s in enumerate(slots) if s >= 0]
+    if share > 0 and len(adapter) * k >= len(plan.boundary_ids()):
+        held = set(ids[adapter].flatten().tolist())
+        assert set(plan.boundary_ids()) <= held, (plan.boundary_ids(), held)
+    if share == 0 and not plan.shared_expert:
+        assert bool(((ids >= 0) & (ids < E)).all())  # no sentinels: every column a LoRA expert
+    with pytest.raises(ValueError, match="token_slots has"):
+        plan.materialize(len(slots) + 1, token_slots=slots)
 
 
 def test_idle_batches_are_drawable():

@@ -115,3 +115,46 @@ def test_dense_delta_reads_the_unquantized_activations():
     rows = mapping == 1
     assert torch.allclose(y[rows] - y_base[rows], delta[rows], rtol=1e-12, atol=1e-12)
     assert torch.equal(y[~rows], y_base[~rows])
+
+
+def _what(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Ŵ = W_q · scale_inv of its blocks, fp64 (partial edge blocks cut)."""
+    n, k = q.shape
+    return q.to(F64) * s.to(F64).repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+
+
+def test_shared_expert_quantizes_each_fp8_projection_and_not_its_gate():
+    # Qwen2-MoE's shared expert stored fp8: gate_proj and up_proj read x̂, down_proj reads the activated
+    # silu(g) ⊙ u quantized (ĥ), the sigmoid gate reads x unquantized (modules_to_not_convert), and the
+    # shared_down delta reads h unquantized (DESIGN.md §1); written out here by hand, token by token
+    from moelora_core.errors import InvalidFieldError
+    from moelora_core.shared_expert import SharedExpertWeights
+    from moelora_reference.oracle import shared_expert_forward
+
+    T, H, Is, r, block = 5, 24, 20, 3, (8, 8)  # Is 20 at block 8: a partial edge block
+    gen = torch.Generator().manual_seed(11)
+    (qg, sg), (qu, su), (qd, sd) = (quantize_weight_fp8_block(torch.randn(o, i, generator=gen) / math.sqrt(i), block)
+                                    for o, i in ((Is, H), (Is, H), (H, Is)))
+    shared = SharedExpertWeights(qg, qu, qd, torch.randn(1, H, generator=gen))
+    scales = {"shared_gate": sg, "shared_up": su, "shared_down": sd}
+    pool = LoRAWeights(LoRALayerSpec(H, 8, 2, 1, {"shared_gate": (H, Is), "shared_up": (H, Is),
+                                                  "shared_down": (Is, H)}, 2, r, base_quant="fp8_block"))
+    A, B = torch.randn(r, Is, generator=gen), torch.randn(H, r, generator=gen)
+    pool.load_slot(1, {"shared_down": ModuleLoRA(A, B, 0.5)})
+    x = torch.randn(T, H, generator=gen)
+    mapping = torch.tensor([1, -1, 1, -1, 1], dtype=torch.int32)
+    y = shared_expert_forward(x, shared, pool, mapping, weight_block=block, weight_scales=scales)
+    for t in range(T):
+        xt = x[t].to(F64)
+        x_hat = fp8_group_quantize(xt, block[1])
+        g, u = _what(qg, sg, block) @ x_hat, _what(qu, su, block) @ x_hat
+        h = g * torch.sigmoid(g) * u
+        d = _what(qd, sd, block) @ fp8_group_quantize(h, block[1])
+        if mapping[t] == 1:
+            d = d + 0.5 * (B.to(F64) @ (A.to(F64) @ h))
+        want = torch.sigmoid(shared.gate.to(F64) @ xt) * d
+        assert torch.allclose(y[t], want, rtol=1e-12, atol=1e-12), t
+    with pytest.raises(InvalidFieldError, match="not modules of this shared expert"):
+        shared_expert_forward(x, shared, None, None, weight_block=block, weight_scales={"q": sg})
+    with pytest.raises(InvalidFieldError, match="weight_block"):
+        shared_expert_forward(x, shared, None, None, weight_scales=scales)

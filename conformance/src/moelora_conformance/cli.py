@@ -85,13 +85,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _make_fixtures(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("directory", type=Path, help="output directory (models/, adapters/, bad_adapters/, "
                         "manifest.json)")
+    parser.add_argument("--families", default="", metavar="F,...",
+                        help="also build these opt-in fixture models (e.g. qwen2_moe_fp8)")
 
     def run(args: argparse.Namespace) -> int:
         if not require_fixtures_extra("make-fixtures"):
             return 2
         from moelora_conformance.fixtures import build_fixtures
+        from moelora_conformance.fixtures.specs import OPT_IN_FP8_MODELS
 
-        fixtures = build_fixtures(args.directory)
+        families = [f.strip() for f in args.families.split(",") if f.strip()]
+        opt_in = [m.name for m in OPT_IN_FP8_MODELS]
+        if unknown := sorted(set(families) - set(opt_in)):
+            print(f"moelora-conformance make-fixtures: --families: unknown {unknown}; opt-in models: {opt_in}",
+                  file=sys.stderr)
+            return 2
+        fixtures = build_fixtures(args.directory, families=families)
         m = fixtures.manifest
         print(f"built {len(m['models'])} models, {len(m['adapters'])} adapters, {len(m['layout_adapters'])} "
               f"shared-outer / fully shared adapters, {len(m['bad_adapters'])} bad adapters in {args.directory} "

@@ -343,24 +343,47 @@ def shared_expert_forward(
     shared: SharedExpertWeights,
     lora: LoRAWeights | None,
     token_lora_mapping: torch.Tensor | None,
+    *,
+    weight_block: tuple[int, int] | None = None,
+    weight_scales: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Qwen2-MoE's shared expert with per-token LoRA on its three projections, in float64:
     y[t] = sigmoid(w_gate · x[t]) · shared_down(silu(shared_gate(x[t])) ⊙ shared_up(x[t])) (no sigmoid
     factor where ``shared.gate`` is None: DeepSeek-V3's shared experts and dense MLPs), each
-    projection W x + σ_s · B[s] (A[s] x) (:func:`dense_lora_forward`). Source: transformers
-    ``Qwen2MoeSparseMoeBlock.forward``.
+    projection W x + σ_s · B[s] (A[s] x) (:func:`dense_lora_forward`). A projection stored fp8
+    block-scaled (its module in ``weight_scales``) computes its base product w8a8 — its input, x or
+    the activated silu(g) ⊙ u, quantized per token per K-group — and its delta on the unquantized
+    input, as every fp8 dense projection (DESIGN.md §1, "Quantized base"); the sigmoid gate is never
+    quantized (``modules_to_not_convert``). Source: transformers ``Qwen2MoeSparseMoeBlock.forward``.
 
     Args:
         x: [T, H]. shared: the layer's shared expert. lora, token_lora_mapping: as
             :func:`dense_lora_forward` (a pool whose spec holds the three shared-expert modules).
+        weight_block: (bn, bk) of an fp8 block-scaled checkpoint; with ``weight_scales``.
+        weight_scales: module name (``shared.modules``) → ``weight_scale_inv`` [⌈out/bn⌉, ⌈in/bk⌉] of
+            each projection stored fp8 (its weight then float8_e4m3fn); absent modules are unquantized.
 
     Returns:
         [T, H] float64: the term added to the routed experts' output.
+
+    Raises:
+        InvalidFieldError: ``weight_scales`` names a module the shared expert does not have, or is
+            given without ``weight_block``.
     """
+    scales = weight_scales or {}
+    if scales and weight_block is None:
+        raise InvalidFieldError("weight_block", "fp8 weight scales need the checkpoint's weight_block")
+    unknown = sorted(set(scales) - set(shared.modules))
+    if unknown:
+        raise InvalidFieldError("weight_scales", f"{unknown} are not modules of this shared expert {shared.modules}")
+
+    def quant(module: str) -> dict:
+        return dict(weight_block=weight_block, weight_scale_inv=scales[module]) if module in scales else {}
+
     gate, up, down = shared.modules  # shared_* (or a DeepSeek-V3 dense MLP's dense_*)
-    g = dense_lora_forward(x, shared.gate_proj, gate, lora, token_lora_mapping)  # [T, Is]
-    u = dense_lora_forward(x, shared.up_proj, up, lora, token_lora_mapping)  # [T, Is]
-    s = dense_lora_forward(silu(g) * u, shared.down_proj, down, lora, token_lora_mapping)  # [T, H]
+    g = dense_lora_forward(x, shared.gate_proj, gate, lora, token_lora_mapping, **quant(gate))  # [T, Is]
+    u = dense_lora_forward(x, shared.up_proj, up, lora, token_lora_mapping, **quant(up))  # [T, Is]
+    s = dense_lora_forward(silu(g) * u, shared.down_proj, down, lora, token_lora_mapping, **quant(down))  # [T, H]
     if shared.gate is None:  # DeepSeek-V3: no gate
         return s
     return torch.sigmoid(x.to(F64) @ shared.gate.to(F64).T) * s  # [T, 1] gate

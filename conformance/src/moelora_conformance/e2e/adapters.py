@@ -63,18 +63,19 @@ def model_names() -> list[str]:
 
 def opt_in_model_names() -> list[str]:
     """Fixture models the e2e suite runs only when ``--families`` names them (outside its CI-sized
-    default): DeepSeek-V3 and the fp8 block-scaled copies (``FP8_MODELS``)."""
-    from moelora_conformance.fixtures.specs import DEEPSEEK_V3, FP8_MODELS
+    default): DeepSeek-V3 and the fp8 block-scaled copies (``ALL_FP8_MODELS``: the opt-in fixtures'
+    ones built on request)."""
+    from moelora_conformance.fixtures.specs import ALL_FP8_MODELS, DEEPSEEK_V3
 
-    return [DEEPSEEK_V3.name, *(m.name for m in FP8_MODELS)]
+    return [DEEPSEEK_V3.name, *(m.name for m in ALL_FP8_MODELS)]
 
 
 def adapter_source(model: str) -> str:
     """The fixture model whose engine adapters ``model`` serves: an fp8 copy serves its source's
     (``quantized_from``: an adapter trained on Qwen3-30B-A3B is served on -FP8); any other model its own."""
-    from moelora_conformance.fixtures.specs import FP8_MODELS
+    from moelora_conformance.fixtures.specs import ALL_FP8_MODELS
 
-    return next((m.quantized_from for m in FP8_MODELS if m.name == model), model)
+    return next((m.quantized_from for m in ALL_FP8_MODELS if m.name == model), model)
 
 
 def _mla_fields(fields: dict) -> dict:

@@ -241,10 +241,8 @@ def _fixture_plan(args, backends: list[str], tmp: Path):
     )
     from moelora_conformance.e2e.suite import default_models
     from moelora_conformance.fixtures import build_fixtures
+    from moelora_conformance.fixtures.specs import OPT_IN_FP8_MODELS
 
-    fixtures = fixtures_or_exit(args.fixtures, "e2e") if args.fixtures else build_fixtures(tmp / "fixtures")
-    if fixtures is None:
-        return 2
     chosen = {b: ([f.strip() for f in args.families.split(",") if f.strip()] if args.families else default_models(b))
               for b in backends}
     known = model_names() + opt_in_model_names()
@@ -252,6 +250,15 @@ def _fixture_plan(args, backends: list[str], tmp: Path):
     if unknown:
         return _usage(f"--families: unknown {unknown}; known {known}")
     needed = sorted({f for fams in chosen.values() for f in fams})
+    # opt-in fixture models (OPT_IN_FP8_MODELS) are built only where a run names them
+    built_on_request = [f for f in needed if f in {m.name for m in OPT_IN_FP8_MODELS}]
+    fixtures = fixtures_or_exit(args.fixtures, "e2e") if args.fixtures else \
+        build_fixtures(tmp / "fixtures", families=built_on_request)
+    if fixtures is None:
+        return 2
+    if missing := [f for f in needed if f not in fixtures.manifest["models"]]:
+        return _usage(f"--families: {missing} not in {args.fixtures}: build them with "
+                      f"moelora-conformance make-fixtures {args.fixtures} --families {','.join(missing)}")
     root = tmp / "engine-adapters"
     build_engine_adapters(root, needed)
     dirs = engine_adapter_dirs(root, needed)

@@ -84,8 +84,8 @@ def case_inputs(m: MaterializedCase, batch: BatchSpec) -> BatchInputs:
 
 def derive_inputs(case: MoELoRACase, m: MaterializedCase, batch: BatchSpec, seed: int) -> BatchInputs:
     """Fresh values for ``batch`` on the case's layer: activations ~ N(0, 1) and routing drawn with
-    the case's routing plan (sentinels included; each further MoE layer its own, drawn last), from a
-    generator seeded with ``seed`` on the case's device.
+    the case's routing plan on the batch's token slots (sentinels and boundary ids included; each
+    further MoE layer its own, drawn last), from a generator seeded with ``seed`` on the case's device.
 
     Raises:
         InvalidFieldError: the batch is for another pool size than the case's.
@@ -96,10 +96,10 @@ def derive_inputs(case: MoELoRACase, m: MaterializedCase, batch: BatchSpec, seed
     gen = torch.Generator(device).manual_seed(seed)
     T = batch.num_tokens
     x = torch.randn(T, m.spec.H, generator=gen, device=device).to(m.spec.dtype)
-    topk_ids, topk_weights, _ = case.routing.materialize(T, device, gen)
+    topk_ids, topk_weights, _ = case.routing.materialize(T, device, gen, batch.token_lora_mapping)
     dense_x = {mod: torch.randn(T, t.shape[1], generator=gen, device=device).to(m.spec.dtype)
                for mod, t in m.dense_x.items()}
-    extra = tuple(case.routing.materialize(T, device, gen)[:2] for _ in m.layers)
+    extra = tuple(case.routing.materialize(T, device, gen, batch.token_lora_mapping)[:2] for _ in m.layers)
     return BatchInputs(batch, x, topk_ids, topk_weights, dense_x, extra)
 
 

@@ -95,8 +95,9 @@ def compare_layer(
             ``moe`` None (DeepSeek-V3's dense layers) the dense MLP, compared as the row "mlp".
         dense_bias: module → [out] bias of the dense projections that have one (Qwen2-MoE's q/k/v).
         dense_scales, weight_block: an fp8 block-scaled layer's dense ``weight_scale_inv`` by module and
-            its block: those projections are computed w8a8 by the oracle (``moe``'s own ``weight_block``
-            makes its experts w8a8) and held to the policy's fp8 rows (DESIGN.md §1).
+            its block: those projections — the shared expert's among them, inside the MoE block too —
+            are computed w8a8 by the oracle (``moe``'s own ``weight_block`` makes its experts w8a8) and
+            held to the policy's fp8 rows (DESIGN.md §1).
 
     Returns:
         One row for routing, one for the MoE block, one per dense projection.
@@ -139,13 +140,18 @@ def compare_layer(
             x, ids0, w0, moe.w_gate_up, moe.w_down, lora, mapping, b_gate_up=moe.b_gate_up, b_down=moe.b_down,
             activation=moe.activation, weight_block=moe.weight_block, w_gate_up_scale_inv=moe.w_gate_up_scale_inv,
             w_down_scale_inv=moe.w_down_scale_inv)
-        return y if shared is None else y + shared_expert_forward(x, shared, lora, mapping)
+        if shared is None:
+            return y
+        scales = {m: sc for m, sc in dense_scales.items() if m in shared.modules}
+        return y + shared_expert_forward(x, shared, lora, mapping, weight_block=weight_block if scales else None,
+                                         weight_scales=scales)
 
     y = block(pool)
     delta = None if pool is None else _delta_rel(y, block(None))
     # DeepSeek-V3's dense layers: the whole dense MLP, "mlp"
+    fp8_shared = shared is not None and any(m in dense_scales for m in shared.modules)
     row("moe" if moe is not None else "mlp", hf_moe(x), y, delta, expect,
-        fp8=moe is not None and moe.weight_block is not None)
+        fp8=(moe is not None and moe.weight_block is not None) or fp8_shared)
 
     for m, weight in dense.items():
         xd = torch.randn(T, weight.shape[1], generator=gen)

@@ -19,6 +19,7 @@ computes them without the activation quantization the engine's w8a8 base does).
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from collections.abc import Callable
 
@@ -37,12 +38,9 @@ PART = "logprobs"
 
 
 def engine_available() -> bool:
-    """Whether ``moelora_runner`` (the engine) is importable."""
-    try:
-        import moelora_runner  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether ``moelora_runner`` (the engine) is installed: found, not imported (a broken install
+    then fails where the engine is used, with its own error, instead of reading as "not installed")."""
+    return importlib.util.find_spec("moelora_runner") is not None
 
 
 def wants_model_rows(cfg) -> bool:

@@ -36,7 +36,7 @@ adapter:
   w8a8 base itself has no HF counterpart on a CPU; rows ``readers (w8a8)`` compare the oracle's w8a8 on
   the layer as read (fp8 experts and projections with their scales) with transformers' model made
   w8a8 (``hf_w8a8``: its fp8 modules' inputs quantized by the oracle's rule, the LoRA deltas on the
-  unquantized inputs; layers with a shared expert left out), under the policy's fp8 rows — the check
+  unquantized inputs; a shared expert's fp8 projections w8a8 too), under the policy's fp8 rows — the check
   of the reference E02 uses on an fp8 base. The reference backend's rows, w8a8, are left out here.
 """
 
@@ -121,14 +121,13 @@ def _fp8_weight_row(model: str, layer: int, disk, hf_moe: MoEBaseWeights, hf_den
 
 
 def _w8a8_rows(model: str, adapter: str, cfg, disk, pool, hf_layer, seed: int) -> list[CheckRow]:
-    """The oracle's w8a8 on the layer as read (fp8 experts and dense projections, their scales)
-    against transformers' model made w8a8 (``hf_w8a8``): routing, the MoE block, each projection.
-    A layer with a shared expert is left out (the oracle's shared expert has no fp8 path)."""
-    if disk.shared_expert is not None:
-        return []
+    """The oracle's w8a8 on the layer as read (fp8 experts and dense projections, their scales; a
+    shared expert's fp8 projections w8a8 inside the MoE block and one by one) against transformers'
+    model made w8a8 (``hf_w8a8``): routing, the MoE block, each projection."""
     return compare_layer(model=model, adapter=adapter, source="readers (w8a8)", layer=hf_layer[0], moe=disk.moe,
-                         dense=_dense(disk, cfg), pool=pool, top_k=cfg.top_k, seed=seed, dense_bias=_bias(disk),
-                         dense_scales=disk.dense_scales, weight_block=disk.weight_block, **_hf_side(hf_layer[1]))
+                         dense=_dense(disk, cfg), pool=pool, top_k=cfg.top_k, seed=seed, shared=_mlp(disk),
+                         dense_bias=_bias(disk), dense_scales=disk.dense_scales, weight_block=disk.weight_block,
+                         **_hf_side(hf_layer[1]))
 
 
 def _pools(ckpt_config, num_layers: int, max_rank: int) -> list[LoRAWeights]:
@@ -321,6 +320,6 @@ def run_hf_check(fixtures: FixtureSet, *, adapters: list[str] | None = None) -> 
 def fp8_adapters(model: str) -> tuple[str, ...]:
     """The adapters hf-check serves on fp8 fixture ``model`` (``Fp8ModelSpec.adapters``; none for a
     model the specs do not list)."""
-    from moelora_conformance.fixtures.specs import FP8_MODELS
+    from moelora_conformance.fixtures.specs import ALL_FP8_MODELS
 
-    return next((m.adapters for m in FP8_MODELS if m.name == model), ())
+    return next((m.adapters for m in ALL_FP8_MODELS if m.name == model), ())

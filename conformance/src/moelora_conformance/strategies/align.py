@@ -64,8 +64,8 @@ class AlignProblem:
 
     def materialize(self, device: torch.device | str = "cpu"):
         """(topk_ids [M, k] int32, token_lora_mapping [M] int32, adapter_enabled [L] int32 or None)."""
-        ids, _, _ = self.routing.materialize(self.num_tokens, device)
         mapping = [*self.plan.batch.token_lora_mapping, *([NO_ADAPTER] * self.tail)]
+        ids, _, _ = self.routing.materialize(self.num_tokens, device, token_slots=mapping)
         mapping_t = torch.tensor(mapping, dtype=torch.int32, device=device)
         if self.enabled_mode == "none":
             return ids, mapping_t, None

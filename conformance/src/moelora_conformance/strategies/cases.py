@@ -274,7 +274,7 @@ class MoELoRACase:
             return (torch.randn(*shape, generator=gen, device=device) * scale).to(dt)
 
         x = randn(T, H)
-        topk_ids, topk_weights, logits = self.routing.materialize(T, device, gen)
+        topk_ids, topk_weights, logits = self.routing.materialize(T, device, gen, self.batch.token_lora_mapping)
         base = MoEBaseWeights(
             w_gate_up=randn(E_base, 2 * I, H, scale=1 / math.sqrt(H)),
             w_down=randn(E_base, H, I, scale=1 / math.sqrt(I)),
@@ -299,7 +299,7 @@ class MoELoRACase:
             )
             layer_lora = LoRAWeights(spec)
             load_pool(layer_lora, self.pool, g, snapshot, n)
-            ids, w, _ = self.routing.materialize(T, device, g)
+            ids, w, _ = self.routing.materialize(T, device, g, self.batch.token_lora_mapping)
             layers.append(MoELayer(layer_base, layer_lora))
             extra_routing.append((ids, w))
         if self.block == "gpt_oss":  # drawn last: the other tensors are those of the SwiGLU case

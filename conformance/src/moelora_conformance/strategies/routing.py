@@ -16,9 +16,13 @@ Hypothesis draws the *plan* (mode, hot or empty experts, sentinel share, renorma
   the experts of a token lie in its kept groups, the bias changes the selection but not the
   weights, and the weights sum to the scaling factor (renormalised) or to a sum of sigmoids — never
   to 1. Where the base has extra fused experts and top_k >= 2, the last column is a fused shared
-  expert (SGLang's shared-expert fusion: top_k - 1 routed experts, then an id in ``[E, E_base)``
-  drawn per token) with weight 1: the shared experts take neither a routing weight nor the scaling
-  factor. The ids of the routed columns are in descending biased score, not by weight.
+  expert (below). The ids of the routed columns are in descending biased score, not by weight.
+
+Fused shared expert (SGLang's shared-expert fusion): where the base has extra fused experts and
+top_k >= 2 — always in ``grouped_sigmoid`` mode, in three draws in four of the other modes — only
+top_k - 1 columns are routed (softmax modes: the top k - 1, renormalised over those), and the last
+column holds an id in ``[E, E_base)`` drawn per token, with weight 1: the shared experts take neither
+a routing weight nor the scaling factor.
 
 Sentinel replacement: each (token, k) pair is replaced with probability ``sentinel_share`` by -1
 (expert parallelism: not handled here) or, where the base declares extra fused experts, by an id in
@@ -27,21 +31,35 @@ Sentinel replacement: each (token, k) pair is replaced with probability ``sentin
 Boundaries are always drawn: wherever the share is above 0, the first replaced pairs (at least
 that many pairs are replaced) hold exactly the boundary ids :meth:`RoutingPlan.boundary_ids` — -1,
 E and E_base - 1 — and, unless that expert is empty, one routed pair holds E - 1, the last LoRA
-expert. An upper-bound check that tests only ``id >= 0`` (an id of exactly E indexing the next
-slot's first expert: SGLang's shared-expert-fusion fault) is then caught by the first example with
-sentinels and fused experts, not after a hundred. E - 1 goes into a routed column, never the fused
-shared one; in ``grouped_sigmoid`` mode that one token may then hold E - 1 outside its kept groups.
+expert. E - 1 goes into a routed column, never the fused shared one; in ``grouped_sigmoid`` mode
+that one token may then hold E - 1 outside its kept groups.
+
+A boundary id only tests a bound where a LoRA is read: on a base token (slot -1) every id means "no
+LoRA" to a right backend and to a wrong one alike. Given the batch's token slots
+(``materialize(token_slots=...)``, as every case and derived batch passes them), "first" is in token
+order with the adapter tokens (slot >= 0) before the base ones (E placed first). A token of every
+adapter slot of the batch holds E where the base has extra fused experts — with a fused shared
+expert, whatever the share, the shared column of the slot's first token — and, where sentinels are
+drawn, -1 and E in replaced pairs (a routed pair replaced for one where none is to spare; none where
+every pair of the slot's tokens holds another boundary). An upper-bound check off by one (an id of
+exactly E reading the next slot's first expert through a flat ``[L·E]`` index: SGLang's
+shared-expert-fusion fault, the mutant ``expert-id-E-off-by-one``), or a -1 turned into the previous
+slot's last expert (``sentinel-to-other-adapter``), is then seen by every such example whose batch
+has a token on that other slot (and an expert LoRA there), not only where a boundary happened to
+land on an adapter token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from hypothesis import strategies as st
 
-from moelora_conformance.strategies.choice import weighted
+from moelora_conformance.strategies.choice import uniform, weighted
 from moelora_core.routing import GroupLimitedRouting
+from moelora_core.sentinels import EXPERT_NOT_HERE, NO_ADAPTER
 from moelora_reference.routing import route_grouped_sigmoid
 
 ROUTING_MODES = ("uniform", "one_expert", "some_empty", "grouped_sigmoid")
@@ -68,8 +86,8 @@ class RoutingPlan:
         sentinel_share: probability that a pair is replaced by a sentinel id.
         seed: seeds the generator of ``materialize``.
         grouping: the group-limited router of ``grouped_sigmoid``, else None.
-        shared_expert: ``grouped_sigmoid`` only: the last column is a fused shared expert of weight 1
-            (needs E_base > E and top_k >= 2).
+        shared_expert: the last column is a fused shared expert of weight 1 (needs E_base > E and
+            top_k >= 2).
     """
 
     mode: str
@@ -99,13 +117,13 @@ class RoutingPlan:
         detail = {"one_expert": f"({self.hot_expert})", "some_empty": f"({list(self.empty_experts)})"}
         if self.grouping is not None:
             g = self.grouping
-            detail["grouped_sigmoid"] = (f"(G={g.n_group} keep={g.topk_group} scale={g.routed_scaling_factor:g}"
-                                         f"{' +shared' if self.shared_expert else ''})")
-        return (f"routing={self.mode}{detail.get(self.mode, '')} sentinels={self.sentinel_share:g}"
-                f"{' renorm' if self.renormalize else ''}")
+            detail["grouped_sigmoid"] = f"(G={g.n_group} keep={g.topk_group} scale={g.routed_scaling_factor:g})"
+        return (f"routing={self.mode}{detail.get(self.mode, '')}{' +shared' if self.shared_expert else ''} "
+                f"sentinels={self.sentinel_share:g}{' renorm' if self.renormalize else ''}")
 
     def materialize(
-        self, num_tokens: int, device: torch.device | str = "cpu", generator: torch.Generator | None = None
+        self, num_tokens: int, device: torch.device | str = "cpu", generator: torch.Generator | None = None,
+        token_slots: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draw the routing of ``num_tokens`` tokens.
 
@@ -113,10 +131,19 @@ class RoutingPlan:
             num_tokens: T.
             device: where the tensors go (values are drawn by a generator on that device).
             generator: continue an existing generator (a case's) instead of seeding a new one.
+            token_slots: the batch's adapter slot of every token (``BatchSpec.token_lora_mapping``;
+                -1 = base): the boundary ids go to adapter tokens first, and E to a token of every
+                adapter slot (module docstring). None: every token alike. The generator's draws do
+                not depend on it.
 
         Returns:
             (topk_ids [T, k] int32, topk_weights [T, k] fp32, router_logits [T, E] fp32).
+
+        Raises:
+            ValueError: ``token_slots`` is not of length T.
         """
+        if token_slots is not None and len(token_slots) != num_tokens:
+            raise ValueError(f"token_slots has {len(token_slots)} entries for {num_tokens} tokens")
         device = torch.device(device)
         if generator is None:
             generator = torch.Generator(device).manual_seed(self.seed)
@@ -127,13 +154,16 @@ class RoutingPlan:
         if self.empty_experts:
             logits[:, list(self.empty_experts)] = float("-inf")
         if self.grouping is not None:
-            weights, ids = self._grouped(logits, generator)
+            bias = torch.randn(E, generator=generator, device=device) * _BIAS_STD
+            weights, ids = route_grouped_sigmoid(logits, bias, self.routed_k, self.grouping, self.renormalize)
         else:
             probs = torch.softmax(logits, dim=-1)
-            weights, ids = torch.topk(probs, k, dim=-1)
+            weights, ids = torch.topk(probs, self.routed_k, dim=-1)
             if self.renormalize:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
         ids = ids.to(torch.int32)
+        if self.shared_expert:
+            weights, ids = self._with_shared_column(weights, ids, generator, token_slots)
         # Draw the sentinel coins whatever the share, so the other values do not depend on it.
         coin = torch.rand(num_tokens, k, generator=generator, device=device)
         pick = torch.rand(num_tokens, k, generator=generator, device=device)
@@ -145,58 +175,92 @@ class RoutingPlan:
             sentinel = torch.full_like(ids, -1)
         replaced = coin < self.sentinel_share
         if self.sentinel_share > 0 and num_tokens:
-            ids, sentinel, replaced = self._with_boundaries(ids, sentinel, replaced)
+            ids, sentinel, replaced = self._with_boundaries(ids, sentinel, replaced, token_slots)
         ids = torch.where(replaced, sentinel, ids)
         return ids, weights.to(torch.float32).contiguous(), logits
 
-    def _grouped(self, logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """(topk_weights [T, k] fp32, topk_ids [T, k] int32) of ``grouped_sigmoid`` (module docstring):
-        a correction bias drawn from ``generator``, the routed columns by ``route_grouped_sigmoid``,
-        then the fused shared expert's column where the plan has one."""
-        T, device = logits.shape[0], logits.device
-        bias = torch.randn(self.num_experts, generator=generator, device=device) * _BIAS_STD
-        weights, ids = route_grouped_sigmoid(logits, bias, self.routed_k, self.grouping, self.renormalize)
-        if self.shared_expert:
-            extra = self.num_base_experts - self.num_experts
-            u = torch.rand(T, 1, generator=generator, device=device)
-            shared = self.num_experts + (u * extra).long().clamp(max=extra - 1)
-            ids = torch.cat([ids, shared.to(torch.int32)], dim=1)
-            weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
-        return weights, ids
+    def _with_shared_column(self, weights: torch.Tensor, ids: torch.Tensor, generator: torch.Generator,
+                            token_slots: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_weights [T, k], topk_ids [T, k] int32): the routed columns ``weights`` / ``ids``
+        [T, k - 1] and the fused shared expert's column (module docstring): weight 1, an id in
+        ``[E, E_base)`` drawn from ``generator`` per token, and E on the first token of every adapter
+        slot in ``token_slots``."""
+        T, device = ids.shape[0], ids.device
+        extra = self.num_base_experts - self.num_experts
+        u = torch.rand(T, 1, generator=generator, device=device)
+        shared = self.num_experts + (u * extra).long().clamp(max=extra - 1)
+        firsts = list(_first_tokens(token_slots).values())
+        if firsts:
+            shared[firsts] = self.num_experts
+        return (torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1),
+                torch.cat([ids, shared.to(torch.int32)], dim=1))
 
-    def _with_boundaries(self, ids: torch.Tensor, sentinel: torch.Tensor,
-                         replaced: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(ids, sentinel, replaced) with the boundary ids placed (module docstring): the first
-        replaced pairs in row-major order take :meth:`boundary_ids` (pairs from the end are replaced
-        too where too few were), and, where no routed pair holds E - 1 and E - 1 is not empty, the
-        least-weighted routed pair of the first token that lacks it gets E - 1 (ids of a token stay
+    def _with_boundaries(self, ids: torch.Tensor, sentinel: torch.Tensor, replaced: torch.Tensor,
+                         token_slots: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids, sentinel, replaced) with the boundary ids placed (module docstring): in token order,
+        adapter tokens first, the first replaced pairs take :meth:`boundary_ids`, E first (pairs from the
+        end of a token group are replaced too where too few were); every adapter slot that holds no
+        -1 (no E, where the base has extra fused experts) yet gets it in a replaced pair of its first
+        token with a pair not holding a boundary (its last routed pair is replaced for it where it has
+        no other); and, where no routed pair holds E - 1 and E - 1 is not empty, the least-weighted free
+        routed pair of the first token (same order) that lacks it gets E - 1 (ids of a token stay
         distinct)."""
         T, k = ids.shape
         device = ids.device
-        bounds = self.boundary_ids()
+        E, bounds = self.num_experts, self.boundary_ids()
+        slots = list(token_slots) if token_slots is not None else [NO_ADAPTER] * T
+        order = [t for t in range(T) if slots[t] >= 0] + [t for t in range(T) if slots[t] < 0]
         flat = replaced.flatten().cpu().tolist()  # host lists: materialize runs outside graphs
-        missing = min(len(bounds), T * k) - sum(flat)
-        for i in range(T * k - 1, -1, -1):
-            if missing <= 0:
-                break
-            if not flat[i]:
-                flat[i], missing = True, missing - 1
-        positions = [i for i, r in enumerate(flat) if r]
+        positions: list[int] = []
+        for group in ([t for t in order if slots[t] >= 0], [t for t in order if slots[t] < 0]):
+            pairs = [t * k + j for t in group for j in range(k)]
+            positions += [p for p in pairs if flat[p]] + [p for p in reversed(pairs) if not flat[p]]
+        positions = positions[:len(bounds)]
         s = sentinel.flatten().cpu()
-        for pos, value in zip(positions, bounds):
+        # E first: where the adapter tokens have one pair to spare, E takes it (-1 means no LoRA anywhere)
+        for pos, value in zip(positions, sorted(bounds, key=lambda b: b != E)):
+            flat[pos] = True
             s[pos] = value
-        replaced = torch.tensor(flat, device=device).reshape(T, k)
         host_ids = ids.cpu().clone()
-        last = self.num_experts - 1
+        taken = set(positions)
+        held, routed_ids = s.tolist(), host_ids.flatten().tolist()
+        value = [held[p] if flat[p] else routed_ids[p] for p in range(T * k)]
+        tokens_of: dict[int, list[int]] = {}
+        for t in range(T):
+            tokens_of.setdefault(slots[t], []).append(t)
+        for slot in _first_tokens(token_slots):
+            tokens = tokens_of[slot]
+            for bound in (E, EXPERT_NOT_HERE) if self.num_base_experts > E else (EXPERT_NOT_HERE,):
+                if any(value[t * k + j] == bound for t in tokens for j in range(k)):
+                    continue
+                for t in tokens:  # the first token with a pair to give: a replaced one, else its last routed
+                    spare = [t * k + j for j in range(k) if flat[t * k + j] and t * k + j not in taken]
+                    free = [t * k + j for j in range(self.routed_k) if t * k + j not in taken]
+                    if spare or free:
+                        pos = spare[0] if spare else free[-1]
+                        flat[pos], s[pos], value[pos] = True, bound, bound
+                        taken.add(pos)
+                        break
+        replaced = torch.tensor(flat, device=device).reshape(T, k)
+        last = E - 1
         routed = host_ids.masked_fill(replaced.cpu(), -2)
         if last not in self.empty_experts and not bool((routed == last).any()):
-            for t in range(T):
+            for t in order:
                 free = [j for j in range(self.routed_k) if not flat[t * k + j]]
-                if free and last not in host_ids[t].tolist():
+                if free and last not in routed[t].tolist():  # the ids it keeps (replaced ones become sentinels)
                     host_ids[t, free[-1]] = last  # the token's last routed pair (the least-weighted, softmax)
                     break
         ids, s = host_ids.to(device), s.to(device)
         return ids, s.reshape(T, k), replaced
+
+
+def _first_tokens(token_slots: Sequence[int] | None) -> dict[int, int]:
+    """Adapter slot → the index of its first token in ``token_slots`` (slots >= 0 only; {} for None)."""
+    firsts: dict[int, int] = {}
+    for t, slot in enumerate(token_slots or ()):
+        if slot >= 0:
+            firsts.setdefault(slot, t)
+    return firsts
 
 
 @st.composite
@@ -213,13 +277,14 @@ def routing_plans(
     """A ``RoutingPlan`` for E experts (E_base = ``num_base_experts`` or E) and ``top_k``.
 
     ``some_empty`` is drawn only where an expert can be empty (E > top_k); ``grouped_sigmoid`` where
-    E splits into groups of at least two (E >= 2), with a fused shared expert where E_base > E and
-    top_k >= 2, and a grouping drawn among those whose kept groups hold the routed columns (one
-    group first: the simplest, where shrinking goes; groupings that drop groups weigh most).
+    E splits into groups of at least two (E >= 2), with a grouping drawn among those whose kept groups
+    hold the routed columns (one group first: the simplest, where shrinking goes; groupings that drop
+    groups weigh most). Where E_base > E and top_k >= 2 the last column is a fused shared expert:
+    always in ``grouped_sigmoid`` mode, in three draws in four of the others (none: the simplest).
     """
     E_base = num_experts if num_base_experts is None else num_base_experts
-    shared = E_base > num_experts and top_k >= 2
-    groupings = _groupings(num_experts, top_k - int(shared))
+    fusable = E_base > num_experts and top_k >= 2
+    groupings = _groupings(num_experts, top_k - int(fusable))
     feasible = [m for m in modes
                 if (m != "some_empty" or num_experts > top_k) and (m != "grouped_sigmoid" or groupings)] or ["uniform"]
     mode = draw(weighted([(m, _MODE_WEIGHTS[m]) for m in feasible]))
@@ -228,14 +293,15 @@ def routing_plans(
         # groupings that drop groups (topk_group < n_group) three times as often as the others
         n_group, topk_group = draw(weighted([((g, kg), 3.0 if kg < g else 1.0) for g, kg in groupings]))
         grouping = GroupLimitedRouting(n_group, topk_group, draw(st.sampled_from(SCALING_FACTORS)))
+        shared = fusable
     else:
-        shared = False
+        shared = fusable and draw(weighted([(False, 1.0), (True, 3.0)]))
     if mode == "one_expert":
         hot = draw(st.integers(0, num_experts - 1))
     elif mode == "some_empty":
         n_empty = draw(st.integers(1, num_experts - top_k))
         empty = tuple(sorted(draw(st.permutations(range(num_experts)))[:n_empty]))
-    share = draw(st.sampled_from(sentinel_shares))
+    share = draw(uniform(sentinel_shares))  # sampled_from would favour the first share (0)
     renormalize = draw(st.booleans())
     if seed is None:
         seed = draw(st.integers(0, 2**31 - 1))
