@@ -6,8 +6,9 @@
   the run exercised what it claims (steps that fit and steps beyond capacity; chunked prefills on the
   prefill graph, a bucket relaid out, hot loads after capture, the layer-patterned adapter, the
   same-config reload, the host-sync guard on every step).
-- The kernel backends (``triton`` ``full``, ``csgmv`` ``breakable``, on a 16-request workload) and every
-  fixture family on ``reference`` run in the main job (``nox -s conformance``), not here.
+- The kernel backends (``triton`` ``full``, ``csgmv`` ``breakable``, on a 16-request workload) run in the
+  main job (``nox -s conformance``), every fixture family on ``reference`` in ``nox -s conformance-full``,
+  not here.
 - ``test_faults_are_caught``: faulty backends (``e2e_faults``) fail exactly the claims they break:
   a wrong graph-mode delta fails E01 and E02 in the graph modes and passes eagerly; a backend that
   silently falls back fails E03 naming the step and the reason; a backend whose buckets share one

@@ -21,7 +21,7 @@ import pytest
 from moelora_conformance import cli
 from moelora_conformance.checkpoint_pass.adapters import PEFT_UNCONVERTED_LEGACY, build_pass_adapters
 from moelora_conformance.checkpoint_pass.batches import decode_batch, extend_batch
-from moelora_conformance.checkpoint_pass.run import MODES, run_model
+from moelora_conformance.checkpoint_pass.run import MODES, run_checkpoint_pass, run_model
 from moelora_conformance.fixtures.specs import MODELS, POOL_MAX_RANK, SHARED, model_spec
 from moelora_core import NO_ADAPTER, ForwardMode
 from moelora_core.checkpoint import MoECheckpoint, read_adapter
@@ -167,3 +167,15 @@ def test_the_fp8_model_passes_w8a8_and_a_backend_not_declaring_it_is_refused(fix
     assert {r.part for r in ref if r.check == "hf"} == {"q", "k", "v", "o"}  # HF computes w8a16 experts
     refused = [r for r in rows if r.backend == "csgmv"]
     assert [r.check for r in refused] == ["declared"] and "UnsupportedBaseQuantError" in refused[0].note
+
+
+def test_skip_models_leaves_them_out_and_an_unknown_one_is_a_usage_error(fixture_set, tmp_path, capsys):
+    # the main job leaves fp8 copies out this way (noxfile.py MAIN_CHECKS)
+    rows = run_checkpoint_pass(fixture_set, tmp_path, models=["qwen3_moe_h2i", "qwen3_moe_fp8"],
+                               skip_models=["qwen3_moe_fp8"], backends=["reference"], modes=["eager"], layers=[0])
+    assert rows and {r.model for r in rows} == {"qwen3_moe_h2i"}
+    status = cli.main(["checkpoint-pass", "--fixtures", str(fixture_set.root), "--work-dir", str(tmp_path / "w"),
+                       "--backends", "reference", "--skip-models", "qwen3_moe_fp8,no_such_model"])
+    assert status == 2
+    assert "no_such_model" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()  # refused before any run

@@ -199,3 +199,25 @@ def test_per_backend_options():
     assert _per_backend(["triton=1", "3"], "reference") == "3"  # a bare value applies to every backend
     assert _per_backend(["csgmv=m.toml"], "reference") is None
     assert _per_backend(None, "reference") is None
+
+
+def test_dtype_and_mode_selection_picks_the_items_pytest_k_would():
+    # the main job runs the kernel backends in fp32 with one prefill graph mode each (noxfile.py MAIN_RUN)
+    from _pytest.mark.expression import Expression
+
+    from moelora_conformance.cli import _selection
+
+    flag, expr = _selection("fp32", "prefill-breakable")
+    assert flag == "-k"
+    names = ["test_every_output_row_equals_the_oracle[prefill-breakable-fp32]",
+             "test_every_output_row_equals_the_oracle[prefill-full-fp32]",
+             "test_metadata_is_exact[prefill-fp32]", "test_replay_equals_eager[decode-fp32]",
+             "test_replay_equals_eager[prefill-full-fp16]"]
+    kept = [n for n in names if Expression.compile(expr).evaluate(lambda word, n=n: word in n)]
+    assert kept == names[1:4]
+    (_, expr) = _selection(None, "eager")  # "eager" in a test's name is not the eager mode
+    assert Expression.compile(expr).evaluate(lambda word: word in "test_replay_equals_eager[decode-fp32]")
+    assert _selection(None, None) == []
+    assert "unknown ['prefil']" in _selection(None, "prefil")
+    assert "every mode" in _selection(None, "eager,decode,prefill-full,prefill-breakable")
+    assert "unknown ['fp64']" in _selection("fp64", None)

@@ -16,9 +16,9 @@ Both exit 2 when the ``fixtures`` extra (transformers + peft) is not installed.
 The conformance suite's own subcommands:
 
 - ``run --backend X [--backend Y ...] --profile P [--manifest [X=]M] [--max-examples [X=]N]
-  [--dtypes [X=]fp32,fp16] [--json out.json] [--require-coverage]``: run the suite on each backend in a
-  subprocess and print the support matrix with rich; exit 1 on any unexpected failure (what ``nox -s
-  conformance`` calls).
+  [--dtypes [X=]fp32,fp16] [--skip-modes [X=]prefill-breakable] [--json out.json] [--require-coverage]``:
+  run the suite on each backend in a subprocess and print the support matrix with rich; exit 1 on any
+  unexpected failure (what ``nox -s conformance`` calls).
 - ``report results.json [...] [--output matrix.md] [--require-coverage]``: render the support matrix of
   JSON reports as Markdown; exit as the runs did (1 an unexpected failure or a stale manifest entry —
   or, with ``--require-coverage``, a claim not proven —, 5 nothing ran, else 0).
@@ -171,19 +171,32 @@ def _int_or_none(value: str | None) -> int | None:
     return None if value is None else int(value)
 
 
-def _dtype_selection(value: str | None) -> list[str] | str:
-    """pytest's ``-k`` for a ``--dtypes`` list (items are named ``<mode>-<dtype>``), [] for every dtype,
-    or why the list is not one."""
-    if value is None:
-        return []
-    from moelora_conformance.strategies.shapes import DTYPE_NAMES
+def _selection(dtypes: str | None, skip_modes: str | None = None) -> list[str] | str:
+    """pytest's ``-k`` for a ``--dtypes`` list and a ``--skip-modes`` list (items are named
+    ``test_...[<mode>-<dtype>]``), [] for every item, or why a list is not one.
 
-    known = sorted(DTYPE_NAMES.values())
-    dtypes = [d.strip() for d in value.split(",") if d.strip()]
-    unknown = sorted(set(dtypes) - set(known))
-    if unknown or not dtypes:
-        return f"unknown {unknown or value!r}; known {known}"
-    return ["-k", " or ".join(dtypes)]
+    A skipped mode is matched with its opening bracket (``[eager-``), so a test whose name holds a mode's
+    word (``..._equals_eager``) is not taken for one of that mode's items. The prefill-family items of
+    P06 / P07 / P12 (``[prefill-<dtype>]``) belong to neither prefill graph mode and stay.
+    """
+    from moelora_conformance.strategies.shapes import DTYPE_NAMES
+    from moelora_conformance.strategies.suite import LAYER_MODES
+
+    terms = []
+    if dtypes is not None:
+        known = sorted(DTYPE_NAMES.values())
+        chosen = [d.strip() for d in dtypes.split(",") if d.strip()]
+        unknown = sorted(set(chosen) - set(known))
+        if unknown or not chosen:
+            return f"--dtypes: unknown {unknown or dtypes!r}; known {known}"
+        terms.append(f"({' or '.join(chosen)})")
+    if skip_modes is not None:
+        skipped = [m.strip() for m in skip_modes.split(",") if m.strip()]
+        unknown = sorted(set(skipped) - set(LAYER_MODES))
+        if unknown or not skipped or set(skipped) == set(LAYER_MODES):
+            return f"--skip-modes: unknown {unknown or skip_modes!r} or every mode; known {list(LAYER_MODES)}"
+        terms += [f"not [{m}-" for m in skipped]
+    return ["-k", " and ".join(terms)] if terms else []
 
 
 def _json_path(base: Path | None, backend: str, many: bool) -> Path | None:
@@ -212,6 +225,9 @@ def _run(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--dtypes", action="append", default=None, metavar="[BACKEND=]fp32,fp16",
                         help="only these dtypes' items: a list for every backend, or BACKEND=LIST (repeatable; "
                              "default every dtype the backend declares)")
+    parser.add_argument("--skip-modes", action="append", default=None, metavar="[BACKEND=]prefill-breakable",
+                        help="leave these layer modes' items out: a list for every backend, or BACKEND=LIST "
+                             "(repeatable; default none)")
     parser.add_argument("-n", "--workers", type=int, default=None, help="pytest-xdist workers per run")
     parser.add_argument("--require-coverage", action="store_true",
                         help="a claim not proven (partial, not meaningful) fails the run (exit 1), as in e2e")
@@ -227,11 +243,11 @@ def _run(parser: argparse.ArgumentParser) -> Handler:
         many = len(args.backend) > 1
         selections = {}
         for backend in args.backend:
-            dtypes = _dtype_selection(_per_backend(args.dtypes, backend))
-            if isinstance(dtypes, str):
-                print(f"moelora-conformance run: --dtypes: {dtypes}", file=sys.stderr)
+            selection = _selection(_per_backend(args.dtypes, backend), _per_backend(args.skip_modes, backend))
+            if isinstance(selection, str):
+                print(f"moelora-conformance run: {selection}", file=sys.stderr)
                 return 2
-            selections[backend] = dtypes
+            selections[backend] = selection
         reports, status = [], 0
         for backend in args.backend:
             junit = _json_path(args.junitxml, backend, many)

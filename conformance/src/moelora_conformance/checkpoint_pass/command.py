@@ -2,7 +2,7 @@
 
     moelora-conformance checkpoint-pass [--fixtures DIR | --model DIR --adapter NAME=DIR ...]
         [--backends reference,triton,csgmv]
-        [--models a,b] [--modes eager,decode,prefill-full,prefill-breakable] [--layers 0,1]
+        [--models a,b] [--skip-models c,d] [--modes eager,decode,prefill-full,prefill-breakable] [--layers 0,1]
         [--requests 40] [--work-dir DIR] [--json rows.json] [--require-coverage]
 
 Builds the fixtures into a temporary directory unless ``--fixtures`` names one, builds the pass's
@@ -69,6 +69,7 @@ def _checkpoint_pass(parser: argparse.ArgumentParser) -> Handler:
                         help="with --model: one of your PEFT adapters (repeatable; at least one)")
     parser.add_argument("--backends", default="reference,triton,csgmv", help="comma-separated backends")
     parser.add_argument("--models", default=None, help="comma-separated fixture models (default: all)")
+    parser.add_argument("--skip-models", default=None, help="comma-separated fixture models left out")
     parser.add_argument("--modes", default=_MODES, help=f"comma-separated layer modes (default: {_MODES})")
     parser.add_argument("--layers", default=None, help="comma-separated decoder layers (default: all)")
     parser.add_argument("--requests", type=int, default=None, help="requests per batch (default: 40)")
@@ -125,7 +126,8 @@ def _checkpoint_pass(parser: argparse.ArgumentParser) -> Handler:
                                      layers=layers, num_requests=args.requests or PASS_REQUESTS, progress=advance,
                                      adapters=adapters)
                 else:
-                    rows = run_checkpoint_pass(fixtures, work, models=_csv(args.models), backends=backends,
+                    rows = run_checkpoint_pass(fixtures, work, models=_csv(args.models),
+                                               skip_models=_csv(args.skip_models) or (), backends=backends,
                                                modes=tuple(_csv(args.modes) or ()), layers=layers,
                                                num_requests=args.requests or PASS_REQUESTS,
                                                progress=advance)
