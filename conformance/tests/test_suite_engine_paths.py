@@ -286,23 +286,23 @@ def test_histories_reload_used_slots_after_a_lora_batch(mode):
         seen["with a reload"] += any(step.reload for step in history.steps)
         pool, lora_ran = case.pool, False
         wanted = {r.slot for r in case.batch.requests if r.slot >= 0}
-        captured, ran_any = None, False
+        captured = None
         for step in history.steps:
             if step.reload is None:
-                ran_any = True
                 captured = pool if captured is None and step.mode == mode else captured
                 lora_ran = lora_ran or (step.mode == mode and step.inputs.batch.has_active_lora)
                 assert step.inputs.batch.lora_ranks == pool_ranks(pool)  # batches describe the pool as it is
                 continue
             r = step.reload
             assert r.slot in wanted or not wanted
-            if step.kind == "empty_before_capture":  # a hot load's slot, emptied before any batch ran
-                assert r.adapter is None and not ran_any, step
+            if step.kind == "empty_before_capture":  # a hot load's slot, emptied before any batch in the mode
+                assert r.adapter is None and captured is None, step
                 pool = r.applied(pool)
                 continue
             assert lora_ran or not any(pool), "a reload before any batch with LoRA in the subject's mode"
-            if step.kind == "hot_load":  # into a slot that was empty when the first batch ran (the capture)
-                assert captured is not None and captured[r.slot] is None, (step, captured)
+            if step.kind == "hot_load":  # into a slot empty when the first batch ran (the capture) and now
+                assert captured is not None and captured[r.slot] is None and pool[r.slot] is None, (step, captured)
+                assert r.adapter is not None, step
                 seen["hot loads"] += 1
             seen["reloads"] += 1
             seen["clears"] += r.adapter is None
