@@ -313,6 +313,7 @@ def test_histories_reload_used_slots_after_a_lora_batch(mode):
         assert history.case.batch.lora_ranks == pool_ranks(pool)
 
     collect()
-    # about half of the histories reload (47-64 % over 200 draws per mode); clear_slot one reload in four
+    # most histories reload or hot-load (48-95 % of the 60 under ten other seeds per mode); clear_slot
+    # and a same-config reload one reload of a held slot in four each
     assert seen["with a reload"] >= 0.25 * seen["histories"] and 0 < seen["clears"] < seen["reloads"], seen
     assert seen["same config"] > 0 and seen["hot loads"] > 0, seen
