@@ -3,7 +3,9 @@
 Covers: the simplest file adapter — the first example of every P13 item — is a fused rsLoRA adapter
 of rank 2; over drawn file adapters (fused and per-expert, rsLoRA, patterns, fp16 / bf16 stored,
 two layers) moelora's reader gives exactly the factors and σ the suite expects from the files
-(peft's reading, the per-module reference); a reader that drops the rsLoRA flag fails P13 on its
+(peft's reading, the per-module reference), and the suite's description of each layer (ranks and α
+after ``rank_pattern`` / ``alpha_pattern`` keys naming a layer, matched by peft's own rule) is what
+peft built in that layer; a reader that drops the rsLoRA flag fails P13 on its
 first example (before, no run's adapters passed through a reader); without the ``fixtures`` extra
 P13 is reported ``not_run``.
 """
@@ -41,21 +43,29 @@ def test_moelora_reads_every_drawn_file_as_the_suite_expects_it():
 
     @settings(max_examples=25, phases=[Phase.generate], derandomize=True, database=None, deadline=None,
               suppress_health_check=list(HealthCheck))
-    @given(adapter=file_adapters(SHAPE))
+    @given(adapter=file_adapters(SHAPE, layers=2))
     def check(adapter: FileAdapter):
         built = files.build(adapter, SHAPE, GEOMETRY, 2)
         read = read_adapter(built.path, config, dtype=torch.float32, max_rank=SHAPE.max_rank)
-        seen.add((adapter.format, adapter.use_rslora, adapter.stored_dtype, bool(adapter.rank_pattern)))
-        for want, got in zip(built.expected, read.layers, strict=True):
+        layered = adapter.modules(0) != adapter.modules(1)  # a key naming a layer changed a rank or α
+        seen.add((adapter.format, adapter.use_rslora, adapter.stored_dtype, bool(adapter.rank_pattern), layered))
+        for n, (want, got) in enumerate(zip(built.expected, read.layers, strict=True)):
             assert set(want) == set(got), adapter.describe()
+            described = {m: (r, a) for m, r, a in adapter.modules(n)}
             for m, w in want.items():
                 g = got[m]
                 assert torch.equal(w.lora_A.float(), g.lora_A.float()), (adapter.describe(), m)
                 assert torch.equal(w.lora_B.float(), g.lora_B.float()), (adapter.describe(), m)
                 assert w.scaling == pytest.approx(g.scaling, rel=1e-6), (adapter.describe(), m)
+                # the suite's description of layer n (peft's key matching) is what peft built there
+                r, alpha = described[m]
+                assert w.lora_A.shape[-2] == r, (adapter.describe(), n, m)
+                assert w.scaling == pytest.approx(alpha / (r**0.5 if adapter.use_rslora else r), rel=1e-6), \
+                    (adapter.describe(), n, m)
 
     check()
     assert {f for f, *_ in seen} == {"fused", "legacy"} and {rs for _, rs, *_ in seen} == {True, False}
+    assert any(s[-1] for s in seen), "no drawn file had a layer-specific rank or α"
 
 
 @pytest.mark.slow

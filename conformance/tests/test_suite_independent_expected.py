@@ -71,7 +71,9 @@ def test_a_backend_that_writes_the_pool_fails_though_its_outputs_are_right():
         Layer(FoldsSigmaIntoPool, case, CPU).eager(Layer(make_backend, case, CPU).inputs())
     layer = Layer(FoldsSigmaIntoPool, case, CPU)
     graph = GraphLayer(layer, "prefill-full", max_requests=4, max_tokens=12)
-    with pytest.raises(PoolWritten, match="after the prefill-full graph's capture"):
+    # the emulated capture (no warm-up: GraphPool.default_warmup) restores what it wrote, as a CUDA
+    # capture executes nothing, so the write is seen after the first replay
+    with pytest.raises(PoolWritten, match=r"after a prefill-full replay: .*gate_up_B differs"):
         graph.run(layer.inputs())
 
 
@@ -142,7 +144,7 @@ def test_reloads_give_a_used_slot_an_adapter_lacking_modules_it_had():
         if not live:
             return
         reload = draw_reload(data, case, case.pool, live, seed=1, label="reload")
-        if reload.adapter is None:
+        if reload.adapter is None or reload.same_config:  # a clear, or the slot's own config again
             return
         seen["reloads"] += 1
         old = {m for m, _, _ in case.pool[reload.slot].modules}

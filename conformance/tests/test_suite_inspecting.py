@@ -84,11 +84,19 @@ def test_activations_of_another_dtype_are_refused():
 
 
 def test_a_batch_that_misdescribes_the_pool_is_refused():
-    backend, w = _inspected()
-    wrong = BatchSpec(ForwardMode.EXTEND, [Request(0, 2), Request(-1, 2)], 2, (3, 0), w.slot_scalings())
+    backend, w = _inspected()  # slot 0 holds rank 2 in this layer's pool
+    wrong = BatchSpec(ForwardMode.EXTEND, [Request(0, 2), Request(-1, 2)], 2, (1, 0), w.slot_scalings())
     info = backend.prepare(wrong)
     with pytest.raises(MalformedCallError, match="ranks"):
         _gate_up(backend, w, info)
+
+
+def test_a_batch_rank_above_this_layers_is_the_slots_rank_in_another_layer():
+    # a slot's batch rank is its largest over the layers (AdapterPool.slot_ranks): with a rank_pattern
+    # key naming a layer (P13) one layer's pool holds less than the batch says, and that is right
+    backend, w = _inspected()
+    larger = BatchSpec(ForwardMode.EXTEND, [Request(0, 2), Request(-1, 2)], 2, (3, 0), w.slot_scalings())
+    _gate_up(backend, w, backend.prepare(larger))
 
 
 def test_rows_that_disagree_with_the_metadata_are_refused():

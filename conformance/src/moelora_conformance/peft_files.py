@@ -32,7 +32,7 @@ import torch
 from hypothesis import strategies as st
 
 from moelora_conformance.strategies.adapters import SlotAdapter, sigmas
-from moelora_conformance.strategies.choice import uniform
+from moelora_conformance.strategies.choice import uniform, weighted
 from moelora_conformance.strategies.shapes import LayerShape
 from moelora_core.weights import ModuleLoRA
 
@@ -41,6 +41,18 @@ FORMATS = ("fused", "legacy")
 #: Stored dtypes of the factors.
 STORED = ("float32", "float16", "bfloat16")
 _LEAF = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
+
+
+def pattern_value(pattern: tuple[tuple[str, object], ...], module_path: str, default):
+    """The value ``pattern`` gives the module at ``module_path`` (its path in the transformers model:
+    ``model.layers.1.mlp.experts.down_proj``), or ``default``: peft 0.21.2's own matching
+    (``peft.utils.other.get_pattern_key``: the first key, in file order, with
+    ``re.match(rf"(.*\\.)?({key})$", module_path)``), called here so the suite's description of a file
+    cannot drift from peft's reading of it."""
+    from peft.utils.other import get_pattern_key
+
+    values = dict(pattern)
+    return values.get(get_pattern_key(list(values), module_path), default)
 
 
 def peft_available() -> bool:
@@ -72,8 +84,12 @@ class FileAdapter:
         r, alpha, use_rslora: the config's r, lora_alpha, use_rslora.
         experts: fused: ``gate_up_proj`` / ``down_proj``; legacy: ``gate`` / ``up`` / ``down``.
         dense: attention modules targeted ("q".."o").
-        rank_pattern, alpha_pattern: fused only: ((leaf, value), ...).
+        rank_pattern, alpha_pattern: fused only: ((key, value), ...) in file order (sorted: peft writes
+            the config with sorted keys); a key is a module leaf (``down_proj``: every layer) or names a
+            layer (``layers.1.mlp.experts.down_proj``, ``layers\\.0\\..*q_proj``), matched as peft
+            matches it (:func:`pattern_value`).
         stored_dtype: the factors' dtype in the file. seed: the factors' seed.
+        layers: the decoder layers the file covers (the keys naming a layer count on them).
     """
 
     format: str
@@ -86,22 +102,32 @@ class FileAdapter:
     alpha_pattern: tuple[tuple[str, float], ...] = ()
     stored_dtype: str = "float32"
     seed: int = 0
+    layers: int = 1
 
-    def modules(self) -> tuple[tuple[str, int, float], ...]:
-        """((moelora module, rank, α), ...) the file holds, patterns applied (its σ = α/r or α/√r)."""
-        ranks, alphas = dict(self.rank_pattern), dict(self.alpha_pattern)
+    def modules(self, layer: int | None = None) -> tuple[tuple[str, int, float], ...]:
+        """((moelora module, rank, α), ...) the file holds in decoder layer ``layer``, patterns applied
+        (its σ = α/r or α/√r); ``layer`` None: per module the largest rank over the layers (what a
+        scheduler sees as the slot's rank), with layer 0's α."""
+        if layer is None:
+            per_layer = [self.modules(n) for n in range(self.layers)]
+            return tuple((m, max(mods[i][1] for mods in per_layer), a) for i, (m, _, a) in enumerate(per_layer[0]))
         out = []
         for target in self.experts:
             names = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}.get(target, (target,))
+            path = f"model.layers.{layer}.mlp.experts.{target}"
             for m in names:
-                out.append((m, ranks.get(target, self.r), alphas.get(target, self.alpha)))
+                out.append((m, pattern_value(self.rank_pattern, path, self.r),
+                            pattern_value(self.alpha_pattern, path, self.alpha)))
         for m in self.dense:
-            out.append((m, ranks.get(_LEAF[m], self.r), alphas.get(_LEAF[m], self.alpha)))
+            path = f"model.layers.{layer}.self_attn.{_LEAF[m]}"
+            out.append((m, pattern_value(self.rank_pattern, path, self.r),
+                        pattern_value(self.alpha_pattern, path, self.alpha)))
         order = ("gate", "up", "down", "q", "k", "v", "o")
         return tuple(sorted(out, key=lambda t: order.index(t[0])))
 
     def slot_adapter(self) -> SlotAdapter:
-        """The adapter as the suite's other draws describe one (ranks and σ for ``BatchSpec``)."""
+        """The adapter as the suite's other draws describe one (ranks and σ for ``BatchSpec``: the slot's
+        rank is the largest over every layer's modules, as the engine's ``AdapterPool.slot_ranks``)."""
         return SlotAdapter(self.r, self.alpha, self.use_rslora, self.modules())
 
     def describe(self) -> str:
@@ -120,15 +146,33 @@ def geometries(draw, max_hidden: int) -> Geometry:
     return Geometry(heads, kv, head_dim)
 
 
+def _pattern_keys(draw, leaf: str, block: str, layers: int) -> list[str]:
+    """The keys of one target's pattern entries: its leaf (every layer), or one or two keys naming a
+    layer — ``layers.{n}.{block}.{leaf}`` or peft's regex form ``layers\\.{n}\\..*{leaf}`` — alone or
+    beside the leaf key (which of two matching keys wins is then decided by the file's key order)."""
+    # keys naming a layer three times in four where there are layers to tell apart: they are what a
+    # reader giving every layer layer 0's σ gets wrong (P13 eager should meet them within its examples)
+    if layers < 2 or not draw(weighted([(False, 1), (True, 3)])):
+        return [leaf]
+    named = [draw(uniform((f"layers.{n}.{block}.{leaf}", rf"layers\.{n}\..*{leaf}")))
+             for n in sorted(draw(st.sets(st.integers(0, layers - 1), min_size=1, max_size=layers)))]
+    # beside the leaf key one time in four: in sorted order "down_proj" / "gate_up_proj" / "k_proj" come
+    # before "layers…" and shadow it, "o_proj" / "q_proj" / "v_proj" after it and are shadowed
+    return named if draw(weighted([(True, 3), (False, 1)])) else [*named, leaf]
+
+
 @st.composite
-def file_adapters(draw, shape: LayerShape, *, experts_lacking: tuple[str, ...] = ()) -> FileAdapter:
+def file_adapters(draw, shape: LayerShape, *, experts_lacking: tuple[str, ...] = (), layers: int = 1) -> FileAdapter:
     """An adapter file for a layer of ``shape`` (ranks within R, dense targets among the shape's).
 
     The simplest draw — the first example Hypothesis tries — is a fused rsLoRA adapter of rank 2
-    (where R allows).
+    (where R allows). Fused files draw ``rank_pattern`` / ``alpha_pattern`` on some targets, keyed by
+    the module leaf or, with ``layers`` > 1, by keys naming a layer (:func:`_pattern_keys`), so a
+    reader that gives every layer layer 0's rank or σ reads another adapter than the file.
 
     Args:
         experts_lacking: MoE modules the adapter must not target (a reload that drops modules).
+        layers: the decoder layers of the model the file is built for.
     """
     R = shape.max_rank
     fmt = draw(uniform(FORMATS))
@@ -149,13 +193,29 @@ def file_adapters(draw, shape: LayerShape, *, experts_lacking: tuple[str, ...] =
         if not experts:
             dense = tuple(m for m, _ in shape.dense_shapes[:1])
     ranks, alphas = (), ()
-    if fmt == "fused" and draw(st.booleans()):  # rank_pattern / alpha_pattern on some targets
-        leaves = [*experts, *(_LEAF[m] for m in dense)]
-        ranks = tuple((leaf, draw(st.integers(1, R))) for leaf in leaves if draw(st.booleans()))
-        alphas = tuple((leaf, round(draw(sigmas()) * r, 4)) for leaf in leaves if draw(st.booleans()))
+    # patterns more often where layers can differ (three times in four; half the time otherwise)
+    often = weighted([(False, 1), (True, 3 if layers > 1 else 1)])
+    if fmt == "fused" and draw(often):  # rank_pattern / alpha_pattern on some targets
+        leaves = [(t, "mlp.experts") for t in experts] + [(_LEAF[m], "self_attn") for m in dense]
+        ranks, alphas = [], []
+        for values, value in ((ranks, lambda: draw(st.integers(1, R))), (alphas, lambda: round(draw(sigmas()) * r, 4))):
+            for leaf, block in leaves:
+                if draw(often):  # a value per key: layers named apart differ from each other
+                    values += [(key, value()) for key in _pattern_keys(draw, leaf, block, layers)]
+        leaf = draw(uniform(experts)) if layers > 1 and experts and draw(often) else None
+        if leaf is not None and not any(k.endswith(leaf) for k, _ in alphas):
+            # an expert target's α set for one layer alone: a reader giving every layer layer 0's σ
+            # reads another σ there (every MoE layer of a case runs its expert deltas)
+            n = draw(st.integers(0, layers - 1))
+            key = draw(uniform((f"layers.{n}.mlp.experts.{leaf}", rf"layers\.{n}\..*{leaf}")))
+            alphas.append((key, round(draw(sigmas()) * r * 1.5, 4)))
+        # In the file's order: peft 0.21.2 writes adapter_config.json with sort_keys=True and resolves a
+        # module by the first matching key, so a file means its patterns in sorted key order whatever
+        # order the LoraConfig held (peft's in-memory model of another order disagrees with its own file)
+        ranks, alphas = tuple(sorted(ranks)), tuple(sorted(alphas))
     stored = draw(uniform(STORED))
     seed = draw(st.integers(0, 2**16))
-    return FileAdapter(fmt, r, round(alpha, 6), rslora, experts, dense, ranks, alphas, stored, seed)
+    return FileAdapter(fmt, r, round(alpha, 6), rslora, experts, dense, ranks, alphas, stored, seed, layers)
 
 
 @dataclass

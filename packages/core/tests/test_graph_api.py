@@ -166,3 +166,33 @@ def test_capture_runs_on_the_warmup_stream():
     assert torch.cuda.current_stream() == before
     x.copy_(torch.randn(8, device="cuda"))
     assert torch.equal(graph.replay(), x * 3.0)
+
+
+@pytest.mark.parametrize("mode", ["full", "breakable"])
+def test_the_harness_and_the_engine_capture_under_one_warm_up_rule(mode):
+    # DESIGN.md §6, "Warm-up and capture": the suite's LayerGraph and the engine's GraphBucket
+    # (packages/runner/tests/test_graph_capture.py) name no warm-up and take the pool's (0 on the emulator, 1 on CUDA), so an emulated capture is the
+    # callable's first call in both — state a backend keeps on the info object is not primed by an
+    # eager call the engine never makes
+    from moelora_core.graphs import LayerGraph
+
+    pool = GraphPool("prefill", "cpu")
+    assert pool.default_warmup == 0 and GraphPool.default_warmup.fget(type("P", (), {"kind": "cuda"})()) == 1
+    calls = {"projection": 0, "break": 0, "moe": 0}
+    x = torch.randn(4, 3)
+
+    def part(name, fn):
+        def run(*args):
+            calls[name] += 1
+            return fn(*args)
+        return run
+
+    graph = LayerGraph(part("projection", lambda: x * 2.0), part("break", lambda a: a + 1.0),
+                       part("moe", lambda b: b * 3.0), mode=mode, pool=pool)
+    graph.capture()
+    # full: one capture of the three; breakable: the projection captured, then run once eagerly with
+    # the break op for the MoE segment's static input (the engine's breakable bucket replays the
+    # captured segment instead), and the MoE segment captured
+    expected = {"projection": 1, "break": 1, "moe": 1} if mode == "full" else {"projection": 2, "break": 1, "moe": 1}
+    assert calls == expected
+    assert torch.equal(graph.replay(), (x * 2.0 + 1.0) * 3.0)

@@ -162,3 +162,13 @@ def test_slot_loads_reach_the_backend_once(make_engine, engine_adapters):
     engine.generate([dict(REQUEST, request_id="b", adapter=b)])  # b evicts a: the backend hears it once per pool
     later = rs.HOOK_CALLS[before:]
     assert sorted(p for _, _, p in later) == pools and {i for i, _, _ in later} == {id(engine.backend)}
+
+
+def test_buckets_capture_under_the_pools_warm_up_rule():
+    # DESIGN.md §6, "Warm-up and capture": a bucket names no warm-up, so it captures under
+    # GraphPool.default_warmup, as the suite's LayerGraph does (packages/core/tests/test_graph_api.py)
+    import inspect
+
+    from moelora_runner.graph_runner import GraphBucket
+
+    assert "warmup" not in inspect.getsource(GraphBucket)

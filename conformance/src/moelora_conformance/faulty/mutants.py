@@ -9,9 +9,12 @@ it. The suite must catch every one in the ``interpret`` profile without shrinkin
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 
+import moelora_core.checkpoint as checkpoint
+from moelora_conformance.faulty.e2e_mutants import HotSlotFrozenAtCapture
 from moelora_core.batch import BatchSpec, Request
 from moelora_core.batch_info import LoRABatchInfo
 from moelora_core.checkpoint import peft_config
@@ -285,6 +288,7 @@ class FoldsSigmaIntoPool(ReferenceBackend):
 
 _POOL_LOAD_SLOT = LoRAWeights.load_slot
 _PARSE_ADAPTER_CONFIG = peft_config.parse_adapter_config
+_READ_ADAPTER = checkpoint.read_adapter
 
 
 class _QuantizedShrinkDeltas:
@@ -382,6 +386,63 @@ class ReaderDropsRsLoRA(ReferenceBackend):
         super().__init__(spec)
 
 
+class SlotHookSkippedOnSameConfig(ReferenceBackend):
+    """The backend serves the MoE factors from its own copy, refreshed by its slot-load hook — which
+    returns early when the slot's ranks and σ are those it last copied: a reload of new weights with
+    the same config (RL weight sync, ``load_adapter_from_tensors``) keeps serving the old weights."""
+
+    name = "mutant-slot-hook-skipped-on-same-config"
+
+    def capabilities(self):
+        return dataclasses.replace(super().capabilities(), slot_load_hook=True)
+
+    @staticmethod
+    def _config(weights, slot):
+        return tuple((m, weights.host_ranks[m][slot], weights.host_scalings[m][slot])
+                     for m in sorted(weights.host_ranks))
+
+    def on_slot_loaded(self, slot, weights):
+        copies = self.__dict__.setdefault("_copies", {})
+        if id(weights) not in copies:  # first sight of this pool: copy all of it
+            copies[id(weights)] = ({m: tuple(t.clone() for t in weights.factors(m)) for m in ("gate", "up", "down")},
+                                   {s: self._config(weights, s) for s in range(weights.spec.max_loras)})
+            return
+        factors, configs = copies[id(weights)]
+        if configs[slot] == self._config(weights, slot):
+            return  # FAULT: same ranks and σ taken for the same weights; the copy is not refreshed
+        for m, (A, B) in factors.items():
+            src_A, src_B = weights.factors(m)
+            A[slot].copy_(src_A[slot])
+            B[slot].copy_(src_B[slot])
+        configs[slot] = self._config(weights, slot)
+
+    def _moe_factors(self, weights, module):
+        copies = self.__dict__.get("_copies", {})
+        return copies[id(weights)][0][module] if id(weights) in copies else super()._moe_factors(weights, module)
+
+
+def _read_adapter_with_layer_zero_sigma(*args, **kwargs):
+    adapter = _READ_ADAPTER(*args, **kwargs)
+    first = adapter.layers[0] if adapter.layers else {}
+    # FAULT: every layer's module takes layer 0's σ (right unless a rank_pattern / alpha_pattern key
+    # names a layer)
+    return dataclasses.replace(adapter, layers=tuple(
+        {m: dataclasses.replace(lora, scaling=first[m].scaling) if m in first else lora for m, lora in layer.items()}
+        for layer in adapter.layers))
+
+
+class ReaderLayerZeroSigma(ReferenceBackend):
+    """The adapter reader gives every layer's module layer 0's σ: right for adapters whose patterns
+    name module leaves only, wrong for a layer-specific ``rank_pattern`` / ``alpha_pattern`` key
+    (``layers.1.mlp.experts.down_proj``; the fault is in the reader, put in by this backend's factory)."""
+
+    name = "mutant-reader-layer-zero-sigma"
+
+    def __init__(self, spec):
+        checkpoint.read_adapter = _read_adapter_with_layer_zero_sigma  # FAULT: the process's reader
+        super().__init__(spec)
+
+
 #: Mutation name → (backend class, what the fault is).
 MUTANTS: dict[str, type[ReferenceBackend]] = {
     "stale-tail": StaleTail,
@@ -403,4 +464,7 @@ MUTANTS: dict[str, type[ReferenceBackend]] = {
     "fp8-quantized-shrink": QuantizedShrinkOnFp8,
     "fp8-skips-deltas": SkipsDeltasOnFp8,
     "reader-drops-rslora": ReaderDropsRsLoRA,
+    "reader-layer-zero-sigma": ReaderLayerZeroSigma,
+    "slot-hook-skipped-on-same-config": SlotHookSkippedOnSameConfig,
+    "layer-hot-slot-frozen-at-capture": HotSlotFrozenAtCapture,  # the e2e mutant, in the layer campaign
 }

@@ -150,8 +150,12 @@ class InspectingBackend:
         theirs, mine = (w.max_loras, w.E, w.R, w.H, w.I, w.dtype), (s.max_loras, s.E, s.R, s.H, s.I, s.dtype)
         if theirs != mine:
             raise MalformedCallError(f"weights for (L, E, R, H, I, dtype) = {theirs}, the spec has {mine}")
-        if weights.slot_ranks() != batch.lora_ranks:
-            raise MalformedCallError(f"the batch says ranks {batch.lora_ranks}, the pool holds {weights.slot_ranks()}")
+        # A slot's batch rank is its largest over every layer (AdapterPool.slot_ranks), so a layer's
+        # pool may hold less where a rank_pattern key names a layer (P13), never more.
+        held = weights.slot_ranks()
+        if len(held) != len(batch.lora_ranks) or any(h > b for h, b in zip(held, batch.lora_ranks)):
+            raise MalformedCallError(f"the batch says ranks {batch.lora_ranks}, the pool holds {held} (a slot's "
+                                     "rank in one layer's pool may not exceed the batch's)")
         if tuple(weights.slot_scalings()) != tuple(batch.scalings):
             raise MalformedCallError(f"the batch says σ {batch.scalings}, the pool holds {weights.slot_scalings()}")
         return info.num_tokens

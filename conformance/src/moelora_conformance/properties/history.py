@@ -11,13 +11,19 @@ history has left it, with fresh values — or a reload of the pool:
 - ``other_family``: a batch prepared and replayed in the *other* graph family of the same backend
   (eager mode: any declared family), which must not disturb this one;
 - ``reload``: another adapter loaded into a slot the checked batch uses (slot reuse, eviction) —
-  fresh values, mostly rank R (larger than any rank the pool held), another σ — or, one time in four,
-  the slot emptied with ``clear_slot``; through ``LoRAWeights.load_slot`` / ``clear_slot`` between
+  fresh values, mostly rank R (larger than any rank the pool held), another σ — or new weights of the
+  slot's own config (RL weight sync), or the slot emptied with ``clear_slot``
+  (:func:`draw_reload`); through ``LoRAWeights.load_slot`` / ``clear_slot`` between
   batches, exactly as an engine does it (:meth:`~moelora_conformance.harness.Layer.reload`). A
   reload always follows a batch with LoRA in the subject's mode: in graph modes the graph is then
   captured *before* the reload and replayed after it, and a backend that caches factors, σ or a
   rank bound on first use is caught holding the old ones. Every later batch — the checked one
   included — describes the pool as it is now (ranks and σ of ``BatchSpec``), as a scheduler's.
+- ``hot_load``: an adapter loaded into a slot the checked batch uses that was empty when the
+  subject's first batch ran (graph modes: its capture) and is empty now — emptied first when nothing
+  has run yet; a slot an earlier hot load filled gets a ``reload`` instead —
+  as a server loads an adapter on demand into a slot no graph bucket saw in use; a backend whose
+  graph keeps the empty slot's flags or pointers of capture time serves that slot no LoRA.
 
 Graph modes may also *interleave* an other-family batch between the checked batch's ``prepare`` and
 its replay (as a scheduler that prepares a decode and a prefill step before running either): the
@@ -37,15 +43,18 @@ from moelora_conformance.strategies.cases import MaterializedCase, MoELoRACase
 from moelora_conformance.strategies.choice import uniform, weighted
 from moelora_conformance.strategies.suite import family_of, mode_forward, pool_batches, tokens_per_request
 from moelora_core.backend_checks import GraphCapacity
-from moelora_core.batch import BatchSpec
+from moelora_core.batch import BatchSpec, Request
 from moelora_core.capabilities import Fallback
 from moelora_core.forward_mode import ForwardMode
 
 #: The simplest history (the first example Hypothesis tries) is one reload after a batch with LoRA:
 #: "reload" comes first.
-STEP_KINDS: tuple[str, ...] = ("reload", "adapters", "all_base", "idle", "larger", "other_family")
-#: Draw weights of the step kinds (others 1): a reload in about half of the histories.
-_KIND_WEIGHTS = {"reload": 4.0}
+STEP_KINDS: tuple[str, ...] = ("reload", "hot_load", "adapters", "all_base", "idle", "larger", "other_family")
+#: Draw weights of the step kinds (others 1): a reload or a hot load in most histories. Hypothesis
+#: builds most examples from earlier ones, so 60 examples hold about ten independent draws of a
+#: choice: the weights here and in draw_reload keep every reload kind in the 60 examples of
+#: test_histories_reload_used_slots_after_a_lora_batch under other seeds too.
+_KIND_WEIGHTS = {"reload": 4.0, "hot_load": 3.0}
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,7 @@ class Reload:
     slot: int
     adapter: SlotAdapter | None
     seed: int
+    same_config: bool = False  # new weights of the slot's own config (RL weight sync)
 
     def applied(self, pool: tuple[SlotAdapter | None, ...]) -> tuple[SlotAdapter | None, ...]:
         """The pool's structure after this reload."""
@@ -63,7 +73,16 @@ class Reload:
     def describe(self) -> str:
         a = self.adapter
         what = "clear_slot" if a is None else f"load_slot {a.describe()} σ={a.adapter_scaling:.6g}"
-        return f"slot {self.slot}: {what} (seed {self.seed})"
+        return f"slot {self.slot}: {what} (seed {self.seed}{', same config: new weights' if self.same_config else ''})"
+
+    def with_slot_used(self, batch: BatchSpec) -> BatchSpec:
+        """``batch`` with its first request on this reload's slot (unchanged for a clear or an empty
+        batch): a batch after a hot load or a same-config reload reads the reloaded slot."""
+        if self.adapter is None or not batch.requests:
+            return batch
+        first = batch.requests[0]
+        requests = (Request(self.slot, first.extend_len, first.prefix_len), *batch.requests[1:])
+        return BatchSpec(batch.forward_mode, requests, batch.max_loras, batch.lora_ranks, batch.scalings)
 
 
 @dataclass
@@ -139,13 +158,20 @@ def draw_reload(data: st.DataObject, case: MoELoRACase, pool: tuple[SlotAdapter 
     """A reload of one of ``slots`` (any slot if empty): a new adapter of rank R (three times in four:
     larger than any the pool held, where R allows) or a drawn rank, with another σ than the slot's
     adapter — half the time targeting only some of the modules the slot's adapter had (slot reuse
-    by an adapter that lacks modules: none of the old one's may remain) — or (one time in four, if
-    the slot holds one) ``clear_slot``. The simplest draw loads an adapter of rank R."""
+    by an adapter that lacks modules: none of the old one's may remain) — or, if the slot holds one,
+    ``clear_slot`` (one time in four) or new weights of the slot's own config (one time in four: the
+    same modules, ranks and σ, fresh values, as RL weight sync reloads a name every training step with
+    ``load_adapter_from_tensors``; a backend that keys a copy or a cache on the slot's ranks and σ
+    keeps the old weights). The simplest draw loads an adapter of rank R."""
     shape = case.shape
     slot = data.draw(uniform(sorted(slots) or list(range(shape.max_loras))), label=f"{label}: slot")
     old = pool[slot]
-    if old is not None and data.draw(weighted([(False, 3), (True, 1)]), label=f"{label}: clear the slot"):
-        return Reload(slot, None, seed)
+    if old is not None:
+        how = data.draw(weighted([("another adapter", 2), ("clear", 1), ("same config", 1)]), label=f"{label}: kind")
+        if how == "clear":
+            return Reload(slot, None, seed)
+        if how == "same config":
+            return Reload(slot, old, seed, same_config=True)
     rank_r = data.draw(weighted([(True, 3), (False, 1)]), label=f"{label}: rank R")
     adapter = data.draw(slot_adapters(shape, ranks=st.just(shape.max_rank) if rank_r else None,
                                       exclude_sigma=None if old is None else old.adapter_scaling),
@@ -168,29 +194,58 @@ def draw_history(data: st.DataObject, suite: Suite, case: MoELoRACase, m: Materi
     pool = case.pool
     steps: list[Step] = []
     lora_ran = False  # a batch with LoRA ran in the subject's mode (graph modes: the graph is captured)
+    captured: tuple[SlotAdapter | None, ...] | None = None  # the pool when the subject's first batch ran
+    used = sorted({r.slot for r in target.requests if r.slot >= 0})  # slots the checked batch uses
 
     def add_batch(kind: str, step_mode: str, batch: BatchSpec, i: int) -> None:
-        nonlocal lora_ran
+        nonlocal lora_ran, captured
         inputs = derive_inputs(case, m, batch, seed=case.seed * 7 + 1 + i)
         steps.append(Step(kind, step_mode, inputs))
         lora_ran = lora_ran or (step_mode == mode and batch.has_active_lora)
+        captured = pool if captured is None and step_mode == mode else captured
         trace(f"history step {i} ({kind}, {step_mode}): {inputs.describe()}")
+
+    def add_reload(reload: Reload, i: int, what: str = "reload") -> None:
+        nonlocal pool
+        kind = {"emptied before the capture": "empty_before_capture", "hot load after the capture": "hot_load"}
+        steps.append(Step(kind.get(what, "reload"), mode, None, reload=reload))
+        pool = reload.applied(pool)
+        trace(f"history step {i} ({what}): {reload.describe()}")
 
     for i in range(n):
         kind = data.draw(weighted([(k, _KIND_WEIGHTS.get(k, 1.0)) for k in kinds]), label=f"history step {i}")
         now = on_pool(target, pool)
         step_mode = other if kind == "other_family" else mode
+        if kind == "hot_load":
+            # a load into a slot the checked batch uses that no adapter held when the subject's graph
+            # was captured (its first batch) and none holds now — emptied first if nothing ran yet —
+            # after a batch with LoRA where the pool has any (the capture, and what a backend's cache
+            # primes on; with the pool empty, a capture with no adapter loaded, as at a server's start)
+            hot = [s for s in used if captured is not None and captured[s] is None and pool[s] is None]
+            if captured is None or hot:
+                slot = data.draw(uniform(hot or used or list(range(case.shape.max_loras))),
+                                 label=f"history step {i}: hot-loaded slot")
+                if captured is None and pool[slot] is not None:
+                    add_reload(Reload(slot, None, case.seed * 7 + 40 + i), i, "emptied before the capture")
+                if captured is None or (not lora_ran and any(pool)):
+                    batch = draw_batch(data, suite, on_pool(target, pool), mode, adapters="adapters",
+                                       label=f"history batch {i} before the hot load")
+                    add_batch("adapters", mode, batch, 10 + i)
+                # the slot is empty: draw_reload loads an adapter (never a clear or a same-config reload)
+                reload = draw_reload(data, case, pool, [slot], seed=case.seed * 7 + 50 + i,
+                                     label=f"history hot load {i}")
+                add_reload(reload, i, "hot load after the capture")
+                continue
+            # every slot the checked batch uses held an adapter at the capture, or holds one now (an
+            # earlier hot load's): a reload of it
+            kind = "reload"
         if kind == "reload":
             if not lora_ran:
                 batch = draw_batch(data, suite, now, mode, adapters="adapters",
                                    label=f"history batch {i} before reload")
                 add_batch("adapters", mode, batch, 10 + i)
-            wanted = [r.slot for r in target.requests if r.slot >= 0]  # slots the checked batch uses
-            reload = draw_reload(data, case, pool, list(set(wanted)), seed=case.seed * 7 + 50 + i,
-                                 label=f"history reload {i}")
-            steps.append(Step("reload", mode, None, reload=reload))
-            pool = reload.applied(pool)
-            trace(f"history step {i} (reload): {reload.describe()}")
+            reload = draw_reload(data, case, pool, used, seed=case.seed * 7 + 50 + i, label=f"history reload {i}")
+            add_reload(reload, i)
             continue
         if kind == "idle":
             batch = BatchSpec(ForwardMode.IDLE, (), now.max_loras, now.lora_ranks, now.scalings)

@@ -1,7 +1,8 @@
 """P04: history independence — a batch after a random prefix of batches (adapter batches, all-base,
 IDLE, larger, the other graph family) and adapter reloads (another adapter — fresh values, often a
-larger rank, another σ — loaded into a slot the batch uses, or the slot cleared, between batches and,
-in graph modes, after the capture) equals the same batch on a fresh backend; in graph modes the
+larger rank, another σ — or new weights of the same config loaded into a slot the batch uses, or the
+slot cleared, between batches and, in graph modes, after the capture; a hot load into a slot that was
+empty at the capture) equals the same batch on a fresh backend; in graph modes the
 other family may also run between the batch's ``prepare`` and its replay.
 
 Half the cases raise the pool's R past every rank its adapters hold (as a server's max LoRA rank),

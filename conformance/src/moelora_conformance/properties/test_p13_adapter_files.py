@@ -51,8 +51,9 @@ def test_adapters_read_from_peft_files_mean_what_the_files_say(moelora_suite, mo
     # whose σ = α/√2 a reader that drops the flag gets wrong
     shape = replace(drawn.shape, dense_shapes=geometry.dense_shapes(drawn.shape.hidden_size, modules),
                     max_rank=max(drawn.shape.max_rank, min(4, caps.max_rank)))
-    files = [data.draw(file_adapters(shape), label="slot 0 file")]
-    files += [data.draw(st.one_of(st.none(), file_adapters(shape)), label=f"slot {s} file")
+    layers = drawn.moe_layers  # one decoder layer per MoE layer: keys naming layer 1 count in two-layer cases
+    files = [data.draw(file_adapters(shape, layers=layers), label="slot 0 file")]
+    files += [data.draw(st.one_of(st.none(), file_adapters(shape, layers=layers)), label=f"slot {s} file")
               for s in range(1, shape.max_loras)]
     pool = tuple(None if f is None else f.slot_adapter() for f in files)
     for slot, f in enumerate(files):
@@ -86,7 +87,7 @@ def test_adapters_read_from_peft_files_mean_what_the_files_say(moelora_suite, mo
     slot = data.draw(uniform(used), label="slot reloaded from a file")
     had = [m for m, _, _ in files[slot].modules() if m in ("gate", "up", "down")]
     lacking = tuple(data.draw(st.lists(uniform(had), min_size=1, max_size=1), label="module it lacks")) if had else ()
-    new = data.draw(file_adapters(shape, experts_lacking=lacking), label="reloaded file")
+    new = data.draw(file_adapters(shape, experts_lacking=lacking, layers=layers), label="reloaded file")
     trace(f"slot {slot}: reloaded with file {new.describe()} (lacks {list(lacking)})")
     subject.layer.load_files(slot, builder.build(new, shape, geometry, case.moe_layers), config)
     pool = tuple(new.slot_adapter() if s == slot else a for s, a in enumerate(pool))

@@ -112,10 +112,6 @@ class GraphBucket:
         self.graphs: list[CapturedGraph] = []
         self.capture_info: LoRABatchInfo | None = None
         self._signature: dict[str, tuple[int, int]] = {}
-        # Warm-up is for CUDA (lazy initialisation, Triton compilation and autotuning outside the
-        # capture); the emulator's capture runs the callable itself, so a warm-up call would only
-        # repeat it.
-        self._warmup = 1 if self.pool.kind == "cuda" else 0
 
     @property
     def captured(self) -> bool:
@@ -168,8 +164,7 @@ class GraphBucket:
         live = self.stage(idle, info)
         fb = self.static.forward_batch(info, tokens=self.tokens, requests=self.requests)
         if self.mode == "full":
-            self.graphs = [self.pool.capture(lambda: self.model.hidden_states(fb, self.kv, self.lora),
-                                            warmup=self._warmup)]
+            self.graphs = [self.pool.capture(lambda: self.model.hidden_states(fb, self.kv, self.lora))]
             return
         self._capture_segments(fb, live)
 
@@ -194,12 +189,12 @@ class GraphBucket:
 
         # In order, each segment replayed before the next is captured (on the IDLE batch): the next
         # one reads finite outputs at its warm-up, on CUDA as on the emulator.
-        graphs = [self.pool.capture(first, warmup=self._warmup)]
+        graphs = [self.pool.capture(first)]
         out = graphs[0].replay()
         for i in range(model.num_layers):
             self._attend(i, out, live)
             segment = middle(i, out[0]) if i + 1 < model.num_layers else last(out[0])
-            graphs.append(self.pool.capture(segment, warmup=self._warmup))
+            graphs.append(self.pool.capture(segment))
             out = graphs[-1].replay()
         self.graphs = graphs
 

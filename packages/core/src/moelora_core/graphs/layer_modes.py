@@ -33,7 +33,8 @@ class LayerGraph:
         moe: (b) -> y.
         mode: "full" or "breakable" (``PREFILL_GRAPH_MODES``).
         pool: the family's pool (both graphs of ``breakable`` share it).
-        warmup: eager warm-up calls before each capture.
+        warmup: eager warm-up calls before each capture; None: the pool's rule
+            (``GraphPool.default_warmup``, the engine's too).
 
     Raises:
         InvalidFieldError: unknown mode.
@@ -47,7 +48,7 @@ class LayerGraph:
         *,
         mode: str,
         pool: GraphPool,
-        warmup: int = 1,
+        warmup: int | None = None,
     ) -> None:
         if mode not in PREFILL_GRAPH_MODES:
             raise InvalidFieldError("mode", f"unknown layer graph mode {mode!r}; expected one of {PREFILL_GRAPH_MODES}")

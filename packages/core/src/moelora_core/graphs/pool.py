@@ -110,8 +110,16 @@ class GraphPool:
         self.graphs: list[CapturedGraph] = []
         self._handle = torch.cuda.graph_pool_handle() if kind == "cuda" else None
 
-    def capture(self, fn: Callable[[], object], *, warmup: int = 1) -> CapturedGraph:
-        """Warm up ``fn`` eagerly ``warmup`` times, then capture one call of it.
+    @property
+    def default_warmup(self) -> int:
+        """Eager warm-up calls before a capture when the caller names none: 1 on CUDA (lazy
+        initialisation, Triton compilation and autotuning outside the capture), 0 on the emulator
+        (its capture runs the callable itself, so a warm-up would only repeat it). The one rule the
+        engine's buckets and the suite's harness (``LayerGraph``) both capture under (DESIGN.md §6)."""
+        return 1 if self.kind == "cuda" else 0
+
+    def capture(self, fn: Callable[[], object], *, warmup: int | None = None) -> CapturedGraph:
+        """Warm up ``fn`` eagerly ``warmup`` times (None: :attr:`default_warmup`), then capture one call of it.
 
         ``fn`` takes no arguments: it reads static inputs (tensors allocated before capture and
         written in place between replays) and returns its outputs.
@@ -120,6 +128,8 @@ class GraphPool:
             HostSyncError: ``fn`` synchronises with the host during capture (nothing captured).
             InvalidFieldError: ``warmup`` < 0.
         """
+        if warmup is None:
+            warmup = self.default_warmup
         if warmup < 0:
             raise InvalidFieldError("warmup", f"must be >= 0, got {warmup}")
         if self.kind == "emulated":
