@@ -279,19 +279,26 @@ def routing_plans(
     ``some_empty`` is drawn only where an expert can be empty (E > top_k); ``grouped_sigmoid`` where
     E splits into groups of at least two (E >= 2), with a grouping drawn among those whose kept groups
     hold the routed columns (one group first: the simplest, where shrinking goes; groupings that drop
-    groups weigh most). Where E_base > E and top_k >= 2 the last column is a fused shared expert:
-    always in ``grouped_sigmoid`` mode, in three draws in four of the others (none: the simplest).
+    groups in three draws in four where one exists, and the mode itself twice as often there). Where
+    E_base > E and top_k >= 2 the last column is a fused shared expert: always in ``grouped_sigmoid``
+    mode, in three draws in four of the others (none: the simplest).
     """
     E_base = num_experts if num_base_experts is None else num_base_experts
     fusable = E_base > num_experts and top_k >= 2
     groupings = _groupings(num_experts, top_k - int(fusable))
+    dropping = [(g, kg) for g, kg in groupings if kg < g]
     feasible = [m for m in modes
                 if (m != "some_empty" or num_experts > top_k) and (m != "grouped_sigmoid" or groupings)] or ["uniform"]
-    mode = draw(weighted([(m, _MODE_WEIGHTS[m]) for m in feasible]))
+    # where a grouping can drop groups (the case group-limited routing exists for), grouped_sigmoid
+    # weighs twice as much: many shapes (E prime) allow only one group, and the drops must stay common
+    mode = draw(weighted([(m, _MODE_WEIGHTS[m] * (2.0 if m == "grouped_sigmoid" and dropping else 1.0))
+                          for m in feasible]))
     hot, empty, grouping = None, (), None
     if mode == "grouped_sigmoid":
-        # groupings that drop groups (topk_group < n_group) three times as often as the others
-        n_group, topk_group = draw(weighted([((g, kg), 3.0 if kg < g else 1.0) for g, kg in groupings]))
+        # a grouping that drops groups (topk_group < n_group) in three draws in four where one exists
+        keep_all = [gk for gk in groupings if gk not in dropping]
+        pool = dropping if dropping and draw(weighted([(False, 1.0), (True, 3.0)])) else keep_all
+        n_group, topk_group = draw(uniform(pool))
         grouping = GroupLimitedRouting(n_group, topk_group, draw(st.sampled_from(SCALING_FACTORS)))
         shared = fusable
     else:
