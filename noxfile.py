@@ -2,7 +2,7 @@
 
     nox -s lint              ruff over the repository
     nox -s tests             every CPU test that the main job does not run (the README's test command)
-    nox -s conformance       the main job: a verdict on the built-in backends in about 9.5 minutes
+    nox -s conformance       the main job: a verdict on the built-in backends in about 7 minutes
     nox -s conformance-full  the main job's long tail: every family x backend x mode
     nox -s e2e               the e2e suite on the engine (CI-sized) over the built-in backends
 
@@ -151,7 +151,7 @@ MAIN_CHECKS = {
 
 @nox.session
 def conformance(session: nox.Session) -> None:
-    """The main job (about 9.5 minutes on 2 quiet cores, estimated: README.md): a verdict on the
+    """The main job (about 7 minutes on 2 quiet cores from a clean clone: README.md): a verdict on the
     built-in backends, on tiny checkpoints and PEFT adapters made locally.
 
     1. Build the fixtures (tiny Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, GPT-OSS, DeepSeek-V3 checkpoints, fp8
