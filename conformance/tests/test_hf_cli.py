@@ -77,3 +77,11 @@ def test_subcommand_modules_do_not_import_the_cli():
 
     imported = {n.module for n in ast.walk(ast.parse(inspect.getsource(command))) if isinstance(n, ast.ImportFrom)}
     assert "moelora_conformance.cli" not in imported and "moelora_conformance.commands" in imported
+
+
+def test_make_fixtures_refuses_an_unknown_opt_in_family_before_writing(tmp_path, capsys):
+    out = tmp_path / "fixtures"
+    assert cli.main(["make-fixtures", str(out), "--families", "qwen2_moe_fp8,bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "--families" in err and "bogus" in err and "qwen2_moe_fp8" in err, err
+    assert not out.exists()

@@ -92,15 +92,14 @@ def _make_fixtures(parser: argparse.ArgumentParser) -> Handler:
         if not require_fixtures_extra("make-fixtures"):
             return 2
         from moelora_conformance.fixtures import build_fixtures
-        from moelora_conformance.fixtures.specs import OPT_IN_FP8_MODELS
+        from moelora_core.errors import InvalidFieldError
 
         families = [f.strip() for f in args.families.split(",") if f.strip()]
-        opt_in = [m.name for m in OPT_IN_FP8_MODELS]
-        if unknown := sorted(set(families) - set(opt_in)):
-            print(f"moelora-conformance make-fixtures: --families: unknown {unknown}; opt-in models: {opt_in}",
-                  file=sys.stderr)
+        try:  # build_fixtures checks the names before it writes anything
+            fixtures = build_fixtures(args.directory, families=families)
+        except InvalidFieldError as exc:
+            print(f"moelora-conformance make-fixtures: --{exc}", file=sys.stderr)
             return 2
-        fixtures = build_fixtures(args.directory, families=families)
         m = fixtures.manifest
         print(f"built {len(m['models'])} models, {len(m['adapters'])} adapters, {len(m['layout_adapters'])} "
               f"shared-outer / fully shared adapters, {len(m['bad_adapters'])} bad adapters in {args.directory} "
