@@ -17,16 +17,23 @@ def load_hf(model_dir: Path, adapter_dir: Path | None = None, *, w8a8: bool = Fa
 
     ``w8a8``: ``model_dir`` is an fp8 block-scaled checkpoint and its fp8 modules compute w8a8
     (``hf_w8a8.make_w8a8``, before peft wraps them); without it transformers computes such a
-    checkpoint w8a16 on a CPU (it dequantizes the weights at load)."""
+    checkpoint w8a16 on a CPU (it dequantizes the weights at load). An fp8 checkpoint whose block does
+    not divide every fp8 weight (partial edge blocks, ``hf_w8a8.partial_block_weights``) is loaded from
+    ``hf_w8a8.dequantized_copy``: the same w8a16 weights, dequantized by the oracle instead of by
+    transformers, which gets them wrong there."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a bar per tiny model would bury the table
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    from moelora_conformance.hf_check.hf_w8a8 import dequantized_copy, make_w8a8, partial_block_weights
+
+    # An fp8 checkpoint with partial edge blocks: transformers takes the block from the scale grid and
+    # refuses or mis-dequantizes it, so it loads the oracle's dequantized copy (docs/checkpoints.md).
+    source = dequantized_copy(model_dir) if partial_block_weights(Path(model_dir)) else model_dir
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
     if w8a8:
-        from moelora_conformance.hf_check.hf_w8a8 import make_w8a8
 
         make_w8a8(model, Path(model_dir))
     if adapter_dir is None:

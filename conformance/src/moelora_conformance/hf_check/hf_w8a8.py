@@ -97,6 +97,82 @@ def fp8_block(model_dir: Path) -> tuple[int, int] | None:
     return tuple(qc["weight_block_size"])
 
 
+def partial_block_weights(model_dir: Path) -> list[str]:
+    """The fp8 weights of ``model_dir`` (those with a ``weight_scale_inv``) whose shape its block does not
+    divide: partial edge blocks, which transformers 5.17 mis-dequantizes or refuses on a CPU (it takes
+    the block from the scale grid). Empty for an unquantized checkpoint."""
+    from safetensors import safe_open
+
+    block = fp8_block(model_dir)
+    if block is None:
+        return []
+    partial = []
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():
+                if key.endswith(".weight_scale_inv"):
+                    weight = key.removesuffix("_scale_inv")
+                    shape = tuple(f.get_slice(weight).get_shape()) if weight in f.keys() else ()
+                    if len(shape) == 2 and (shape[0] % block[0] or shape[1] % block[1]):
+                        partial.append(weight)
+    return partial
+
+
+#: Unquantized copies made by :func:`dequantized_copy` in this process: checkpoint → copy.
+_COPIES: dict[Path, Path] = {}
+
+
+def dequantized_copy(model_dir: Path) -> Path:
+    """An unquantized copy of the fp8 checkpoint ``model_dir`` that transformers loads as it is (made once
+    per process, in a temporary folder removed at exit): every fp8 weight replaced by the oracle's
+    ``fp8_dequantize`` (fp64, rounded once to fp32; partial edge blocks as the format defines them),
+    its ``weight_scale_inv`` dropped, every other tensor as stored, config.json without its
+    ``quantization_config``, the other files copied. Loaded, it is the w8a16 model transformers would
+    build where the block divides every dimension (the same fp32 weights, bit for bit): nothing of the
+    engine or of moelora's readers takes part.
+
+    Raises:
+        W8A8ReferenceError: ``model_dir`` is not an fp8 block-scaled checkpoint.
+    """
+    import atexit
+    import shutil
+    import tempfile
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from moelora_reference.oracle import fp8_dequantize
+
+    model_dir = Path(model_dir).resolve()
+    if model_dir in _COPIES:
+        return _COPIES[model_dir]
+    block = fp8_block(model_dir)
+    if block is None:
+        raise W8A8ReferenceError(f"{model_dir}: not an fp8 block-scaled checkpoint (no quantization_config "
+                                 "with quant_method 'fp8')")
+    out = Path(tempfile.mkdtemp(prefix="moelora-hf-dequantized-"))
+    atexit.register(shutil.rmtree, out, True)
+    tensors = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            tensors |= {k: f.get_tensor(k) for k in f.keys()}
+    state = {}
+    for key, t in tensors.items():
+        if key.endswith(".weight_scale_inv"):
+            continue
+        scale = tensors.get(key.removesuffix(".weight") + ".weight_scale_inv") if key.endswith(".weight") else None
+        state[key] = (t if scale is None else fp8_dequantize(t, scale, block).to(torch.float32)).contiguous()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("quantization_config")
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for f in model_dir.iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.startswith("model"):
+            shutil.copy2(f, out / f.name)
+    _COPIES[model_dir] = out
+    return out
+
+
 #: A per-expert weight's module name on disk: (layer prefix, block, expert, leaf).
 _EXPERT_KEY = re.compile(r"^(.*\.layers\.\d+)\.(\w+)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)$")
 #: Disk leaf → gate / up / down (Mixtral's w1 / w3 / w2).

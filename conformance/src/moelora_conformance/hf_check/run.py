@@ -53,6 +53,7 @@ from moelora_conformance.hf_check import hf_model
 from moelora_conformance.hf_check.backend_path import compare_backend_layer
 from moelora_conformance.hf_check.compare import SLOT, CheckRow, compare_layer
 from moelora_conformance.hf_check.extract import base_from_hf, lora_from_peft
+from moelora_conformance.hf_check.hf_w8a8 import partial_block_weights
 from moelora_conformance.hf_check.model_logprobs import model_logprob_rows
 from moelora_conformance.hf_check.per_module import merged_reference_layers
 from moelora_conformance.user_files import pool_max_rank
@@ -101,23 +102,34 @@ def served_layer(disk):
     if disk.weight_block is None:
         return disk
     deq = {m: dequantize_weight(disk.dense(m), s, disk.weight_block) for m, s in disk.dense_scales.items()}
-    shared = disk.shared_expert
-    if shared is not None:
-        shared = replace(shared, **{f"{m.removeprefix('shared_')}_proj": w for m, w in deq.items()
-                                    if m.startswith("shared_")})
-    return replace(disk, moe=dequantize_moe(disk.moe), weight_block=None, dense_scales={}, shared_expert=shared,
+
+    def mlp(weights, prefix: str):  # a shared expert's or DeepSeek-V3's dense MLP's projections
+        return None if weights is None else replace(weights, **{f"{m.removeprefix(prefix)}_proj": w
+                                                                 for m, w in deq.items() if m.startswith(prefix)})
+    mla = disk.mla
+    if mla is not None:  # DeepSeek-V3: q (or q_a, q_b), kv_a, kv_b live in the MLA weights (o is the layer's)
+        mla = replace(mla, **{f"{m}_proj": w for m, w in deq.items() if m in ("q", "q_a", "q_b", "kv_a", "kv_b")})
+    return replace(disk, moe=None if disk.moe is None else dequantize_moe(disk.moe), weight_block=None,
+                   dense_scales={}, shared_expert=mlp(disk.shared_expert, "shared_"),
+                   dense_mlp=mlp(disk.dense_mlp, "dense_"), mla=mla,
                    **{f"{m}_proj": w for m, w in deq.items() if m in ("q", "k", "v", "o")})
 
 
-def _fp8_weight_row(model: str, layer: int, disk, hf_moe: MoEBaseWeights, hf_dense: dict) -> CheckRow:
-    """The readers' fp8 weights times their block scales equal transformers' dequantized weights."""
+def _fp8_weight_row(model: str, layer: int, disk, hf_moe: MoEBaseWeights | None, hf_dense: dict,
+                    partial: bool) -> CheckRow:
+    """The readers' fp8 weights times their block scales equal transformers' dequantized weights; with
+    ``partial`` edge blocks (transformers loads ``hf_w8a8.dequantized_copy``) the oracle's
+    ``fp8_dequantize`` rounded once to fp32, which is what transformers then holds (part ``fp8 weights
+    (oracle)``)."""
     served = served_layer(disk)
-    pairs = [("experts gate_up", served.moe.w_gate_up, hf_moe.w_gate_up), ("experts down", served.moe.w_down,
-                                                                             hf_moe.w_down)]
+    pairs = [] if hf_moe is None else [("experts gate_up", served.moe.w_gate_up, hf_moe.w_gate_up),
+                                       ("experts down", served.moe.w_down, hf_moe.w_down)]
     pairs += [(m, served.dense(m), hf_dense[m]) for m in disk.dense_scales if m in hf_dense]
-    bad = [name for name, ours, theirs in pairs if not torch.equal(ours.float(), theirs.float())]
-    return CheckRow(model, BASE, "readers", layer, "fp8 weights", 0.0, 0.0, None, not bad, "equal",
-                    f"differ from transformers' dequantized weights: {bad}" if bad else "")
+    missing = [m for m in disk.dense_scales if m not in hf_dense]  # a module read fp8 that HF has no weight for
+    bad = [name for name, ours, theirs in pairs if not torch.equal(ours.float(), theirs.float())] + missing
+    theirs = "the oracle's dequantized weights" if partial else "transformers' dequantized weights"
+    return CheckRow(model, BASE, "readers", layer, "fp8 weights (oracle)" if partial else "fp8 weights", 0.0, 0.0,
+                    None, not bad, "equal", f"differ from {theirs}: {bad}" if bad else "")
 
 
 def _w8a8_rows(model: str, adapter: str, cfg, disk, pool, hf_layer, seed: int) -> list[CheckRow]:
@@ -143,11 +155,12 @@ def check_model_base(fixtures: FixtureSet, model: str) -> list[CheckRow]:
         cfg = ckpt.config
         fp8 = cfg.base_quant != "none"
         w8a8 = hf_model.decoder_layers(hf_model.load_hf(fixtures.model_dir(model), w8a8=True)) if fp8 else []
+        partial = bool(partial_block_weights(fixtures.model_dir(model)))
         for li, layer in enumerate(hf_model.decoder_layers(hf)):
             moe, dense, shared, biases = base_from_hf(layer, norm_topk_prob=cfg.norm_topk_prob, routing=cfg.routing)
             disk = ckpt.layer(li)
             if fp8:
-                rows.append(_fp8_weight_row(model, li, disk, moe, dense))
+                rows.append(_fp8_weight_row(model, li, disk, moe, dense, partial))
                 rows += _w8a8_rows(model, BASE, cfg, disk, None, (li, w8a8[li]), _seed(model, li))
                 disk = served_layer(disk)
             for source, (m, d, se, b) in (("hf-memory", (moe, dense, shared, biases)),

@@ -256,12 +256,14 @@ class DecoderLayer:
         return h + y
 
 
-def _moved_dense_layer(lw: DecoderLayerWeights, to) -> DecoderLayerWeights:
-    """A DeepSeek-V3 dense layer (MLA + dense MLP, no MoE block) moved by ``to``."""
+def _moved_dense_layer(lw: DecoderLayerWeights, to, keep) -> DecoderLayerWeights:
+    """A DeepSeek-V3 dense layer (MLA + dense MLP, no MoE block) moved by ``to`` (its fp8 block scales,
+    if any, by ``keep``: moved, never cast)."""
     return DecoderLayerWeights(q_proj=to(lw.q_proj), k_proj=None, v_proj=None, o_proj=to(lw.o_proj), q_norm=None,
                                k_norm=None, input_layernorm=to(lw.input_layernorm),
                                post_attention_layernorm=to(lw.post_attention_layernorm), moe=None,
-                               mla=lw.mla.map(to), dense_mlp=lw.dense_mlp.map(to))
+                               mla=lw.mla.map(to), dense_mlp=lw.dense_mlp.map(to), weight_block=lw.weight_block,
+                               dense_scales={m: keep(t) for m, t in lw.dense_scales.items()})
 
 
 class MoEDecoder:
@@ -306,7 +308,7 @@ class MoEDecoder:
         self.layers = []
         for i, lw in enumerate(weights.layers):
             if lw.moe is None:  # DeepSeek-V3's dense first layers (never split: shared experts refuse TP/EP)
-                self.layers.append(DecoderLayer(i, _moved_dense_layer(lw, to), self.config, None, self.parallel,
+                self.layers.append(DecoderLayer(i, _moved_dense_layer(lw, to, keep), self.config, None, self.parallel,
                                                 comm))
                 continue
             router = to(lw.moe.router)

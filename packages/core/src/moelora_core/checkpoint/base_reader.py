@@ -20,9 +20,11 @@ Formats read (transformers 5.17; see :mod:`moelora_core.checkpoint.families`):
   and the ungated shared experts ``mlp.shared_experts.{gate,up,down}_proj``.
 - fp8 block-scaled checkpoints (``quantization_config`` ``quant_method: fp8`` with
   ``weight_block_size`` [bn, bk]; DESIGN.md §1, "Quantized base"): per-expert expert weights and the
-  dense projections (q/k/v/o, the shared expert's) may be stored float8_e4m3fn, each with its
+  dense projections (q/k/v/o, the shared expert's; DeepSeek-V3's MLA projections, shared experts and
+  dense MLP) may be stored float8_e4m3fn, each with its
   ``weight_scale_inv`` fp32 [⌈out/bn⌉, ⌈in/bk⌉]; modules in ``modules_to_not_convert``, routers,
   norms, embeddings and the LM head stay unquantized. The experts of an fp8 checkpoint are all fp8.
+  Edge blocks may be partial (the released DeepSeek-V3's 576-row ``kv_a_proj_with_mqa`` at block 128).
   fp8 tensors and their scales are never cast to ``dtype``. Refused by name: an fp8 tensor where the
   format has none or in a checkpoint without the config (``UnsupportedQuantizationError``), fused
   3-D fp8 expert stacks, a missing (``MissingTensorError``) or mis-shaped (``CheckpointShapeError``)
@@ -58,6 +60,7 @@ from moelora_core.checkpoint.layout import DecoderLayerWeights, MLAWeights, Mode
 from moelora_core.checkpoint.model_config import MoEModelConfig, read_model_config
 from moelora_core.checkpoint.tensor_source import TensorSource
 from moelora_core.fp8_block import scale_grid
+from moelora_core.layer_spec import DENSE_MLP_MODULES, SHARED_EXPERT_MODULES
 from moelora_core.shared_expert import SharedExpertWeights, dense_mlp
 
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -223,14 +226,16 @@ class MoECheckpoint:
         c = self.config
         H, I, E = c.hidden_size, c.moe_intermediate_size, c.num_experts  # noqa: E741
         p = f"model.layers.{layer}"
-        for key, shape in self._mla_keys(layer).values():
-            self._expect(key, shape)
+        # fp8 checkpoints store the MLA projections, the dense MLP and the shared and routed experts
+        # fp8 (the released DeepSeek-V3); its norms, routers and correction biases never are.
+        for name, (key, shape) in self._mla_keys(layer).items():
+            self._expect(key, shape, quantizable=not name.endswith("layernorm"))
         self._expect(f"{p}.input_layernorm.weight", (H,))
         self._expect(f"{p}.post_attention_layernorm.weight", (H,))
         if not c.is_moe_layer(layer):
             self.expert_format.append("dense")
             for key, shape in self._mlp_keys(f"{p}.mlp", c.dense_intermediate_size).values():
-                self._expect(key, shape)
+                self._expect(key, shape, quantizable=True)
             return
         _, form = self._moe_block(layer)
         self.expert_format.append(form)
@@ -239,13 +244,18 @@ class MoECheckpoint:
         if form == "fused":
             self._expect(f"{p}.mlp.experts.gate_up_proj", (E, 2 * I, H))
             self._expect(f"{p}.mlp.experts.down_proj", (E, H, I))
+            if c.weight_block is not None:
+                raise UnsupportedQuantizationError(self.path, f"{p}.mlp.experts.gate_up_proj", "fused 3-D "
+                                                   "expert stacks in an fp8 checkpoint are not served (per-expert "
+                                                   "fp8 weights with their scales are)")
         else:
             for e in range(E):
-                self._expect(f"{p}.mlp.experts.{e}.gate_proj.weight", (I, H))
-                self._expect(f"{p}.mlp.experts.{e}.up_proj.weight", (I, H))
-                self._expect(f"{p}.mlp.experts.{e}.down_proj.weight", (H, I))
+                self._expect(f"{p}.mlp.experts.{e}.gate_proj.weight", (I, H), quantizable=True)
+                self._expect(f"{p}.mlp.experts.{e}.up_proj.weight", (I, H), quantizable=True)
+                self._expect(f"{p}.mlp.experts.{e}.down_proj.weight", (H, I), quantizable=True)
+            self._check_fp8_experts(layer, "mlp")
         for key, shape in self._mlp_keys(f"{p}.mlp.shared_experts", c.shared_expert_intermediate_size).values():
-            self._expect(key, shape)
+            self._expect(key, shape, quantizable=True)
 
     def _mla_keys(self, layer: int) -> dict[str, tuple[str, tuple[int, ...]]]:
         """MLAWeights field (and "o_proj") → (key, shape) of ``layer``'s MLA attention (DeepSeek-V3)."""
@@ -334,6 +344,7 @@ class MoECheckpoint:
                                   norm_topk_prob=c.norm_topk_prob, b_gate_up=b_gate_up, b_down=b_down,
                                   router_bias=self.tensor(f"{p}.{block}.{fam.router_leaf}.bias"),
                                   activation=fam.activation)
+        quant: dict[str, object] = {}  # fp8 experts: the block and both scale grids
         if form == "fused":
             w_gate_up = self.tensor(f"{p}.mlp.experts.gate_up_proj")
             w_down = self.tensor(f"{p}.mlp.experts.down_proj")
@@ -347,11 +358,9 @@ class MoECheckpoint:
             if c.weight_block is not None:  # fp8: gate's scale grid then up's, per expert (MoEBaseWeights)
                 def scales(leaf: str) -> torch.Tensor:
                     return torch.stack([self.scale(f"{p}.{block}.experts.{e}.{leaf}.weight") for e in experts])
-                return MoEBaseWeights(
-                    w_gate_up=w_gate_up.contiguous(), w_down=w_down.contiguous(), router=router,
-                    num_experts=c.num_experts, norm_topk_prob=c.norm_topk_prob, weight_block=c.weight_block,
-                    w_gate_up_scale_inv=torch.cat([scales(g), scales(u)], dim=1).contiguous(),
-                    w_down_scale_inv=scales(d).contiguous())
+                quant = dict(weight_block=c.weight_block,
+                             w_gate_up_scale_inv=torch.cat([scales(g), scales(u)], dim=1).contiguous(),
+                             w_down_scale_inv=scales(d).contiguous())
         return MoEBaseWeights(
             w_gate_up=w_gate_up.contiguous(),
             w_down=w_down.contiguous(),
@@ -360,6 +369,7 @@ class MoECheckpoint:
             norm_topk_prob=c.norm_topk_prob,
             routing=c.routing,
             router_correction_bias=self.tensor(f"{p}.mlp.gate.e_score_correction_bias") if c.routing else None,
+            **quant,
         )
 
     def shared_expert(self, layer: int) -> SharedExpertWeights | None:
@@ -419,11 +429,26 @@ class MoECheckpoint:
             input_layernorm=self.tensor(f"model.layers.{layer}.input_layernorm.weight"),
             post_attention_layernorm=self.tensor(f"model.layers.{layer}.post_attention_layernorm.weight"),
             moe=self.moe(layer), shared_expert=self.shared_expert(layer), mla=mla, dense_mlp=dense,
+            weight_block=self.config.weight_block,
+            dense_scales={m: sc for m, key in self._dense_keys(layer).items()
+                          if (sc := self.scale(key)) is not None},
         )
 
     def _dense_keys(self, layer: int) -> dict[str, str]:
-        """moelora dense module → its weight key in ``layer`` (attention; the shared expert's)."""
+        """moelora dense module → its weight key in ``layer`` (attention; the shared expert's; DeepSeek-V3:
+        the MLA projections, the shared experts' on an MoE layer, the dense MLP's on a dense one)."""
         p = f"model.layers.{layer}"
+        if self.config.mla is not None:
+            mla = {"q_proj": "q", "q_a_proj": "q_a", "q_b_proj": "q_b", "kv_a_proj": "kv_a", "kv_b_proj": "kv_b",
+                   "o_proj": "o"}
+            keys = {mla[name]: key for name, (key, _) in self._mla_keys(layer).items() if name in mla}
+            moe = self.config.is_moe_layer(layer)
+            mlp = self._mlp_keys(f"{p}.mlp.shared_experts" if moe else f"{p}.mlp",
+                                 self.config.shared_expert_intermediate_size if moe
+                                 else self.config.dense_intermediate_size)
+            names = SHARED_EXPERT_MODULES if moe else DENSE_MLP_MODULES
+            keys.update({m: key for m, (key, _) in zip(names, mlp.values())})
+            return keys
         keys = {m: f"{p}.self_attn.{m}_proj.weight" for m in "qkvo"}
         if self.config.family.shared_expert:
             keys.update({f"shared_{n}": f"{p}.mlp.shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")})

@@ -304,6 +304,7 @@ def _deepseek_v3(cls, family: Family, raw: Mapping[str, object], path: object, p
             ``rope_type`` outside :data:`MLA_ROPE_TYPES`.
         CheckpointFormatError: a size that is not a positive int; groups that do not split the
             experts or hold fewer than top_k of them.
+        UnsupportedQuantizationError: see :func:`read_quantization`.
     """
     for key in ("attention_bias", "mlp_bias"):
         if raw.get(key):
@@ -351,6 +352,8 @@ def _deepseek_v3(cls, family: Family, raw: Mapping[str, object], path: object, p
     if not math.isfinite(eps) or eps <= 0:
         raise CheckpointFormatError(path, "config.json rms_norm_eps", "must be a positive float", found=eps)
     heads = positive("num_attention_heads")
+    # the released checkpoints are fp8 block-scaled (block 128): read as every family's (DESIGN.md §1)
+    base_quant, block, not_convert = read_quantization(raw.get("quantization_config"), path)
     return cls(
         family=family,
         architecture=(raw.get("architectures") or [None])[0],
@@ -373,6 +376,9 @@ def _deepseek_v3(cls, family: Family, raw: Mapping[str, object], path: object, p
         first_k_dense_replace=first_dense,
         dense_intermediate_size=positive("intermediate_size") if first_dense else None,
         routing=routing,
+        base_quant=base_quant,
+        weight_block=block,
+        modules_to_not_convert=not_convert,
     )
 
 
