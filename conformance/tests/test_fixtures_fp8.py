@@ -101,15 +101,14 @@ def test_the_w8a8_reference_refuses_a_checkpoint_it_cannot_make_w8a8(fixture_set
         make_w8a8(load_hf(fixture_set.model_dir(FP8_MODELS[0].name)), bad)
 
 
-@pytest.fixture(scope="module")
-def with_qwen2_moe_fp8(fixture_set, tmp_path_factory):
-    """The session's fixtures plus the opt-in ``qwen2_moe_fp8`` (built from its ``qwen2_moe``, about 1 s),
-    in a directory of its own: the session's manifest stays the default set's."""
+def _with_opt_in(fixture_set, tmp_path_factory, name: str):
+    """(spec, FixtureSet): the session's fixtures plus the opt-in fp8 model ``name`` (built from its source,
+    about 1 s), in a directory of its own: the session's manifest stays the default set's."""
     from moelora_conformance.fixtures.build import fp8_model_entry
     from moelora_conformance.fixtures.fp8_models import save_fp8_model
     from moelora_conformance.fixtures.manifest import FixtureSet
 
-    spec = next(m for m in OPT_IN_FP8_MODELS if m.name == "qwen2_moe_fp8")
+    spec = next(m for m in OPT_IN_FP8_MODELS if m.name == name)
     root = tmp_path_factory.mktemp("opt-in-fixtures")
     (root / "models").mkdir()
     for model in (fixture_set.root / "models").iterdir():
@@ -120,6 +119,12 @@ def with_qwen2_moe_fp8(fixture_set, tmp_path_factory):
     manifest = json.loads(json.dumps(fixture_set.manifest))
     manifest["models"][spec.name] = fp8_model_entry(spec, manifest["models"][spec.quantized_from])
     return spec, FixtureSet(root, manifest)
+
+
+@pytest.fixture(scope="module")
+def with_qwen2_moe_fp8(fixture_set, tmp_path_factory):
+    """The session's fixtures plus the opt-in ``qwen2_moe_fp8``."""
+    return _with_opt_in(fixture_set, tmp_path_factory, "qwen2_moe_fp8")
 
 
 @pytest.mark.slow
@@ -159,3 +164,110 @@ def test_qwen2_moe_fp8_shared_expert_is_w8a8_in_the_oracle_and_in_transformers_m
     monkeypatch.setattr(compare, "shared_expert_forward", w8a16)
     bad = [r for r in check_model_base(fixtures, spec.name) if r.source == "readers (w8a8)" and not r.ok]
     assert {r.part for r in bad} == {"moe"}, bad
+
+
+@pytest.fixture(scope="module")
+def with_deepseek_v3_fp8(fixture_set, tmp_path_factory):
+    """The session's fixtures plus the opt-in ``deepseek_v3_fp8`` (block 8: partial edge blocks)."""
+    return _with_opt_in(fixture_set, tmp_path_factory, "deepseek_v3_fp8")
+
+
+#: The modules DeepSeek-V3's released checkpoints store fp8, by moelora's dense module name (a dense layer:
+#: MLA and its MLP; an MoE layer: MLA and the shared experts; the routed experts apart).
+DSV3_FP8_DENSE = {0: {"q_a", "q_b", "kv_a", "kv_b", "o", "dense_gate", "dense_up", "dense_down"},
+                  1: {"q_a", "q_b", "kv_a", "kv_b", "o", "shared_gate", "shared_up", "shared_down"}}
+
+
+def test_deepseek_v3_fp8_stores_what_the_released_checkpoints_do_with_partial_edge_blocks(with_deepseek_v3_fp8):
+    # DESIGN.md §1: scales cover ⌈N/b⌉ × ⌈K/b⌉ blocks, edge blocks partial (the released kv_a_proj_with_mqa: 576
+    # rows at block 128). The fixture at block 8 has them on q_a, kv_a, the dense MLP and the experts; routers
+    # (with their correction bias), norms, embeddings and the head stay unquantized; the reader serves every fp8
+    # weight with its grid, each dequantized weight within half an e4m3 step of the source model's (a scale
+    # taken from the wrong block, partial edge included, is off by the ratio of two blocks' amax)
+    import math
+
+    from safetensors import safe_open
+
+    from moelora_core.fp8_block import dequantize_weight
+
+    spec, fixtures = with_deepseek_v3_fp8
+    bn, bk = spec.block
+    qc = json.loads((fixtures.model_dir(spec.name) / "config.json").read_text())["quantization_config"]
+    assert qc["weight_block_size"] == [bn, bk] and {"lm_head", "model.layers.1.mlp.gate"} <= set(qc["modules_to_not_convert"])
+    partial, plain = [], []
+    with safe_open(str(fixtures.model_dir(spec.name) / "model.safetensors"), "pt") as f:
+        for key in f.keys():
+            t = f.get_tensor(key)
+            if key.endswith(".weight_scale_inv"):
+                n, k = f.get_slice(key.removesuffix("_scale_inv")).get_shape()
+                assert tuple(t.shape) == (math.ceil(n / bn), math.ceil(k / bk)) and t.dtype == torch.float32, key
+                if n % bn or k % bk:
+                    partial.append(key.removesuffix(".weight_scale_inv").split(".", 3)[-1])
+            elif t.dtype != torch.float8_e4m3fn:
+                plain.append(key)
+    assert {"self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "mlp.gate_proj",
+            "mlp.down_proj", "mlp.experts.0.up_proj", "mlp.experts.7.down_proj"} <= set(partial), partial
+    assert {"lm_head.weight", "model.embed_tokens.weight", "model.layers.1.mlp.gate.weight",
+            "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.0.self_attn.q_a_layernorm.weight",
+            "model.layers.1.self_attn.kv_a_layernorm.weight", "model.norm.weight"} <= set(plain)
+    assert not [k for k in plain if k.endswith("_proj.weight") or k.endswith("_mqa.weight")], plain
+
+    def close(ours, theirs):
+        return bool(((ours - theirs.float()).abs() <= 2.0 ** -4 * theirs.abs() + 1e-6).all())
+
+    with MoECheckpoint(fixtures.model_dir(spec.name)) as fp8, MoECheckpoint(fixtures.model_dir("deepseek_v3")) as src:
+        assert fp8.config.base_quant == "fp8_block" and fp8.config.weight_block == spec.block
+        for li, modules in DSV3_FP8_DENSE.items():
+            layer, source = fp8.layer(li), src.layer(li)
+            assert set(layer.dense_scales) == modules and layer.weight_block == spec.block
+            for m in modules:
+                assert layer.dense(m).dtype == torch.float8_e4m3fn, m
+                assert close(dequantize_weight(layer.dense(m), layer.dense_scales[m], spec.block), source.dense(m)), m
+        moe, source = fp8.layer(1).moe, src.layer(1).moe
+        assert moe.routing == source.routing and torch.equal(moe.router_correction_bias, source.router_correction_bias)
+        assert torch.equal(moe.router, source.router)
+        deq = dequantize_moe(moe)
+        assert close(deq.w_gate_up, source.w_gate_up) and close(deq.w_down, source.w_down)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_fp8_hf_check_rows_pass_on_the_oracles_dequantized_copy(with_deepseek_v3_fp8):
+    # transformers 5.17 refuses this checkpoint (it takes the block from the scale grid: "not divisible"), so
+    # hf-check's transformers model is the oracle's dequantized copy (hf_w8a8.dequantized_copy); on it the
+    # readers' fp8 weights equal the oracle's dequantization (part "fp8 weights (oracle)"), and the w8a8 rows
+    # hold every MLA projection, the dense MLP, the shared experts and the MoE block, with an adapter's deltas a
+    # visible part of each (a row that dropped them would fail)
+    from moelora_conformance.hf_check.hf_w8a8 import dequantized_copy, partial_block_weights
+    from moelora_conformance.hf_check.run import check_adapter, check_model_base
+
+    spec, fixtures = with_deepseek_v3_fp8
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in partial_block_weights(fixtures.model_dir(spec.name))
+    assert partial_block_weights(fixtures.model_dir(FP8_MODELS[0].name)) == []  # its block divides every weight
+    copy = dequantized_copy(fixtures.model_dir(spec.name))
+    assert "quantization_config" not in json.loads((copy / "config.json").read_text())
+    rows = check_model_base(fixtures, spec.name) + check_adapter(fixtures, spec.adapters[0], model=spec.name)
+    assert rows and all(r.ok for r in rows), [r for r in rows if not r.ok]
+    assert [r.layer for r in rows if r.part == "fp8 weights (oracle)"] == [0, 1]
+    w8a8 = [r for r in rows if r.source == "readers (w8a8)"]
+    assert {(r.layer, r.part) for r in w8a8} >= {(0, "mlp"), (1, "moe"), (1, "routing")} | {
+        (li, m) for li, modules in DSV3_FP8_DENSE.items() for m in modules}
+    assert {r.adapter for r in w8a8} == {"(base)", spec.adapters[0]}
+    lora = {r.part for r in w8a8 if r.adapter != "(base)" and (r.delta_rel or 0.0) > 0.1}
+    assert {"moe", "q_a", "q_b", "kv_a", "kv_b", "o"} <= lora, lora
+
+
+def test_deepseek_v3_fp8_checkpoint_pass_rows(with_deepseek_v3_fp8, tmp_path):
+    # checkpoint-pass on the fp8 DeepSeek-V3 (its MoE layer: fp8 routed experts with partial edge blocks, w8a8
+    # on the reference backend against the oracle's w8a8; the MLA projections and the shared experts enter the
+    # harness dequantized and are compared with transformers on the oracle's dequantized copy); csgmv, which
+    # does not declare base_quant=fp8_block, gets one start-up row and no run
+    from moelora_conformance.checkpoint_pass.run import run_model
+
+    spec, fixtures = with_deepseek_v3_fp8
+    rows = run_model(fixtures, tmp_path, spec.name, backends=("reference", "csgmv"), modes=("eager",), num_requests=8)
+    assert rows and not [r for r in rows if not r.ok], [r for r in rows if not r.ok][:5]
+    ref = [r for r in rows if r.backend == "reference"]
+    assert {r.layer for r in ref} == {1} and sum(r.check == "oracle" for r in ref) == 2  # extend and decode
+    assert {"q_a", "q_b", "kv_a", "kv_b", "o"} <= {r.part for r in ref if r.check == "hf"}
+    refused = [r for r in rows if r.backend == "csgmv"]
+    assert [r.check for r in refused] == ["declared"] and "UnsupportedBaseQuantError" in refused[0].note
