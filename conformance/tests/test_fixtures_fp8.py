@@ -271,3 +271,49 @@ def test_deepseek_v3_fp8_checkpoint_pass_rows(with_deepseek_v3_fp8, tmp_path):
     assert {"q_a", "q_b", "kv_a", "kv_b", "o"} <= {r.part for r in ref if r.check == "hf"}
     refused = [r for r in rows if r.backend == "csgmv"]
     assert [r.check for r in refused] == ["declared"] and "UnsupportedBaseQuantError" in refused[0].note
+
+
+def _scale(key: str, shape: tuple[int, int]):
+    return lambda t: t.__setitem__(key, torch.ones(shape))
+
+
+def _as_fp8(key: str):
+    return lambda t: t.__setitem__(key, t[key].to(torch.float8_e4m3fn))
+
+
+def _unquantized(key: str):
+    def edit(t):
+        del t[key.removesuffix(".weight") + ".weight_scale_inv"]
+        t[key] = t[key].float()
+    return edit
+
+
+L0, L1 = "model.layers.0", "model.layers.1"
+
+
+@pytest.mark.parametrize("edit, error, match", [
+    # a partial edge block's grid counted by floor (20 rows at block 8: 3 blocks, not 2)
+    (_scale(f"{L0}.self_attn.kv_a_proj_with_mqa.weight_scale_inv", (2, 5)), "CheckpointShapeError", r"expected \(3, 5\)"),
+    (_scale(f"{L1}.mlp.experts.3.down_proj.weight_scale_inv", (5, 1)), "CheckpointShapeError", r"expected \(5, 2\)"),
+    (lambda t: t.pop(f"{L0}.mlp.down_proj.weight_scale_inv"), "MissingTensorError", "block scales"),
+    (_as_fp8(f"{L1}.mlp.gate.weight"), "UnsupportedQuantizationError", "format has no fp8"),  # the router
+    (_as_fp8(f"{L1}.mlp.gate.e_score_correction_bias"), "UnsupportedQuantizationError", "format has no fp8"),
+    (_as_fp8(f"{L0}.self_attn.q_a_layernorm.weight"), "UnsupportedQuantizationError", "format has no fp8"),
+    (_unquantized(f"{L1}.mlp.experts.5.gate_proj.weight"), "UnsupportedQuantizationError", "every expert weight"),
+])
+def test_deepseek_v3_fp8_misplaced_or_misshaped_fp8_tensors_are_refused(with_deepseek_v3_fp8, tmp_path, edit, error,
+                                                                        match):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from moelora_core.checkpoint import errors
+
+    spec, fixtures = with_deepseek_v3_fp8
+    bad = tmp_path / "bad"
+    shutil.copytree(fixtures.model_dir(spec.name), bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(getattr(errors, error), match=match):
+        MoECheckpoint(bad)
