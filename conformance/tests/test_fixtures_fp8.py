@@ -317,3 +317,37 @@ def test_deepseek_v3_fp8_misplaced_or_misshaped_fp8_tensors_are_refused(with_dee
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(getattr(errors, error), match=match):
         MoECheckpoint(bad)
+
+
+def test_deepseek_v3_fp8_engine_equals_hf_peft_made_w8a8_and_not_the_w8a16_model(with_deepseek_v3_fp8):
+    # E02's comparison on the fp8 DeepSeek-V3, a few prompts: the engine (reference backend, eager) computes
+    # every fp8 MLA, dense-MLP (layer 0), shared-expert and expert product w8a8 with the LoRA deltas on the
+    # unquantized inputs, and equals HF + PEFT made w8a8 (on the oracle's dequantized copy) within the fp8
+    # logprob rows; the w8a16 model transformers would compute fails those rows
+    import warnings
+
+    from moelora_conformance.e2e.engine_checks import HFReference, check_against_hf
+    from moelora_core.tolerance import MEAN_MIN_SAMPLES, LogprobCheck
+    from moelora_runner import Engine
+
+    spec, fixtures = with_deepseek_v3_fp8
+    model_dir, adapter = fixtures.model_dir(spec.name), spec.adapters[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = Engine(model_dir, max_loras=1, max_lora_rank=16, graph="eager", decode_graph=False)
+    engine.load_adapter(adapter, fixtures.adapter_dir(adapter))
+    assert engine.weight_block == spec.block
+    gen = torch.Generator().manual_seed(7)
+    requests = [dict(request_id=f"p{i}", prompt_token_ids=torch.randint(0, 96, (10,), generator=gen).tolist(),
+                     adapter=(None, adapter)[i % 2], max_new_tokens=2, prompt_logprobs=True) for i in range(6)]
+    outputs = engine.generate(requests)
+    adapters = {adapter: fixtures.adapter_dir(adapter)}
+    got = check_against_hf(outputs, requests, HFReference(model_dir, adapters, w8a8=True))
+    assert got["logprobs"] == 6 * 11 >= MEAN_MIN_SAMPLES  # the mean bound bites too
+    w8a16, check = HFReference(model_dir, adapters), LogprobCheck("engine_vs_hf", "float32", base_quant="fp8_block")
+    with pytest.raises(AssertionError, match="Δlogprob"):
+        for r, out in zip(requests, outputs, strict=True):
+            prompt = r["prompt_token_ids"]
+            ref = w8a16.teacher_forced(r["adapter"], prompt + out.output_token_ids, len(prompt))
+            check.add(out.prompt_logprobs[1:] + out.output_logprobs, ref.logprobs, what=r["request_id"])
+        check.finish()

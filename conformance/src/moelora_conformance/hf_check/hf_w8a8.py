@@ -16,7 +16,9 @@ transformers leaves out, on the modules stored fp8 (those with a ``weight_scale_
   parameter and the delta products on v from the difference: x̂ Wᵀ + x ΔWᵀ, h = act(gate) ⊙ up,
   ĥ W_dᵀ + h ΔW_dᵀ, times the routing weight — the LoRA rule of DESIGN.md §1.
 
-Everything else (embedding, attention, norms, routing, the LM head, peft's factors and σ) is
+A checkpoint with partial edge blocks, which transformers refuses or mis-dequantizes, is loaded from
+:func:`dequantized_copy` (the oracle's dequantized weights, no ``quantization_config``) and made w8a8
+alike. Everything else (embedding, attention, norms, routing, the LM head, peft's factors and σ) is
 transformers' and peft's own. Nothing here shares code with the engine: the activation quantization
 is the oracle's fp64 emulation (``moelora_reference.oracle``), not the engine's torch path.
 """

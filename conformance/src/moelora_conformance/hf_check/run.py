@@ -38,6 +38,10 @@ adapter:
   w8a8 (``hf_w8a8``: its fp8 modules' inputs quantized by the oracle's rule, the LoRA deltas on the
   unquantized inputs; a shared expert's fp8 projections w8a8 too), under the policy's fp8 rows — the check
   of the reference E02 uses on an fp8 base. The reference backend's rows, w8a8, are left out here.
+  A checkpoint with partial edge blocks (``hf_w8a8.partial_block_weights``; ``deepseek_v3_fp8``), which
+  transformers refuses, is loaded from the oracle's dequantized copy (``hf_w8a8.dequantized_copy``): every
+  part above runs on it, ``fp8 weights`` as ``fp8 weights (oracle)`` (the readers against the oracle's
+  dequantization, which is what transformers then holds).
 """
 
 from __future__ import annotations
