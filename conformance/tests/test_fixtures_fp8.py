@@ -6,7 +6,10 @@ Covers: the manifest lists each fp8 model with ``quantized_from`` and its block;
 serves it as ``fp8_block`` and its weights times their scales are within half an e4m3 step of the source
 model's; the source model's adapters are the ones served on it (hf-check's list names existing ones);
 hf-check's ``readers (w8a8)`` rows hold the oracle to transformers made w8a8 (``hf_check.hf_w8a8``, E02's
-reference on an fp8 base), which refuses by name a checkpoint whose weights it cannot make w8a8.
+reference on an fp8 base), which refuses by name a checkpoint whose weights it cannot make w8a8. The opt-in
+``deepseek_v3_fp8`` (block 8): partial edge blocks in its written scale grids, fp8 exactly where the released
+DeepSeek-V3 stores it, the reader's refusals on it, its hf-check rows on the oracle's dequantized copy
+(transformers refuses its partial blocks), its checkpoint-pass rows, and the engine against HF + PEFT made w8a8.
 """
 
 import json
