@@ -28,11 +28,20 @@ BOUNDS = {"float32": (1e-4, 1e-3), "float16": (2e-2, 2e-2), "bfloat16": (5e-2, 5
 _REQUEST = re.compile(r"\be2e-\d+\b")
 
 
-def module_name(module: str) -> str:
-    """``q`` → "q (attention)", ``gate_up`` → "gate_up (MoE)", ``shared_down`` → "shared_down (shared expert)"."""
+def module_kind(module: str) -> str:
+    """What a probed module belongs to: "shared expert" (``shared_*``), "dense MLP" (DeepSeek-V3's
+    ``dense_*``), "MoE" (``gate_up``, ``down``), else "attention" (q/k/v/o; MLA's q_a/q_b/kv_a/kv_b)."""
     if module.startswith("shared"):
-        return f"{module} (shared expert)"
-    return f"{module} ({'MoE' if module in ('gate_up', 'down') else 'attention'})"
+        return "shared expert"
+    if module.startswith("dense_"):
+        return "dense MLP"
+    return "MoE" if module in ("gate_up", "down") else "attention"
+
+
+def module_name(module: str) -> str:
+    """``q`` → "q (attention)", ``gate_up`` → "gate_up (MoE)", ``shared_down`` → "shared_down (shared expert)",
+    ``dense_up`` → "dense_up (dense MLP)"."""
+    return f"{module} ({module_kind(module)})"
 
 
 @dataclass
@@ -64,8 +73,11 @@ class Probe:
         model = self.engine.model
         c, dtype, device = model.config, model.dtype, model.device
         dense = {m: (out,) for m, (_, out) in c.dense_shapes.items()}
-        shapes = {**{m: dense.pop(m) for m in ("q", "k", "v", "o")}, "gate_up": (c.top_k, 2 * c.moe_intermediate_size),
-                  "down": (c.top_k, c.hidden_size), **dense}  # forward order: attention, MoE, shared expert
+        # forward order: attention (q/k/v/o, or MLA's q_a/q_b/kv_a/kv_b/o), MoE, shared expert, dense MLP
+        # (DeepSeek-V3's dense layers run it where the MoE block would be; their MoE buffers stay unwritten)
+        attention = {m: dense.pop(m) for m in list(dense) if module_kind(m) == "attention"}
+        shapes = {**attention, "gate_up": (c.top_k, 2 * c.moe_intermediate_size), "down": (c.top_k, c.hidden_size),
+                  **dense}
         for layer in range(len(self.engine.adapters.pools)):
             for module, shape in shapes.items():
                 self.buffers[(layer, module)] = torch.zeros(self.capacity, *shape, dtype=dtype, device=device)
