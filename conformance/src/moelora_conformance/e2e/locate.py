@@ -7,9 +7,9 @@ call it copies the module's output (base + delta) into a static buffer per (laye
 device op inside the forward, so a captured graph records it and every replay repeats it: eager passes
 and graph replays are probed alike (DESIGN.md §6: the engine's graphs replay what capture recorded).
 After every step the rows of one request are read back. :func:`first_departure` compares two probed
-runs of the same request step by step, in the reference run's call order (layer 0's q, k, v, o, MoE
-gate_up, down, shared expert, then layer 1 ...), and names the first module whose rows differ by more
-than the dtype's bound.
+runs of the same request step by step, in the reference run's call order (layer 0's q, k, v, o — MLA's
+q_a, q_b, kv_a, kv_b, o on DeepSeek-V3 —, MoE gate_up, down, shared expert or DeepSeek-V3's dense MLP,
+then layer 1 ...), and names the first module whose rows differ by more than the dtype's bound.
 
 :func:`locate` reruns the failing request alone (the backend under test in the failing mode, and the
 reference backend eagerly) and, when alone it does not depart (a fault that needs other requests in
