@@ -183,3 +183,15 @@ def test_ctrl_c_is_one_line_and_130_with_the_finished_claims(fixture_set, engine
     assert not done.exists()
     assert capsys.readouterr().err.splitlines() == [
         f"moelora-conformance e2e: interrupted (Ctrl-C); no claim had finished; an earlier run's {done} removed"]
+
+
+def test_ctrl_c_while_the_command_starts_is_one_line_and_130(monkeypatch, capsys):
+    """Before ``e2e``'s own handler runs (the parser's defaults import the engine and torch)."""
+    from moelora_conformance import cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert main(["e2e", "--backend", "reference"]) == 130
+    assert capsys.readouterr().err.splitlines() == ["moelora-conformance: interrupted (Ctrl-C)"]
