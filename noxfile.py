@@ -9,7 +9,8 @@
 .ci/run runs ``tests`` and then ``conformance``.
 
 Sessions that install torch use venv + pip with the constraints file ci/constraints/cpu.txt, so
-no transitive requirement can pull a CUDA build of torch. Kernels run under the Triton interpreter
+no transitive requirement can pull another torch version (the CPU build itself comes from PyTorch's
+CPU index, PIP_EXTRA_INDEX_URL: README.md). Kernels run under the Triton interpreter
 (TRITON_INTERPRET=1, set before anything imports triton).
 """
 

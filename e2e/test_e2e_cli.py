@@ -1,7 +1,7 @@
 """``moelora-conformance e2e`` (``moelora_conformance.e2e.command``): exit status 0 / 1 / 2 / 5, the
 JSON report the layer suite's ``report`` renders, the manifest's expected failures (and a stale
 entry failing the run), anyone's checkpoint through ``--model`` / ``--adapter``, the fixture run's rerun
-lines (the family and the fixtures directory, every option).
+lines (the family and the fixtures directory, every option), Ctrl-C (exit 130, one line, no traceback).
 
 Each run is a tiny workload (8 requests, prompts up to 16 tokens) on the reference backend or a
 faulty one from ``e2e_faults``; the state machine is off (``--state-machine-examples 0``) except in
@@ -145,3 +145,53 @@ def test_a_run_cut_short_leaves_every_finished_claim(fixture_set, engine_adapter
     run_e2e("reference", models, config=config, hf=False, write=lambda r: _write_json(out, r))
     whole = load_report(out)
     assert whole["complete"] is True and len(whole["records"]) == 2 + 5
+
+
+def test_ctrl_c_is_one_line_and_130_with_the_finished_claims(fixture_set, engine_adapters, tmp_path, monkeypatch,
+                                                             capsys):
+    """Ctrl-C in the second backend's run (``GenerateInterrupted``, as the engine raises it) exits 130 with
+    one line naming what each report holds; cut before any claim finished, an earlier run's report at
+    the path is removed, never left looking like this run's. The suite itself is replaced: only the
+    command's handling is under test (the reports' contents: test_a_run_cut_short_leaves_every_finished_claim)."""
+    from moelora_conformance.e2e import suite
+    from moelora_runner.errors import GenerateInterrupted
+
+    def cut(backend, models, *, write, **kwargs):
+        report = {"backend": {"target": backend}, "complete": False, "records": [{"property": "E05"}]}
+        write(report)
+        if backend != "reference":
+            raise GenerateInterrupted([None])
+        write({**report, "complete": True})
+        return {**report, "complete": True}
+
+    monkeypatch.setattr(suite, "run_e2e", cut)
+    faulty = "e2e_faults:make_graph_delta_backend"
+    argv = [*_argv(fixture_set, engine_adapters, "--backend", faulty), "--json", str(tmp_path / "e2e.json")]
+    assert main(argv) == 130
+    done, partial = tmp_path / "e2e-reference.json", tmp_path / "e2e-e2e_faults-make_graph_delta_backend.json"
+    assert json.loads(done.read_text())["complete"] is True and json.loads(partial.read_text())["complete"] is False
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"moelora-conformance e2e: interrupted (Ctrl-C); {partial} holds the finished "
+                                f"claims (complete: false); {done} is complete"]
+
+    def cut_at_once(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(suite, "run_e2e", cut_at_once)
+    done.write_text('{"from": "an earlier run"}')
+    assert main([*_argv(fixture_set, engine_adapters), "--json", str(done)]) == 130
+    assert not done.exists()
+    assert capsys.readouterr().err.splitlines() == [
+        f"moelora-conformance e2e: interrupted (Ctrl-C); no claim had finished; an earlier run's {done} removed"]
+
+
+def test_ctrl_c_while_the_command_starts_is_one_line_and_130(monkeypatch, capsys):
+    """Before ``e2e``'s own handler runs (the parser's defaults import the engine and torch)."""
+    from moelora_conformance import cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert main(["e2e", "--backend", "reference"]) == 130
+    assert capsys.readouterr().err.splitlines() == ["moelora-conformance: interrupted (Ctrl-C)"]

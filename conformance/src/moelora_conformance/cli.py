@@ -72,10 +72,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``moelora-conformance`` (and ``python -m moelora_conformance``)."""
-    parser, handlers = build_parser()
-    args = parser.parse_args(argv)
-    return handlers[args.command](args)
+    """Entry point of ``moelora-conformance`` (and ``python -m moelora_conformance``).
+
+    Ctrl-C anywhere a subcommand does not handle it itself (building the parser imports torch for some
+    defaults) prints one line and returns 130 (128 + SIGINT), no traceback; ``e2e`` says what its
+    reports hold (:mod:`moelora_conformance.e2e.command`)."""
+    try:
+        parser, handlers = build_parser()
+        args = parser.parse_args(argv)
+        return handlers[args.command](args)
+    except KeyboardInterrupt:
+        print("moelora-conformance: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
 
 
 # --- built-in subcommands -----------------------------------------------------------------------

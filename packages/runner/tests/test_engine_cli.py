@@ -6,7 +6,8 @@ request in input order with vLLM-shaped logprobs and the same tokens as the Pyth
 line and summary table on stderr, the metrics file (exit 0); a failing request is written with its
 error and makes the exit status 1; an adapter the reader refuses at start-up, a malformed request
 file (a ``request_id`` given twice included), bad arguments exit 2 with the reason on stderr and write no
-output; Ctrl-C writes the finished requests (rewriting an earlier run's file), one line on stderr, exit 130;
+output; Ctrl-C writes the finished requests (rewriting an earlier run's file), one line on stderr, exit 130,
+and the same holds for a Ctrl-C while the command is still importing torch (an earlier run's file emptied);
 a ``max_new_tokens`` the context caps is said in the output line and on stderr; the metrics HTTP endpoint
 serves the registry; ``make-fixtures`` reports what it built.
 """
@@ -14,7 +15,11 @@ serves the registry; ``make-fixtures`` reports what it built.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -190,6 +195,42 @@ def test_ctrl_c_before_serving_leaves_no_stale_results(files, monkeypatch, capsy
     assert main(argv) == 130
     assert (tmp / "out.jsonl").read_text() == ""
     assert "before any request ran" in capsys.readouterr().err
+
+
+# The console script as pip writes it, with the import of torch held open until the test sends SIGINT:
+# the interrupt lands inside `import torch`, as a Ctrl-C in the command's first seconds does.
+_SLOW_TORCH = """
+import sys, time
+
+class SlowTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            print("importing torch", flush=True)
+            time.sleep(60)
+        return None
+
+sys.meta_path.insert(0, SlowTorch())
+from moelora_runner.cli import main
+sys.exit(main())
+"""
+
+
+def test_ctrl_c_while_importing_torch_is_one_line_and_130(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"request_id": "from an earlier run"}\n')
+    argv = ["generate", "--model", str(tmp_path), "--requests", str(tmp_path / "r.jsonl"), "--output", str(out)]
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_TORCH, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    try:
+        # the console script's own module imports no torch: the first import of torch is inside main's guard
+        assert proc.stdout.readline() == "importing torch\n"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert err.splitlines() == [f"moelora: interrupted (Ctrl-C) before any request ran; {out} is empty"]
+    assert out.read_text() == ""
 
 
 def test_a_capped_max_new_tokens_is_said(files, capsys):

@@ -11,7 +11,9 @@ fixture family with ``reference``, one per other backend, each with the engine a
 (:mod:`.adapters`). Exit status: 0 every claim held (expected failures allowed; ``partial`` and ``not
 meaningful`` claims are listed as not proven), 1 a failure or a stale manifest entry (or, with
 ``--require-coverage``, a claim not proven), 2 a usage error (bad arguments, a directory that is not a
-checkpoint, an adapter the reader refuses, an unknown backend, a bad manifest), 5 nothing ran.
+checkpoint, an adapter the reader refuses, an unknown backend, a bad manifest), 5 nothing ran, 130 Ctrl-C:
+one line says what each ``--json`` report holds (the backend cut short: its finished claims, ``"complete":
+false``), no traceback.
 
 Every record's rerun line (``run.rerun_line``) is a command that reproduces its run: the same inputs
 (absolute ``--model`` / ``--adapter`` paths; for the fixtures, ``--families F`` and ``--fixtures DIR``
@@ -120,75 +122,83 @@ def _e2e(parser: argparse.ArgumentParser) -> Handler:
                         help="append every graph-vs-eager measurement here (tolerance rows)")
 
     def run(args: argparse.Namespace) -> int:
-        import importlib.util
-
-        from moelora_conformance.cli import _json_path, _per_backend
-        from moelora_core.errors import InvalidFieldError
-
-        if importlib.util.find_spec("moelora_runner") is None:
-            return _usage("needs the engine (moelora-runner): pip install ./packages/runner or "
-                          "'moelora-conformance[e2e]'")
-
-        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-        bad = [m for m in modes if m not in _modes()]
-        if bad or not modes:
-            return _usage(f"--modes: unknown {bad}; known {list(_modes())}")
-        from moelora_conformance.e2e.properties import E2E_PROPERTIES
-
-        properties = [p.strip() for p in (args.properties or ",".join(E2E_PROPERTIES)).split(",") if p.strip()]
-        unknown = [p for p in properties if p not in E2E_PROPERTIES]
-        if unknown or not properties:
-            return _usage(f"--properties: unknown {unknown}; known {list(E2E_PROPERTIES)}")
+        written: dict[Path, dict] = {}  # each JSON report this run wrote → the last report written there
         try:
-            buckets = {name: tuple(int(v) for v in getattr(args, name).split(",") if v.strip())
-                       for name in ("prefill_token_buckets", "decode_batch_buckets")}
-        except ValueError as exc:
-            return _usage(f"bucket lists are comma-separated integers: {exc}")
-        if args.adapter and args.model is None:
-            return _usage("--adapter needs --model (the checkpoint the adapters were made for)")
-        if args.requests < 2 or args.max_new_tokens < 1:
-            return _usage("--requests must be >= 2 and --max-new-tokens >= 1")
-        backends = args.backend or _BUILTINS
-        for backend in backends:
-            try:
-                _load(backend)
-            except InvalidFieldError as exc:
-                return _usage(f"--backend {backend}: {exc}")
-        manifests = {}
-        for backend in backends:
-            try:
-                from moelora_conformance.e2e.suite import load_e2e_manifest
-
-                manifests[backend] = load_e2e_manifest(_per_backend(args.manifest, backend))
-            except InvalidFieldError as exc:
-                return _usage(str(exc))
-        from moelora_conformance.e2e.run import E2EConfig
-
-        config = E2EConfig(requests=args.requests, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                           max_prompt_tokens=args.max_prompt_tokens, max_loras=args.max_loras,
-                           state_machine_examples=args.state_machine_examples, modes=tuple(modes),
-                           properties=tuple(properties), arrival_steps=args.arrival_steps,
-                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_requests=args.max_num_requests,
-                           kv_cache_tokens=args.kv_cache_tokens, **buckets)
-        with tempfile.TemporaryDirectory(prefix="moelora-e2e-") as tmp:
-            if args.model is not None:
-                adapters = _adapters(args.adapter)
-                if isinstance(adapters, str):
-                    return _usage(adapters)
-                if len(adapters) < 2:
-                    return _usage("give at least two --adapter NAME=DIR (one slot fewer than adapters: slots are "
-                                  "evicted and reused)")
-                why = _check_model(args.model, adapters)
-                if why:
-                    return _usage(why)
-                plan = {b: [(args.model.name, args.model, adapters)] for b in backends}  # inputs: run.model_inputs
-            else:
-                plan = _fixture_plan(args, backends, Path(tmp))
-                if isinstance(plan, int):
-                    return plan
-            return _run(plan, args, config, manifests, _json_path)
+            return _checked_run(args, written)
+        except KeyboardInterrupt:  # GenerateInterrupted included: one line, exit 130, no traceback
+            return _interrupted(args, written)
 
     return run
+
+
+def _checked_run(args: argparse.Namespace, written: dict[Path, dict]) -> int:
+    import importlib.util
+
+    from moelora_conformance.cli import _json_path, _per_backend
+    from moelora_core.errors import InvalidFieldError
+
+    if importlib.util.find_spec("moelora_runner") is None:
+        return _usage("needs the engine (moelora-runner): pip install ./packages/runner or "
+                      "'moelora-conformance[e2e]'")
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in _modes()]
+    if bad or not modes:
+        return _usage(f"--modes: unknown {bad}; known {list(_modes())}")
+    from moelora_conformance.e2e.properties import E2E_PROPERTIES
+
+    properties = [p.strip() for p in (args.properties or ",".join(E2E_PROPERTIES)).split(",") if p.strip()]
+    unknown = [p for p in properties if p not in E2E_PROPERTIES]
+    if unknown or not properties:
+        return _usage(f"--properties: unknown {unknown}; known {list(E2E_PROPERTIES)}")
+    try:
+        buckets = {name: tuple(int(v) for v in getattr(args, name).split(",") if v.strip())
+                   for name in ("prefill_token_buckets", "decode_batch_buckets")}
+    except ValueError as exc:
+        return _usage(f"bucket lists are comma-separated integers: {exc}")
+    if args.adapter and args.model is None:
+        return _usage("--adapter needs --model (the checkpoint the adapters were made for)")
+    if args.requests < 2 or args.max_new_tokens < 1:
+        return _usage("--requests must be >= 2 and --max-new-tokens >= 1")
+    backends = args.backend or _BUILTINS
+    for backend in backends:
+        try:
+            _load(backend)
+        except InvalidFieldError as exc:
+            return _usage(f"--backend {backend}: {exc}")
+    manifests = {}
+    for backend in backends:
+        try:
+            from moelora_conformance.e2e.suite import load_e2e_manifest
+
+            manifests[backend] = load_e2e_manifest(_per_backend(args.manifest, backend))
+        except InvalidFieldError as exc:
+            return _usage(str(exc))
+    from moelora_conformance.e2e.run import E2EConfig
+
+    config = E2EConfig(requests=args.requests, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                       max_prompt_tokens=args.max_prompt_tokens, max_loras=args.max_loras,
+                       state_machine_examples=args.state_machine_examples, modes=tuple(modes),
+                       properties=tuple(properties), arrival_steps=args.arrival_steps,
+                       max_num_batched_tokens=args.max_num_batched_tokens, max_num_requests=args.max_num_requests,
+                       kv_cache_tokens=args.kv_cache_tokens, **buckets)
+    with tempfile.TemporaryDirectory(prefix="moelora-e2e-") as tmp:
+        if args.model is not None:
+            adapters = _adapters(args.adapter)
+            if isinstance(adapters, str):
+                return _usage(adapters)
+            if len(adapters) < 2:
+                return _usage("give at least two --adapter NAME=DIR (one slot fewer than adapters: slots are "
+                              "evicted and reused)")
+            why = _check_model(args.model, adapters)
+            if why:
+                return _usage(why)
+            plan = {b: [(args.model.name, args.model, adapters)] for b in backends}  # inputs: run.model_inputs
+        else:
+            plan = _fixture_plan(args, backends, Path(tmp))
+            if isinstance(plan, int):
+                return plan
+        return _run(plan, args, config, manifests, _json_path, written)
 
 
 def _modes() -> tuple[str, ...]:
@@ -276,7 +286,33 @@ def _write_json(path: Path, report: dict) -> None:
     os.replace(tmp, path)
 
 
-def _run(plan: dict, args, config, manifests: dict, json_path) -> int:
+def _write_and_note(path: Path, written: dict[Path, dict], report: dict) -> None:
+    _write_json(path, report)
+    written[path] = report
+
+
+def _interrupted(args: argparse.Namespace, written: dict[Path, dict]) -> int:
+    """Ctrl-C: one line on stderr saying what the JSON reports hold, exit 130 (128 + SIGINT, as ``moelora
+    generate``), no traceback. A report at a path this run was to write but did not (an earlier run's) is
+    removed: it must not look like this run's."""
+    from moelora_conformance.cli import _json_path
+
+    backends = list(dict.fromkeys(args.backend or _BUILTINS))  # the plan's keys (_run: one report per backend)
+    paths = [p for b in backends if (p := _json_path(args.json, b, len(backends) > 1)) is not None]
+    stale = [p for p in paths if p not in written and p.exists()]
+    for path in stale:
+        path.unlink()
+    parts = [f"{p} holds the finished claims (complete: false)" for p, r in written.items() if not r["complete"]]
+    parts += [f"{p} is complete" for p, r in written.items() if r["complete"]]
+    if not written:
+        parts.append("no claim had finished" if args.json else "no --json given, so no report was written")
+    if stale:
+        parts.append(f"an earlier run's {', '.join(map(str, stale))} removed")
+    print(f"{_PREFIX}: interrupted (Ctrl-C); {'; '.join(parts)}", file=sys.stderr, flush=True)
+    return 130
+
+
+def _run(plan: dict, args, config, manifests: dict, json_path, written: dict[Path, dict]) -> int:
     from moelora_conformance.e2e.suite import run_e2e
     from moelora_conformance.report import exit_status, matrix_markdown, matrix_rich, summary_line
 
@@ -291,10 +327,11 @@ def _run(plan: dict, args, config, manifests: dict, json_path) -> int:
     for backend, models in plan.items():
         print(f"{_PREFIX}: {backend} on {', '.join(m[0] for m in models)} ({args.dtype}, {args.device})", flush=True)
         out = json_path(args.json, backend, many)
+        write = None if out is None else functools.partial(_write_and_note, out, written)
         report = run_e2e(backend, models, config=config, dtype=args.dtype, device=args.device,
                          manifest=manifests[backend], hf=not args.no_hf, record_path=args.record_jsonl,
                          progress=progress, rerun_extra=_rerun_extra(args, backend), warn=warn,
-                         write=None if out is None else functools.partial(_write_json, out))
+                         write=write)
         reports.append(report)
     matrix_rich(reports)
     if args.markdown:

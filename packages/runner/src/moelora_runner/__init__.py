@@ -11,37 +11,37 @@ matching HF + PEFT.
 - errors: :mod:`.errors`.
 """
 
-from moelora_runner.engine import Engine
-from moelora_runner.errors import (
-    AdapterInUseError,
-    AdapterPinnedError,
-    DuplicateRequestIdError,
-    EngineConfigError,
-    EngineError,
-    GenerateInterrupted,
-    GraphCaptureError,
-    InvalidRequestError,
-    NoFreeSlotError,
-    PromptTooLongError,
-    UnknownAdapterError,
-)
-from moelora_runner.requests import EngineRequest, RequestOutput
+from __future__ import annotations
+
+import importlib
+
+#: Each public name → the module that defines it, imported on first use (PEP 562): ``import
+#: moelora_runner`` (and so the ``moelora`` console script, ``moelora_runner.cli:main``) stays free of
+#: torch until a name is used, so the command's Ctrl-C guard is in place before the heavy imports.
+_EXPORTS = {
+    "Engine": "moelora_runner.engine",
+    "EngineRequest": "moelora_runner.requests",
+    "RequestOutput": "moelora_runner.requests",
+    **{name: "moelora_runner.errors" for name in (
+        "AdapterInUseError", "AdapterPinnedError", "DuplicateRequestIdError", "EngineConfigError", "EngineError",
+        "GenerateInterrupted", "GraphCaptureError", "InvalidRequestError", "NoFreeSlotError", "PromptTooLongError",
+        "UnknownAdapterError")},
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'moelora_runner' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AdapterInUseError",
-    "AdapterPinnedError",
-    "DuplicateRequestIdError",
-    "Engine",
-    "EngineConfigError",
-    "EngineError",
-    "EngineRequest",
-    "GenerateInterrupted",
-    "GraphCaptureError",
-    "InvalidRequestError",
-    "NoFreeSlotError",
-    "PromptTooLongError",
-    "RequestOutput",
-    "UnknownAdapterError",
-]
+__all__ = sorted(_EXPORTS)

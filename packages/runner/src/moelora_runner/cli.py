@@ -15,7 +15,8 @@ Exit status: 0 when every request finished, 1 when any request failed (the other
 2 on a usage error — bad arguments, an unreadable request file or checkpoint, a ``request_id`` used twice,
 an adapter refused at start-up (its error class and message on stderr) — where nothing is served and no
 output is written, 130 after Ctrl-C: the requests that had finished are written (in input order; the
-file is rewritten, so an earlier run's results never remain), one line says so, no traceback. A request
+file is rewritten, so an earlier run's results never remain; stopped before any request ran, even while
+importing torch, an existing file is emptied), one line says so, no traceback. A request
 whose ``max_new_tokens`` the model's context cut carries ``warnings`` in its output line and a line on
 stderr. A no-op adapter (peft's default ``init_lora_weights=True`` saves lora_B = 0) is served, with a
 warning on stderr at load (``moelora: warning: adapter 'x' is a no-op: ...``; the rule is
@@ -38,12 +39,8 @@ import time
 import warnings
 from pathlib import Path
 
-from moelora_core.checkpoint import AdapterWarning
-from moelora_core.errors import MoeLoraError
-from moelora_core.layer_spec import EXPERT_LAYOUTS
-from moelora_runner.errors import GenerateInterrupted
-from moelora_runner.graph_config import PREFILL_MODES
-from moelora_runner.moe_paths import MOE_IMPLS
+# Nothing here imports torch at module level: ``main`` (the console script) imports the engine, torch
+# and the parser's choices inside its Ctrl-C guard (test_ctrl_c_while_importing_torch_is_one_line_and_130).
 
 EXIT_OK, EXIT_FAILED_REQUESTS, EXIT_USAGE = 0, 1, 2
 #: Exit status after Ctrl-C (128 + SIGINT, as a shell reports a command killed by it).
@@ -58,6 +55,10 @@ def _adapter(value: str) -> tuple[str, str]:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from moelora_core.layer_spec import EXPERT_LAYOUTS
+    from moelora_runner.graph_config import PREFILL_MODES
+    from moelora_runner.moe_paths import MOE_IMPLS
+
     parser = argparse.ArgumentParser(prog="moelora", description="moelora's reference multi-LoRA MoE engine")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="serve a JSONL file of requests on a checkpoint with PEFT adapters")
@@ -141,6 +142,7 @@ def generate(args: argparse.Namespace) -> int:
     if args.tp == 1 and args.ep == 1:
         return serve(args)
     from moelora_core.checkpoint import read_model_config
+    from moelora_core.errors import MoeLoraError
     from moelora_runner.parallel import launch
     from moelora_runner.parallel.layout import ParallelLayout
 
@@ -179,8 +181,11 @@ def serve(args: argparse.Namespace, rank: int = 0) -> int:
     group, its process group already running) nothing is printed or written."""
     from rich.console import Console
 
+    from moelora_core.checkpoint import AdapterWarning
+    from moelora_core.errors import MoeLoraError
     from moelora_runner import cli_report
     from moelora_runner.engine import Engine
+    from moelora_runner.errors import GenerateInterrupted
     from moelora_runner.parallel.launch import worker_device
 
     lead = rank == 0
@@ -278,8 +283,25 @@ def make_fixtures(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``moelora`` console script; returns the exit status."""
+def _output_argument(argv: list[str]) -> Path | None:
+    """``generate``'s ``--output`` read from ``argv`` without the full parser (whose choices import torch),
+    so a Ctrl-C during those imports still knows the file; None for another command or none given."""
+
+    class Quiet(argparse.ArgumentParser):
+        def error(self, message: str):  # the full parser reports usage errors, once
+            raise ValueError(message)
+
+    light = Quiet(add_help=False)
+    light.add_argument("command", nargs="?")
+    light.add_argument("--output", type=Path)
+    try:
+        known, _ = light.parse_known_args(argv)
+    except ValueError:
+        return None
+    return known.output if known.command == "generate" else None
+
+
+def _run(argv: list[str]) -> int:
     parser = _parser()
     try:
         args = parser.parse_args(argv)
@@ -287,12 +309,25 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     if args.command != "generate":
         return make_fixtures(args)
+    return generate(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``moelora`` console script; returns the exit status.
+
+    Ctrl-C at any point before serving began (importing torch, reading the model or the adapters; serve()
+    handles it later) prints one line and returns 130, no traceback, and empties an existing ``--output``:
+    an earlier run's results must never look like this run's (the module doc)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    output = _output_argument(argv)
     try:
-        return generate(args)
-    except KeyboardInterrupt:  # before serving began (loading the model or adapters); serve() handles later
-        if args.output.exists():
-            args.output.write_text("")  # an earlier run's results must not look like this run's
-        print(f"moelora: interrupted (Ctrl-C) before any request ran; {args.output} is empty", file=sys.stderr)
+        return _run(argv)
+    except KeyboardInterrupt:
+        where = "nothing was written"
+        if output is not None and output.exists():
+            output.write_text("")
+            where = f"{output} is empty"
+        print(f"moelora: interrupted (Ctrl-C) before any request ran; {where}", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
