@@ -124,7 +124,9 @@ class Timer:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # captured on the warm-up's stream, as engines capture: stream-keyed scratch (SGLang's
+        # LoraWorkspace) warmed there is found again during the capture
+        with torch.cuda.graph(graph, stream=side):
             fn()
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]

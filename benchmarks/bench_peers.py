@@ -118,6 +118,13 @@ def peer_unit(target: str, p: bench.Problem, w, h: torch.Tensor):
     return align, deltas, align()
 
 
+def _why(exc: BaseException, head: int = 300, tail: int = 900) -> str:
+    """``Type: message`` of a failed row, its start and its end when long: a Triton ``CompilationError``
+    quotes the kernel source first and says what failed last (the first H100 run kept only the source)."""
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= head + tail else f"{text[:head]} … {text[-tail:]}"
+
+
 #: vLLM's base fused MoE module (imported through the stubs where it can be).
 VLLM_FUSED_MOE = "vllm.model_executor.layers.fused_moe.fused_moe"
 
@@ -166,14 +173,14 @@ def base_rows(p: bench.Problem, timer, tol: float) -> list[dict]:
             else:  # its torch fallback syncs on the host: not capturable, and not sgl_kernel's time anyway
                 row["c_skipped"] = "no sgl_kernel: SGLang's torch fallback alignment is not timed"
         except Exception as exc:  # a path that cannot run this shape: recorded, not timed
-            row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            row["error"] = _why(exc)
         rows.append(row)
     row = {"M": p.M, "R": None, "unit": "base", "regime": bench.regime(p.M), "path": "vllm:fused_moe"}
     try:
         vllm_modules.import_peer(vllm_modules.importer(), VLLM_FUSED_MOE)
         row["skipped"] = "imports through the stubs, but its call is not wired into this benchmark yet"
     except ImportError as exc:  # its module imports the model executor's config classes (not stubbed)
-        row["skipped"] = f"{VLLM_FUSED_MOE} does not import through the stubs: {type(exc).__name__}: {exc}"[:500]
+        row["skipped"] = f"{VLLM_FUSED_MOE} does not import through the stubs: {_why(exc)}"
     rows.append(row)
     ref = rows[0]
     for r in rows:
@@ -244,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                         row["b_us"] = timer(lambda gu=gu, d=d, a=a, f=deltas: f(gu, d, a))["median_us"]
                         row["c_us"] = timer(align)["median_us"]
                 except Exception as exc:  # a path that cannot run this shape: recorded, not timed
-                    row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                    row["error"] = _why(exc)
                 rows.append(row)
                 shown = (f"b {row['b_us']:.1f} µs, c {row['c_us'] if row['c_us'] is None else round(row['c_us'], 1)}, "
                          f"err {row['err']:.1e}") if "b_us" in row else row["error"]

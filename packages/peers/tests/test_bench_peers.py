@@ -34,7 +34,10 @@ def test_smoke_checks_and_records_each_path(tmp_path) -> None:
     assert list(base) == ["moelora", "sglang:fused_moe_triton", "vllm:fused_moe"]
     for name in ("moelora", "sglang:fused_moe_triton"):
         r = base[name]
-        assert r["err"] < 5e-2 and r["a_us"] > 0 and r["c_us"] > 0 and r["config"], r
+        assert r["err"] < 5e-2 and r["a_us"] > 0 and r["config"], r
+    assert base["moelora"]["c_us"] > 0
+    # SGLang's base alignment is timed only where sgl_kernel runs it (its torch fallback syncs the host)
+    assert "c_us" not in base["sglang:fused_moe_triton"] and base["sglang:fused_moe_triton"]["c_skipped"]
     assert base["moelora"]["config"].startswith("interpreter config")
     assert base["sglang:fused_moe_triton"]["config"] == "default config"  # no tuned table names a CPU
     assert base["sglang:fused_moe_triton"]["a_over_moelora"] > 0
