@@ -34,7 +34,6 @@ def load_hf(model_dir: Path, adapter_dir: Path | None = None, *, w8a8: bool = Fa
     source = dequantized_copy(model_dir) if partial_block_weights(Path(model_dir)) else model_dir
     model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
     if w8a8:
-
         make_w8a8(model, Path(model_dir))
     if adapter_dir is None:
         return model

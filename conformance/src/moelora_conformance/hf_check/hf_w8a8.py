@@ -111,10 +111,11 @@ def partial_block_weights(model_dir: Path) -> list[str]:
     partial = []
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
-            for key in f.keys():
+            keys = set(f.keys())
+            for key in sorted(keys):
                 if key.endswith(".weight_scale_inv"):
                     weight = key.removesuffix("_scale_inv")
-                    shape = tuple(f.get_slice(weight).get_shape()) if weight in f.keys() else ()
+                    shape = tuple(f.get_slice(weight).get_shape()) if weight in keys else ()
                     if len(shape) == 2 and (shape[0] % block[0] or shape[1] % block[1]):
                         partial.append(weight)
     return partial
