@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_moe_lora import MODELS, Problem, Timer, make_pool  # noqa: E402
 
-from moelora_kernels import fused_moe_gemm, fused_moe_lora, stage_tensors  # noqa: E402
+from moelora_kernels import fused_moe_gemm, fused_moe_lora, moe_align_block_size, stage_tensors  # noqa: E402
 
 LORA_CANDIDATES = [
     dict(zip(("BLOCK_K", "BLOCK_N", "N_SPLIT", "num_warps", "num_stages"), c))
@@ -52,6 +52,12 @@ LORA_WIDE_CANDIDATES = [
 GEMM_CANDIDATES = [
     dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), c))
     for c in itertools.product((64, 128), (64, 128), (4, 8), (4,))
+]
+# --wide with --block-m: the base GEMM's tiles at large M, where a deeper or wider tile may pay
+# (16 candidates a (stage, M, BLOCK_M) unit; those over the 227 KiB of shared memory are skipped)
+GEMM_WIDE_CANDIDATES = [
+    dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), c))
+    for c in itertools.product((128, 256), (64, 128), (4, 8), (3, 4))
 ]
 
 
@@ -73,21 +79,28 @@ def sweep_lora(p, w, timer, stage, h, gate_up, down, candidates=LORA_CANDIDATES)
     return sorted(results, key=lambda item: item[0])
 
 
-def sweep_gemm(p, timer, stage, h):
+def sweep_gemm(p, timer, stage, h, candidates=GEMM_CANDIDATES, block_ms=()):
+    """Rank ``candidates`` for one base GEMM stage at ``p.M``: the table's entry at the alignment's own
+    ``BLOCK_M`` (``configs.moe_block_m``) first, as the baseline in the same run (``{"table": 1}``),
+    then every candidate at each ``BLOCK_M`` of ``block_ms`` (default: the table's) over an alignment
+    of that block size. Returns ``[(median µs, config)]`` sorted, fastest first."""
     M, k = p.M, p.k
     if stage == "gate_up":
         a, w, rows_in, tw = p.x, p.w_gu, k, None
     else:
         a, w, rows_in, tw = h, p.w_d, 1, p.topk_weights
-    c = torch.empty(M * k, w.shape[1], dtype=a.dtype, device="cuda")
-    results = []
-    for cfg in GEMM_CANDIDATES:
-        try:
-            r = timer(lambda cfg=cfg: fused_moe_gemm(a, w, c, p.base_align, top_k=k, num_pairs=M * k,
-                                                     in_row_div=rows_in, topk_weights=tw, config=cfg))
-            results.append((r["median_us"], cfg))
-        except Exception as exc:
-            print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:80]}")
+    c = torch.empty(M * k, w.shape[1], dtype=a.dtype, device=a.device)
+    kw = {"top_k": k, "num_pairs": M * k, "in_row_div": rows_in, "topk_weights": tw}
+    results = [(timer(lambda: fused_moe_gemm(a, w, c, p.base_align, **kw))["median_us"],
+                {"table": 1, "BLOCK_M": p.bm_base})]
+    for bm in block_ms or (p.bm_base,):
+        align = p.base_align if bm == p.bm_base else moe_align_block_size(p.topk_ids, p.E, bm)
+        for cfg in candidates:
+            try:
+                r = timer(lambda cfg=cfg, align=align: fused_moe_gemm(a, w, c, align, config=cfg, **kw))
+                results.append((r["median_us"], {"BLOCK_M": bm, **cfg}))
+            except Exception as exc:  # a config the GPU cannot run: report and go on
+                print(f"  skip BLOCK_M={bm} {cfg}: {type(exc).__name__}: {str(exc)[:80]}")
     return sorted(results, key=lambda item: item[0])
 
 
@@ -99,7 +112,11 @@ def main() -> int:
     parser.add_argument("--replays", type=int, default=None, help="graph replays per unit (20; --variants: 100)")
     parser.add_argument("--out", default="sweep.json")
     parser.add_argument("--wide", action="store_true",
-                        help="fused_moe_lora: also sweep num_warps, num_stages and EXPAND_LOADS (64 candidates)")
+                        help="fused_moe_lora: also sweep num_warps, num_stages and EXPAND_LOADS (64 candidates); "
+                             "fused_moe_gemm: BLOCK_N 128 and 256 and num_stages 3 and 4 (16 candidates)")
+    parser.add_argument("--block-m", type=int, nargs="*", default=[],
+                        help="fused_moe_gemm: BLOCK_M values of the base alignment to sweep (default: the "
+                             "table's, configs.moe_block_m), e.g. 64 128 at M >= 512")
     parser.add_argument("--variants", action="store_true", help="A/B the split-K shrink and the split alignment")
     parser.add_argument("--out-dir", default=".", help="--variants: where variants.json and log.txt go")
     parser.add_argument("--dry-run", action="store_true", help="--variants on the CPU (interpreter, tiny shapes)")
@@ -131,12 +148,17 @@ def main() -> int:
         gate_up, h, down = p.base_buffers()
         for stage in ("gate_up", "down"):
             if "fused_moe_gemm" in args.ops:
-                ranked = sweep_gemm(p, timer, stage, h)
-                if ranked:
-                    best = ranked[0]
-                    print(f"fused_moe_gemm {stage:7} M={M:5}: best {best[0]:7.1f} µs {best[1]} "
-                          f"(worst {ranked[-1][0]:.1f})", flush=True)
-                    found.append({"op": "fused_moe_gemm", "stage": stage, "M": M, "us": best[0], **best[1]})
+                ranked = sweep_gemm(p, timer, stage, h, GEMM_WIDE_CANDIDATES if args.wide else GEMM_CANDIDATES,
+                                    tuple(args.block_m))
+                table_us = next(us for us, cfg in ranked if cfg.get("table"))
+                ranked = [(us, cfg) for us, cfg in ranked if not cfg.get("table")] or [(table_us, {"table": 1})]
+                best = ranked[0]
+                print(f"fused_moe_gemm {stage:7} M={M:5}: best {best[0]:7.1f} µs {best[1]} "
+                      f"(table {table_us:.1f} at BLOCK_M {p.bm_base}, worst {ranked[-1][0]:.1f})", flush=True)
+                found.append({"op": "fused_moe_gemm", "stage": stage, "M": M, "us": best[0], **best[1],
+                              "table_us": table_us, "table_block_m": p.bm_base,
+                              "top5": [{"us": us, **cfg} for us, cfg in ranked[:5]]})
+                Path(args.out).write_text(json.dumps(found, indent=2))
             for R, w in pools.items():
                 ranked = sweep_lora(p, w, timer, stage, h, gate_up, down,
                                     LORA_WIDE_CANDIDATES if args.wide else LORA_CANDIDATES)
