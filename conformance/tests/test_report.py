@@ -193,12 +193,12 @@ def test_repro_rerun_lines_for_derandomized_budgeted_and_replay_runs():
 
 
 def test_per_backend_options():
-    from moelora_conformance.cli import _per_backend
+    from moelora_conformance.commands import per_backend
 
-    assert _per_backend(["3", "triton=1"], "triton") == "1"  # a value named for the backend wins
-    assert _per_backend(["triton=1", "3"], "reference") == "3"  # a bare value applies to every backend
-    assert _per_backend(["csgmv=m.toml"], "reference") is None
-    assert _per_backend(None, "reference") is None
+    assert per_backend(["3", "triton=1"], "triton") == "1"  # a value named for the backend wins
+    assert per_backend(["triton=1", "3"], "reference") == "3"  # a bare value applies to every backend
+    assert per_backend(["csgmv=m.toml"], "reference") is None
+    assert per_backend(None, "reference") is None
 
 
 def test_dtype_and_mode_selection_picks_the_items_pytest_k_would():

@@ -54,6 +54,8 @@ from moelora_conformance.commands import (  # noqa: F401 (re-exported: the regis
     Handler,
     Subcommand,
     fixtures_or_exit,
+    per_backend,
+    per_backend_path,
     require_fixtures_extra,
     subcommand,
     user_files_or_exit,
@@ -161,19 +163,6 @@ def _hf_check(parser: argparse.ArgumentParser) -> Handler:
     return run
 
 
-def _per_backend(values: list[str] | None, backend: str) -> str | None:
-    """The value for ``backend`` from ``[BACKEND=]VALUE`` options (a bare value: every backend; a
-    value named for the backend wins)."""
-    chosen = None
-    for value in values or []:
-        name, sep, rest = value.partition("=")
-        if not sep:
-            chosen = chosen or value
-        elif name == backend:
-            return rest
-    return chosen
-
-
 def _int_or_none(value: str | None) -> int | None:
     return None if value is None else int(value)
 
@@ -204,15 +193,6 @@ def _selection(dtypes: str | None, skip_modes: str | None = None) -> list[str] |
             return f"--skip-modes: unknown {unknown or skip_modes!r} or every mode; known {list(LAYER_MODES)}"
         terms += [f"not [{m}-" for m in skipped]
     return ["-k", " and ".join(terms)] if terms else []
-
-
-def _json_path(base: Path | None, backend: str, many: bool) -> Path | None:
-    if base is None:
-        return None
-    if not many:
-        return base
-    safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in backend)
-    return base.with_name(f"{base.stem}-{safe}{base.suffix or '.json'}")
 
 
 @subcommand("run", help="run the conformance suite on backends and print the support matrix")
@@ -250,19 +230,19 @@ def _run(parser: argparse.ArgumentParser) -> Handler:
         many = len(args.backend) > 1
         selections = {}
         for backend in args.backend:
-            selection = _selection(_per_backend(args.dtypes, backend), _per_backend(args.skip_modes, backend))
+            selection = _selection(per_backend(args.dtypes, backend), per_backend(args.skip_modes, backend))
             if isinstance(selection, str):
                 print(f"moelora-conformance run: {selection}", file=sys.stderr)
                 return 2
             selections[backend] = selection
         reports, status = [], 0
         for backend in args.backend:
-            junit = _json_path(args.junitxml, backend, many)
+            junit = per_backend_path(args.junitxml, backend, many)
             print(f"moelora-conformance run: {backend} (profile {profile}, {args.device})", flush=True)
             result = run_suite(backend, profile=profile, device=args.device, cwd=Path.cwd(),
-                               report_json=_json_path(args.json, backend, many),
-                               manifest=_per_backend(args.manifest, backend), junitxml=junit,
-                               max_examples=_int_or_none(_per_backend(args.max_examples, backend)),
+                               report_json=per_backend_path(args.json, backend, many),
+                               manifest=per_backend(args.manifest, backend), junitxml=junit,
+                               max_examples=_int_or_none(per_backend(args.max_examples, backend)),
                                workers=args.workers, extra=[*selections[backend], *args.pytest_args])
             if result.report is None:
                 print(result.output, file=sys.stderr)

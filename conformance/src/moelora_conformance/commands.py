@@ -10,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -90,3 +91,29 @@ def user_files_or_exit(args, command: str):
         for warning in entry.get("warnings", []):
             print(f"moelora-conformance {command}: warning: {warning}", file=sys.stderr)
     return fixtures
+
+
+def per_backend(values: list[str] | None, backend: str) -> str | None:
+    """The value for ``backend`` from repeatable ``[BACKEND=]VALUE`` options (``--manifest``,
+    ``--dtypes``, ...): a value named for the backend wins, else the first bare value (every
+    backend), else None."""
+    chosen = None
+    for value in values or []:
+        name, sep, rest = value.partition("=")
+        if not sep:
+            chosen = chosen or value
+        elif name == backend:
+            return rest
+    return chosen
+
+
+def per_backend_path(base: Path | None, backend: str, many: bool) -> Path | None:
+    """Where ``backend``'s report goes when ``base`` (``--json`` / ``--junitxml``) is given: ``base``
+    itself for one backend; for several, ``base`` with the backend's name (non-alphanumerics as
+    ``-``) after its stem (``e2e.json`` → ``e2e-my_pkg-factory.json``); None without ``base``."""
+    if base is None:
+        return None
+    if not many:
+        return base
+    safe = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in backend)
+    return base.with_name(f"{base.stem}-{safe}{base.suffix or '.json'}")

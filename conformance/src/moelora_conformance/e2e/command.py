@@ -32,7 +32,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from moelora_conformance.commands import Handler, fixtures_or_exit, require_fixtures_extra, subcommand
+from moelora_conformance.commands import (
+    Handler,
+    fixtures_or_exit,
+    per_backend,
+    per_backend_path,
+    require_fixtures_extra,
+    subcommand,
+)
 
 _BUILTINS = ["reference", "triton", "csgmv"]
 _PREFIX = "moelora-conformance e2e"
@@ -134,7 +141,6 @@ def _e2e(parser: argparse.ArgumentParser) -> Handler:
 def _checked_run(args: argparse.Namespace, written: dict[Path, dict]) -> int:
     import importlib.util
 
-    from moelora_conformance.cli import _json_path, _per_backend
     from moelora_core.errors import InvalidFieldError
 
     if importlib.util.find_spec("moelora_runner") is None:
@@ -171,7 +177,7 @@ def _checked_run(args: argparse.Namespace, written: dict[Path, dict]) -> int:
         try:
             from moelora_conformance.e2e.suite import load_e2e_manifest
 
-            manifests[backend] = load_e2e_manifest(_per_backend(args.manifest, backend))
+            manifests[backend] = load_e2e_manifest(per_backend(args.manifest, backend))
         except InvalidFieldError as exc:
             return _usage(str(exc))
     from moelora_conformance.e2e.run import E2EConfig
@@ -198,7 +204,7 @@ def _checked_run(args: argparse.Namespace, written: dict[Path, dict]) -> int:
             plan = _fixture_plan(args, backends, Path(tmp))
             if isinstance(plan, int):
                 return plan
-        return _run(plan, args, config, manifests, _json_path, written)
+        return _run(plan, args, config, manifests, per_backend_path, written)
 
 
 def _modes() -> tuple[str, ...]:
@@ -220,10 +226,9 @@ def _csv(values) -> str:
 def _rerun_extra(args, backend: str) -> list[str]:
     """The options every rerun line of ``backend`` ends with: its manifest (absolute), ``--no-hf``,
     ``--require-coverage``."""
-    from moelora_conformance.cli import _per_backend
 
     out = []
-    manifest = _per_backend(args.manifest, backend)
+    manifest = per_backend(args.manifest, backend)
     if manifest:
         out += ["--manifest", str(Path(manifest).resolve())]
     if args.no_hf:
@@ -295,10 +300,9 @@ def _interrupted(args: argparse.Namespace, written: dict[Path, dict]) -> int:
     """Ctrl-C: one line on stderr saying what the JSON reports hold, exit 130 (128 + SIGINT, as ``moelora
     generate``), no traceback. A report at a path this run was to write but did not (an earlier run's) is
     removed: it must not look like this run's."""
-    from moelora_conformance.cli import _json_path
 
     backends = list(dict.fromkeys(args.backend or _BUILTINS))  # the plan's keys (_run: one report per backend)
-    paths = [p for b in backends if (p := _json_path(args.json, b, len(backends) > 1)) is not None]
+    paths = [p for b in backends if (p := per_backend_path(args.json, b, len(backends) > 1)) is not None]
     stale = [p for p in paths if p not in written and p.exists()]
     for path in stale:
         path.unlink()
