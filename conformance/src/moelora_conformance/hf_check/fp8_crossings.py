@@ -64,15 +64,15 @@ def moves(what: str, got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) 
 
 
 @contextmanager
-def perturbed_embeddings(model: torch.nn.Module, seed: int) -> Iterator[None]:
-    """Within the block, ``model``'s input embedding output e becomes fp32(e · (1 + 2^-23 u)) with u uniform
-    in [-1, 1) (fp64, seeded by ``seed`` and the call's order): one fp32 rounding of noise."""
+def perturbed_embeddings(model: torch.nn.Module, seed: int, noise: float = EMBEDDING_NOISE) -> Iterator[None]:
+    """Within the block, ``model``'s input embedding output e becomes fp32(e · (1 + noise · u)) with u uniform
+    in [-1, 1) (fp64, seeded by ``seed`` and the call's order): by default one fp32 rounding of noise."""
     embed = model.get_input_embeddings()
     gen = torch.Generator().manual_seed(seed)
 
     def hook(module, args, out):
         u = torch.rand(out.shape, generator=gen, dtype=torch.float64) * 2 - 1
-        return (out.double() * (1 + EMBEDDING_NOISE * u)).to(out.dtype)
+        return (out.double() * (1 + noise * u)).to(out.dtype)
 
     handle = embed.register_forward_hook(hook)
     try:
@@ -117,8 +117,29 @@ def with_quantized_expert_deltas(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def mean_move(outputs, requests: list[dict], reference, *, adapters_only: bool = False) -> float:
+    """Mean |Δlogprob| of the engine's ``outputs`` (``RequestOutput``: prompt and output logprobs) against
+    ``reference`` (``e2e.engine_checks.HFReference`` or alike) teacher-forced on the same tokens, over every
+    request of ``requests`` (only those with an adapter when ``adapters_only``): what a fault moves on
+    average, held to the fp8 rows' mean bound, with no max bound stopping the count first.
+
+    Raises:
+        ValueError: no logprob to average.
+    """
+    diffs = []
+    for req, out in zip(requests, outputs, strict=True):
+        if adapters_only and req.get("adapter") is None:
+            continue
+        prompt = req["prompt_token_ids"]
+        ref = reference.teacher_forced(req.get("adapter"), prompt + out.output_token_ids, len(prompt))
+        diffs += [abs(a - b) for a, b in zip(out.prompt_logprobs[1:] + out.output_logprobs, ref.logprobs, strict=True)]
+    if not diffs:
+        raise ValueError("no logprobs to compare (no request, or no request with an adapter)")
+    return sum(diffs) / len(diffs)
+
+
 def measure(model_dir: Path, adapter_dirs: dict[str, Path], *, n: int = SEQUENCES,
-            lengths: tuple[int, int] = LENGTHS, seed: int = 0) -> list[Moves]:
+            lengths: tuple[int, int] = LENGTHS, seed: int = 0, noise: float = EMBEDDING_NOISE) -> list[Moves]:
     """The module doc's measurements on the fp8 checkpoint ``model_dir``, the base model and each adapter of
     ``adapter_dirs`` (name → PEFT directory) on the same ``n`` random sequences.
 
@@ -139,7 +160,7 @@ def measure(model_dir: Path, adapter_dirs: dict[str, Path], *, n: int = SEQUENCE
             warnings.simplefilter("ignore")
             w8a8, w8a16 = load_hf(model_dir, adapter, w8a8=True), load_hf(model_dir, adapter)
         for label, model in (("w8a8", w8a8), ("w8a16", w8a16)):
-            with perturbed_embeddings(model, seed + 1):
+            with perturbed_embeddings(model, seed + 1, noise):
                 got[label + "~"] += [teacher_forced(model, s) for s in seqs]
             got[label] += [teacher_forced(model, s) for s in seqs]
         if name is not None:
@@ -164,10 +185,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--adapter", action="append", default=[], help="a fixture adapter of its source model")
     p.add_argument("--sequences", type=int, default=SEQUENCES)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--noise", type=float, default=EMBEDDING_NOISE, help="relative size of the perturbation")
     args = p.parse_args(argv)
     fixtures = load_fixtures(args.fixtures)
     adapters = {a: fixtures.adapter_dir(a) for a in args.adapter}
-    for m in measure(fixtures.model_dir(args.model), adapters, n=args.sequences, seed=args.seed):
+    for m in measure(fixtures.model_dir(args.model), adapters, n=args.sequences, seed=args.seed,
+                     noise=args.noise):
         print(f"{args.model}: {m.line()}", flush=True)
     return 0
 
