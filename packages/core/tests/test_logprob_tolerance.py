@@ -62,6 +62,6 @@ def test_an_fp8_base_has_its_own_measured_rows_and_no_assumed_ones():
     with pytest.raises(KeyError, match="base_quant='mxfp4'"):
         LogprobCheck("engine_vs_hf", "float32", base_quant="mxfp4")
     check = LogprobCheck("engine_vs_hf", "float32", base_quant="fp8_block")
-    check.add([0.0] * MEAN_MIN_SAMPLES, [2e-3] * MEAN_MIN_SAMPLES, what="w8a16")  # within max, above the mean
-    with pytest.raises(AssertionError, match=r"mean \|Δlogprob\| 2.000e-03 over 64 logprobs > 1.0e-03"):
+    check.add([0.0] * MEAN_MIN_SAMPLES, [4e-3] * MEAN_MIN_SAMPLES, what="w8a16")  # within max, above the mean
+    with pytest.raises(AssertionError, match=r"mean \|Δlogprob\| 4.000e-03 over 64 logprobs > 3.0e-03"):
         check.finish()
