@@ -62,6 +62,10 @@ def test_an_fp8_base_has_its_own_measured_rows_and_no_assumed_ones():
     with pytest.raises(KeyError, match="base_quant='mxfp4'"):
         LogprobCheck("engine_vs_hf", "float32", base_quant="mxfp4")
     check = LogprobCheck("engine_vs_hf", "float32", base_quant="fp8_block")
-    check.add([0.0] * MEAN_MIN_SAMPLES, [2e-3] * MEAN_MIN_SAMPLES, what="w8a16")  # within max, above the mean
-    with pytest.raises(AssertionError, match=r"mean \|Δlogprob\| 2.000e-03 over 64 logprobs > 1.0e-03"):
+    check.add([0.0] * MEAN_MIN_SAMPLES, [5e-3] * MEAN_MIN_SAMPLES, what="w8a16")  # within max, above the mean
+    check.add([0.0] * MEAN_MIN_SAMPLES, [3e-3] * MEAN_MIN_SAMPLES, what="e2e-3")
+    # the item that contributed most is named: on an fp8 base, one request's large share may be one e4m3
+    # crossing, which e2e's locate then names
+    with pytest.raises(AssertionError, match=r"mean \|Δlogprob\| 4.000e-03 over 128 logprobs > 3.0e-03 .*"
+                                             r"62% of the sum from w8a16\)$"):
         check.finish()

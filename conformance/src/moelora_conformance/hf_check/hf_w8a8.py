@@ -57,10 +57,12 @@ def _base_and_delta(module: torch.nn.Module, name: str) -> tuple[torch.Tensor, t
 
 
 def w8a8_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                         top_k_weights: torch.Tensor) -> torch.Tensor:
+                         top_k_weights: torch.Tensor, *, quantized_deltas: bool = False) -> torch.Tensor:
     """transformers' eager expert loop (``Qwen3MoeExperts.forward``) with w8a8 base products and
     unquantized delta products (module doc). hidden_states [T, H]; top_k_index, top_k_weights [T, k];
-    returns [T, H] in hidden_states' dtype. ``self._w8a8_block_k`` is the checkpoint's bk."""
+    returns [T, H] in hidden_states' dtype. ``self._w8a8_block_k`` is the checkpoint's bk.
+    ``quantized_deltas``: the delta products read x̂ and ĥ instead (a fault, for
+    ``fp8_crossings.measure``: what the fp8 logprob rows must fail)."""
     bk = self._w8a8_block_k
     w_gu, d_gu = _base_and_delta(self, "gate_up_proj")
     w_d, d_d = _base_and_delta(self, "down_proj")
@@ -69,13 +71,15 @@ def w8a8_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.T
     for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()[:, 0].tolist():
         pos, tok = torch.where(mask[e])
         x = hidden_states[tok]
-        gate_up = torch.nn.functional.linear(_quantize_rows(x, bk), w_gu[e])
+        x_hat = _quantize_rows(x, bk)
+        gate_up = torch.nn.functional.linear(x_hat, w_gu[e])
         if d_gu is not None:
-            gate_up = gate_up + torch.nn.functional.linear(x, d_gu[e])
+            gate_up = gate_up + torch.nn.functional.linear(x_hat if quantized_deltas else x, d_gu[e])
         h = self._apply_gate(gate_up)
-        y = torch.nn.functional.linear(_quantize_rows(h, bk), w_d[e])
+        h_hat = _quantize_rows(h, bk)
+        y = torch.nn.functional.linear(h_hat, w_d[e])
         if d_d is not None:
-            y = y + torch.nn.functional.linear(h, d_d[e])
+            y = y + torch.nn.functional.linear(h_hat if quantized_deltas else h, d_d[e])
         out.index_add_(0, tok, (y * top_k_weights[tok, pos, None]).to(out.dtype))
     return out
 
