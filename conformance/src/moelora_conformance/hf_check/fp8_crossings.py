@@ -165,7 +165,8 @@ def measure(model_dir: Path, adapter_dirs: dict[str, Path], *, n: int = SEQUENCE
             got[label] += [teacher_forced(model, s) for s in seqs]
         if name is not None:
             adapter_lp["w8a8"] += got["w8a8"][-len(seqs):]
-            adapter_lp["x̂ deltas"] += [teacher_forced(with_quantized_expert_deltas(w8a8), s) for s in seqs]
+            faulty = with_quantized_expert_deltas(w8a8)  # in place: w8a8's last use
+            adapter_lp["x̂ deltas"] += [teacher_forced(faulty, s) for s in seqs]
     out = [moves("w8a8 self-perturbation", got["w8a8~"], got["w8a8"]),
            moves("w8a16 self-perturbation", got["w8a16~"], got["w8a16"])]
     if adapter_dirs:
