@@ -361,3 +361,19 @@ def test_deepseek_v3_fp8_engine_equals_hf_peft_made_w8a8_and_not_the_w8a16_model
     with_quantized_expert_deltas(x_hat.model(adapter))
     assert mean_move(outputs, requests, w8a16) > check.tolerance.mean_abs
     assert mean_move(outputs, requests, x_hat, adapters_only=True) > check.tolerance.mean_abs
+
+
+def test_the_w8a8_reference_dequantizes_on_a_machine_with_an_fp8_gpu(fixture_set, monkeypatch):
+    """transformers keeps an fp8 checkpoint's weights fp8 where it sees an fp8-capable GPU (an H100's
+    E02 cells once failed on that: "k_proj is not W_q · scale_inv"); load_hf asks it to dequantize on
+    every machine. Simulated here: CUDA visible, sm_90."""
+    from moelora_conformance.hf_check.hf_model import load_hf
+    from moelora_conformance.hf_check.hf_w8a8 import make_w8a8
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    model_dir = fixture_set.model_dir(FP8_MODELS[0].name)
+    model = load_hf(model_dir)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    # every module stored fp8 is W_q · scale_inv of its blocks, and every other one as stored, or it raises
+    make_w8a8(model, model_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -32,7 +33,8 @@ def load_hf(model_dir: Path, adapter_dir: Path | None = None, *, w8a8: bool = Fa
     # An fp8 checkpoint with partial edge blocks: transformers takes the block from the scale grid and
     # refuses or mis-dequantizes it, so it loads the oracle's dequantized copy (docs/checkpoints.md).
     source = dequantized_copy(model_dir) if partial_block_weights(Path(model_dir)) else model_dir
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32,
+                                                 **_dequantizing(Path(source))).eval()
     if w8a8:
         make_w8a8(model, Path(model_dir))
     if adapter_dir is None:
@@ -42,6 +44,26 @@ def load_hf(model_dir: Path, adapter_dir: Path | None = None, *, w8a8: bool = Fa
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=PEFT_PATTERN_WARNING, category=RuntimeWarning)
         return PeftModel.from_pretrained(model, str(adapter_dir)).eval()
+
+
+def _dequantizing(model_dir: Path) -> dict:
+    """``from_pretrained`` keyword arguments that make transformers dequantize an fp8 block-scaled
+    checkpoint at load on every machine (empty for any other checkpoint).
+
+    transformers 5.17's fine-grained fp8 quantizer dequantizes (Ŵ = W_q · scale_inv) only where no
+    fp8-capable GPU is visible (``FineGrainedFP8Quantizer.validate_environment``); on an H100 or H200
+    it keeps the fp8 weights for its own kernels, even for a model run on the CPU, and the reference
+    would differ by machine (``hf_w8a8.make_w8a8`` refuses such weights by name). Its loading
+    attributes (``dequantize``, ``modules_to_not_convert``) replace the stored ones, so the stored
+    ``modules_to_not_convert`` is passed back unchanged (``test_fixtures_fp8.py`` pins both)."""
+    from transformers import FineGrainedFP8Config
+
+    stored = json.loads((model_dir / "config.json").read_text()).get("quantization_config") or {}
+    if stored.get("quant_method") != "fp8":
+        return {}
+    return {"quantization_config": FineGrainedFP8Config(
+        dequantize=True, weight_block_size=tuple(stored["weight_block_size"]),
+        modules_to_not_convert=stored.get("modules_to_not_convert"))}
 
 
 def decoder_layers(model) -> list:
