@@ -196,7 +196,7 @@ class Problem:
         self.mapping, self.enabled = token_lora_mapping(self.seg_indptr, self.req_weight_indices, max_loras=MAX_LORAS,
                                                         num_tokens=M)
         self.w_gu, self.w_d = base["w_gu"], base["w_d"]
-        self.bm_base = moe_block_m(M, k, E)
+        self.bm_base = moe_block_m(M, k, E, op="moe_align_block_size")  # as fused_moe picks it
         self.bm_lora = moe_block_m(M, k, E, MAX_LORAS)
         self.base_align = moe_align_block_size(self.topk_ids, E, self.bm_base)
         self.lora_align = moe_lora_align_block_size(self.topk_ids, self.mapping, E, self.bm_lora, MAX_LORAS,
@@ -354,12 +354,14 @@ def fp8_base(base: dict, inter: int) -> dict:
 def fp8_paths(row: dict, p: Problem, w: LoRAWeights, timer: Timer, fp8: dict) -> None:
     """``--base-quant fp8``: the w8a8 base alone and with the MoE-LoRA deltas (module docstring), into ``row``."""
     deltas = MoELoRAInputs(w, p.lora_align, adapter_enabled=p.enabled)
+    # the fp8 base's alignment as fused_moe picks it: the rule's BLOCK_M (the table's is the bf16 base's)
+    align = moe_align_block_size(p.topk_ids, p.E, moe_block_m(p.M, p.topk_ids.shape[1], p.E))
 
     def base_only(p=p):
-        return fused_moe(p.x, p.topk_ids, p.topk_weights, fp8["w_gu"], fp8["w_d"], align=p.base_align, **fp8["kw"])
+        return fused_moe(p.x, p.topk_ids, p.topk_weights, fp8["w_gu"], fp8["w_d"], align=align, **fp8["kw"])
 
     def with_lora(p=p):
-        return fused_moe(p.x, p.topk_ids, p.topk_weights, fp8["w_gu"], fp8["w_d"], align=p.base_align,
+        return fused_moe(p.x, p.topk_ids, p.topk_weights, fp8["w_gu"], fp8["w_d"], align=align,
                          deltas=deltas, **fp8["kw"])
 
     row["err_a_fp8"] = close(base_only(), torch_base(p), f"fp8 base M={p.M}", tol=1e-1)

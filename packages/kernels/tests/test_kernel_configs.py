@@ -49,6 +49,8 @@ def test_shipped_entries_use_only_known_keys_and_valid_values(op, entry):
     if "EXPAND_STREAM" in entry:
         assert op in ("moe_lora_expand", "fused_moe_lora") and entry["EXPAND_STREAM"] in EXPAND_STREAM, (
             f"{op} entry {entry}")
+    if "BLOCK_M" in entry:  # the base alignment's block rows (configs.moe_block_m(op=...)); GEMMs take the alignment's
+        assert op == "moe_align_block_size" and entry["BLOCK_M"] in configs.TABLE_BLOCK_M, f"{op} entry {entry}"
     if "ALIGN_SPLIT" in entry:
         split = entry["ALIGN_SPLIT"]
         assert op in ("moe_lora_align_block_size", "moe_align_block_size"), f"{op} entry {entry}"
@@ -76,3 +78,17 @@ def test_moe_lora_path_is_looked_up_with_the_stages_N(stage, monkeypatch):
     run_delta(stage, x, out, w, align, 2, tw, None, fused=None)
     paths = [kw for op, kw in seen if op == "moe_lora_path"]
     assert paths == [{"rows": 6, "N": 24 if stage == "gate_up" else 40, "R": 8}], seen
+
+
+def test_base_block_m_comes_from_the_h100_table_where_it_was_measured(monkeypatch):
+    """The H100 table's base alignment takes BLOCK_M 128 above 8192 rows (tokens × top_k) and the rule's
+    block elsewhere; the LoRA alignments (no ``op``) and virtual experts always take the rule's."""
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setenv("MOELORA_KERNEL_CONFIGS", str(configs._CONFIG_DIR / "h100.json"))
+    base = "moe_align_block_size"
+    rule = {M: configs.moe_block_m(M, 8, 128) for M in (1, 512, 1024, 1025, 2048, 8192)}
+    assert rule == {1: 16, 512: 32, 1024: 64, 1025: 64, 2048: 64, 8192: 64}
+    assert {M: configs.moe_block_m(M, 8, 128, op=base) for M in rule} == {**rule, 1025: 128, 2048: 128, 8192: 128}
+    assert configs.moe_block_m(8192, 8, 128, 4) == 64  # the LoRA alignment of 4 slots: the rule
+    monkeypatch.setenv("MOELORA_KERNEL_CONFIGS", str(configs._CONFIG_DIR / "h200.json"))
+    assert configs.moe_block_m(8192, 8, 128, op=base) == 64  # not measured on the H200: the rule

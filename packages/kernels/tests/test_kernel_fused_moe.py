@@ -93,6 +93,19 @@ def test_named_base_cases(name, M, k, E_base, ids, dtype):
         assert_close(y, want, dtype=dtype, what=name, seed=7)
 
 
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_table_block_m_against_the_oracle(block_m):
+    """The base alignment's larger blocks (``configs.moe_block_m(op="moe_align_block_size")``: 128 in the
+    H100 table above 8192 rows), checked here at small shapes: a block holds rows of one expert and
+    padding, 150 tokens over 3 experts fill a 128-row block and spill into a second."""
+    x, ids, weights, w_gu, w_d = _problem(11, 150, 2, 3)
+    align = _align(ids, 3, block_m)
+    with launch_guard():
+        y = fused_moe(x, ids, weights, w_gu, w_d, align=align)
+    oracle = moe_lora_forward(cpu(x), cpu(ids), cpu(weights), cpu(w_gu), cpu(w_d), None, None)
+    assert_close(y, oracle, dtype=torch.float32, what=f"fused_moe y at BLOCK_M {block_m} vs oracle", seed=11)
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("gated", [True, False])
 def test_activation_variants(activation, gated):

@@ -116,6 +116,16 @@ def kernel_config(op: str, *, rows: int, N: int | None = None, K: int | None = N
 def _looked_up(op: str, rows: int, N: int | None, K: int | None, R: int | None) -> dict[str, int]:
     if interpreting():
         return dict(INTERPRETER_CONFIG)
+    best = _matched_entry(op, rows, N, K, R)
+    out = dict(GPU_FALLBACK_CONFIG)
+    if best is not None:
+        out.update({k: v for k, v in best.items() if k in GPU_FALLBACK_CONFIG})
+    return out
+
+
+def _matched_entry(op: str, rows: int, N: int | None = None, K: int | None = None,
+                   R: int | None = None) -> dict | None:
+    """The table entry of ``op`` that matches the call (module doc), as stored, or None."""
     best: dict | None = None
     best_key: tuple[int, int] | None = None
     for entry in _table().get(op, []):
@@ -130,27 +140,36 @@ def _looked_up(op: str, rows: int, N: int | None, K: int | None, R: int | None) 
         key = (-len(shape_keys), max_rows)
         if best_key is None or key < best_key:
             best, best_key = entry, key
-    out = dict(GPU_FALLBACK_CONFIG)
-    if best is not None:
-        out.update({k: v for k, v in best.items() if k in GPU_FALLBACK_CONFIG})
-    return out
+    return best
 
 
-def moe_block_m(num_tokens: int, top_k: int, num_experts: int, max_loras: int = 1) -> int:
-    """``BLOCK_M`` for ``moe_lora_align_block_size`` and the MoE GEMMs that read its output.
+#: The alignment block sizes a table entry may choose (``BLOCK_M`` of ``moe_align_block_size``).
+TABLE_BLOCK_M: tuple[int, ...] = (16, 32, 64, 128)
+
+
+def moe_block_m(num_tokens: int, top_k: int, num_experts: int, max_loras: int = 1, *,
+                op: str | None = None) -> int:
+    """``BLOCK_M`` for an alignment and the MoE GEMMs that read its output.
 
     Sized from the expected rows per (slot, expert) bucket, ``num_tokens * top_k / (max_loras *
     num_experts)``: 16 while buckets hold a few rows (decode, small prefill), 32 / 64 as they
-    fill. Under the interpreter: 32 (the interpreter's cost is per program).
+    fill. With ``op``, a ``BLOCK_M`` stored in that op's matching table entry (rows = ``num_tokens *
+    top_k``) wins: the base MoE's alignment (``op="moe_align_block_size"``, bf16 / fp16 base GEMMs)
+    takes 128 where ``sweep_configs.py --block-m`` measured it faster with that entry's GEMM tiles.
+    Under the interpreter: 32 (the interpreter's cost is per program).
 
     Args:
         num_tokens: M, tokens of the batch (its capacity in graph mode).
         top_k: experts per token.
         num_experts: experts the alignment groups by (``max_loras * E`` for virtual experts).
         max_loras: slots the tokens spread over (1 for the base MoE and virtual experts).
+        op: the table operation whose entries may store ``BLOCK_M`` (one of :data:`TABLE_BLOCK_M`).
     """
     if interpreting():
         return INTERPRETER_CONFIG["BLOCK_M"]
+    entry = _matched_entry(op, num_tokens * top_k) if op is not None else None
+    if entry is not None and "BLOCK_M" in entry:
+        return entry["BLOCK_M"]
     rows_per_bucket = num_tokens * top_k / max(1, num_experts * max_loras)
     if rows_per_bucket <= 16:
         return 16

@@ -219,7 +219,9 @@ def fused_moe(
         for modules in STAGE_MODULES.values():
             check_rank_covers(fused_lora.max_rank, fused_lora.weights, modules)
     if align is None:
-        align = moe_align_block_size(topk_ids, E_base, block_m or moe_block_m(M, top_k, E_base))
+        # the table's base BLOCK_M was measured with bf16 / fp16 GEMM tiles; the fp8 GEMM keeps the rule
+        table_op = "moe_align_block_size" if weight_block is None else None
+        align = moe_align_block_size(topk_ids, E_base, block_m or moe_block_m(M, top_k, E_base, op=table_op))
     num_pairs = M * top_k
     gate_up = torch.empty(M, top_k, width, dtype=x.dtype, device=x.device)
     if weight_block is not None:  # w8a8 base; the deltas below read the unquantized x and h
