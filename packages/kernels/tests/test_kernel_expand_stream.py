@@ -264,7 +264,7 @@ def test_layer_with_the_value_from_the_table_matches_oracle(path, value, tmp_pat
     with launch_guard():
         align = moe_lora_align_block_size(ids, mapping, spec.E, moe_block_m(29, 2, spec.E, spec.max_loras),
                                           spec.max_loras)
-        y = fused_moe(x, ids, tw, w_gu, w_d, lora=MoELoRAInputs(w, align))
+        y = fused_moe(x, ids, tw, w_gu, w_d, deltas=MoELoRAInputs(w, align))
     want = moe_lora_forward(cpu(x), cpu(ids), cpu(tw), cpu(w_gu), cpu(w_d), cpu_weights(w), cpu(mapping))
     assert_close(y, want, dtype=torch.float32, what=f"layer, {path}, EXPAND_STREAM {value} vs oracle", seed=63)
 

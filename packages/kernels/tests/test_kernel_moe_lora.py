@@ -122,7 +122,7 @@ def test_layer_with_lora_matches_oracle(case):
         align = moe_lora_align_block_size(c.topk_ids, c.token_lora_mapping, spec.E,
                                           moe_block_m(M, k, spec.E, spec.max_loras), spec.max_loras)
         y = fused_moe(c.x, c.topk_ids, c.topk_weights, c.base.w_gate_up, c.base.w_down,
-                      lora=MoELoRAInputs(c.lora, align))
+                      deltas=MoELoRAInputs(c.lora, align))
     want = moe_lora_forward(cpu(c.x), cpu(c.topk_ids), cpu(c.topk_weights), cpu(c.base.w_gate_up),
                             cpu(c.base.w_down), cpu_weights(c.lora), cpu(c.token_lora_mapping))
     assert_close(y, want, dtype=torch.float32, what="layer with LoRA vs oracle", seed=case.seed)
@@ -249,7 +249,7 @@ def test_base_tokens_bit_identical_in_a_mixed_batch(dtype):
     base_align = moe_align_block_size(ids, E_base, 32)
     with launch_guard():
         plain = fused_moe(x, ids, tw, w_gu, w_d, align=base_align)
-        with_lora = fused_moe(x, ids, tw, w_gu, w_d, align=base_align, lora=MoELoRAInputs(w, align))
+        with_lora = fused_moe(x, ids, tw, w_gu, w_d, align=base_align, deltas=MoELoRAInputs(w, align))
     base_rows = (mapping == -1).cpu()
     assert base_rows.any() and (~base_rows).any()
     assert_bitwise_equal(with_lora.cpu()[base_rows], plain.cpu()[base_rows], what="base rows")
