@@ -449,7 +449,7 @@ def test_a_kernels_cell_that_stops_itself_at_its_budget_is_a_timeout_not_an_erro
 def test_a_kernels_cell_given_less_than_its_timeout_interrupts_pytest_before_it(tmp_path):
     """A kernels cell cut by the run's budget must still stop pytest itself in time to report (it was
     given --budget-s 230 with 185 s left on 2026-12-02, and its report was lost)."""
-    cell = {c.id: c for c in matrix.load_matrix()}["kernels/-/-/-/-/gpu:slices"]
+    cell = {c.id: c for c in matrix.load_matrix()}["kernels/-/-/-/-/gpu:expand-loads"]
     own = matrix.command(cell, tmp_path)
     assert own[own.index("--budget-s") + 1] == f"{cell.timeout_s - matrix.KERNELS_REPORT_S:.0f}"
     cut = matrix.command(cell, tmp_path, 185.0)

@@ -8,8 +8,8 @@ copies of the alignment, the math where the data lives):
   (p < num_pairs): ``c[p] (+)= scale[e // experts_per_scale] · w_p · (W[e] @ a[p // in_row_div] + bias[e])``,
   rounded once (the old value of c joins the sum before rounding when ``add_into``).
 - :func:`moe_activation`: ``h = silu(g) ⊙ u`` (gated), ``act(g)``, or GPT-OSS's clamped
-  ``swiglu_oai`` (:func:`moelora_reference.oracle.gated_activation`), gate/up in either layout,
-  rounded once.
+  ``swiglu_oai`` (:func:`moelora_reference.oracle.gated_activation`), gate/up as halves, rounded
+  once.
 - :func:`moe_sum`: ``y[t] = Σ_j [topk_ids[t, j] >= 0] · down_out[t, j]``, rounded once.
 - :func:`fused_moe`: the base MoE layer through those steps (the rounding points of the Triton
   path: gate_up output, h, the router-weighted down output per pair, y).
@@ -101,21 +101,20 @@ def _act(x: torch.Tensor, activation: str) -> torch.Tensor:
 
 def moe_activation(
     gate_up: torch.Tensor, *, activation: str = "silu", gated: bool = True, out: torch.Tensor | None = None,
-    layout: str = "halves", alpha: float = 1.702, limit: float = 7.0,
+    alpha: float = 1.702, limit: float = 7.0,
 ) -> torch.Tensor:
-    """h = act(gate) ⊙ up (gated; gate/up per ``layout``), act(gate_up) (non-gated), or GPT-OSS's
+    """h = act(gate) ⊙ up (gated; gate [:I], up [I:]), act(gate_up) (non-gated), or GPT-OSS's
     ``swiglu_oai`` ``min(g, L) · sigmoid(α min(g, L)) ⊙ (clamp(u, ±L) + 1)``; rounded once.
 
     Args:
         gate_up: [rows, 2I] or [rows, I]. out: [rows, I] or None.
-        layout: "halves" (gate [:I], up [I:]) or "interleaved" (gate 0::2, up 1::2).
         alpha, limit: swiglu_oai's α and clamp bound.
     """
     g = gate_up.to(F64)
     if not gated:
         h = _act(g, activation)
     else:
-        gate, up = split_gate_up(g, layout)  # [rows, I] each
+        gate, up = split_gate_up(g)  # [rows, I] each
         if activation == "swiglu_oai":
             h = gated_activation(gate, up, MoEActivation("swiglu_oai", alpha=alpha, limit=limit))
         else:
@@ -155,12 +154,11 @@ def fused_moe(
     gated: bool = True,
     b_gate_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
-    layout: str = "halves",
     alpha: float = 1.702,
     limit: float = 7.0,
 ) -> torch.Tensor:
-    """The base MoE layer at the Triton path's rounding points (biases and GPT-OSS's activation and
-    layout as ``moelora_kernels.fused_moe``).
+    """The base MoE layer at the Triton path's rounding points (biases and GPT-OSS's activation as
+    ``moelora_kernels.fused_moe``).
 
     Args:
         x: [M, H]; topk_ids: [M, top_k] (< 0 = not here; any id < E_base is a base expert);
@@ -174,7 +172,7 @@ def fused_moe(
     num_pairs = M * top_k
     gate_up = torch.full((num_pairs, w_gate_up.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
     fused_moe_gemm(x, w_gate_up, gate_up, align, top_k=top_k, num_pairs=num_pairs, in_row_div=top_k, bias=b_gate_up)
-    h = moe_activation(gate_up, activation=activation, gated=gated, layout=layout, alpha=alpha,
+    h = moe_activation(gate_up, activation=activation, gated=gated, alpha=alpha,
                        limit=limit)  # [num_pairs, I]
     down = torch.full((num_pairs, w_down.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
     fused_moe_gemm(h, w_down, down, align, top_k=top_k, num_pairs=num_pairs, in_row_div=1,

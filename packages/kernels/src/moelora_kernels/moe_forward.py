@@ -59,8 +59,6 @@ class MoELoRAInputs:
         fused: shrink+expand in one kernel per stage (True), two (False), or by size (None:
             the config table's choice).
         tf32: TF32 dots for fp32.
-        layout: gate_up_out's columns, "halves" or GPT-OSS's "interleaved" (the expand epilogue's
-            column strides, :func:`.moe_lora.fused_moe_lora_expand`).
     """
 
     weights: LoRAWeights
@@ -69,13 +67,12 @@ class MoELoRAInputs:
     max_rank: int | None = None
     fused: bool | None = None
     tf32: bool = False
-    layout: str = "halves"
 
     def gate_up(self, x: torch.Tensor, topk_ids: torch.Tensor, gate_up_out: torch.Tensor) -> None:
         """gate_up_out [M, top_k, 2I] += the gate and up deltas of x [M, H]."""
         moe_lora_delta("gate_up", x, gate_up_out, self.weights, self.align, top_k=topk_ids.shape[1],
                        adapter_enabled=self.adapter_enabled, max_rank=self.max_rank, fused=self.fused,
-                       tf32=self.tf32, layout=self.layout)
+                       tf32=self.tf32)
 
     def down(self, h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              down_out: torch.Tensor) -> None:
@@ -100,7 +97,6 @@ def fused_moe(
     deltas: MoEDeltas | None = None,
     b_gate_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
-    layout: str = "halves",
     alpha: float = 1.702,
     limit: float = 7.0,
     weight_block: tuple[int, int] | None = None,
@@ -122,22 +118,20 @@ def fused_moe(
         align: a precomputed base alignment (graph mode: static buffers), else computed here.
         tf32: TF32 dots for fp32.
         deltas: who adds the LoRA deltas (any ``MoEDeltas``), or None for the base MoE alone.
-        b_gate_up: [E_base, 2I] expert biases in ``layout`` (GPT-OSS), or None. b_down: [E_base, H].
-        layout: gate/up columns of ``w_gate_up`` rows and of gate_up_out: "halves" or "interleaved"
-            (the activation reads them so; a ``deltas`` must write them so, e.g.
-            ``MoELoRAInputs(layout=...)``).
+        b_gate_up: [E_base, 2I] expert biases, gate then up (GPT-OSS's, de-interleaved by the
+            reader), or None. b_down: [E_base, H].
         weight_block: (bn, bk) of fp8 block-scaled experts (DESIGN.md §1): ``w_gate_up`` / ``w_down``
             are then float8_e4m3fn with ``w_gate_up_scale_inv`` [E_base, 2·⌈I/bn⌉, ⌈H/bk⌉] and
             ``w_down_scale_inv`` [E_base, ⌈H/bn⌉, ⌈I/bk⌉]; the base GEMMs are w8a8
             (:mod:`.fp8_block`: x and h quantized per token per K-group), the deltas read the
-            unquantized x and h. Gated halves-layout layers without biases.
+            unquantized x and h. Gated layers without biases.
 
     Returns:
         y [M, H] in x's dtype.
 
     Raises:
         KernelPreconditionError: shape / dtype / device mismatches (from the launchers too); an fp8
-            block-scaled base with a non-gated layer, another layout or biases.
+            block-scaled base with a non-gated layer or biases.
     """
     check_tensor("x", x, dtypes=FLOAT_DTYPES, dim=2, unit_last_stride=True)
     M, H = x.shape
@@ -150,9 +144,8 @@ def fused_moe(
     E_base, width, _ = w_gate_up.shape
     inter = width // 2 if gated else width
     check_tensor("w_down", w_down, dtypes=(w_dtype,), shape=(E_base, H, inter), device=x.device)
-    if weight_block is not None and (not gated or layout != "halves" or b_gate_up is not None or b_down is not None):
-        raise KernelPreconditionError("fused_moe: an fp8 block-scaled base takes a gated halves-layout layer without "
-                                      "biases")
+    if weight_block is not None and (not gated or b_gate_up is not None or b_down is not None):
+        raise KernelPreconditionError("fused_moe: an fp8 block-scaled base takes a gated layer without biases")
     if align is None:
         align = moe_align_block_size(topk_ids, E_base, block_m or moe_block_m(M, top_k, E_base))
     num_pairs = M * top_k
@@ -167,7 +160,7 @@ def fused_moe(
     if deltas is not None:
         deltas.gate_up(x, topk_ids, gate_up)
     h = moe_activation(gate_up.view(num_pairs, width), activation=activation, gated=gated, topk_ids=topk_ids,
-                       layout=layout, alpha=alpha, limit=limit)
+                       alpha=alpha, limit=limit)
     down = torch.empty(M, top_k, H, dtype=x.dtype, device=x.device)
     if weight_block is not None:
         q, s = quantize_activation_fp8(h, weight_block[1])
