@@ -32,14 +32,6 @@ fp32) and the alignment against the contract checker. Prints a table; writes JSO
 and read by the kernels with expert stride 0 (the stride-0 path); "fully_shared" shares all four.
 Rows then carry ``expert_layout`` and ``slot_bytes`` (the pool's bytes per slot as stored).
 
-``--path fused_moe`` adds, per (M, R), the whole layer with LoRA two ways, each with its
-alignment precomputed like (a): ``ab_separate_us`` (the base GEMMs, then the delta kernels adding
-into their outputs: ``fused_moe(lora=MoELoRAInputs)``) and ``ab_fused_us`` (the deltas inside the
-base GEMMs: ``fused_moe(fused_lora=FusedLoRAInputs)`` over the same base alignment, each row
-adding its own slot's delta; ``LORA_SLOT_GROUP`` of the kernel-config table, through
-``MOELORA_KERNEL_CONFIGS``, sets how many slots share a shrink/expand tile pair);
-``err_ab_fused`` compares the two layers' outputs.
-
 ``--base-quant fp8`` adds, per (M, R), the fp8 block-scaled base (DESIGN.md §1; the base weights
 quantized at block 128 × 128 by ``moelora_core.fp8_block.quantize_weight_fp8_block``, the Qwen3-FP8 /
 DeepSeek-V3 format): ``a_fp8_us`` the w8a8 base fused MoE alone (activation quantization per token per
@@ -74,7 +66,6 @@ from moelora_core import BatchSpec, ForwardMode, LoRALayerSpec, LoRAWeights, Mod
 from moelora_core.align import AlignOutput  # noqa: E402
 from moelora_core.layer_spec import EXPERT_LAYOUTS, expert_factor  # noqa: E402
 from moelora_kernels import (  # noqa: E402
-    FusedLoRAInputs,
     MoELoRAInputs,
     fused_moe,
     moe_align_block_size,
@@ -317,23 +308,6 @@ def min_bytes_lora(p: Problem, R: int, shared: frozenset = frozenset()) -> int:
 
 # --- main -----------------------------------------------------------------------------------------------
 
-def layer_paths(row: dict, p: Problem, w: LoRAWeights, timer: Timer) -> None:
-    """``--path fused_moe``: the layer with LoRA through separate delta kernels and with the deltas
-    fused into the base GEMMs (module docstring), both checked against each other, into ``row``."""
-    fused = FusedLoRAInputs(w, p.mapping, adapter_enabled=p.enabled)
-    separate = MoELoRAInputs(w, p.lora_align, adapter_enabled=p.enabled)
-    y_f = fused_moe(p.x, p.topk_ids, p.topk_weights, p.w_gu, p.w_d, align=p.base_align, fused_lora=fused)
-    y_s = fused_moe(p.x, p.topk_ids, p.topk_weights, p.w_gu, p.w_d, align=p.base_align, lora=separate)
-    row["err_ab_fused"] = close(y_f, y_s, f"fused_moe layer M={p.M} R={w.spec.R}")
-    row["ab_fused_us"] = timer(lambda: fused_moe(p.x, p.topk_ids, p.topk_weights, p.w_gu, p.w_d,
-                                                 align=p.base_align, fused_lora=fused))["median_us"]
-    row["ab_separate_us"] = timer(lambda: fused_moe(p.x, p.topk_ids, p.topk_weights, p.w_gu, p.w_d,
-                                                    align=p.base_align, lora=separate))["median_us"]
-    row["ab_fused_over_separate"] = row["ab_fused_us"] / row["ab_separate_us"]
-    print(f"  M={p.M} R={w.spec.R}: layer separate {row['ab_separate_us']:.1f} µs, fused {row['ab_fused_us']:.1f} "
-          f"µs ({row['ab_fused_over_separate']:.2f}x)", flush=True)
-
-
 #: The block of the fp8 base (Qwen3-FP8 / DeepSeek-V3 checkpoints).
 FP8_BLOCK = (128, 128)
 
@@ -386,8 +360,6 @@ def main() -> int:
                         help="the pool's expert layout (shared_outer: the stride-0 path)")
     parser.add_argument("--base-quant", default="none", choices=["none", "fp8"],
                         help="also time the fp8 block-scaled (w8a8) base and the LoRA overhead on it")
-    parser.add_argument("--path", nargs="*", default=[], choices=["fused_moe"],
-                        help="extra layer paths to time (fused_moe: the deltas inside the base GEMMs)")
     args = parser.parse_args()
     if args.quick:
         args.tokens, args.replays = [1, 128, 2048], 20
@@ -486,8 +458,6 @@ def main() -> int:
             if not (torch.equal(gu, gate_up0) and torch.equal(d, down0)):
                 raise AssertionError(f"idle M={M} R={R}: a disabled slot changed the base outputs")
             row["b_idle_us"] = timer(lambda gu=gu, d=d, f=idle_fn: f(gu, d))["median_us"]
-            if "fused_moe" in args.path:
-                layer_paths(row, p, w, timer)
             if fp8 is not None:
                 fp8_paths(row, p, w, timer, fp8)
             row["b_us"] = row["b_auto_us"]

@@ -1,12 +1,12 @@
 """A/B of one kernel-config key: ``bench_moe_lora.py`` once per value, each on a copy of the shipped
 table with the key set on every entry of the named operations (through ``MOELORA_KERNEL_CONFIGS``).
 
-    PYTHONPATH=... python benchmarks/config_ab.py --out-dir OUT --key FLAT_GRID --values 0 1 \\
-        --ops moe_lora_shrink moe_lora_expand fused_moe_lora -- --tokens 1 8 32 128 512 --no-baseline
+    PYTHONPATH=... python benchmarks/config_ab.py --out-dir OUT --key EXPAND_LOADS --values 2 0 1 \\
+        --ops fused_moe_lora -- --tokens 1 8 32 128 512 --no-baseline
 
 Writes ``OUT/<key>_<value>.json`` (the benchmark's JSON) and ``.log`` per value, then prints, per
-(M, R), the benchmark's ``b_us`` (and ``b_idle_us`` / ``b_fused_us`` / ``b_unfused_us`` /
-``ab_fused_us`` when present) of each value side by side, with each value's ratio to the first (the
+(M, R), the benchmark's ``b_us`` (and ``b_idle_us`` / ``b_fused_us`` / ``b_unfused_us`` when
+present) of each value side by side, with each value's ratio to the first (the
 baseline: list today's value first), and writes them as ``OUT/<key>_ab.json``. Values run one after
 another in separate processes (the table is read once per process); ``--budget-s`` stops starting
 values after that many seconds (a device call's limit), so list the values that matter most first.
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 #: Row fields compared side by side when present.
-FIELDS = ("b_us", "b_idle_us", "b_fused_us", "b_unfused_us", "ab_fused_us")
+FIELDS = ("b_us", "b_idle_us", "b_fused_us", "b_unfused_us")
 
 
 def table_with(key: str, value: int, ops: list[str]) -> dict:

@@ -11,9 +11,8 @@ skipped.
         [--wide]
 
 ``--variants`` A/Bs the selectable kernel variants instead (``variants.py`` beside this file): the
-split-K shrink of the shrink/expand pair against the product path (b), the alignment's programs per
-slot (``ALIGN_SPLIT``, c), and the fused kernel with both gate_up slices in one program
-(``SLICES_PER_PROGRAM``, d; ``--families`` picks among them), by the same method with 100 replays,
+shrink/expand pair's tiles against the table's paths (b) and the alignment's programs per slot
+(``ALIGN_SPLIT``, c; ``--families`` picks among them), by the same method with 100 replays,
 writing JSON and a progress log into ``--out-dir`` (``$OUT`` on the GPU machine). ``--dry-run`` runs
 the whole script on the CPU under ``TRITON_INTERPRET=1`` at tiny shapes (fp32, one timed call per
 unit) so it cannot crash on the GPU for a reason a CPU would show.
@@ -117,17 +116,15 @@ def main() -> int:
     parser.add_argument("--block-m", type=int, nargs="*", default=[],
                         help="fused_moe_gemm: BLOCK_M values of the base alignment to sweep (default: the "
                              "table's, configs.moe_block_m), e.g. 64 128 at M >= 512")
-    parser.add_argument("--variants", action="store_true", help="A/B the split-K shrink and the split alignment")
+    parser.add_argument("--variants", action="store_true", help="A/B the pair's tiles and the split alignment")
     parser.add_argument("--out-dir", default=".", help="--variants: where variants.json and log.txt go")
     parser.add_argument("--dry-run", action="store_true", help="--variants on the CPU (interpreter, tiny shapes)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="--variants: stop timing new units after this")
     parser.add_argument("--lora-tokens", type=int, nargs="*", default=[8, 32, 128, 512],
-                        help="--variants: M of (b) and (d)")
+                        help="--variants: M of (b)")
     parser.add_argument("--align-tokens", type=int, nargs="*", default=[128, 512, 2048], help="--variants: M of (c)")
-    parser.add_argument("--families", nargs="*", choices=["b", "c", "d"], default=["b", "c", "d"],
-                        help="--variants: which to run: (b) split-K pair, (c) split alignment, (d) SLICES_PER_PROGRAM")
-    parser.add_argument("--fused-stages", type=int, nargs="*", default=[3],
-                        help="--variants (d): num_stages of the fused tiles swept (3; e.g. 3 4: deeper pipelines)")
+    parser.add_argument("--families", nargs="*", choices=["b", "c"], default=["b", "c"],
+                        help="--variants: which to run: (b) the pair's tiles, (c) split alignment")
     args = parser.parse_args()
     if args.variants or args.dry_run:
         from variants import run_variants

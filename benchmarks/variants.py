@@ -1,25 +1,19 @@
 """A/B of the selectable kernel variants, by the benchmark's method (``sweep_configs.py --variants``).
 
-Two variant families, each chosen on the GPU by a config key per row bucket of
+Two variant families, each chosen on the GPU by config keys per row bucket of
 ``moelora_kernels/configs/h200.json`` (benchmarks/RESULTS.md, "What limits the misses"):
 
-- (b) MoE-LoRA deltas at M in ``--lora-tokens`` (8, 32, 128, 512) for each R in ``--ranks``: the old
-  paths (``auto`` = ``moe_lora_delta``'s table choice, ``fused`` kernel, unsplit ``pair``) against
-  the shrink/expand pair with the shrink split over K (``moe_lora_shrink`` ``SPLIT_K`` in
-  {1, 2, 4, 8} × ``BLOCK_K`` in {64, 128}; ``moe_lora_expand`` ``BLOCK_N`` in {64, 128}), each stage
-  timed alone; then both stages in one graph with each stage's best config (``best``), against
-  ``auto`` (both stages' deltas: the issue's metric).
+- (b) MoE-LoRA deltas at M in ``--lora-tokens`` (8, 32, 128, 512) for each R in ``--ranks``: the
+  table's paths (``auto`` = ``moe_lora_delta``'s table choice, ``fused`` kernel) against the
+  shrink/expand pair at each tile pair (``moe_lora_shrink`` ``BLOCK_K`` in {64, 128};
+  ``moe_lora_expand`` ``BLOCK_N`` in {64, 128}), each stage timed alone; then both stages in one
+  graph with each stage's best pair config (``best``), against ``auto`` (both stages' deltas: the
+  issue's metric).
 - (c) ``moe_lora_align_block_size`` (L = 4) and the base ``moe_align_block_size`` at M in
   ``--align-tokens`` (128, 512, 2048) with ``ALIGN_SPLIT`` in {1, 2, 4, 8, 16, 32} (1 = old).
-- (d) the fused kernel with both gate_up slices in one program (``fused_moe_lora``
-  ``SLICES_PER_PROGRAM`` 2, sharing the block's x tiles) against one program per slice (1, today) at
-  M in ``--lora-tokens`` for each R: the gate_up stage with the table's tiles (``spp1_table`` is
-  today's fused path, ``auto`` today's choice, the pair at 8 < rows <= 128) and with each of
-  :func:`fused_tiles` (the table sweep's BLOCK_K x BLOCK_N x N_SPLIT grid; ``num_stages`` 3, or
-  those of ``--fused-stages``) for both values; then both
-  stages in one graph, ``auto`` against ``best`` (gate_up on the best fused variant where it beats
-  ``auto`` by more than ``MIN_GAIN``, down on ``auto``: what the proposed entries would ship,
-  ``moe_lora_path`` keyed by N).
+
+(The shrink split over K and the fused kernel's two slices per program were A/B'd here and left the
+kernels: benchmarks/RESULTS.md, "Removed paths".)
 
 Every variant is checked before it is timed: (b) against the benchmark's torch path (bucketed fp32
 matmuls, max rel. error ≤ 2e-2 in bf16), (c) against ``ALIGN_SPLIT = 1`` exactly on
@@ -30,7 +24,7 @@ recorded (``error``) and the variant is not timed. Timing: ``bench_moe_lora.Time
 the benchmark's in-graph 2 GiB copy and a plain eager ``copy_`` (median of 20); efficiencies are
 reported against the plain one (it is the higher, ~4.3 TB/s on an H200, the in-graph copy ~2.7).
 
-``--families`` picks which of (b), (c), (d) run (default all).
+``--families`` picks which of (b), (c) run (default both).
 
 Outputs in ``--out-dir``: ``variants.json`` (rewritten after every unit, so a run cut short keeps
 what it measured) with per-unit medians, the winners and ``proposed_h200_entries`` (table entries
@@ -51,28 +45,13 @@ from pathlib import Path
 import bench_moe_lora as bench
 import torch
 
-SPLITS_K = (1, 2, 4, 8)
 SHRINK_BLOCK_K = (64, 128)
 EXPAND_BLOCK_N = (64, 128)
 ALIGN_SPLITS = (1, 2, 4, 8, 16, 32)
 #: The current table's pair config (the "old" pair): shrink BLOCK_K 128, expand BLOCK_N 128.
-OLD_PAIR = {"SPLIT_K": 1, "BLOCK_K": 128, "BLOCK_N": 128}
-#: (d) under the interpreter: tiles that give the tiny shape two K steps and two N tiles to share.
-DRY_FUSED_TILES = [{"BLOCK_K": 64, "BLOCK_N": 32, "N_SPLIT": n, "num_warps": 4, "num_stages": 1} for n in (1, 2)]
-#: The fused kernel's tile keys (a table entry's, besides the shape keys and SLICES_PER_PROGRAM).
-FUSED_TILE_KEYS = ("BLOCK_K", "BLOCK_N", "N_SPLIT", "num_warps", "num_stages")
-#: (d) a fused gate_up variant replaces today's path only when faster by more than this fraction
-#: (run-to-run spread on the H200 is a few percent, RESULTS.md).
-MIN_GAIN = 0.03
-#: A shape small enough for the interpreter, with K > BLOCK_K so the split has K to share.
+OLD_PAIR = {"BLOCK_K": 128, "BLOCK_N": 128}
+#: A shape small enough for the interpreter, with K > BLOCK_K so the shrink takes several K steps.
 DRY_MODEL = {"H": 96, "I": 64, "E": 8, "top_k": 2}
-
-
-def fused_tiles(stages=(3,)):
-    """(d) the fused kernel's tiles swept for each SLICES_PER_PROGRAM: the table sweep's grid
-    (``sweep_configs.LORA_CANDIDATES``), with ``num_stages`` in ``stages`` (``--fused-stages``)."""
-    return [dict(zip(("BLOCK_K", "BLOCK_N", "N_SPLIT", "num_warps", "num_stages"), c))
-            for c in itertools.product((128, 256), (128, 256), (1, 2, 4), (4,), stages)]
 
 
 class _Log:
@@ -97,9 +76,9 @@ class _DryTimer:
 
 
 def _pair_variants():
-    """(name, shrink config, expand config) of every new pair variant; the old pair among them."""
-    for sk, bk, bn in itertools.product(SPLITS_K, SHRINK_BLOCK_K, EXPAND_BLOCK_N):
-        yield f"pair_sk{sk}_bk{bk}_bn{bn}", {"SPLIT_K": sk, "BLOCK_K": bk}, {"BLOCK_N": bn}
+    """(name, shrink config, expand config) of every pair variant; the old pair among them."""
+    for bk, bn in itertools.product(SHRINK_BLOCK_K, EXPAND_BLOCK_N):
+        yield f"pair_bk{bk}_bn{bn}", {"BLOCK_K": bk}, {"BLOCK_N": bn}
 
 
 def _stage_args(p, w, stage, h):
@@ -128,14 +107,6 @@ def _run_delta(p, w, stage, h, out, fused):
     _, x, tw = _stage_args(p, w, stage, h)
     return moe_lora_delta(stage, x, out, w, p.lora_align, top_k=p.k, topk_weights=tw, adapter_enabled=p.enabled,
                           fused=fused)
-
-
-def _run_fused(p, w, stage, h, out, cfg):
-    from moelora_kernels import fused_moe_lora
-
-    t, x, tw = _stage_args(p, w, stage, h)
-    return fused_moe_lora(x, t["lora_a"], t["lora_b"], p.lora_align, out, stage=stage, top_k=p.k, ranks=t["ranks"],
-                          scalings=t["scalings"], topk_weights=tw, adapter_enabled=p.enabled, config=cfg)
 
 
 def _checked_time(timer, fn, base_out, want, what, tol):
@@ -174,7 +145,7 @@ def lora_unit(p, w, R, timer, log, tol):
                          "shrink": scfg, "expand": ecfg}
         timed = {n: r for n, r in res.items() if "us" in r and n.startswith("pair_")}
         best = min(timed, key=lambda n: timed[n]["us"]) if timed else None
-        old = "pair_sk{SPLIT_K}_bk{BLOCK_K}_bn{BLOCK_N}".format(**OLD_PAIR)
+        old = "pair_bk{BLOCK_K}_bn{BLOCK_N}".format(**OLD_PAIR)
         unit["stages"][stage] = {"variants": res, "best_pair": best}
         log(f"  (b) M={p.M} R={R} {stage}: auto {_us(res, 'auto')} fused {_us(res, 'fused')} old pair "
             f"{_us(res, old)} best {best} {_us(res, best)} µs")
@@ -194,9 +165,9 @@ def lora_unit(p, w, R, timer, log, tol):
 
 
 def _both_us(both: dict, name: str) -> str:
-    """A both-stages time for the log; "best" is timed only where a variant beats auto by MIN_GAIN."""
+    """A both-stages time for the log; "best" is timed only where each stage has a timed pair."""
     if name not in both:
-        return f"not timed (no variant beats auto by > {100 * MIN_GAIN:.0f} %)" if name == "best" else "not timed"
+        return "not timed"
     if "us" not in both[name]:
         return f"failed ({both[name].get('error', '?')})"
     return f"{both[name]['us']:.1f} µs"
@@ -221,50 +192,6 @@ def _time_both(unit, both, timer, gate_up0, down0, wants, tol, p, R):
     unit["min_bytes"] = bench.min_bytes_lora(p, R)
     targets = bench.TARGETS.get(p.M)
     unit["target_us"] = targets[1 if R == 16 else 2] if targets is not None and R in (16, 64) else None
-
-
-def slices_unit(p, w, R, timer, log, tol, tiles):
-    """Every (d) variant at one (M, R): the gate_up stage alone, then both stages for ``auto`` and
-    ``best``."""
-    gate_up0, h, down0 = p.base_buffers()
-    wants = {"gate_up": bench.torch_delta(p, w, "gate_up", p.x, gate_up0),
-             "down": bench.torch_delta(p, w, "down", h, down0)}
-    from moelora_kernels.configs import kernel_config
-    from moelora_kernels.moe_lora import SLICES_PER_PROGRAM
-
-    what = f"gate_up M={p.M} R={R}"
-    # the table's tiles for this bucket, written out: "spp1_table" is today's fused path
-    table = kernel_config("fused_moe_lora", rows=p.M * p.k, N=p.I, K=p.H, R=R)
-    table_tiles = {k: table[k] for k in FUSED_TILE_KEYS}
-    res = {"auto": _checked_time(timer, lambda o: _run_delta(p, w, "gate_up", h, o, None), gate_up0,
-                                 wants["gate_up"], f"auto {what}", tol)}
-    for spp in SLICES_PER_PROGRAM:
-        for tile in [None, *tiles]:  # None: the table's tiles
-            cfg = {**(tile or table_tiles), "SLICES_PER_PROGRAM": spp}
-            name = f"spp{spp}_" + ("table" if tile is None else "bk{BLOCK_K}_bn{BLOCK_N}_ns{N_SPLIT}".format(**tile))
-            res[name] = {**_checked_time(timer, lambda o, c=cfg: _run_fused(p, w, "gate_up", h, o, c), gate_up0,
-                                         wants["gate_up"], f"{name} {what}", tol), "config": cfg}
-    best = {}
-    for spp in SLICES_PER_PROGRAM:
-        timed = {n: r["us"] for n, r in res.items() if n.startswith(f"spp{spp}_") and "us" in r}
-        best[spp] = min(timed, key=timed.get) if timed else None
-    fused = [n for n in best.values() if n is not None]
-    winner = min(fused, key=lambda n: res[n]["us"]) if fused else None
-    unit = {"M": p.M, "R": R, "pairs": p.M * p.k, "block_m": p.bm_lora, "gate_up": res,
-            "best": {str(spp): n for spp, n in best.items()}, "winner": winner,
-            "winner_beats_auto": (winner is not None and "us" in res["auto"]
-                                  and res[winner]["us"] < (1 - MIN_GAIN) * res["auto"]["us"])}
-    log(f"  (d) M={p.M} R={R} gate_up: auto {_us(res, 'auto')} spp1 table {_us(res, 'spp1_table')} spp2 table "
-        f"{_us(res, 'spp2_table')} best spp1 {best[1]} {_us(res, best[1])} best spp2 {best[2]} {_us(res, best[2])} µs")
-    both = {"auto": lambda gu, d: (_run_delta(p, w, "gate_up", h, gu, None), _run_delta(p, w, "down", h, d, None))}
-    if unit["winner_beats_auto"]:
-        both["best"] = lambda gu, d, c=res[winner]["config"]: (_run_fused(p, w, "gate_up", h, gu, c),
-                                                                _run_delta(p, w, "down", h, d, None))
-    _time_both(unit, both, timer, gate_up0, down0, wants, tol, p, R)
-    b = unit["both"]
-    log(f"  (d) M={p.M} R={R} both stages: auto {_both_us(b, 'auto')}, best {_both_us(b, 'best')} "
-        f"(target {unit['target_us']}) gate_up {winner}")
-    return unit
 
 
 def _per_expert_rows(out, num_pairs, block_m):
@@ -319,9 +246,7 @@ def align_unit(p, timer, log, dry):
 def proposed_entries(record, shape):
     """Table entries (``configs/h200.json``) for the winners: shrink / expand per (K or N, R, bucket),
     ``moe_lora_path`` per (R, bucket) where a pair beats the fused kernel on both stages, the
-    alignments' ``ALIGN_SPLIT`` per bucket; (d): the gate_up fused entry of the winning
-    ``SLICES_PER_PROGRAM`` and tiles per (N = I, R, bucket), and a gate_up ``moe_lora_path`` entry
-    (FUSED 1, keyed by N), where that winner beats today's choice by more than ``MIN_GAIN``."""
+    alignments' ``ALIGN_SPLIT`` per bucket."""
     H, I = shape["H"], shape["I"]  # noqa: E741
     dims = {"gate_up": (H, I), "down": (I, H)}  # (K of the shrink, N of the expand)
     out = {"moe_lora_shrink": [], "moe_lora_expand": [], "moe_lora_path": [], "moe_lora_align_block_size": [],
@@ -342,14 +267,6 @@ def proposed_entries(record, shape):
             fused = st["variants"].get("fused", {}).get("us")
             pair_wins &= fused is None or v["us"] < fused
         out["moe_lora_path"].append({"R": u["R"], "max_rows": u["pairs"], "FUSED": 0 if pair_wins else 1})
-    out["fused_moe_lora"] = []
-    for u in record.get("slices", []):
-        if not u["winner_beats_auto"]:  # today's path stays
-            continue
-        out["fused_moe_lora"].append({"N": I, "R": u["R"], "max_rows": u["pairs"],
-                                      **u["gate_up"][u["winner"]]["config"]})
-        # the gate_up stage's path (moe_lora_delta looks moe_lora_path up with the stage's N)
-        out["moe_lora_path"].append({"N": I, "R": u["R"], "max_rows": u["pairs"], "FUSED": 1})
     for u in record["align"]:
         for kind, op in (("lora", "moe_lora_align_block_size"), ("base", "moe_align_block_size")):
             if u.get(kind, {}).get("best_split") is not None:
@@ -368,13 +285,12 @@ def run_variants(args) -> int:
             raise SystemExit("sweep_configs --dry-run: set TRITON_INTERPRET=1 (the kernels run in the interpreter)")
         bench.DEVICE, bench.DT = "cpu", torch.float32
         shape, timer, tol = DRY_MODEL, _DryTimer(), 1e-4
-        lora_tokens, align_tokens, ranks, tiles = [8], [8], [16], DRY_FUSED_TILES
+        lora_tokens, align_tokens, ranks = [8], [8], [16]
     else:
         if not torch.cuda.is_available():
             raise SystemExit("sweep_configs --variants: needs a CUDA device (or --dry-run)")
         shape, timer, tol = bench.MODELS["qwen3-30b-a3b-layer"], bench.Timer(args.replays), 2e-2
         lora_tokens, align_tokens, ranks = args.lora_tokens, args.align_tokens, args.ranks
-        tiles = fused_tiles(tuple(args.fused_stages))
     import triton
 
     families = set(args.families)
@@ -382,7 +298,7 @@ def run_variants(args) -> int:
               "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
               "gpu": torch.cuda.get_device_name(0) if not dry else "cpu (interpreter)", "shape": shape,
               "replays": args.replays if not dry else 1, "families": sorted(families), "lora": [], "align": [],
-              "slices": [], "skipped": []}
+              "skipped": []}
     path = out_dir / "variants.json"
 
     def save():
@@ -416,25 +332,20 @@ def run_variants(args) -> int:
         record["align"].append(align_unit(p, timer, log, dry))
         save()
         del p
-    pools = {R: bench.make_pool(shape, R, gen) for R in ranks} if families & {"b", "d"} else {}
-    units = [(f, "lora" if f == "b" else "slices") for f in ("b", "d") if f in families]
-    for M in lora_tokens if units else []:
+    pools = {R: bench.make_pool(shape, R, gen) for R in ranks} if "b" in families else {}
+    for M in lora_tokens if "b" in families else []:
         p = bench.Problem(M, shape, gen, base)
         for R in ranks:
-            for fam, key in units:
-                if over_budget(f"{key} M={M} R={R}"):
-                    continue
-                if fam == "b":
-                    u = lora_unit(p, pools[R], R, timer, log, tol)
-                else:
-                    u = slices_unit(p, pools[R], R, timer, log, tol, tiles)
-                if "copy_plain" in record:
-                    for r in u["both"].values():
-                        if "us" in r:
-                            r["frac_plain_copy"] = (u["min_bytes"] / (r["us"] * 1e-6) / 1e9
-                                                    / record["copy_plain"]["GBps"])
-                record[key].append(u)
-                save()
+            if over_budget(f"lora M={M} R={R}"):
+                continue
+            u = lora_unit(p, pools[R], R, timer, log, tol)
+            if "copy_plain" in record:
+                for r in u["both"].values():
+                    if "us" in r:
+                        r["frac_plain_copy"] = (u["min_bytes"] / (r["us"] * 1e-6) / 1e9
+                                                / record["copy_plain"]["GBps"])
+            record["lora"].append(u)
+            save()
         del p
         if not dry:
             torch.cuda.empty_cache()
@@ -444,9 +355,7 @@ def run_variants(args) -> int:
               for n, r in st["variants"].items() if "error" in r]
     errors += [f"align M={u['M']} {k} split {sp}" for u in record["align"] for k in ("lora", "base")
                for sp, r in u[k]["variants"].items() if "error" in r]
-    errors += [f"slices M={u['M']} R={u['R']} gate_up {n}" for u in record["slices"] for n, r in u["gate_up"].items()
-               if "error" in r]
-    errors += [f"{key} M={u['M']} R={u['R']} both {n}" for key in ("lora", "slices") for u in record[key]
+    errors += [f"lora M={u['M']} R={u['R']} both {n}" for u in record["lora"]
                for n, r in u["both"].items() if "error" in r]
     if errors:
         log(f"  {len(errors)} variants failed their check or launch: {errors[:8]}")

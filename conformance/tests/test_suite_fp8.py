@@ -1,7 +1,7 @@
 """The suite's fp8 block-scaled base (DESIGN.md §1, "Quantized base"; P14).
 
-Covers: which built-in backends declare ``fp8_block`` (P14 runs on them; csgmv and triton-fused are
-"not implemented"); a quantized case keeps its inputs and adapters and quantizes every MoE layer's
+Covers: which built-in backends declare ``fp8_block`` (P14 runs on them; csgmv is "not
+implemented"); a quantized case keeps its inputs and adapters and quantizes every MoE layer's
 experts with gate's and up's own scale grids; the harness refuses a quantized layer on a backend that
 does not declare it, by name; the two fp8 mutants are registered.
 """
@@ -15,8 +15,7 @@ from moelora_core import LoRALayerSpec, MoEBaseWeights, UnsupportedBaseQuantErro
 from moelora_core.backend import check_base_quant_served
 
 
-@pytest.mark.parametrize("name, declared", [("reference", True), ("triton", True), ("csgmv", False),
-                                            ("moelora_backends.triton_backend:make_fused_backend", False)])
+@pytest.mark.parametrize("name, declared", [("reference", True), ("triton", True), ("csgmv", False)])
 def test_built_in_backends_declare_what_they_serve(name, declared):
     spec = LoRALayerSpec(16, 16, 2, 1, {}, 1, 2)
     caps = load_backend(name)(spec).capabilities()

@@ -68,10 +68,10 @@ def stage_inputs(gen, stage, M, k, H, I, dtype, topk_weights):
     return randn(gen, M * k, I, dtype=dtype), randn(gen, M, k, H, dtype=dtype, scale=0.1), topk_weights
 
 
-def run_delta(stage, x, out, weights, align, k, topk_weights, enabled, fused, max_rank=None, split_k=None):
+def run_delta(stage, x, out, weights, align, k, topk_weights, enabled, fused, max_rank=None):
     with launch_guard():
         moe_lora_delta(stage, x, out, weights, align, top_k=k, topk_weights=topk_weights, adapter_enabled=enabled,
-                       fused=fused, max_rank=max_rank, split_k=split_k)
+                       fused=fused, max_rank=max_rank)
     return out
 
 
@@ -130,11 +130,9 @@ def load_slots(w, adapters):
     return w
 
 
-def column_mask(mask, layout, width):
+def column_mask(mask, width):
     """Bool [M·top_k, S·N] from the per-slice pair mask [S, M·top_k]: the columns the delta reaches."""
     S, P = mask.shape
-    if layout == "interleaved" and S == 2:  # column 2n + s
-        return mask.t()[:, None, :].expand(P, width, S).reshape(P, S * width)
     return mask.t()[:, :, None].expand(P, S, width).reshape(P, S * width)
 
 
@@ -146,7 +144,7 @@ def poison_untouched(gen, out0, cols):
     return flat.reshape(out0.shape)
 
 
-def poisoned_stage_problem(w, ids, mapping, enabled, dtype, seed, stage, layout):
+def poisoned_stage_problem(w, ids, mapping, enabled, dtype, seed, stage):
     """One stage's problem for a pool ``w`` and routing: (alignment with ``enabled``, x, out0, router
     weights or None, columns [M·top_k, S·N] the delta reaches) with fresh inputs from ``seed`` and every
     other column of out0 poisoned (:func:`poison_untouched`)."""
@@ -159,5 +157,46 @@ def poisoned_stage_problem(w, ids, mapping, enabled, dtype, seed, stage, layout)
     tw = torch.rand(M, k, generator=gen).to(DEVICE) if stage == "down" else None
     x, out0, tw = stage_inputs(gen, stage, M, k, spec.H, spec.I, dtype, tw)
     mask = handled(stage, ids, mapping, enabled, stage_tensors(w, stage)["ranks"], spec.E)
-    cols = column_mask(mask, layout, out0.shape[-1] // mask.shape[0])
+    cols = column_mask(mask, out0.shape[-1] // mask.shape[0])
     return align, x, poison_untouched(gen, out0, cols), tw, cols
+
+
+def qwen3_pair_args(kernel, R, M=128, L=4, E=128, H=2048, I=768, block_m=16):
+    """Runtime arguments of the shrink or the expand for the Qwen3-30B-A3B gate_up stage (bf16), for
+    ``compile_for_h200``."""
+    P = -(-(M * 8 + E * (block_m - 1)) // block_m) * block_m
+    meta = {n: "i32" for n in ("sorted_token_ids_ptr", "expert_ids_ptr", "num_tokens_post_padded_ptr",
+                               "adapter_enabled_ptr", "ranks_ptr")}
+    common = {"rank_bound": R, "num_pairs": M * 8, "num_experts": E, "stride_sorted": P,
+              "stride_expert_ids": P // block_m, "stride_rank_s": L, "L": L,
+              "slot_blocks_bound": M * 8 // block_m + min(E, M * 8)}
+    if kernel == "shrink":
+        return meta | common | {
+            "x_ptr": "bf16", "a_ptr": "bf16", "inter_ptr": "bf16", "K": H, "R": R, "in_row_div": 8,
+            "stride_xm": H, "stride_as": L * E * R * H, "stride_al": E * R * H, "stride_ae": R * H, "stride_ar": H,
+            "stride_is": M * 8 * R, "stride_im": R,
+        }
+    return meta | common | {
+        "inter_ptr": "bf16", "b_ptr": "bf16", "out_ptr": "bf16", "topk_weights_ptr": "fp32", "scalings_ptr": "fp32",
+        "N": I, "num_n_tiles": I // 128, "stride_is": M * 8 * R, "stride_im": R,
+        "stride_bs": L * E * I * R, "stride_bl": E * I * R, "stride_be": I * R, "stride_bn": R,
+        "stride_om": 2 * I, "stride_os": I, "stride_on": 1, "stride_scaling_s": L,
+    }
+
+
+def qwen3_gate_up_args(R, M=128, L=4, E=128, H=2048, I=768, block_m=16):
+    """The fused kernel's runtime arguments for the Qwen3-30B-A3B gate_up stage (bf16, 4 slots), for
+    ``compile_for_h200``."""
+    P = -(-(M * 8 + E * (block_m - 1)) // block_m) * block_m
+    ptrs = {n: "bf16" for n in ("x_ptr", "a_ptr", "b_ptr", "out_ptr")}
+    ptrs |= {n: "fp32" for n in ("topk_weights_ptr", "scalings_ptr")}
+    ptrs |= {n: "i32" for n in ("sorted_token_ids_ptr", "expert_ids_ptr", "num_tokens_post_padded_ptr",
+                                "adapter_enabled_ptr", "ranks_ptr")}
+    return ptrs | {
+        "K": H, "N": I, "rank_bound": R, "num_pairs": M * 8, "in_row_div": 8, "num_experts": E,
+        "stride_xm": H, "stride_as": L * E * R * H, "stride_al": E * R * H, "stride_ae": R * H, "stride_ar": H,
+        "stride_bs": L * E * I * R, "stride_bl": E * I * R, "stride_be": I * R, "stride_bn": R,
+        "stride_om": 2 * I, "stride_os": I, "stride_on": 1,
+        "stride_sorted": P, "stride_expert_ids": P // block_m, "stride_rank_s": L, "stride_scaling_s": L,
+        "L": L, "slot_blocks_bound": M * 8 // block_m + min(E, M * 8),
+    }

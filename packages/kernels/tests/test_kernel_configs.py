@@ -11,7 +11,7 @@ from moe_lora_testing import make_pool, run_delta, stage_inputs
 from moelora_kernels import configs, moe_lora, moe_lora_align_block_size
 from moelora_kernels.align import MAX_ALIGN_SPLIT
 from moelora_kernels.expand_stream import EXPAND_STREAM
-from moelora_kernels.moe_lora import EXPAND_LOADS, MAX_SPLIT_K, SLICES_PER_PROGRAM
+from moelora_kernels.moe_lora import EXPAND_LOADS
 
 SHAPE_KEYS = {"N", "K", "R", "max_rows"}
 
@@ -40,10 +40,6 @@ def test_shipped_entries_use_only_known_keys_and_valid_values(op, entry):
     for key, v in entry.items():  # FUSED is a 0/1 flag, EXPAND_LOADS / EXPAND_STREAM values from 0, every other
         flag = key in ("FUSED", "EXPAND_LOADS", "EXPAND_STREAM")  # value a positive int
         assert isinstance(v, int) and v >= (0 if flag else 1), f"{op} entry {entry}: {key}={v!r}"
-    if "SPLIT_K" in entry:
-        assert op == "moe_lora_shrink" and 1 <= entry["SPLIT_K"] <= MAX_SPLIT_K, f"{op} entry {entry}"
-    if "SLICES_PER_PROGRAM" in entry:
-        assert op == "fused_moe_lora" and entry["SLICES_PER_PROGRAM"] in SLICES_PER_PROGRAM, f"{op} entry {entry}"
     if "EXPAND_LOADS" in entry:
         assert op == "fused_moe_lora" and entry["EXPAND_LOADS"] in EXPAND_LOADS, f"{op} entry {entry}"
     if "EXPAND_STREAM" in entry:
@@ -61,7 +57,7 @@ def test_shipped_entries_use_only_known_keys_and_valid_values(op, entry):
 @pytest.mark.parametrize("stage", ["gate_up", "down"])
 def test_moe_lora_path_is_looked_up_with_the_stages_N(stage, monkeypatch):
     # a moe_lora_path entry keyed by N picks the path of one stage (gate_up N = I, down N = H), so a
-    # fused gate_up (e.g. SLICES_PER_PROGRAM 2) can ship next to a down stage on the pair
+    # fused gate_up can ship next to a down stage on the pair
     seen = []
 
     def spy(op, **kw):

@@ -1,29 +1,25 @@
-"""GPT-OSS's MoE block on the Triton kernels: the epilogues' activation and layout parameters and the
-base GEMMs' expert biases, against the twins (``moelora_reference.fused_moe`` / ``moe_lora_ops``)
-and the fp64 oracle (DESIGN.md §1).
+"""GPT-OSS's MoE block on the Triton kernels: the epilogue's activation parameters and the base
+GEMMs' expert biases, against the twins (``moelora_reference.fused_moe`` / ``moe_lora_ops``) and the
+fp64 oracle (DESIGN.md §1). The readers de-interleave the checkpoint's gate/up columns at load, so
+the kernels see gate/up in halves.
 
 Covers (drawn cases of the suite's strategies, with expert biases and inputs scaled so GPT-OSS's
-clamp at ``limit`` binds): the ``swiglu_oai`` activation epilogue in both layouts (rows of -1 pairs
-left unwritten); the gate_up and down GEMMs with biases (the down bias router-weighted); the whole
-layer with MoE LoRA, kernels on the checkpoint's interleaved columns (``layout="interleaved"`` in
-the activation and in the LoRA expand epilogue) against the oracle on de-interleaved weights;
-named cases: the interleaved LoRA delta equals the halves delta column for column, bit for bit
-(``test_interleaved_delta_is_the_halves_delta_permuted``); the clamp binds
-(``test_the_clamp_binds_in_the_kernel``); launcher refusals (unknown layout, swiglu_oai without
-gating, a bias of the wrong shape).
+clamp at ``limit`` binds): the ``swiglu_oai`` activation epilogue (rows of -1 pairs left unwritten);
+the gate_up and down GEMMs with biases (the down bias router-weighted); the whole layer with MoE
+LoRA against the oracle; named cases: the clamp binds (``test_the_clamp_binds_in_the_kernel``);
+launcher refusals (swiglu_oai without gating, a bias of the wrong shape).
 """
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kernel_testing import DEVICE, assert_bitwise_equal, assert_close, cpu, launch_guard, poisoned, randn
-from moe_lora_testing import cpu_weights, enabled_of, stage_inputs
+from kernel_testing import DEVICE, assert_close, cpu, launch_guard, poisoned, randn
+from moe_lora_testing import cpu_weights
 
 from moelora_conformance.profiles import PROFILES, current_profile
 from moelora_conformance.strategies import capped, moe_lora_cases
 from moelora_core import KernelPreconditionError
-from moelora_core.checkpoint.gpt_oss import deinterleave
 from moelora_core.moe_activation import SWIGLU_OAI
 from moelora_kernels import (
     MoELoRAInputs,
@@ -33,7 +29,6 @@ from moelora_kernels import (
     moe_align_block_size,
     moe_block_m,
     moe_lora_align_block_size,
-    moe_lora_delta,
 )
 from moelora_reference import fused_moe as twin
 from moelora_reference.oracle import moe_lora_forward
@@ -46,12 +41,6 @@ CASES = moe_lora_cases(kinds=("extend", "decode", "mixed"), virtual_experts=Fals
 ORACLE_CAPS = capped(current_profile().caps, PROFILES["dev"].caps)
 
 
-def interleave(t: torch.Tensor) -> torch.Tensor:
-    """[.., 2I] halves → interleaved (the inverse of ``deinterleave``)."""
-    g, u = t.chunk(2, dim=-1)
-    return torch.stack([g, u], dim=-1).flatten(-2)
-
-
 def _biases(seed, E_base, I, H, dtype):
     gen = torch.Generator().manual_seed(seed + 1)
     return randn(gen, E_base, 2 * I, dtype=dtype, scale=0.5), randn(gen, E_base, H, dtype=dtype, scale=0.5)
@@ -62,8 +51,8 @@ def _clamping(gate_up: torch.Tensor) -> torch.Tensor:
     return gate_up * (2.5 * LIMIT / max(float(gate_up.abs().max()), 1e-3))
 
 
-@given(case=CASES, layout=st.sampled_from(("halves", "interleaved")))
-def test_swiglu_oai_epilogue_matches_twin(case, layout):
+@given(case=CASES)
+def test_swiglu_oai_epilogue_matches_twin(case):
     c = case.materialize(DEVICE)
     M, k = c.topk_ids.shape
     I = c.base.w_down.shape[2]
@@ -72,11 +61,11 @@ def test_swiglu_oai_epilogue_matches_twin(case, layout):
     h = poisoned(M * k, I, dtype=c.x.dtype)
     with launch_guard():
         moe_activation(
-            gate_up, activation="swiglu_oai", topk_ids=c.topk_ids, out=h, layout=layout, alpha=ALPHA, limit=LIMIT
+            gate_up, activation="swiglu_oai", topk_ids=c.topk_ids, out=h, alpha=ALPHA, limit=LIMIT
         )
-    want = twin.moe_activation(gate_up, activation="swiglu_oai", layout=layout, alpha=ALPHA, limit=LIMIT)
+    want = twin.moe_activation(gate_up, activation="swiglu_oai", alpha=ALPHA, limit=LIMIT)
     here = (c.topk_ids >= 0).reshape(-1).cpu()
-    assert_close(h.cpu()[here], want.cpu()[here], dtype=c.x.dtype, what=f"swiglu_oai {layout}", seed=case.seed)
+    assert_close(h.cpu()[here], want.cpu()[here], dtype=c.x.dtype, what="swiglu_oai", seed=case.seed)
     assert bool(h.cpu()[~here].isnan().all()), f"h rows of EXPERT_NOT_HERE pairs written (seed={case.seed})"
 
 
@@ -113,23 +102,22 @@ def test_gemm_with_expert_bias_matches_twin(case, stage):
 
 
 def _gpt_oss_layer(c, seed):
-    """(x, halves weights and biases, interleaved weights and biases) of a case, x scaled so the clamp binds."""
+    """(x, weights and biases as the readers leave them: gate/up in halves) of a case, x scaled so the
+    clamp binds."""
     E_base, H, I = c.base.w_down.shape
     b_gu, b_d = _biases(seed, E_base, I, H, c.x.dtype)
     x = c.x * 4.0
-    halves = (c.base.w_gate_up, b_gu, c.base.w_down, b_d)
-    inter = (interleave(c.base.w_gate_up.transpose(1, 2)).transpose(1, 2).contiguous(), interleave(b_gu).contiguous())
-    return x, halves, inter
+    return x, (c.base.w_gate_up, b_gu, c.base.w_down, b_d)
 
 
 @given(
     case=moe_lora_cases(ORACLE_CAPS, kinds=("extend", "decode", "mixed"), virtual_experts=False, dtype=torch.float32)
 )
-def test_gpt_oss_layer_with_lora_interleaved_matches_oracle(case):
+def test_gpt_oss_layer_with_lora_matches_oracle(case):
     c = case.materialize(DEVICE)
     spec = c.spec
     M, k = c.topk_ids.shape
-    x, (w_gu, b_gu, w_d, b_d), (w_gu_i, b_gu_i) = _gpt_oss_layer(c, case.seed)
+    x, (w_gu, b_gu, w_d, b_d) = _gpt_oss_layer(c, case.seed)
     with launch_guard():
         align = moe_lora_align_block_size(
             c.topk_ids, c.token_lora_mapping, spec.E, moe_block_m(M, k, spec.E, spec.max_loras), spec.max_loras
@@ -138,15 +126,14 @@ def test_gpt_oss_layer_with_lora_interleaved_matches_oracle(case):
             x,
             c.topk_ids,
             c.topk_weights,
-            w_gu_i,
+            w_gu,
             w_d,
             activation="swiglu_oai",
-            b_gate_up=b_gu_i,
+            b_gate_up=b_gu,
             b_down=b_d,
-            layout="interleaved",
             alpha=ALPHA,
             limit=LIMIT,
-            deltas=MoELoRAInputs(c.lora, align, layout="interleaved"),
+            deltas=MoELoRAInputs(c.lora, align),
         )
     want = moe_lora_forward(
         cpu(x),
@@ -160,18 +147,17 @@ def test_gpt_oss_layer_with_lora_interleaved_matches_oracle(case):
         b_down=cpu(b_d),
         activation=SWIGLU_OAI,
     )
-    assert_close(y, want, dtype=torch.float32, what="GPT-OSS layer (interleaved kernels) vs oracle", seed=case.seed)
+    assert_close(y, want, dtype=torch.float32, what="GPT-OSS layer (kernels) vs oracle", seed=case.seed)
     twin_y = twin.fused_moe(
         x,
         c.topk_ids,
         c.topk_weights,
-        w_gu_i,
+        w_gu,
         w_d,
         moe_align_block_size(c.topk_ids, w_d.shape[0], moe_block_m(M, k, w_d.shape[0])),
         activation="swiglu_oai",
-        b_gate_up=b_gu_i,
+        b_gate_up=b_gu,
         b_down=b_d,
-        layout="interleaved",
         alpha=ALPHA,
         limit=LIMIT,
     )
@@ -193,46 +179,17 @@ def test_gpt_oss_layer_with_lora_interleaved_matches_oracle(case):
 # --- named cases -----------------------------------------------------------------------------------
 
 
-def _named(seed=3, M=9, k=2, E=4, H=40, I=24, R=8, dtype=torch.float32):
-    from moe_lora_testing import make_pool
-
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).to(torch.int32).to(DEVICE)
-    mapping = torch.tensor([i % 3 - 1 for i in range(M)], dtype=torch.int32, device=DEVICE)  # -1, 0, 1, ...
-    pool = make_pool(seed, L=2, E=E, H=H, I=I, R=R, dtype=dtype)
-    enabled = enabled_of(mapping, 2)
-    with launch_guard():
-        align = moe_lora_align_block_size(ids, mapping, E, moe_block_m(M, k, E, 2), 2, enabled)
-    return gen, ids, mapping, pool, enabled, align
-
-
-@pytest.mark.parametrize("fused", [True, False])
-def test_interleaved_delta_is_the_halves_delta_permuted(fused):
-    # the layout changes the store address only: the same value must land in the other column
-    gen, ids, _, pool, enabled, align = _named()
-    M, k = ids.shape
-    x, out0, _ = stage_inputs(gen, "gate_up", M, k, 40, 24, torch.float32, None)
-    halves, inter = out0.clone(), interleave(out0).contiguous()
-    with launch_guard():
-        moe_lora_delta("gate_up", x, halves, pool, align, top_k=k, adapter_enabled=enabled, fused=fused)
-        moe_lora_delta(
-            "gate_up", x, inter, pool, align, top_k=k, adapter_enabled=enabled, fused=fused, layout="interleaved"
-        )
-    assert not torch.equal(halves, out0), "the delta added nothing: the case cannot tell layouts apart"
-    assert_bitwise_equal(deinterleave(inter), halves, what=f"interleaved vs halves delta fused={fused}")
-
-
 def test_the_clamp_binds_in_the_kernel():
     gen = torch.Generator().manual_seed(5)
     gate_up = _clamping(randn(gen, 16, 48, dtype=torch.float32))
-    g, u = gate_up[:, 0::2], gate_up[:, 1::2]
+    g, u = gate_up[:, :24], gate_up[:, 24:]
     assert bool((g > LIMIT).any()) and bool((u.abs() > LIMIT).any())
     with launch_guard():
-        h = moe_activation(gate_up, activation="swiglu_oai", layout="interleaved", alpha=ALPHA, limit=LIMIT)
-        unclamped = moe_activation(gate_up, activation="swiglu_oai", layout="interleaved", alpha=ALPHA, limit=1e9)
+        h = moe_activation(gate_up, activation="swiglu_oai", alpha=ALPHA, limit=LIMIT)
+        unclamped = moe_activation(gate_up, activation="swiglu_oai", alpha=ALPHA, limit=1e9)
     assert_close(
         h,
-        twin.moe_activation(gate_up, activation="swiglu_oai", layout="interleaved"),
+        twin.moe_activation(gate_up, activation="swiglu_oai"),
         dtype=torch.float32,
         what="swiglu_oai",
     )
@@ -242,7 +199,6 @@ def test_the_clamp_binds_in_the_kernel():
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda gu, w, a: moe_activation(gu, layout="columns"), "layout"),
         (lambda gu, w, a: moe_activation(gu[:, :24], activation="swiglu_oai", gated=False), "gated"),
         (lambda gu, w, a: moe_activation(gu, activation="swiglu_oai", limit=0.0), "limit"),
         (

@@ -116,7 +116,7 @@ class _Layer:
         moe_lora_align_block_size(self.ids, self.mapping, self.E, 16, self.L, self.enabled, out=self.align)
         moe_align_block_size(self.ids, self.E, 16, out=self.base_align)
         y = fused_moe(self.x, self.ids, self.tw, self.w_gu, self.w_d, align=self.base_align,
-                      lora=MoELoRAInputs(self.w, self.align, self.enabled))
+                      deltas=MoELoRAInputs(self.w, self.align, self.enabled))
         gate_up = torch.zeros(self.M_cap, self.k, 2 * self.I, dtype=self.x.dtype, device=self.x.device)
         moe_lora_delta("gate_up", self.x, gate_up, self.w, self.align, top_k=self.k, adapter_enabled=self.enabled,
                        fused=False)

@@ -1,17 +1,14 @@
 """The MoE-LoRA shrink / expand / fused kernels against their twins (``moelora_reference.moe_lora_ops``).
 
-Covers: drawn cases for both stages and the three paths (fused shrink+expand; shrink then expand;
-the same with the shrink split over K into fp32 partials):
+Covers: drawn cases for both stages and the two paths (fused shrink+expand; shrink then expand):
 output equal to the twin within the dtype's tolerance, every row (and slice) the kernels must not
 touch bit-identical; the shrink's intermediate on handled rows, NaN elsewhere; the whole layer
-with LoRA against the fp64 oracle (fp32); the split shrink's partials, summed, on handled rows and
-NaN elsewhere in every part. Named cases: the split-K pair with mixed ranks, a disabled slot,
-sentinel ids and empty K parts; gate_A != up_A; rank < R and mixed ranks
+with LoRA against the fp64 oracle (fp32). Named cases: the pair with mixed ranks, a disabled slot
+and sentinel ids; gate_A != up_A; rank < R and mixed ranks
 (with and without a host max_rank); base tokens in a mixed batch bit-identical to a LoRA-free run;
 disabled slots; expert ids -1, E and E+1; a single token; all tokens to one expert; empty experts;
-top_k = 1; an IDLE batch; launcher precondition errors (rank > R, a bad SPLIT_K, split partials
-not in fp32 among them); a max_rank below a loaded slot's rank, and a split asked of the fused
-kernel, refused by ``moe_lora_delta``.
+top_k = 1; an IDLE batch; launcher precondition errors (rank > R, an intermediate of another
+shape among them); a max_rank below a loaded slot's rank, refused by ``moe_lora_delta``.
 """
 
 import math
@@ -47,7 +44,6 @@ from moelora_kernels import (
     moe_align_block_size,
     moe_block_m,
     moe_lora_align_block_size,
-    moe_lora_delta,
     stage_tensors,
 )
 from moelora_reference import moe_lora_ops as twin
@@ -60,13 +56,13 @@ LORA_CASES = moe_lora_cases(kinds=("extend", "decode", "mixed", "idle"), virtual
 ORACLE_CAPS = capped(current_profile().caps, PROFILES["dev"].caps)
 
 
-# path drawn with the case (fused kernel, pair, pair with a 3-part split shrink): no extra examples
-PATHS = {"fused": (True, None), "pair": (False, 1), "split": (False, 3)}
+# path drawn with the case (fused kernel, pair): no extra examples
+PATHS = {"fused": True, "pair": False}
 
 
 @given(case=LORA_CASES, stage=st.sampled_from(STAGES), path=st.sampled_from(sorted(PATHS)))
 def test_moe_lora_delta_matches_twin(case, stage, path):
-    fused, split_k = PATHS[path]
+    fused = PATHS[path]
     c = case.materialize(DEVICE)
     spec, w = c.spec, c.lora
     M, k = c.topk_ids.shape
@@ -76,14 +72,14 @@ def test_moe_lora_delta_matches_twin(case, stage, path):
     with launch_guard():
         align = moe_lora_align_block_size(c.topk_ids, c.token_lora_mapping, spec.E, bm, spec.max_loras, enabled)
     x, out0, tw = stage_inputs(gen, stage, M, k, spec.H, spec.I, c.x.dtype, c.topk_weights)
-    out = run_delta(stage, x, out0.clone(), w, align, k, tw, enabled, fused, split_k=split_k)
+    out = run_delta(stage, x, out0.clone(), w, align, k, tw, enabled, fused)
     want = twin_delta(stage, x, out0, w, align, k, tw, enabled)
     mask = handled(stage, c.topk_ids, c.token_lora_mapping, enabled, stage_tensors(w, stage)["ranks"], spec.E)
     check_delta(stage, out, want, out0, mask, c.x.dtype, case.seed, f"{stage} path={path}")
 
 
-@given(case=LORA_CASES, stage=st.sampled_from(STAGES), split_k=st.sampled_from([1, 2, 3]))
-def test_shrink_intermediate_matches_twin(case, stage, split_k):
+@given(case=LORA_CASES, stage=st.sampled_from(STAGES))
+def test_shrink_intermediate_matches_twin(case, stage):
     c = case.materialize(DEVICE)
     spec, w = c.spec, c.lora
     M, k = c.topk_ids.shape
@@ -94,23 +90,15 @@ def test_shrink_intermediate_matches_twin(case, stage, split_k):
     x, _, _ = stage_inputs(gen, stage, M, k, spec.H, spec.I, c.x.dtype, None)
     t = stage_tensors(w, stage)
     S = 2 if stage == "gate_up" else 1
-    if split_k == 1:
-        inter = poisoned(S, M * k, spec.R, dtype=c.x.dtype)
-    else:  # fp32 partials of the K parts
-        inter = poisoned(split_k, S, M * k, spec.R, dtype=torch.float32)
+    inter = poisoned(S, M * k, spec.R, dtype=c.x.dtype)
     with launch_guard():
-        fused_moe_lora_shrink(x, t["lora_a"], align, stage=stage, top_k=k, ranks=t["ranks"], out=inter,
-                              config={"SPLIT_K": split_k})
+        fused_moe_lora_shrink(x, t["lora_a"], align, stage=stage, top_k=k, ranks=t["ranks"], out=inter)
     want = twin.fused_moe_lora_shrink(x, t["lora_a"], align, stage=stage, top_k=k, ranks=t["ranks"]).cpu()
     ones = torch.ones(spec.max_loras, dtype=torch.int32)
     mask = handled(stage, c.topk_ids, c.token_lora_mapping, ones, t["ranks"], spec.E)
-    parts = inter.cpu() if split_k > 1 else inter.cpu()[None]
-    # summed in part order and rounded once, as the expand does
-    got = parts.sum(0).to(c.x.dtype) if split_k > 1 else parts[0]
-    assert_close(got[mask], want[mask], dtype=c.x.dtype, what=f"{stage} intermediate SPLIT_K={split_k}",
-                 seed=case.seed)
-    assert bool(parts[:, ~mask].isnan().all()), (f"intermediate rows of unhandled pairs written "
-                                                 f"(SPLIT_K={split_k}, seed={case.seed})")
+    got = inter.cpu()
+    assert_close(got[mask], want[mask], dtype=c.x.dtype, what=f"{stage} intermediate", seed=case.seed)
+    assert bool(got[~mask].isnan().all()), f"intermediate rows of unhandled pairs written (seed={case.seed})"
 
 
 @given(case=moe_lora_cases(ORACLE_CAPS, kinds=("extend", "decode", "mixed"), virtual_experts=False, dtype=torch.float32))
@@ -122,7 +110,7 @@ def test_layer_with_lora_matches_oracle(case):
         align = moe_lora_align_block_size(c.topk_ids, c.token_lora_mapping, spec.E,
                                           moe_block_m(M, k, spec.E, spec.max_loras), spec.max_loras)
         y = fused_moe(c.x, c.topk_ids, c.topk_weights, c.base.w_gate_up, c.base.w_down,
-                      lora=MoELoRAInputs(c.lora, align))
+                      deltas=MoELoRAInputs(c.lora, align))
     want = moe_lora_forward(cpu(c.x), cpu(c.topk_ids), cpu(c.topk_weights), cpu(c.base.w_gate_up),
                             cpu(c.base.w_down), cpu_weights(c.lora), cpu(c.token_lora_mapping))
     assert_close(y, want, dtype=torch.float32, what="layer with LoRA vs oracle", seed=case.seed)
@@ -141,7 +129,7 @@ def named_problem(seed, w, M, k, ids=None, mapping=None, block_m=32):
 
 
 def check_named(seed, w, stage, M, k, ids=None, mapping=None, enabled=None, fused=True, what="", max_rank=None,
-                align_enabled=False, split_k=None):
+                align_enabled=False):
     gen, ids, mapping, tw, align = named_problem(seed, w, M, k, ids, mapping)
     spec = w.spec
     if enabled is None:
@@ -150,7 +138,7 @@ def check_named(seed, w, stage, M, k, ids=None, mapping=None, enabled=None, fuse
         with launch_guard():
             align = moe_lora_align_block_size(ids, mapping, spec.E, 32, spec.max_loras, enabled)
     x, out0, tw = stage_inputs(gen, stage, M, k, spec.H, spec.I, spec.dtype, tw)
-    out = run_delta(stage, x, out0.clone(), w, align, k, tw, enabled, fused, max_rank, split_k)
+    out = run_delta(stage, x, out0.clone(), w, align, k, tw, enabled, fused, max_rank)
     want = twin_delta(stage, x, out0, w, align, k, tw, enabled, max_rank)
     mask = handled(stage, ids, mapping, enabled, stage_tensors(w, stage)["ranks"], spec.E)
     check_delta(stage, out, want, out0, mask, spec.dtype, seed, what)
@@ -184,37 +172,30 @@ def test_rank_below_R_and_mixed_ranks(dtype, max_rank):
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_split_k_pair_with_mixed_ranks_disabled_slot_and_sentinel_ids(stage):
-    # K = H 40 (gate_up) / I 24 (down) in 32-wide steps: 2 or 1 steps, so SPLIT_K 4 / 2 leave
-    # parts with no K (they must store zeros, not leave the NaN-free sum to chance); slot 1
-    # disabled, slot 2 has no up module; ids -1, E and E+1 among the routes
+def test_pair_with_mixed_ranks_disabled_slot_and_sentinel_ids(stage):
+    # the shrink/expand pair with a host max_rank: slot 1 disabled, slot 2 has no up module; ids -1,
+    # E and E+1 among the routes
     ranks = {0: {"gate": 3, "up": 12, "down": 7}, 1: {"gate": 5, "up": 5, "down": 5}, 2: {"gate": 9, "down": 2}}
     w = make_pool(29, ranks=ranks, dtype=torch.float16)
     E = w.spec.E
     ids = torch.tensor([[-1, 0], [E, 1], [E + 1, 4], [2, E], [4, 3], [1, 2], [0, 3]] * 5, dtype=torch.int32)
     mapping = torch.tensor([0, 1, 2, 0, 2, -1, 0] * 5, dtype=torch.int32)
     enabled = torch.tensor([1, 0, 1], dtype=torch.int32, device=DEVICE)
-    split_k = 4 if stage == "gate_up" else 2
-    check_named(29, w, stage, 35, 2, ids=ids, mapping=mapping, enabled=enabled, fused=False, split_k=split_k,
-                max_rank=12, what=f"split-K {split_k} {stage}")
+    check_named(29, w, stage, 35, 2, ids=ids, mapping=mapping, enabled=enabled, fused=False, max_rank=12,
+                what=f"pair {stage}")
 
 
-def test_split_k_is_refused_where_it_cannot_run():
+def test_expand_refuses_an_intermediate_of_another_shape_or_dtype():
     w = make_pool(30, L=2, R=8)
     _, _, _, tw, align = named_problem(30, w, 6, 2)
     t = stage_tensors(w, "down")
-    h = torch.randn(12, w.spec.I, device=DEVICE)
-    for bad in (0, 17, 2.0):
-        with pytest.raises(KernelPreconditionError, match="SPLIT_K"):
-            fused_moe_lora_shrink(h, t["lora_a"], align, stage="down", top_k=2, ranks=t["ranks"],
-                                  config={"SPLIT_K": bad})
     out = torch.zeros(6, 2, w.spec.H, device=DEVICE)
-    with pytest.raises(KernelPreconditionError, match="split_k: 2 parts asked of the fused kernel"):
-        moe_lora_delta("down", h, out, w, align, top_k=2, topk_weights=tw, fused=True, split_k=2)
-    half = torch.zeros(2, 1, 12, 8, dtype=torch.float16, device=DEVICE)  # partials must be fp32
-    with pytest.raises(KernelPreconditionError, match="intermediate: dtype"):
-        fused_moe_lora_expand(half, t["lora_b"], align, out, stage="down", top_k=2, ranks=t["ranks"],
-                              scalings=t["scalings"], topk_weights=tw)
+    # [S, M·top_k, R] in the factors' dtype only (a 4-D stack of fp32 partials is no intermediate)
+    for bad, match in ((torch.zeros(2, 1, 12, 8, device=DEVICE), "intermediate"),
+                       (torch.zeros(1, 12, 8, dtype=torch.float16, device=DEVICE), "lora_b: dtype")):
+        with pytest.raises(KernelPreconditionError, match=match):
+            fused_moe_lora_expand(bad, t["lora_b"], align, out, stage="down", top_k=2, ranks=t["ranks"],
+                                  scalings=t["scalings"], topk_weights=tw)
     assert bool((out == 0).all())
 
 
@@ -249,7 +230,7 @@ def test_base_tokens_bit_identical_in_a_mixed_batch(dtype):
     base_align = moe_align_block_size(ids, E_base, 32)
     with launch_guard():
         plain = fused_moe(x, ids, tw, w_gu, w_d, align=base_align)
-        with_lora = fused_moe(x, ids, tw, w_gu, w_d, align=base_align, lora=MoELoRAInputs(w, align))
+        with_lora = fused_moe(x, ids, tw, w_gu, w_d, align=base_align, deltas=MoELoRAInputs(w, align))
     base_rows = (mapping == -1).cpu()
     assert base_rows.any() and (~base_rows).any()
     assert_bitwise_equal(with_lora.cpu()[base_rows], plain.cpu()[base_rows], what="base rows")

@@ -168,6 +168,6 @@ def test_layer_on_a_shared_pool_matches_oracle_on_per_expert_factors(layout):
     with launch_guard():
         align = moe_lora_align_block_size(ids, mapping, spec.E, moe_block_m(M, k, spec.E, spec.max_loras),
                                           spec.max_loras)
-        y = fused_moe(x, ids, tw, w_gate_up, w_down, lora=MoELoRAInputs(w, align))
+        y = fused_moe(x, ids, tw, w_gate_up, w_down, deltas=MoELoRAInputs(w, align))
     want = moe_lora_forward(cpu(x), cpu(ids), cpu(tw), cpu(w_gate_up), cpu(w_down), cpu_weights(ref), cpu(mapping))
     assert_close(y, want, dtype=torch.float32, what=f"{layout} layer vs oracle", seed=5)

@@ -8,8 +8,8 @@ copies of the alignment, the math where the data lives):
   (p < num_pairs): ``c[p] (+)= scale[e // experts_per_scale] · w_p · (W[e] @ a[p // in_row_div] + bias[e])``,
   rounded once (the old value of c joins the sum before rounding when ``add_into``).
 - :func:`moe_activation`: ``h = silu(g) ⊙ u`` (gated), ``act(g)``, or GPT-OSS's clamped
-  ``swiglu_oai`` (:func:`moelora_reference.oracle.gated_activation`), gate/up in either layout,
-  rounded once.
+  ``swiglu_oai`` (:func:`moelora_reference.oracle.gated_activation`), gate/up as halves, rounded
+  once.
 - :func:`moe_sum`: ``y[t] = Σ_j [topk_ids[t, j] >= 0] · down_out[t, j]``, rounded once.
 - :func:`fused_moe`: the base MoE layer through those steps (the rounding points of the Triton
   path: gate_up output, h, the router-weighted down output per pair, y).
@@ -47,26 +47,20 @@ def fused_moe_gemm(
     experts_per_scale: int = 1,
     add_into: bool = False,
     bias: torch.Tensor | None = None,
-    lora=None,
 ) -> torch.Tensor:
-    """c[p] (+)= scale · w_p · (W[e(p)] @ a[p // in_row_div] + bias[e(p)] (+ σ_s B[s, e] t_p)) over the
-    aligned pairs of ``slot``.
+    """c[p] (+)= scale · w_p · (W[e(p)] @ a[p // in_row_div] + bias[e(p)]) over the aligned pairs of
+    ``slot``.
 
     Args:
         a: [rows_in, K]; w: [E_w, N, K]; c: [num_pairs, N] (written in place at aligned pairs only).
         align: ``AlignOutput`` (rows per block = P // number of blocks).
-        top_k: experts per token (a pair's token, for ``lora``'s mapping).
+        top_k: experts per token.
         num_pairs: M · top_k; rows >= it are padding.
         in_row_div: top_k when ``a`` is per token, 1 when per pair.
         topk_weights: [num_pairs] (any shape with that many elements) router weights, or None.
         scale: per-scale-group factor (σ per slot for virtual experts), or None.
         add_into: add to c rather than overwrite.
         bias: [E_w, N] per-expert bias (GPT-OSS), or None.
-        lora: a ``moelora_kernels.fused_moe.GemmLoRA`` (one slice's factors and the token mapping)
-            or None; then a pair p of token ``p // top_k`` with slot s in [0, L) (enabled, e < E of
-            the factors, rank r > 0) adds ``σ_s · B[s, e, :, :r] @ t_p`` with
-            ``t_p = round_dtype(A[s, e, :r] @ a[p // in_row_div])`` before the bias and the router
-            weight.
 
     Returns:
         ``c``.
@@ -76,7 +70,6 @@ def fused_moe_gemm(
     block_m = len(sorted_ids) // len(expert_ids)
     used = int(align.num_tokens_post_padded[slot])
     weights = None if topk_weights is None else topk_weights.reshape(-1).to(F64)
-    mapping = None if lora is None else lora.token_lora_mapping.tolist()
     for b in range(used // block_m):
         e = expert_ids[b]
         if e < 0:
@@ -86,10 +79,6 @@ def fused_moe_gemm(
             continue
         p = torch.tensor(rows, device=c.device)
         v = a[p // in_row_div].to(F64) @ w[e].to(F64).T  # [rows, N]
-        if lora is not None:
-            for s in sorted({mapping[q // top_k] for q in rows}):
-                own = torch.tensor([mapping[q // top_k] == s for q in rows], device=c.device)
-                v[own] = v[own] + _lora_delta(lora, a[p[own] // in_row_div], s, e)
         if bias is not None:
             v = v + bias[e].to(F64)
         if weights is not None:
@@ -102,23 +91,6 @@ def fused_moe_gemm(
     return c
 
 
-def _lora_delta(lora, rows: torch.Tensor, s: int, e: int) -> torch.Tensor | float:
-    """σ_s · B[s, e, :, :r] @ round_dtype(A[s, e, :r] @ rows) in float64 for slot ``s`` (0 where the
-    rows get no LoRA: no adapter (-1) or a slot >= L, a disabled slot, an expert >= E, rank 0)."""
-    L, E = lora.lora_a.shape[:2]
-    if not 0 <= s < L or e >= E:
-        return 0.0
-    if lora.adapter_enabled is not None and int(lora.adapter_enabled[s]) == 0:
-        return 0.0
-    r = int(lora.ranks[s])
-    if lora.max_rank is not None:
-        r = min(r, lora.max_rank)
-    if r <= 0:
-        return 0.0
-    t = (rows.to(F64) @ lora.lora_a[s, e, :r].to(F64).T).to(rows.dtype).to(F64)  # [rows, r]
-    return float(lora.scalings[s]) * (t @ lora.lora_b[s, e, :, :r].to(F64).T)
-
-
 def _act(x: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "silu":
         return x * torch.sigmoid(x)
@@ -129,21 +101,20 @@ def _act(x: torch.Tensor, activation: str) -> torch.Tensor:
 
 def moe_activation(
     gate_up: torch.Tensor, *, activation: str = "silu", gated: bool = True, out: torch.Tensor | None = None,
-    layout: str = "halves", alpha: float = 1.702, limit: float = 7.0,
+    alpha: float = 1.702, limit: float = 7.0,
 ) -> torch.Tensor:
-    """h = act(gate) ⊙ up (gated; gate/up per ``layout``), act(gate_up) (non-gated), or GPT-OSS's
+    """h = act(gate) ⊙ up (gated; gate [:I], up [I:]), act(gate_up) (non-gated), or GPT-OSS's
     ``swiglu_oai`` ``min(g, L) · sigmoid(α min(g, L)) ⊙ (clamp(u, ±L) + 1)``; rounded once.
 
     Args:
         gate_up: [rows, 2I] or [rows, I]. out: [rows, I] or None.
-        layout: "halves" (gate [:I], up [I:]) or "interleaved" (gate 0::2, up 1::2).
         alpha, limit: swiglu_oai's α and clamp bound.
     """
     g = gate_up.to(F64)
     if not gated:
         h = _act(g, activation)
     else:
-        gate, up = split_gate_up(g, layout)  # [rows, I] each
+        gate, up = split_gate_up(g)  # [rows, I] each
         if activation == "swiglu_oai":
             h = gated_activation(gate, up, MoEActivation("swiglu_oai", alpha=alpha, limit=limit))
         else:
@@ -183,12 +154,11 @@ def fused_moe(
     gated: bool = True,
     b_gate_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
-    layout: str = "halves",
     alpha: float = 1.702,
     limit: float = 7.0,
 ) -> torch.Tensor:
-    """The base MoE layer at the Triton path's rounding points (biases and GPT-OSS's activation and
-    layout as ``moelora_kernels.fused_moe``).
+    """The base MoE layer at the Triton path's rounding points (biases and GPT-OSS's activation as
+    ``moelora_kernels.fused_moe``).
 
     Args:
         x: [M, H]; topk_ids: [M, top_k] (< 0 = not here; any id < E_base is a base expert);
@@ -202,7 +172,7 @@ def fused_moe(
     num_pairs = M * top_k
     gate_up = torch.full((num_pairs, w_gate_up.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
     fused_moe_gemm(x, w_gate_up, gate_up, align, top_k=top_k, num_pairs=num_pairs, in_row_div=top_k, bias=b_gate_up)
-    h = moe_activation(gate_up, activation=activation, gated=gated, layout=layout, alpha=alpha,
+    h = moe_activation(gate_up, activation=activation, gated=gated, alpha=alpha,
                        limit=limit)  # [num_pairs, I]
     down = torch.full((num_pairs, w_down.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
     fused_moe_gemm(h, w_down, down, align, top_k=top_k, num_pairs=num_pairs, in_row_div=1,

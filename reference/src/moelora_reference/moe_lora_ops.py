@@ -109,10 +109,9 @@ def fused_moe_lora_expand(
     topk_weights: torch.Tensor | None = None,
     adapter_enabled: torch.Tensor | None = None,
     max_rank: int | None = None,
-    layout: str = "halves",
 ) -> torch.Tensor:
     """out[p, slice s] += σ[s, slot] · w_p · B[s, slot, e] @ t[s, p], rounded once, in place; slice s
-    of gate_up is columns [s·I, (s+1)·I) ("halves") or s::2 ("interleaved", GPT-OSS).
+    of gate_up is columns [s·I, (s+1)·I).
 
     Args:
         intermediate: [S, M·top_k, R].
@@ -140,8 +139,7 @@ def fused_moe_lora_expand(
                 delta = delta * float(sc[s, slot])
                 if w is not None:
                     delta = delta * w[p][:, None]
-                interleaved = layout == "interleaved" and stage == "gate_up"
-                cols = slice(s, S * N, 2) if interleaved else slice(s * N, (s + 1) * N)
+                cols = slice(s * N, (s + 1) * N)
                 o[p, cols] = (o[p, cols].to(F64) + delta).to(out.dtype)
     return out
 
@@ -160,11 +158,10 @@ def fused_moe_lora(
     topk_weights: torch.Tensor | None = None,
     adapter_enabled: torch.Tensor | None = None,
     max_rank: int | None = None,
-    layout: str = "halves",
 ) -> torch.Tensor:
     """Shrink then expand (the fused kernel rounds t to x's dtype between them, like this)."""
     inter = fused_moe_lora_shrink(x, lora_a, align, stage=stage, top_k=top_k, ranks=ranks,
                                   adapter_enabled=adapter_enabled, max_rank=max_rank)
     return fused_moe_lora_expand(inter, lora_b, align, out, stage=stage, top_k=top_k, ranks=ranks,
                                  scalings=scalings, topk_weights=topk_weights, adapter_enabled=adapter_enabled,
-                                 max_rank=max_rank, layout=layout)
+                                 max_rank=max_rank)

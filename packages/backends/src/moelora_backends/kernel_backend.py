@@ -15,12 +15,9 @@ kernel-specific is here:
 - ``moe_align``: one MoE alignment per layer forward, shared by its two stages (``align=``);
 - launch sizes within CUDA's grid limits.
 
-- ``moe_forward`` (subclasses with ``fused_moe = True``: the ``triton-fused`` variant): the whole
-  MoE layer with the deltas fused into the base GEMMs (``moelora_kernels.fused_moe(fused_lora=)``).
-
 Capabilities: fp32 / fp16 / bf16 (bf16 computes on CUDA only), both graph families, prefill modes
 full and breakable, virtual experts (``spec.virtual_experts`` switches the MoE path), shared MoE
-alignment, no rank or request cap; ``fused_moe`` where the subclass says so. The CPU device is
+alignment, no rank or request cap; no ``fused_moe`` (the caller runs the base MoE). The CPU device is
 declared only under the Triton interpreter (``TRITON_INTERPRET=1``), where the kernels can run there.
 """
 
@@ -29,19 +26,17 @@ from __future__ import annotations
 import torch
 
 from moelora_backends import __version__
-from moelora_backends.deltas import STAGE_MODULES, MoEDeltas, _in_dtype, dense_delta, rank_bound
+from moelora_backends.deltas import MoEDeltas, dense_delta
 from moelora_backends.segmentation import check_segment_capacity
 from moelora_core.align import AlignOutput
 from moelora_core.backend_base import BackendBase
-from moelora_core.backend_checks import check_floating, check_shape, check_topk_ids
-from moelora_core.base_weights import MoEBaseWeights
+from moelora_core.backend_checks import check_topk_ids
 from moelora_core.batch_info import LoRABatchInfo
 from moelora_core.capabilities import Capabilities
-from moelora_core.errors import InvalidFieldError
 from moelora_core.layer_spec import LoRALayerSpec
 from moelora_core.metadata import LaunchSizes
 from moelora_core.weights import LoRAWeights
-from moelora_kernels import FusedLoRAInputs, fused_moe, token_lora_mapping
+from moelora_kernels import token_lora_mapping
 from moelora_kernels._common import interpreting
 
 
@@ -70,8 +65,6 @@ class KernelBackend(BackendBase):
     #: The kernels read weights of the spec's dtype and int32 / int64 expert ids.
     weights_same_dtype = True
     topk_id_dtypes = (torch.int32, torch.int64)
-    #: Declares ``fused_moe``: :meth:`moe_forward` is then part of the protocol it serves.
-    fused_moe = False
     #: ``LoRALayerSpec.base_quant`` values served (``Capabilities.base_quants``; DESIGN.md §1).
     base_quants: frozenset[str] = frozenset({"none"})
 
@@ -89,7 +82,6 @@ class KernelBackend(BackendBase):
             graph_families=frozenset({"decode", "prefill"}),
             prefill_graph_modes=frozenset({"full", "breakable"}),
             virtual_experts=True,
-            fused_moe=self.fused_moe,
             max_rank=None,
             max_requests=None,
             fused_shared_experts=True,
@@ -127,59 +119,6 @@ class KernelBackend(BackendBase):
     def compute_dense_delta(self, module: str, x: torch.Tensor, out: torch.Tensor, weights: LoRAWeights,
                             info: LoRABatchInfo) -> None:
         dense_delta(module, x, out, weights, info, chunked=self.chunked)
-
-    # --- fused MoE (capability fused_moe) ----------------------------------------------------------
-
-    def moe_forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    base_weights: MoEBaseWeights, weights: LoRAWeights, info: LoRABatchInfo) -> torch.Tensor:
-        """The MoE layer with LoRA, the deltas fused into the base GEMMs (DESIGN.md §5 ``fused_moe``):
-        ``moelora_kernels.fused_moe(fused_lora=...)`` over the base alignment of ``topk_ids``, each
-        row adding its own token's slot's delta (the info's token mapping) inside the base GEMMs
-        (gate_up per slice with its delta, the activation, down with its router-weighted delta, the
-        top-k sum). Every batch, an all-base one too, takes this path; base rows run the same
-        kernels and tiles as the LoRA-free layer and come out bit-identical to it. Intermediates are
-        rounded to the pool's dtype (as the kernels store them); y is in x's dtype.
-
-        Args:
-            x: [T, H] floating activations (cast to the pool's dtype). topk_ids: [T, k] int32/int64
-                (< 0: not here; [E, E_base): base experts without LoRA). topk_weights: [T, k].
-            base_weights: the layer's base experts, in the pool's dtype (GPT-OSS biases and
-                activation followed).
-            weights, info: the pool and this batch's info.
-
-        Returns:
-            y [T, H] in x's dtype.
-
-        Raises:
-            InvalidFieldError: a backend that does not declare ``fused_moe``; shapes that do not match
-                the spec and the info's tokens; base weights of another shape or dtype than the spec.
-        """
-        if not self.fused_moe:
-            raise InvalidFieldError("moe_forward", f"backend {self.name!r} does not declare fused_moe")
-        T = self._check_moe(info, topk_ids, weights)
-        s = self.spec
-        check_shape(info, "x", x, (T, s.H))
-        check_shape(info, "topk_weights", topk_weights, (T, s.top_k))
-        check_floating(x=x, topk_weights=topk_weights)
-        w_gu, w_d = base_weights.w_gate_up, base_weights.w_down
-        if w_gu.dim() != 3 or w_gu.shape[1:] != (2 * s.I, s.H) or w_d.shape[1:] != (s.H, s.I) \
-                or w_gu.shape[0] < s.E or w_d.shape[0] != w_gu.shape[0]:
-            raise InvalidFieldError("base_weights", f"w_gate_up {tuple(w_gu.shape)} / w_down {tuple(w_d.shape)} do "
-                                                    f"not fit the spec (E={s.E}, H={s.H}, I={s.I})")
-        if w_gu.dtype != s.dtype or w_d.dtype != s.dtype:
-            raise InvalidFieldError("base_weights", f"dtype {w_gu.dtype} / {w_d.dtype}, the pool's is {s.dtype}")
-        if T == 0:
-            return torch.zeros(0, s.H, dtype=x.dtype, device=x.device)
-        ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-        bounds = [rank_bound(weights, modules, info) for modules in STAGE_MODULES.values()]
-        max_rank = None if None in bounds or max(bounds) == 0 else max(bounds)
-        act = base_weights.activation
-        y = fused_moe(_in_dtype(x, s.dtype), ids, topk_weights.contiguous(), w_gu, w_d,
-                      activation=act.kind, alpha=act.alpha, limit=act.limit, b_gate_up=base_weights.b_gate_up,
-                      b_down=base_weights.b_down,
-                      fused_lora=FusedLoRAInputs(weights, info.token_lora_mapping, info.adapter_enabled,
-                                                 max_rank))
-        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     # --- for the suite and tests ---------------------------------------------------------------------
 

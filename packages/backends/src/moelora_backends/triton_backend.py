@@ -14,8 +14,7 @@ Segmentations (:mod:`.segmentation`), as SGLang's Triton LoRA backend (``triton_
   capture and its work is bounded by the live tiles.
 
 The dense kernels keep the rank-wide intermediate by token row (segmented LoRA-A/B). Build with
-:func:`make_backend` (the built-in name ``triton``); :func:`make_fused_backend` builds the variant
-that declares ``fused_moe`` (``triton-fused``: the MoE layer with the deltas in the base GEMMs).
+:func:`make_backend` (the built-in name ``triton``).
 """
 
 from __future__ import annotations
@@ -66,23 +65,6 @@ class TritonBackend(KernelBackend):
         sizes = LaunchSizes(requests, tokens, L, max_tile_segments(tokens, requests, PREFILL_TILE),
                             min(PREFILL_TILE, tokens), False)
         return sizes, partial(self.prefill_graph_segments, tile=PREFILL_TILE)
-
-
-class TritonFusedBackend(TritonBackend):
-    """``triton`` with the ``fused_moe`` capability: :meth:`~.kernel_backend.KernelBackend.moe_forward`
-    runs the MoE layer with the deltas fused into the base GEMMs (for large batches, where a
-    separate delta pass re-reads and re-writes the base GEMM outputs); dense LoRA and the delta
-    calls are ``triton``'s."""
-
-    name = "triton-fused"
-    fused_moe = True
-    #: Its moe_forward fuses the deltas into the bf16/fp16 base GEMMs: no fp8 base there.
-    base_quants = frozenset({"none"})
-
-
-def make_fused_backend(spec: LoRALayerSpec) -> TritonFusedBackend:
-    """The factory of ``triton-fused`` (``moelora_backends.triton_backend:make_fused_backend``)."""
-    return TritonFusedBackend(spec)
 
 
 def make_backend(spec: LoRALayerSpec) -> TritonBackend:

@@ -12,7 +12,8 @@ Two layouts of a [.., 2I] gate_up row:
 - ``"halves"``: gate = columns [0, I), up = [I, 2I) (moelora's layout on the backend protocol;
   the readers convert every checkpoint to it).
 - ``"interleaved"``: gate = column 2i, up = column 2i + 1 (GPT-OSS's ``gate_up_proj``, as SGLang
-  keeps it): accepted by the activation epilogues for callers that keep the checkpoint's columns.
+  keeps it): the checkpoint readers and the reference's split (``moelora_reference.base_moe``) know
+  it; moelora's kernels take halves only.
 """
 
 from __future__ import annotations

@@ -9,8 +9,6 @@ a readable twin in ``moelora_reference`` (see the package README for the map).
   :func:`token_lora_mapping`                                                  (:mod:`.align`, :mod:`.mapping`)
 - base fused MoE: :func:`fused_moe_gemm`, :func:`moe_activation`, :func:`moe_sum`, :func:`fused_moe`
                                                   (:mod:`.fused_moe`, :mod:`.moe_epilogue`, :mod:`.moe_forward`)
-  with the MoE-LoRA deltas fused into its GEMMs: :class:`GemmLoRA`, :class:`FusedLoRAInputs`
-                                                                 (:mod:`.fused_moe`, :mod:`.moe_forward`)
 - MoE-LoRA: :func:`fused_moe_lora_shrink`, :func:`fused_moe_lora_expand`, :func:`fused_moe_lora`,
   :func:`moe_lora_delta`                                                       (:mod:`.moe_lora`)
 - virtual experts: :func:`virtual_topk_ids`, :func:`virtual_align`, :func:`virtual_moe_lora_delta`
@@ -22,10 +20,10 @@ a readable twin in ``moelora_reference`` (see the package README for the map).
 
 from moelora_kernels.align import moe_align_block_size, moe_lora_align_block_size
 from moelora_kernels.configs import kernel_config, moe_block_m
-from moelora_kernels.fused_moe import GemmLoRA, fused_moe_gemm, used_blocks_bound
+from moelora_kernels.fused_moe import fused_moe_gemm, used_blocks_bound
 from moelora_kernels.mapping import token_lora_mapping
 from moelora_kernels.moe_epilogue import moe_activation, moe_sum
-from moelora_kernels.moe_forward import FusedLoRAInputs, MoELoRAInputs, fused_moe
+from moelora_kernels.moe_forward import MoELoRAInputs, fused_moe
 from moelora_kernels.moe_lora import (
     STAGES,
     fused_moe_lora,
@@ -51,8 +49,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "STAGES",
-    "FusedLoRAInputs",
-    "GemmLoRA",
     "MoELoRAInputs",
     "chunked_sgmv_expand",
     "chunked_sgmv_shrink",

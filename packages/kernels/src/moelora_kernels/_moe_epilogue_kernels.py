@@ -35,7 +35,6 @@ def _moe_activation_kernel(
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
     HAS_IDS: tl.constexpr,
-    INTERLEAVED: tl.constexpr,   # gate column 2i, up 2i + 1 (GPT-OSS) instead of i and I + i
 ):
     row = tl.program_id(0).to(tl.int64)
     if HAS_IDS:
@@ -43,12 +42,8 @@ def _moe_activation_kernel(
             return
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
-    if INTERLEAVED:
-        g_cols = 2 * cols
-        u_cols = 2 * cols + 1
-    else:
-        g_cols = cols
-        u_cols = inter + cols
+    g_cols = cols
+    u_cols = inter + cols
     g = tl.load(gate_up_ptr + row * stride_gm + g_cols, mask=ok, other=0.0).to(tl.float32)
     if ACTIVATION == "swiglu_oai":
         # GPT-OSS (transformers GptOssExperts._apply_gate): min(g, L) · σ(α min(g, L)) · (clamp(u, ±L) + 1)

@@ -1,19 +1,13 @@
 """Triton kernels of the fused MoE-LoRA delta: shrink, expand, and shrink+expand fused per block.
 
-Every program owns one alignment block (BLOCK_M rows of one (slot, expert)) of one slice (the fused
-kernel with ``SLICES = 2``: of both gate_up slices). The grid's first axes name the block in one of
-two ways (``FLAT_GRID``, the config key of the same name): 0, (pid_m, slot) with the host's per-slot
-block bound on axis 0 and the slots on axis 1, so L · bound programs of which most leave at once at
-small M; 1, one flat axis over the used blocks of all slots, slot-major: program i finds its slot
+Every program owns one alignment block (BLOCK_M rows of one (slot, expert)) of one slice. Axis 0 of
+the grid is one flat axis over the used blocks of all slots, slot-major: program i finds its slot
 from the cumulative ``num_tokens_post_padded // BLOCK_M`` (one [BLOCK_L] load), so the grid needs
-only the host's bound on the total, ``num_pairs // BLOCK_M + min(E · L, num_pairs)``. Both run the
-same blocks (per slot at most the per-slot bound) and give bit-identical results:
+only the host's bound on the total, ``num_pairs // BLOCK_M + min(E · L, num_pairs)``, each slot's
+blocks clamped to the host's per-slot bound:
 
 - shrink:  t[s, p, :]  = A[s, slot, e] · in[p // in_row_div]                  (rank-wide, rounded to dtype)
-  or, split over K (``SPLIT_K`` programs per block and slice, each a contiguous K range):
-           part[j, s, p, :] = Σ over k in range j of A[s, slot, e][:, k] · in[p][k]  (fp32, unrounded)
 - expand:  out[p, s·N + n] += σ[s, slot] · w_p · (B[s, slot, e] · t[s, p])[n]
-  (from split partials: t[s, p] = Σ_j part[j, s, p] in j order, in fp32, rounded once to dtype)
 - fused:   both in one program: the rank-wide t stays in registers, then the program walks its
   share of the N columns (``N_SPLIT`` programs share one block's columns and each recompute t),
   each column tile's B and old output loaded as the config key ``EXPAND_LOADS`` says: 0, B at the
@@ -23,17 +17,10 @@ same blocks (per slot at most the per-slot bound) and give bit-identical results
   instead: each column tile's B and old output are copied into shared memory (cp.async)
   ``EXPAND_STAGES`` - 1 tiles ahead, so a program streams its B factor rather than waiting one memory
   round trip per tile (``EXPAND_LOADS`` is then not used; same values, same order of arithmetic).
-  ``SLICES`` (the config key ``SLICES_PER_PROGRAM``) = 2 gives one program both gate_up slices of
-  its block: each x tile is loaded once and multiplied against the gate and up A tiles side by side
-  (one [BLOCK_K, 2·BLOCK_R] weight tile, so one dot), t is split into its two rank ranges in
-  registers, and each N tile is expanded for gate and up into their own columns. A slice of rank 0
-  is masked (its A and B are never loaded, its columns never written), so the block exits early only
-  when both slices have no work; the block's expert is the one the live slice reports.
 
 Slices: stage "gate_up" has two (s = 0 gate, 1 up), each with its own A and B, writing column
-``s·stride_os + n·stride_on`` of gate_up_out: (I, 1) for the "halves" layout (columns [s·I, (s+1)·I)),
-(1, 2) for GPT-OSS's "interleaved" one (gate 2n, up 2n + 1; DESIGN.md §1); stage "down" has one,
-router-weighted (w_p), writing down_out (stride_on = 1).
+``s·stride_os + n·stride_on`` = ``s·N + n`` of gate_up_out (the "halves" layout: columns
+[s·N, (s+1)·N)); stage "down" has one, router-weighted (w_p), writing down_out.
 
 Early exits, before any load of activations or weights: a disabled slot, a module rank of 0, a
 block at or past the slot's ``num_tokens_post_padded``, a block of expert -1 (or an id >= E, never
@@ -63,18 +50,15 @@ N output width per slice, num_pairs = M · top_k):
 - ``lora_a`` [S, L, E, R, K], ``lora_b`` [S, L, E, N, R]: last stride 1, same dtype as x.
 - ``ranks`` [S, L] int32, ``scalings`` [S, L] fp32: the per-module rank and σ per slot
   (``LoRAWeights.module_ranks`` / ``module_scalings`` rows), strided views are fine.
-- ``intermediate`` [S, num_pairs, R] in x's dtype, or ``SPLIT_K > 1``: [SPLIT_K, S, num_pairs, R] fp32
-  partial sums (stride ``stride_ik`` between parts); rows of handled pairs only.
+- ``intermediate`` [S, num_pairs, R] in x's dtype; rows of handled pairs only.
 - ``out`` [num_pairs, S·N] (a view of [M, top_k, S·N]), last stride 1: added into in place.
 - ``topk_weights`` [num_pairs] fp32 (or x's dtype): router weights (down only).
 - alignment: ``sorted_token_ids`` [L, P], ``expert_ids`` [L, P // BLOCK_M], ``num_tokens_post_padded`` [L].
 - ``adapter_enabled`` [L] int32.
 
 Rounding: dots accumulate in fp32 (IEEE for fp32 unless TF32 is asked for); t is rounded once to
-the activation dtype (as the public kernels store it; after the split-K partials are summed, in a
-fixed order, so the split path is deterministic and differs from the unsplit one only by the fp32
-summation order before that rounding); the expand epilogue multiplies by σ and
-w_p in fp32, adds the old output value in fp32 and rounds once. Offsets of rows, slots, experts
+the activation dtype (as the public kernels store it); the expand epilogue multiplies by σ and w_p in
+fp32, adds the old output value in fp32 and rounds once. Offsets of rows, slots, experts
 and columns are 64-bit (products like pair · 2I or slot · E · R · H can pass 2^31).
 
 Source: vLLM's fused MoE-LoRA (``fused_moe_lora``, vllm-project/vllm#21229) and SGLang's MoE-LoRA
@@ -108,26 +92,12 @@ def _block_work(pid_m, slot, s, ntpp, expert_ids_ptr, adapter_enabled_ptr, ranks
 
 
 @triton.jit
-def _block_of(pid, num_tokens_post_padded_ptr, L, slot_blocks_bound,
-              FLAT_GRID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr):
-    """(pid_m, slot, the slot's num_tokens_post_padded) of the program: from the flat axis 0
-    (``_flat_block``) or the (pid_m, slot) grid's axes 0 and 1."""
-    if FLAT_GRID:
-        pid_m, slot, ntpp = _flat_block(pid, num_tokens_post_padded_ptr, L, slot_blocks_bound, BLOCK_M, BLOCK_L)
-    else:
-        pid_m = pid
-        slot = tl.program_id(1)
-        ntpp = tl.load(num_tokens_post_padded_ptr + slot)
-    return pid_m, slot, ntpp
-
-
-@triton.jit
 def _flat_block(pid, num_tokens_post_padded_ptr, L, slot_blocks_bound,
                 BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr):
-    """(pid_m, slot) of flat program ``pid`` (``FLAT_GRID = 1``): the slots' used blocks laid end to
-    end, slot-major, each slot's count ``num_tokens_post_padded // BLOCK_M`` clamped to [0,
-    ``slot_blocks_bound``] (the (pid_m, slot) grid's axis 0, so a corrupt count runs no block that
-    grid would not). A program past the last used block gets slot = L (no work). Also returns the
+    """(pid_m, slot) of flat program ``pid``: the slots' used blocks laid end to end, slot-major, each
+    slot's count ``num_tokens_post_padded // BLOCK_M`` clamped to [0, ``slot_blocks_bound``] (the
+    host's per-slot bound, so a corrupt count runs no block past a slot's alignment). A program past
+    the last used block gets slot = L (no work). Also returns the
     slot's own (unclamped) count, from the same load."""
     offs_l = tl.arange(0, BLOCK_L)
     ntpp = tl.load(num_tokens_post_padded_ptr + offs_l, mask=offs_l < L, other=0)
@@ -159,15 +129,13 @@ def _block_pairs(sorted_token_ids_ptr, pid_m, slot, num_pairs, stride_sorted, BL
 
 
 @triton.jit
-def _shrink_block(x_ptr, a_ptr, pairs, row_ok, offs_r, r_ok, s, slot, expert, k_lo, K, in_row_div,
+def _shrink_block(x_ptr, a_ptr, pairs, row_ok, offs_r, r_ok, s, slot, expert, K, in_row_div,
                   stride_xm, stride_as, stride_al, stride_ae, stride_ar,
                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                   DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """[BLOCK_M, BLOCK_R] fp32: in[pair // in_row_div] · A[s, slot, expert]ᵀ over the K columns
-    [k_lo, k_lo + K) for the block's pairs (rows not ok and rank columns not ok read 0). ``s`` and
-    ``offs_r`` are the slice and rank of each column: scalars and ``arange(BLOCK_R)`` for one slice,
-    or [BLOCK_R] vectors for several side by side (the fused kernel's ``SLICES = 2``)."""
-    offs_k = k_lo + tl.arange(0, BLOCK_K)
+    """[BLOCK_M, BLOCK_R] fp32: in[pair // in_row_div] · A[s, slot, expert]ᵀ over K for the block's
+    pairs (rows not ok and rank columns not ok read 0)."""
+    offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (pairs // in_row_div)[:, None] * stride_xm + offs_k[None, :]
     a_ptrs = (a_ptr + s.to(tl.int64) * stride_as + slot.to(tl.int64) * stride_al + expert * stride_ae
               + offs_r[None, :] * stride_ar + offs_k[:, None])
@@ -185,19 +153,17 @@ def _moe_lora_shrink_kernel(
     # strides
     stride_xm,
     stride_as, stride_al, stride_ae, stride_ar,
-    stride_ik, stride_is, stride_im,
+    stride_is, stride_im,
     stride_sorted, stride_expert_ids, stride_rank_s,
     L, slot_blocks_bound,
     # meta-parameters
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    FLAT_GRID: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
     HAS_ENABLED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    s = tl.program_id(2) // SPLIT_K
-    part = tl.program_id(2) % SPLIT_K
+    s = tl.program_id(2)
     # --- early exits (the block's pairs are loaded with the checks' metadata: one round trip) ---------
-    pid_m, slot, ntpp = _block_of(tl.program_id(0), num_tokens_post_padded_ptr, L, slot_blocks_bound,
-                                  FLAT_GRID, BLOCK_M, BLOCK_L)
+    pid_m, slot, ntpp = _flat_block(tl.program_id(0), num_tokens_post_padded_ptr, L, slot_blocks_bound,
+                                    BLOCK_M, BLOCK_L)
     if slot >= L:
         return
     rank, expert = _block_work(pid_m, slot, s, ntpp, expert_ids_ptr, adapter_enabled_ptr,
@@ -210,19 +176,12 @@ def _moe_lora_shrink_kernel(
     # --- tile ----------------------------------------------------------------------------------
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
-    # this program's K range: whole BLOCK_K steps, the last part possibly short or empty
-    k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    # (the hint keeps the row loads vectorised: every part starts on a BLOCK_K boundary)
-    k_lo = tl.multiple_of(part * k_span, BLOCK_K)
-    k_len = tl.maximum(tl.minimum(K - k_lo, k_span), 0)
     # --- accumulate in fp32 ----------------------------------------------------------------------
-    acc = _shrink_block(x_ptr, a_ptr, pairs, row_ok, offs_r, r_ok, s, slot, expert, k_lo, k_len, in_row_div,
+    acc = _shrink_block(x_ptr, a_ptr, pairs, row_ok, offs_r, r_ok, s, slot, expert, K, in_row_div,
                         stride_xm, stride_as, stride_al, stride_ae, stride_ar,
                         BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, UPCAST)
-    # --- epilogue: the activation dtype (one rounding), or an fp32 partial (SPLIT_K > 1; an empty
-    # K range stores zeros: the expand sums every part) ---------------------------------------------
-    i_ptrs = (inter_ptr + part.to(tl.int64) * stride_ik + s.to(tl.int64) * stride_is + pairs[:, None] * stride_im
-              + offs_r[None, :])
+    # --- epilogue: the activation dtype (one rounding) -----------------------------------------------
+    i_ptrs = inter_ptr + s.to(tl.int64) * stride_is + pairs[:, None] * stride_im + offs_r[None, :]
     tl.store(i_ptrs, acc.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_r < R)[None, :])
 
 
@@ -234,21 +193,21 @@ def _moe_lora_expand_kernel(
     # sizes
     N, rank_bound, num_pairs, num_experts, num_n_tiles,
     # strides
-    stride_ik, stride_is, stride_im,
+    stride_is, stride_im,
     stride_bs, stride_bl, stride_be, stride_bn,
     stride_om, stride_os, stride_on,   # out column of (slice s, n): s·stride_os + n·stride_on
     stride_sorted, stride_expert_ids, stride_rank_s, stride_scaling_s,
     L, slot_blocks_bound,
     # meta-parameters
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-    FLAT_GRID: tl.constexpr, BLOCK_L: tl.constexpr, RANK_ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    RANK_ALIGN: tl.constexpr,
     HAS_ENABLED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     s = tl.program_id(2) // num_n_tiles
     pid_n = tl.program_id(2) % num_n_tiles
     # --- early exits (the block's pairs are loaded with the checks' metadata: one round trip) ---------
-    pid_m, slot, ntpp = _block_of(tl.program_id(0), num_tokens_post_padded_ptr, L, slot_blocks_bound,
-                                  FLAT_GRID, BLOCK_M, BLOCK_L)
+    pid_m, slot, ntpp = _flat_block(tl.program_id(0), num_tokens_post_padded_ptr, L, slot_blocks_bound,
+                                    BLOCK_M, BLOCK_L)
     if slot >= L:
         return
     rank, expert = _block_work(pid_m, slot, s, ntpp, expert_ids_ptr, adapter_enabled_ptr,
@@ -268,14 +227,7 @@ def _moe_lora_expand_kernel(
     # to 0) -------------------------------------------------------------------------------------------
     t_ptrs = inter_ptr + s.to(tl.int64) * stride_is + pairs[:, None] * stride_im + offs_r[None, :]
     t_mask = row_ok[:, None] & r_ld[None, :]
-    if SPLIT_K == 1:
-        t = tl.load(t_ptrs, mask=t_mask, other=0.0)
-    else:
-        # the split shrink's fp32 partials, summed in part order, then the one rounding point
-        t = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for j in tl.static_range(SPLIT_K):
-            t += tl.load(t_ptrs + j * stride_ik, mask=t_mask, other=0.0)
-        t = t.to(b_ptr.dtype.element_ty)
+    t = tl.load(t_ptrs, mask=t_mask, other=0.0)
     b = tl.load(b_ptr + s.to(tl.int64) * stride_bs + slot.to(tl.int64) * stride_bl + expert * stride_be
                 + offs_n.to(tl.int64)[None, :] * stride_bn + offs_r[:, None],
                 mask=r_ld[:, None] & n_ok[None, :], other=0.0)
@@ -381,54 +333,33 @@ def _fused_moe_lora_kernel(
     L, slot_blocks_bound,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    N_SPLIT: tl.constexpr, SLICES: tl.constexpr, FLAT_GRID: tl.constexpr, BLOCK_L: tl.constexpr,
+    N_SPLIT: tl.constexpr, BLOCK_L: tl.constexpr,
     EXPAND_LOADS: tl.constexpr, RANK_ALIGN: tl.constexpr, EXPAND_STAGES: tl.constexpr,
     HAS_ENABLED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    s = (tl.program_id(2) // N_SPLIT) * SLICES   # this program's first slice
+    s = tl.program_id(2) // N_SPLIT
     part = tl.program_id(2) % N_SPLIT
-    pid_m, slot, ntpp = _block_of(tl.program_id(0), num_tokens_post_padded_ptr, L, slot_blocks_bound,
-                                  FLAT_GRID, BLOCK_M, BLOCK_L)
+    pid_m, slot, ntpp = _flat_block(tl.program_id(0), num_tokens_post_padded_ptr, L, slot_blocks_bound,
+                                    BLOCK_M, BLOCK_L)
     if slot >= L:
         return
-    # --- early exits (SLICES = 2: the block has work if either slice has; a rank-0 slice is masked;
-    # the block's pairs are loaded with the checks' metadata: one round trip) ---------------------------
+    # --- early exits (the block's pairs are loaded with the checks' metadata: one round trip) ---------
     rank, expert = _block_work(pid_m, slot, s, ntpp, expert_ids_ptr, adapter_enabled_ptr,
                                ranks_ptr, rank_bound, num_experts, stride_expert_ids, stride_rank_s,
                                BLOCK_M, HAS_ENABLED)
-    live = rank
-    if SLICES == 2:
-        rank_u, expert_u = _block_work(pid_m, slot, s + 1, ntpp, expert_ids_ptr,
-                                       adapter_enabled_ptr, ranks_ptr, rank_bound, num_experts, stride_expert_ids,
-                                       stride_rank_s, BLOCK_M, HAS_ENABLED)
-        live = tl.maximum(rank, rank_u)
-        # a slice without work reports expert -1; one with work, the block's expert
-        expert = tl.maximum(expert, expert_u)
     pairs, row_ok = _block_pairs(sorted_token_ids_ptr, pid_m, slot, num_pairs, stride_sorted, BLOCK_M)
-    if live <= 0:
+    if rank <= 0:
         return
     expert = expert.to(tl.int64)
     # --- tile ----------------------------------------------------------------------------------
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     r_ld = _rank_load_mask(offs_r, rank, RANK_ALIGN)   # the expand's B columns loaded
-    # shrink columns: SLICES rank ranges side by side, (slice c_s, rank c_r) for column c
-    if SLICES == 1:
-        c_s = s
-        c_r = offs_r
-        c_ok = r_ok
-    else:
-        r_ok_u = offs_r < rank_u
-        offs_c = tl.arange(0, 2 * BLOCK_R)
-        c_s = s + offs_c // BLOCK_R
-        c_r = offs_c % BLOCK_R
-        c_ok = c_r < tl.where(offs_c < BLOCK_R, rank, rank_u)
-    # --- shrink: t = in · Aᵀ over K, fp32 accumulation (SLICES = 2: each x tile loaded once, one dot
-    # against both slices' A tiles side by side) ------------------------------------------------------
-    acc = _shrink_block(x_ptr, a_ptr, pairs, row_ok, c_r, c_ok, c_s, slot, expert, 0, K, in_row_div,
+    # --- shrink: t = in · Aᵀ over K, fp32 accumulation -------------------------------------------------
+    acc = _shrink_block(x_ptr, a_ptr, pairs, row_ok, offs_r, r_ok, s, slot, expert, K, in_row_div,
                         stride_xm, stride_as, stride_al, stride_ae, stride_ar,
-                        BLOCK_M, SLICES * BLOCK_R, BLOCK_K, DOT_PRECISION, UPCAST)
+                        BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, UPCAST)
     # rounding point: t in the activation dtype, as the unfused path stores it
     t = acc.to(x_ptr.dtype.element_ty)
     if UPCAST:
@@ -441,16 +372,6 @@ def _fused_moe_lora_kernel(
         row_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + sigma
     b_base = b_ptr + s.to(tl.int64) * stride_bs + slot.to(tl.int64) * stride_bl + expert * stride_be
     o_base = out_ptr + pairs[:, None] * stride_om + s.to(tl.int64) * stride_os
-    if SLICES == 2:
-        # (the launcher gives 2 only to gate_up, whose second slice's scale is σ alone)
-        tl.static_assert(not MUL_ROUTED_WEIGHT, "SLICES = 2 is for the unweighted two-slice stage")
-        # t's two rank ranges apart; a rank-0 slice writes nothing (its rows stay bit-identical)
-        t, t_u = tl.split(tl.permute(tl.reshape(t, [BLOCK_M, 2, BLOCK_R]), [0, 2, 1]))
-        row_scale_u = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(scalings_ptr + (s + 1) * stride_scaling_s
-                                                                      + slot)
-        row_ok_u = row_ok & (rank_u > 0)
-        row_ok = row_ok & (rank > 0)
-        r_ld_u = _rank_load_mask(offs_r, rank_u, RANK_ALIGN)
     tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_part = tl.cdiv(tiles, N_SPLIT)
     tile_lo = part * tiles_per_part
@@ -466,9 +387,6 @@ def _fused_moe_lora_kernel(
         n_ok = (offs_n < N) & (tile_lo < tile_hi)
         b, old = _expand_load(b_base, o_base, offs_r, r_ld, r_ok, offs_n, n_ok, row_ok, stride_bn, stride_on,
                               RANK_ALIGN)
-        if SLICES == 2:
-            b_u, old_u = _expand_load(b_base + stride_bs, o_base + stride_os, offs_r, r_ld_u, r_ok_u, offs_n, n_ok,
-                                      row_ok_u, stride_bn, stride_on, RANK_ALIGN)
         for tile in range(tile_lo, tile_hi):
             next_n = offs_n + BLOCK_N
             next_ok = (next_n < N) & (tile + 1 < tile_hi)
@@ -476,12 +394,6 @@ def _fused_moe_lora_kernel(
                                             stride_on, RANK_ALIGN)
             _expand_tile(t, b, old, o_base, offs_n, n_ok, row_scale, row_ok, stride_on, DOT_PRECISION, UPCAST)
             b, old = next_b, next_old
-            if SLICES == 2:
-                next_b_u, next_old_u = _expand_load(b_base + stride_bs, o_base + stride_os, offs_r, r_ld_u, r_ok_u,
-                                                    next_n, next_ok, row_ok_u, stride_bn, stride_on, RANK_ALIGN)
-                _expand_tile(t_u, b_u, old_u, o_base + stride_os, offs_n, n_ok, row_scale_u, row_ok_u, stride_on,
-                             DOT_PRECISION, UPCAST)
-                b_u, old_u = next_b_u, next_old_u
             offs_n, n_ok = next_n, next_ok
     elif EXPAND_STAGES == 1 and EXPAND_LOADS == 0:
         # B at the tile, the old output after the dot: two round trips per tile
@@ -490,9 +402,6 @@ def _fused_moe_lora_kernel(
             n_ok = offs_n < N
             _expand_tile_late(t, b_base, o_base, offs_r, r_ld, r_ok, offs_n, n_ok, row_scale, row_ok, stride_bn,
                               stride_on, RANK_ALIGN, DOT_PRECISION, UPCAST)
-            if SLICES == 2:
-                _expand_tile_late(t_u, b_base + stride_bs, o_base + stride_os, offs_r, r_ld_u, r_ok_u, offs_n, n_ok,
-                                  row_scale_u, row_ok_u, stride_bn, stride_on, RANK_ALIGN, DOT_PRECISION, UPCAST)
     else:
         # each tile's B and old output loaded together at the tile (EXPAND_LOADS 1): one round trip
         # per tile; or, EXPAND_STAGES > 1, the same loop software-pipelined by the compiler, B and the
@@ -504,8 +413,3 @@ def _fused_moe_lora_kernel(
             b, old = _expand_load(b_base, o_base, offs_r, r_ld, r_ok, offs_n, n_ok, row_ok, stride_bn, stride_on,
                                   RANK_ALIGN)
             _expand_tile(t, b, old, o_base, offs_n, n_ok, row_scale, row_ok, stride_on, DOT_PRECISION, UPCAST)
-            if SLICES == 2:
-                b_u, old_u = _expand_load(b_base + stride_bs, o_base + stride_os, offs_r, r_ld_u, r_ok_u, offs_n,
-                                          n_ok, row_ok_u, stride_bn, stride_on, RANK_ALIGN)
-                _expand_tile(t_u, b_u, old_u, o_base + stride_os, offs_n, n_ok, row_scale_u, row_ok_u, stride_on,
-                             DOT_PRECISION, UPCAST)

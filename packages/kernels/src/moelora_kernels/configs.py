@@ -27,15 +27,15 @@ from moelora_kernels._common import interpreting
 
 #: The single config used under the Triton interpreter (tiles of 32; no pipelining).
 INTERPRETER_CONFIG: dict[str, int] = {
-    "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "BLOCK_S": 32, "N_SPLIT": 1, "FUSED": 1, "SPLIT_K": 1,
-    "ALIGN_SPLIT": 1, "SLICES_PER_PROGRAM": 1, "LORA_SLOT_GROUP": 0, "FLAT_GRID": 1, "EXPAND_LOADS": 2,
+    "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "BLOCK_S": 32, "N_SPLIT": 1, "FUSED": 1,
+    "ALIGN_SPLIT": 1, "EXPAND_LOADS": 2,
     "EXPAND_STREAM": 0, "num_warps": 4, "num_stages": 1,
 }
 
 #: Used on a GPU when no table entry matches (and as the base every entry overrides).
 GPU_FALLBACK_CONFIG: dict[str, int] = {
-    "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_S": 32, "N_SPLIT": 1, "FUSED": 1, "SPLIT_K": 1,
-    "ALIGN_SPLIT": 1, "SLICES_PER_PROGRAM": 1, "LORA_SLOT_GROUP": 0, "FLAT_GRID": 1, "EXPAND_LOADS": 0,
+    "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_S": 32, "N_SPLIT": 1, "FUSED": 1,
+    "ALIGN_SPLIT": 1, "EXPAND_LOADS": 0,
     "EXPAND_STREAM": 0, "num_warps": 4, "num_stages": 3,
 }
 
@@ -85,14 +85,7 @@ def kernel_config(op: str, *, rows: int, N: int | None = None, K: int | None = N
         op: table key (``fused_moe_gemm``, ``fused_moe_lora``, ``moe_lora_shrink``,
             ``moe_lora_expand``, ``dense_lora_shrink``, ``dense_lora_expand``; ``moe_lora_path``,
             whose ``FUSED`` says whether :func:`moelora_kernels.moe_lora_delta` runs the fused
-            kernel or the shrink/expand pair at this size; ``moe_lora_shrink``'s ``SPLIT_K`` splits
-            the shrink's K over that many programs per block, fp32 partials summed by the expand;
-            ``fused_moe_lora``'s ``SLICES_PER_PROGRAM`` (1 or 2) gives one program both gate_up
-            slices of a block, sharing its x tiles; ``fused_moe_gemm``'s ``LORA_SLOT_GROUP`` (a power
-            of two; 0 = by rank) is the slots whose LoRA factors one shrink/expand tile pair holds
-            side by side when the delta is fused into the base GEMM; ``FLAT_GRID`` (0 or 1) of
-            ``moe_lora_shrink``, ``moe_lora_expand`` and ``fused_moe_lora`` lays the used blocks of
-            all slots on one grid axis instead of a (block, slot) grid; ``fused_moe_lora``'s
+            kernel or the shrink/expand pair at this size; ``fused_moe_lora``'s
             ``EXPAND_LOADS`` (0, 1, 2) says when each expand tile's B and old output are loaded;
             ``EXPAND_STREAM`` (0-4) of ``moe_lora_expand`` and ``fused_moe_lora``, how the expand
             reads its factor tiles (0: exact rank masks; 1: 16-byte loads; >= 2: also a pipelined

@@ -49,15 +49,15 @@ def rank_align(stream: int, R: int) -> int:
     return RANK_VECTOR if stream and R % RANK_VECTOR == 0 else 1
 
 
-def expand_shared_bytes(stages: int, *, slices: int, block_m: int, block_r: int, block_n: int, b_bytes: int,
+def expand_shared_bytes(stages: int, *, block_m: int, block_r: int, block_n: int, b_bytes: int,
                         out_bytes: int) -> int:
-    """Shared memory (bytes) of the fused kernel's expand loop pipelined ``stages`` deep: per slice,
+    """Shared memory (bytes) of the fused kernel's expand loop pipelined ``stages`` deep:
     ``stages`` - 1 B tiles [BLOCK_R, BLOCK_N] and old-output tiles [BLOCK_M, BLOCK_N] in flight, one B
-    tile re-laid out for the dot after its padding columns are zeroed, and t [BLOCK_M, BLOCK_R] per
-    slice (Triton 3.6 on sm_90 allocates exactly this for the Qwen3 tiles; the shrink's buffers are
-    freed before the loop)."""
-    return ((stages - 1) * slices * block_n * (block_r * b_bytes + block_m * out_bytes)
-            + block_r * block_n * b_bytes + slices * block_m * block_r * b_bytes)
+    tile re-laid out for the dot after its padding columns are zeroed, and t [BLOCK_M, BLOCK_R]
+    (Triton 3.6 on sm_90 allocates exactly this for the Qwen3 tiles; the shrink's buffers are freed
+    before the loop)."""
+    return ((stages - 1) * block_n * (block_r * b_bytes + block_m * out_bytes)
+            + block_r * block_n * b_bytes + block_m * block_r * b_bytes)
 
 
 def expand_stages(stream: int, **tiles: int) -> int:

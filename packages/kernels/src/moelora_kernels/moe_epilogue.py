@@ -6,10 +6,10 @@ Algorithms (grids ``(rows, cdiv(width, BLOCK))``, one row and one column tile pe
   non-gated: ``h[p, i] = act(gate_up[p, i])`` (``gate_up`` is then [rows, I]).
   ``act`` is SiLU (``x · sigmoid(x)``) or tanh-approximated GELU; ``"swiglu_oai"`` (GPT-OSS,
   gated only) is ``min(g, L) · sigmoid(α · min(g, L)) · (clamp(u, -L, L) + 1)`` with α = ``alpha``,
-  L = ``limit`` (DESIGN.md §1). ``layout`` says where gate and up sit in a row: "halves" (gate i,
-  up I + i) or "interleaved" (GPT-OSS's checkpoint columns: gate 2i, up 2i + 1). With ``topk_ids``, programs of
-  pairs with a negative id exit first: their gate_up rows were never written (uninitialised
-  memory), and their h rows are never read.
+  L = ``limit`` (DESIGN.md §1). Gate and up sit in a row as "halves" (gate i, up I + i): the
+  readers de-interleave GPT-OSS's checkpoint columns at load. With ``topk_ids``, programs of pairs
+  with a negative id exit first: their gate_up rows were never written (uninitialised memory), and
+  their h rows are never read.
 - top-k sum: ``y[t, :] = Σ_j [topk_ids[t, j] >= 0] · down_out[t, j, :]``; pairs of EXPERT_NOT_HERE
   (negative ids) contribute nothing, whatever their (never written) ``down_out`` rows hold.
 
@@ -28,7 +28,6 @@ import torch
 import triton
 
 from moelora_core.errors import KernelPreconditionError
-from moelora_core.moe_activation import GATE_UP_LAYOUTS
 from moelora_kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check_grid, check_tensor, next_pow2
 from moelora_kernels._moe_epilogue_kernels import _moe_activation_kernel, _moe_sum_kernel
 
@@ -42,7 +41,6 @@ def moe_activation(
     gated: bool = True,
     topk_ids: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    layout: str = "halves",
     alpha: float = 1.702,
     limit: float = 7.0,
 ) -> torch.Tensor:
@@ -55,22 +53,19 @@ def moe_activation(
         topk_ids: [M, top_k] int32/int64 with M·top_k = rows, or None: rows of pairs with a
             negative id are skipped (left unwritten).
         out: [rows, I] (allocated when None), same dtype, last stride 1.
-        layout: "halves" (gate [:I], up [I:]) or "interleaved" (gate 2i, up 2i + 1); gated only.
         alpha, limit: swiglu_oai's α and clamp bound (GPT-OSS: 1.702, 7.0); ignored otherwise.
 
     Returns:
         h [rows, I].
 
     Raises:
-        KernelPreconditionError: unknown activation or layout; swiglu_oai or "interleaved" without
-            gating; limit <= 0; odd width when gated; dtype/shape/stride errors.
+        KernelPreconditionError: unknown activation; swiglu_oai without gating; limit <= 0; odd width
+            when gated; dtype/shape/stride errors.
     """
     if activation not in ACTIVATIONS:
         raise KernelPreconditionError(f"activation: {activation!r} not in {ACTIVATIONS}")
-    if layout not in GATE_UP_LAYOUTS:
-        raise KernelPreconditionError(f"layout: {layout!r} not in {GATE_UP_LAYOUTS}")
-    if not gated and (activation == "swiglu_oai" or layout != "halves"):
-        raise KernelPreconditionError(f"activation {activation!r} / layout {layout!r} need gated=True")
+    if not gated and activation == "swiglu_oai":
+        raise KernelPreconditionError(f"activation {activation!r} needs gated=True")
     if not limit > 0:
         raise KernelPreconditionError(f"limit: must be > 0, got {limit}")
     check_tensor("gate_up", gate_up, dtypes=FLOAT_DTYPES, dim=2, unit_last_stride=True)
@@ -94,7 +89,6 @@ def moe_activation(
         gate_up, out, topk_ids if topk_ids is not None else out, inter, float(alpha), float(limit),
         gate_up.stride(0), out.stride(0),
         BLOCK=block, ACTIVATION=activation, GATED=gated, HAS_IDS=topk_ids is not None,
-        INTERLEAVED=layout == "interleaved",
     )
     return out
 

@@ -20,13 +20,6 @@ With fp8 block-scaled experts (``weight_block``, DESIGN.md §1) steps 2 and 5 ar
 (:mod:`.fp8_block`: the GEMM's input quantized per token per K-group, then the fp8 grouped GEMM), and
 steps 3 and 6 still read the unquantized x and h.
 
-With ``fused_lora=`` (:class:`FusedLoRAInputs`, the ``fused_moe`` capability of DESIGN.md §5)
-steps 3 and 6 disappear into 2 and 5: the deltas are added inside the base GEMMs
-(:func:`.fused_moe.fused_moe_gemm` ``lora=``), each row its own token's slot's, over the base
-alignment (step 1 unchanged: the same blocks and tiles as the LoRA-free layer), so at large M no
-separate pass re-reads and re-writes gate_up_out / down_out, and no second alignment is made.
-gate_up runs one launch per slice (gate, up) over column views.
-
 Expert ids < 0 contribute nothing; ids in [E, E_base) are base experts without LoRA. A token
 with no adapter runs exactly the same base kernels with or without LoRA: its rows are never
 touched by the delta kernels, so its output is bitwise the LoRA-disabled output.
@@ -35,23 +28,22 @@ Rounding points: gate_up_out, h, down_out (each rounded once to x's dtype), y.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from moelora_core.align import AlignOutput
 from moelora_core.errors import KernelPreconditionError
 from moelora_core.fp8_block import FP8_DTYPE
-from moelora_core.moe_activation import GATE_UP_LAYOUTS
 from moelora_core.moe_deltas import MoEDeltas
 from moelora_core.weights import LoRAWeights
-from moelora_kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check_rank_covers, check_tensor
+from moelora_kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from moelora_kernels.align import moe_align_block_size
 from moelora_kernels.configs import moe_block_m
 from moelora_kernels.fp8_block import fp8_moe_gemm, quantize_activation_fp8
-from moelora_kernels.fused_moe import GemmLoRA, fused_moe_gemm
+from moelora_kernels.fused_moe import fused_moe_gemm
 from moelora_kernels.moe_epilogue import moe_activation, moe_sum
-from moelora_kernels.moe_lora import STAGE_MODULES, moe_lora_delta, stage_tensors
+from moelora_kernels.moe_lora import moe_lora_delta
 
 
 @dataclass
@@ -67,8 +59,6 @@ class MoELoRAInputs:
         fused: shrink+expand in one kernel per stage (True), two (False), or by size (None:
             the config table's choice).
         tf32: TF32 dots for fp32.
-        layout: gate_up_out's columns, "halves" or GPT-OSS's "interleaved" (the expand epilogue's
-            column strides, :func:`.moe_lora.fused_moe_lora_expand`).
     """
 
     weights: LoRAWeights
@@ -77,13 +67,12 @@ class MoELoRAInputs:
     max_rank: int | None = None
     fused: bool | None = None
     tf32: bool = False
-    layout: str = "halves"
 
     def gate_up(self, x: torch.Tensor, topk_ids: torch.Tensor, gate_up_out: torch.Tensor) -> None:
         """gate_up_out [M, top_k, 2I] += the gate and up deltas of x [M, H]."""
         moe_lora_delta("gate_up", x, gate_up_out, self.weights, self.align, top_k=topk_ids.shape[1],
                        adapter_enabled=self.adapter_enabled, max_rank=self.max_rank, fused=self.fused,
-                       tf32=self.tf32, layout=self.layout)
+                       tf32=self.tf32)
 
     def down(self, h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              down_out: torch.Tensor) -> None:
@@ -91,39 +80,6 @@ class MoELoRAInputs:
         moe_lora_delta("down", h, down_out, self.weights, self.align, top_k=topk_ids.shape[1],
                        topk_weights=topk_weights, adapter_enabled=self.adapter_enabled, max_rank=self.max_rank,
                        fused=self.fused, tf32=self.tf32)
-
-
-@dataclass
-class FusedLoRAInputs:
-    """The MoE-LoRA deltas fused into the base GEMMs, for :func:`fused_moe` ``fused_lora=``.
-
-    Attributes:
-        weights: the adapter pool of the layer (E of its factors <= E_base).
-        token_lora_mapping: [M] int32 slot per token (-1 = no adapter), contiguous.
-        adapter_enabled: [L] int32 or None (a disabled slot's pairs get the base GEMM alone).
-        max_rank: host bound on loaded ranks (None = R); must cover every loaded slot's rank.
-    """
-
-    weights: LoRAWeights
-    token_lora_mapping: torch.Tensor
-    adapter_enabled: torch.Tensor | None = None
-    max_rank: int | None = None
-
-    def slice(self, stage: str, s: int = 0) -> GemmLoRA:
-        """Slice ``s`` of ``stage`` ("gate_up": 0 gate, 1 up; "down": 0) as the GEMM takes it."""
-        t = stage_tensors(self.weights, stage)
-        if stage == "gate_up":
-            return GemmLoRA(t["lora_a"][s], t["lora_b"][s], t["ranks"][s], t["scalings"][s], self.token_lora_mapping,
-                            self.adapter_enabled, self.max_rank)
-        return GemmLoRA(t["lora_a"], t["lora_b"], t["ranks"], t["scalings"], self.token_lora_mapping,
-                        self.adapter_enabled, self.max_rank)
-
-
-def _slice_columns(s: int, inter: int, layout: str) -> slice:
-    """Columns of gate_up slice ``s`` (0 gate, 1 up) in ``layout`` (DESIGN.md §1)."""
-    if layout not in GATE_UP_LAYOUTS:
-        raise KernelPreconditionError(f"layout: {layout!r} not in {GATE_UP_LAYOUTS}")
-    return slice(s, None, 2) if layout == "interleaved" else slice(s * inter, (s + 1) * inter)
 
 
 def fused_moe(
@@ -137,15 +93,12 @@ def fused_moe(
     gated: bool = True,
     block_m: int | None = None,
     align: AlignOutput | None = None,
-    lora: MoELoRAInputs | None = None,
     tf32: bool = False,
     deltas: MoEDeltas | None = None,
     b_gate_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
-    layout: str = "halves",
     alpha: float = 1.702,
     limit: float = 7.0,
-    fused_lora: FusedLoRAInputs | None = None,
     weight_block: tuple[int, int] | None = None,
     w_gate_up_scale_inv: torch.Tensor | None = None,
     w_down_scale_inv: torch.Tensor | None = None,
@@ -163,36 +116,23 @@ def fused_moe(
         gated: SwiGLU gating.
         block_m: alignment block rows (default :func:`.configs.moe_block_m`).
         align: a precomputed base alignment (graph mode: static buffers), else computed here.
-        lora: the raw kernels' deltas (kept for existing callers: the same as ``deltas=lora``,
-            with ``tf32`` applied to them too).
         tf32: TF32 dots for fp32.
         deltas: who adds the LoRA deltas (any ``MoEDeltas``), or None for the base MoE alone.
-        b_gate_up: [E_base, 2I] expert biases in ``layout`` (GPT-OSS), or None. b_down: [E_base, H].
-        layout: gate/up columns of ``w_gate_up`` rows and of gate_up_out: "halves" or "interleaved"
-            (the activation reads them so; a ``deltas`` must write them so, e.g.
-            ``MoELoRAInputs(layout=...)``).
-        fused_lora: the deltas fused into the base GEMMs (:class:`FusedLoRAInputs`; gated layers
-            only, over the base alignment ``align`` / ``block_m``; ``deltas`` / ``lora`` must be
-            None).
+        b_gate_up: [E_base, 2I] expert biases, gate then up (GPT-OSS's, de-interleaved by the
+            reader), or None. b_down: [E_base, H].
         weight_block: (bn, bk) of fp8 block-scaled experts (DESIGN.md §1): ``w_gate_up`` / ``w_down``
             are then float8_e4m3fn with ``w_gate_up_scale_inv`` [E_base, 2·⌈I/bn⌉, ⌈H/bk⌉] and
             ``w_down_scale_inv`` [E_base, ⌈H/bn⌉, ⌈I/bk⌉]; the base GEMMs are w8a8
             (:mod:`.fp8_block`: x and h quantized per token per K-group), the deltas read the
-            unquantized x and h. Gated halves-layout layers without biases, no ``fused_lora``.
+            unquantized x and h. Gated layers without biases.
 
     Returns:
         y [M, H] in x's dtype.
 
     Raises:
-        KernelPreconditionError: shape / dtype / device mismatches (from the launchers too); both
-            ``lora`` and ``deltas`` given; ``fused_lora`` with another alignment, deltas, or a
-            non-gated layer; a ``fused_lora`` mapping that is not [M] int32; a
-            ``fused_lora.max_rank`` below a loaded slot's rank.
+        KernelPreconditionError: shape / dtype / device mismatches (from the launchers too); an fp8
+            block-scaled base with a non-gated layer or biases.
     """
-    if lora is not None:
-        if deltas is not None:
-            raise KernelPreconditionError("fused_moe: pass the LoRA deltas as deltas= or lora=, not both")
-        deltas = replace(lora, tf32=lora.tf32 or tf32)
     check_tensor("x", x, dtypes=FLOAT_DTYPES, dim=2, unit_last_stride=True)
     M, H = x.shape
     check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, dim=2, contiguous=True, device=x.device)
@@ -204,20 +144,8 @@ def fused_moe(
     E_base, width, _ = w_gate_up.shape
     inter = width // 2 if gated else width
     check_tensor("w_down", w_down, dtypes=(w_dtype,), shape=(E_base, H, inter), device=x.device)
-    if weight_block is not None and (fused_lora is not None or not gated or layout != "halves"
-                                     or b_gate_up is not None or b_down is not None):
-        raise KernelPreconditionError("fused_moe: an fp8 block-scaled base takes a gated halves-layout layer without "
-                                      "biases and its deltas through deltas= (no fused_lora)")
-    if fused_lora is not None:
-        if deltas is not None:
-            raise KernelPreconditionError("fused_moe: fused_lora adds the deltas inside the base GEMMs; pass no "
-                                          "deltas or lora with it")
-        if not gated:
-            raise KernelPreconditionError("fused_moe: fused_lora needs a gated layer (gate and up slices)")
-        check_tensor("fused_lora.token_lora_mapping", fused_lora.token_lora_mapping, dtypes=(torch.int32,),
-                     shape=(M,), contiguous=True, device=x.device)
-        for modules in STAGE_MODULES.values():
-            check_rank_covers(fused_lora.max_rank, fused_lora.weights, modules)
+    if weight_block is not None and (not gated or b_gate_up is not None or b_down is not None):
+        raise KernelPreconditionError("fused_moe: an fp8 block-scaled base takes a gated layer without biases")
     if align is None:
         # the table's base BLOCK_M was measured with bf16 / fp16 GEMM tiles; the fp8 GEMM keeps the rule
         table_op = "moe_align_block_size" if weight_block is None else None
@@ -228,21 +156,13 @@ def fused_moe(
         q, s = quantize_activation_fp8(x, weight_block[1])
         fp8_moe_gemm(q, s, w_gate_up, w_gate_up_scale_inv, gate_up.view(num_pairs, width), align, block=weight_block,
                      top_k=top_k, num_pairs=num_pairs, in_row_div=top_k, half=inter)
-    elif fused_lora is not None:
-        # one launch per slice: each has its own A and B (and column view of W, bias and output)
-        for s in range(2):
-            cols = _slice_columns(s, inter, layout)
-            fused_moe_gemm(x, w_gate_up[:, cols], gate_up.view(num_pairs, width)[:, cols], align, top_k=top_k,
-                           num_pairs=num_pairs, in_row_div=top_k, tf32=tf32,
-                           bias=None if b_gate_up is None else b_gate_up[:, cols],
-                           lora=fused_lora.slice("gate_up", s))
     else:
         fused_moe_gemm(x, w_gate_up, gate_up.view(num_pairs, width), align, top_k=top_k, num_pairs=num_pairs,
                        in_row_div=top_k, tf32=tf32, bias=b_gate_up)
     if deltas is not None:
         deltas.gate_up(x, topk_ids, gate_up)
     h = moe_activation(gate_up.view(num_pairs, width), activation=activation, gated=gated, topk_ids=topk_ids,
-                       layout=layout, alpha=alpha, limit=limit)
+                       alpha=alpha, limit=limit)
     down = torch.empty(M, top_k, H, dtype=x.dtype, device=x.device)
     if weight_block is not None:
         q, s = quantize_activation_fp8(h, weight_block[1])
@@ -250,8 +170,7 @@ def fused_moe(
                      num_pairs=num_pairs, in_row_div=1, topk_weights=topk_weights)
     else:
         fused_moe_gemm(h, w_down, down.view(num_pairs, H), align, top_k=top_k, num_pairs=num_pairs, in_row_div=1,
-                       topk_weights=topk_weights, tf32=tf32, bias=b_down,
-                       lora=None if fused_lora is None else fused_lora.slice("down"))
+                       topk_weights=topk_weights, tf32=tf32, bias=b_down)
     if deltas is not None:
         deltas.down(h, topk_ids, topk_weights, down)
     return moe_sum(down, topk_ids)

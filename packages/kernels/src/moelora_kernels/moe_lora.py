@@ -2,19 +2,16 @@
 
 Three entry points with the stage ("gate_up" or "down") an explicit argument:
 
-- :func:`fused_moe_lora_shrink` → the rank-wide intermediate [S, M·top_k, R] (or, split over K by
-  the config key ``SPLIT_K``, its fp32 partial sums [SPLIT_K, S, M·top_k, R]);
+- :func:`fused_moe_lora_shrink` → the rank-wide intermediate [S, M·top_k, R];
 - :func:`fused_moe_lora_expand` adds σ·B·t (router-weighted for "down") into the output;
 - :func:`fused_moe_lora` does both in one kernel (the fast path: one launch per stage, t never
   leaves registers).
 
 :func:`moe_lora_delta` takes a :class:`moelora_core.LoRAWeights` and picks the buffers, ranks and σ
-of the stage. Grids come from capacities and host ints only: ``(used-block bound, max_loras,
-slices × column parts)`` (the fused kernel with ``SLICES_PER_PROGRAM`` 2: ``slices / 2 × column
-parts``, both gate_up slices in one program), or with the config key ``FLAT_GRID`` 1, ``(bound on
-the used blocks of all slots, 1, …)``, each program finding its (block, slot) on the device;
-programs of disabled slots, rank-0 modules, unused and -1 blocks exit at once. No launcher reads a
-device value.
+of the stage. Grids come from capacities and host ints only: ``(bound on the used blocks of all
+slots, 1, slices × column parts)``, each program finding its (block, slot) on the device; programs
+of disabled slots, rank-0 modules, unused and -1 blocks exit at once. No launcher reads a device
+value.
 
 The config key ``EXPAND_STREAM`` of ``moe_lora_expand`` and ``fused_moe_lora``
 (:mod:`moelora_kernels.expand_stream`) says how the expand reads its factor tiles: 0 masks them at
@@ -31,7 +28,6 @@ import triton
 
 from moelora_core.align import AlignOutput, align_capacity
 from moelora_core.errors import KernelPreconditionError
-from moelora_core.moe_activation import GATE_UP_LAYOUTS
 from moelora_core.weights import LoRAWeights, module_index
 from moelora_kernels._common import (
     FLOAT_DTYPES,
@@ -50,11 +46,6 @@ from moelora_kernels.expand_stream import check_expand_stream, expand_stages, ra
 from moelora_kernels.fused_moe import used_blocks_bound
 
 STAGES: tuple[str, ...] = ("gate_up", "down")
-#: Most split-K parts of the shrink: past K / BLOCK_K parts the extra programs have no K to reduce.
-MAX_SPLIT_K = 16
-#: Values of the fused kernel's ``SLICES_PER_PROGRAM``: 1 = one program per (block, slice); 2 = one
-#: program per block does both gate_up slices (each x tile loaded once for gate and up).
-SLICES_PER_PROGRAM: tuple[int, ...] = (1, 2)
 #: Values of the fused kernel's ``EXPAND_LOADS``, when each expand tile's B tile and old output are
 #: loaded: 0 = B at the tile, the old output after the dot; 1 = both together at the tile; 2 = both
 #: one tile ahead (bit-identical results; the GPU table picks per row bucket)
@@ -125,41 +116,21 @@ class _Stage:
         self.adapter_enabled = adapter_enabled
         self.rank_bound = check_rank_bound(max_rank, self.lora.shape[3] if which == "lora_a" else self.lora.shape[4])
         self.block_r = next_pow2(self.rank_bound, 16)
+        # per slot at most grid_m used blocks (the kernels clamp each slot's count to it)
         self.grid_m = used_blocks_bound(self.num_pairs, self.E, self.block_m, nb)
-        # FLAT_GRID: the used blocks of all slots on one axis; per slot at most grid_m, in all at most
+        # the used blocks of all slots on one axis: in all at most
         # Σ_s (n_s // BLOCK_M + min(E, n_s)) <= num_pairs // BLOCK_M + min(E · L, num_pairs)
         self.flat_grid_m = max(1, min(self.L * self.grid_m,
                                       self.num_pairs // self.block_m + min(self.E * self.L, self.num_pairs)))
 
-    def block_grid(self, cfg: dict, name: str, inner: int) -> tuple[tuple[int, int, int], dict]:
-        """The launch grid over (blocks, slices × ``inner``) for the config's ``FLAT_GRID``, and the
-        kernel arguments that go with it (``_moe_lora_kernels`` module docstring)."""
-        flat = cfg["FLAT_GRID"]
-        if type(flat) is not int or flat not in (0, 1):
-            raise KernelPreconditionError(f"FLAT_GRID: must be 0 or 1, got {flat!r}")
-        grid = (self.flat_grid_m, 1, inner) if flat else (self.grid_m, self.L, inner)
-        return check_grid(name, grid), {"L": self.L, "slot_blocks_bound": self.grid_m, "FLAT_GRID": flat,
-                                        "BLOCK_L": next_pow2(self.L)}
+    def block_grid(self, name: str, inner: int) -> tuple[tuple[int, int, int], dict]:
+        """The launch grid over (used blocks of all slots, 1, ``inner``), and the kernel arguments
+        that go with it (``_moe_lora_kernels`` module docstring)."""
+        grid = (self.flat_grid_m, 1, inner)
+        return check_grid(name, grid), {"L": self.L, "slot_blocks_bound": self.grid_m, "BLOCK_L": next_pow2(self.L)}
 
     def enabled_arg(self):
         return self.adapter_enabled if self.adapter_enabled is not None else self.align.num_tokens_post_padded
-
-
-def _split_k(cfg: dict) -> int:
-    split_k = cfg["SPLIT_K"]
-    if not isinstance(split_k, int) or not 1 <= split_k <= MAX_SPLIT_K:
-        raise KernelPreconditionError(f"SPLIT_K: must be an int in [1, {MAX_SPLIT_K}], got {split_k!r}")
-    return split_k
-
-
-def _slices_per_program(cfg: dict, slices: int) -> int:
-    """The fused kernel's slices per program: the config's ``SLICES_PER_PROGRAM`` (1 or 2), at most
-    the stage's slices (a one-slice stage, "down", runs 2 as 1, so one default table entry can
-    serve both stages)."""
-    spp = cfg["SLICES_PER_PROGRAM"]
-    if type(spp) is not int or spp not in SLICES_PER_PROGRAM:
-        raise KernelPreconditionError(f"SLICES_PER_PROGRAM: must be one of {SLICES_PER_PROGRAM}, got {spp!r}")
-    return min(spp, slices)
 
 
 def _per_slice(name, t, stage, L, dtypes, device):
@@ -218,12 +189,6 @@ def fused_moe_lora_shrink(
 ) -> torch.Tensor:
     """t[s, p] = A[s, slot(p), e(p)] · in[p] for every aligned pair, rank-wide, in x's dtype.
 
-    With ``SPLIT_K`` > 1 (config table ``moe_lora_shrink`` per row bucket, or ``config``) each block
-    and slice is shrunk by SPLIT_K programs over contiguous K ranges, and the result is their fp32
-    partial sums, which :func:`fused_moe_lora_expand` adds in part order and rounds once. Why: at a
-    few rows per (slot, expert) block the shrink is one serial K loop per block on few SMs; the
-    split runs that loop in parallel (benchmarks/RESULTS.md, "What limits the misses").
-
     Args:
         x: gate_up: [M, H] tokens; down: [M·top_k, I] activated intermediate per pair. Last stride 1.
         lora_a: gate_up: [2, L, E, R, H] (``LoRAWeights.gate_up_A``); down: [L, E, R, I] (``down_A``).
@@ -232,17 +197,16 @@ def fused_moe_lora_shrink(
         top_k: experts per token.
         ranks: gate_up: [2, L] int32 (``module_ranks[0:2]``); down: [L] (``module_ranks[2]``).
         adapter_enabled: [L] int32 or None.
-        out: [S, M·top_k, R] intermediate in x's dtype, or [SPLIT_K, S, M·top_k, R] fp32 when split
-            (allocated, uninitialised, when None); only rows of aligned pairs are written.
+        out: [S, M·top_k, R] intermediate in x's dtype (allocated, uninitialised, when None); only
+            rows of aligned pairs are written.
         max_rank: host bound on every active slot's rank (<= R); tiles are sized for it.
         tf32, config: dot precision for fp32; tile overrides.
 
     Returns:
-        The intermediate [S, M·top_k, R], or the partials [SPLIT_K, S, M·top_k, R] fp32.
+        The intermediate [S, M·top_k, R].
 
     Raises:
-        KernelPreconditionError: dtype, shape, stride, device, capacity mismatches; max_rank > R;
-            ``SPLIT_K`` not an int in [1, MAX_SPLIT_K]; ``FLAT_GRID`` not 0 or 1.
+        KernelPreconditionError: dtype, shape, stride, device, capacity mismatches; max_rank > R.
     """
     device, dtype = _check_x(x, stage)
     st = _Stage(stage, x.shape[0], lora_a, ranks, None, align, top_k, None, adapter_enabled, max_rank,
@@ -251,42 +215,27 @@ def fused_moe_lora_shrink(
     if x.shape[1] != K:
         raise KernelPreconditionError(f"x: {x.shape[1]} columns, but lora_a's input width is {K}")
     cfg = kernel_config("moe_lora_shrink", rows=st.num_pairs, K=K, R=st.rank_bound, overrides=config)
-    split_k = _split_k(cfg)
-    if split_k == 1:
-        shape, inter_dtype = (st.slices, st.num_pairs, R), dtype
-    else:
-        shape, inter_dtype = (split_k, st.slices, st.num_pairs, R), torch.float32
+    shape = (st.slices, st.num_pairs, R)
     if out is None:
-        out = torch.empty(shape, dtype=inter_dtype, device=device)
-    check_tensor("out", out, dtypes=(inter_dtype,), shape=shape, unit_last_stride=True, device=device)
+        out = torch.empty(shape, dtype=dtype, device=device)
+    check_tensor("out", out, dtypes=(dtype,), shape=shape, unit_last_stride=True, device=device)
     if st.num_pairs == 0:
         return out
-    grid, flat = st.block_grid(cfg, "fused_moe_lora_shrink", st.slices * split_k)
+    grid, flat = st.block_grid("fused_moe_lora_shrink", st.slices)
     a = st.lora
-    o3 = out if split_k > 1 else out.unsqueeze(0)
     _moe_lora_shrink_kernel[grid](
         x, a, out,
         align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded, st.enabled_arg(), st.ranks,
         K, R, st.rank_bound, st.num_pairs, st.in_row_div, st.E,
         x.stride(0),
         a.stride(0), a.stride(1), a.stride(2), a.stride(3),
-        o3.stride(0) if split_k > 1 else 0, o3.stride(1), o3.stride(2),
+        out.stride(0), out.stride(1),
         align.sorted_token_ids.stride(0), align.expert_ids.stride(0), st.ranks.stride(0),
         flat["L"], flat["slot_blocks_bound"],
-        BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split_k,
-        FLAT_GRID=flat["FLAT_GRID"], BLOCK_L=flat["BLOCK_L"],
+        BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_K=cfg["BLOCK_K"], BLOCK_L=flat["BLOCK_L"],
         HAS_ENABLED=adapter_enabled is not None, **gemm_launch_options(dtype, tf32, cfg),
     )
     return out
-
-
-def _column_strides(stage: str, layout: str, n: int) -> tuple[int, int]:
-    """(stride_os, stride_on) of the output columns: slice s, column n → s·stride_os + n·stride_on."""
-    if layout not in GATE_UP_LAYOUTS:
-        raise KernelPreconditionError(f"layout: {layout!r} not in {GATE_UP_LAYOUTS}")
-    if layout == "interleaved" and stage == "gate_up":
-        return 1, 2  # GPT-OSS: gate column 2n, up column 2n + 1 (DESIGN.md §1)
-    return n, 1
 
 
 def fused_moe_lora_expand(
@@ -303,15 +252,12 @@ def fused_moe_lora_expand(
     adapter_enabled: torch.Tensor | None = None,
     max_rank: int | None = None,
     tf32: bool = False,
-    layout: str = "halves",
     config: dict | None = None,
 ) -> torch.Tensor:
     """out[p, s·N:(s+1)·N] += σ[s, slot] · w_p · B[s, slot, e] · t[s, p] for every aligned pair.
 
     Args:
-        intermediate: from :func:`fused_moe_lora_shrink`: [S, M·top_k, R] in lora_b's dtype, or the
-            split shrink's fp32 partials [SPLIT_K, S, M·top_k, R] (summed in part order, rounded
-            once to lora_b's dtype: the unsplit shrink's rounding point).
+        intermediate: from :func:`fused_moe_lora_shrink`: [S, M·top_k, R] in lora_b's dtype.
         lora_b: gate_up: [2, L, E, I, R] (``gate_up_B``); down: [L, E, H, R] (``down_B``).
         align: as for the shrink.
         out: gate_up: [M, top_k, 2I] (or [M·top_k, 2I]); down: [M, top_k, H]; added into in place;
@@ -319,41 +265,25 @@ def fused_moe_lora_expand(
         stage, top_k, ranks, adapter_enabled, max_rank: as for the shrink.
         scalings: gate_up: [2, L] fp32 (``module_scalings[0:2]``); down: [L] (``module_scalings[2]``).
         topk_weights: down only: [M, top_k] router weights (fp32 or the activation dtype).
-        layout: gate_up's columns in ``out``: "halves" (gate [:I], up [I:]) or "interleaved"
-            (GPT-OSS: gate 2i, up 2i + 1); ignored by "down".
 
-    Block config (table ``moe_lora_expand``, or ``config``): ``BLOCK_N``, ``FLAT_GRID``,
-    ``EXPAND_STREAM`` (>= 1 loads t and B in 16-byte vectors; one tile per program, so no loop to
-    pipeline), ``num_warps``, ``num_stages``.
+    Block config (table ``moe_lora_expand``, or ``config``): ``BLOCK_N``, ``EXPAND_STREAM`` (>= 1
+    loads t and B in 16-byte vectors; one tile per program, so no loop to pipeline), ``num_warps``,
+    ``num_stages``.
 
     Returns:
         ``out``.
 
     Raises:
-        KernelPreconditionError: as the shrink; a missing (down) or extra (gate_up) topk_weights; an
-            unknown layout; ``EXPAND_STREAM`` not a value of
+        KernelPreconditionError: as the shrink; a missing (down) or extra (gate_up) topk_weights;
+            ``EXPAND_STREAM`` not a value of
             :data:`~moelora_kernels.expand_stream.EXPAND_STREAM` (nothing is written).
     """
-    check_tensor("intermediate", intermediate, dtypes=FLOAT_DTYPES, unit_last_stride=True)
-    if intermediate.dim() == 4:
-        check_tensor("intermediate", intermediate, dtypes=(torch.float32,))
-        split_k = intermediate.shape[0]
-        if not 1 <= split_k <= MAX_SPLIT_K:
-            raise KernelPreconditionError(f"intermediate: {split_k} split-K parts, not in [1, {MAX_SPLIT_K}]")
-        parts = intermediate
-        check_tensor("lora_b", lora_b, dtypes=FLOAT_DTYPES)
-        dtype = lora_b.dtype
-    elif intermediate.dim() == 3:
-        split_k, parts, dtype = 1, intermediate.unsqueeze(0), intermediate.dtype
-    else:
-        raise KernelPreconditionError(f"intermediate: expected [S, M*top_k, R] or [SPLIT_K, S, M*top_k, R], got "
-                                      f"{list(intermediate.shape)}")
-    device = intermediate.device
-    st = _Stage(stage, parts.shape[2] // top_k if stage == "gate_up" else parts.shape[2],
+    check_tensor("intermediate", intermediate, dtypes=FLOAT_DTYPES, dim=3, unit_last_stride=True)
+    device, dtype = intermediate.device, intermediate.dtype
+    st = _Stage(stage, intermediate.shape[1] // top_k if stage == "gate_up" else intermediate.shape[1],
                 lora_b, ranks, scalings, align, top_k, None, adapter_enabled, max_rank, "lora_b", device, dtype)
     N, R = st.lora.shape[3], st.lora.shape[4]
-    cols = _column_strides(stage, layout, N)
-    check_tensor("intermediate", parts, shape=(split_k, st.slices, st.num_pairs, R))
+    check_tensor("intermediate", intermediate, shape=(st.slices, st.num_pairs, R))
     out2 = _out_2d(out, st, st.slices * N, dtype, device)
     weights = _routed(topk_weights, st, dtype, device)
     if st.num_pairs == 0:
@@ -361,20 +291,20 @@ def fused_moe_lora_expand(
     cfg = kernel_config("moe_lora_expand", rows=st.num_pairs, N=N, R=st.rank_bound, overrides=config)
     stream = check_expand_stream(cfg)
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
-    grid, flat = st.block_grid(cfg, "fused_moe_lora_expand", st.slices * n_tiles)
+    grid, flat = st.block_grid("fused_moe_lora_expand", st.slices * n_tiles)
     b = st.lora
     _moe_lora_expand_kernel[grid](
-        parts, b, out2, weights if weights is not None else st.scalings,
+        intermediate, b, out2, weights if weights is not None else st.scalings,
         align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded, st.enabled_arg(), st.ranks,
         st.scalings,
         N, st.rank_bound, st.num_pairs, st.E, n_tiles,
-        parts.stride(0) if split_k > 1 else 0, parts.stride(1), parts.stride(2),
+        intermediate.stride(0), intermediate.stride(1),
         b.stride(0), b.stride(1), b.stride(2), b.stride(3),
-        out2.stride(0), *cols,
+        out2.stride(0), N, 1,
         align.sorted_token_ids.stride(0), align.expert_ids.stride(0), st.ranks.stride(0), st.scalings.stride(0),
         flat["L"], flat["slot_blocks_bound"],
-        BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_N=cfg["BLOCK_N"], SPLIT_K=split_k,
-        FLAT_GRID=flat["FLAT_GRID"], BLOCK_L=flat["BLOCK_L"], RANK_ALIGN=rank_align(stream, R),
+        BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_N=cfg["BLOCK_N"], BLOCK_L=flat["BLOCK_L"],
+        RANK_ALIGN=rank_align(stream, R),
         HAS_ENABLED=adapter_enabled is not None, MUL_ROUTED_WEIGHT=weights is not None,
         **gemm_launch_options(dtype, tf32, cfg),
     )
@@ -396,15 +326,12 @@ def fused_moe_lora(
     adapter_enabled: torch.Tensor | None = None,
     max_rank: int | None = None,
     tf32: bool = False,
-    layout: str = "halves",
     config: dict | None = None,
 ) -> torch.Tensor:
     """Shrink and expand in one kernel: out += σ · w · B (A in) per aligned pair (module docstring).
 
     Block config (table ``fused_moe_lora`` per (N, R, row bucket), or ``config``): ``BLOCK_K``,
-    ``BLOCK_N``, ``N_SPLIT`` (programs sharing one block's N columns), ``SLICES_PER_PROGRAM`` (1: one
-    program per block and slice; 2: one program per block does both gate_up slices, loading each x
-    tile once for gate and up; a one-slice stage, "down", runs 2 as 1), ``EXPAND_LOADS`` (when each
+    ``BLOCK_N``, ``N_SPLIT`` (programs sharing one block's N columns), ``EXPAND_LOADS`` (when each
     expand tile's B and old output are loaded: :data:`EXPAND_LOADS`), ``EXPAND_STREAM`` (how the
     expand reads B; >= 2 pipelines the expand loop as deep as fits an sm_90 block's shared memory,
     :func:`~moelora_kernels.expand_stream.expand_stages`, and leaves ``EXPAND_LOADS`` unused),
@@ -412,14 +339,14 @@ def fused_moe_lora(
     order (on ``EXPAND_LOADS`` and ``EXPAND_STREAM`` not even on that).
 
     Args: as :func:`fused_moe_lora_shrink` (x, lora_a) and :func:`fused_moe_lora_expand` (lora_b,
-    out, scalings, topk_weights, layout). The rank bound of both factors is ``max_rank`` (or R).
+    out, scalings, topk_weights). The rank bound of both factors is ``max_rank`` (or R).
 
     Returns:
         ``out``.
 
     Raises:
         KernelPreconditionError: as the shrink and the expand; A and B of different pools;
-            ``SLICES_PER_PROGRAM`` not one of :data:`SLICES_PER_PROGRAM`; ``EXPAND_LOADS`` not one of
+            ``EXPAND_LOADS`` not one of
             :data:`EXPAND_LOADS`; ``EXPAND_STREAM`` not a value of
             :data:`~moelora_kernels.expand_stream.EXPAND_STREAM` (nothing is written).
     """
@@ -430,7 +357,6 @@ def fused_moe_lora(
                 "lora_b", device, dtype)
     a, b = st.lora, sb.lora
     K, R, N = a.shape[4], a.shape[3], b.shape[3]
-    cols = _column_strides(stage, layout, N)
     if x.shape[1] != K:
         raise KernelPreconditionError(f"x: {x.shape[1]} columns, but lora_a's input width is {K}")
     if b.shape[:3] != a.shape[:3] or b.shape[4] != R:
@@ -441,14 +367,13 @@ def fused_moe_lora(
     if st.num_pairs == 0:
         return out
     cfg = kernel_config("fused_moe_lora", rows=st.num_pairs, N=N, K=K, R=st.rank_bound, overrides=config)
-    spp = _slices_per_program(cfg, st.slices)
     loads = cfg["EXPAND_LOADS"]
     if type(loads) is not int or loads not in EXPAND_LOADS:
         raise KernelPreconditionError(f"EXPAND_LOADS: must be one of {EXPAND_LOADS}, got {loads!r}")
     stream = check_expand_stream(cfg)
-    stages = expand_stages(stream, slices=spp, block_m=st.block_m, block_r=st.block_r, block_n=cfg["BLOCK_N"],
+    stages = expand_stages(stream, block_m=st.block_m, block_r=st.block_r, block_n=cfg["BLOCK_N"],
                            b_bytes=b.element_size(), out_bytes=out2.element_size())
-    grid, flat = st.block_grid(cfg, "fused_moe_lora", st.slices // spp * cfg["N_SPLIT"])
+    grid, flat = st.block_grid("fused_moe_lora", st.slices * cfg["N_SPLIT"])
     _fused_moe_lora_kernel[grid](
         x, a, b, out2, weights if weights is not None else st.scalings,
         align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded, st.enabled_arg(), st.ranks,
@@ -457,11 +382,11 @@ def fused_moe_lora(
         x.stride(0),
         a.stride(0), a.stride(1), a.stride(2), a.stride(3),
         b.stride(0), b.stride(1), b.stride(2), b.stride(3),
-        out2.stride(0), *cols,
+        out2.stride(0), N, 1,
         align.sorted_token_ids.stride(0), align.expert_ids.stride(0), st.ranks.stride(0), st.scalings.stride(0),
         flat["L"], flat["slot_blocks_bound"],
         BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"],
-        N_SPLIT=cfg["N_SPLIT"], SLICES=spp, FLAT_GRID=flat["FLAT_GRID"], BLOCK_L=flat["BLOCK_L"],
+        N_SPLIT=cfg["N_SPLIT"], BLOCK_L=flat["BLOCK_L"],
         EXPAND_LOADS=loads, RANK_ALIGN=rank_align(stream, R), EXPAND_STAGES=stages,
         HAS_ENABLED=adapter_enabled is not None,
         MUL_ROUTED_WEIGHT=weights is not None,
@@ -501,9 +426,7 @@ def moe_lora_delta(
     adapter_enabled: torch.Tensor | None = None,
     max_rank: int | None = None,
     fused: bool | None = None,
-    split_k: int | None = None,
     tf32: bool = False,
-    layout: str = "halves",
 ) -> torch.Tensor:
     """Add the MoE-LoRA delta of ``stage`` from a ``LoRAWeights`` pool into ``out`` in place.
 
@@ -511,9 +434,7 @@ def moe_lora_delta(
     expand (two launches, an intermediate in memory); ``None`` picks by size from the config
     table (``moe_lora_path`` per row bucket and R, and the stage's N where an entry names it: on the
     H200 the pair wins at a few rows per bucket, where its column-parallel expand grid keeps more
-    SMs busy). Both give the same result up to the fp32 rounding order of σ·w. The pair's shrink
-    may be split over K (``split_k``, or the table's ``moe_lora_shrink`` ``SPLIT_K`` of the bucket
-    when None); that changes only the fp32 summation order before t's rounding.
+    SMs busy). Both give the same result up to the fp32 rounding order of σ·w.
 
     Args:
         stage: "gate_up" (x [M, H], out [M, top_k, 2I]) or "down" (x = h [M·top_k, I], out
@@ -521,16 +442,14 @@ def moe_lora_delta(
         weights: the pool (σ and ranks per module are read on the device at run time).
         max_rank: host rank bound; must cover every loaded slot's rank of the stage's modules
             (``weights.host_ranks``), None = the pool's R.
-        split_k: split-K parts of the pair's shrink (1 = unsplit); None = the config table's.
-        align, top_k, adapter_enabled, tf32, layout: as the launchers (layout: gate_up's columns in
-            ``out``, "halves" or GPT-OSS's "interleaved").
+        align, top_k, adapter_enabled, tf32: as the launchers.
 
     Returns:
         ``out``.
 
     Raises:
         KernelPreconditionError: as the launchers; ``max_rank`` below a loaded slot's rank of the
-            stage's modules; ``split_k`` with the fused kernel (it has no split).
+            stage's modules.
     """
     t = stage_tensors(weights, stage)
     check_rank_covers(max_rank, weights, STAGE_MODULES[stage])
@@ -540,16 +459,12 @@ def moe_lora_delta(
         # N: the stage's output width per slice, so a table entry may pick the path per stage
         n = weights.spec.I if stage == "gate_up" else weights.spec.H
         fused = bool(kernel_config("moe_lora_path", rows=pairs, N=n, R=rank)["FUSED"])
-    if fused and split_k not in (None, 1):
-        raise KernelPreconditionError(f"split_k: {split_k} parts asked of the fused kernel, which does not split K; "
-                                      "pass fused=False")
     if fused:
         return fused_moe_lora(x, t["lora_a"], t["lora_b"], align, out, stage=stage, top_k=top_k, ranks=t["ranks"],
                               scalings=t["scalings"], topk_weights=topk_weights, adapter_enabled=adapter_enabled,
-                              max_rank=max_rank, tf32=tf32, layout=layout)
+                              max_rank=max_rank, tf32=tf32)
     inter = fused_moe_lora_shrink(x, t["lora_a"], align, stage=stage, top_k=top_k, ranks=t["ranks"],
-                                  adapter_enabled=adapter_enabled, max_rank=max_rank, tf32=tf32,
-                                  config=None if split_k is None else {"SPLIT_K": split_k})
+                                  adapter_enabled=adapter_enabled, max_rank=max_rank, tf32=tf32)
     return fused_moe_lora_expand(inter, t["lora_b"], align, out, stage=stage, top_k=top_k, ranks=t["ranks"],
                                  scalings=t["scalings"], topk_weights=topk_weights,
-                                 adapter_enabled=adapter_enabled, max_rank=max_rank, tf32=tf32, layout=layout)
+                                 adapter_enabled=adapter_enabled, max_rank=max_rank, tf32=tf32)
