@@ -5,11 +5,12 @@ table with the key set on every entry of the named operations (through ``MOELORA
         --ops fused_moe_lora -- --tokens 1 8 32 128 512 --no-baseline
 
 Writes ``OUT/<key>_<value>.json`` (the benchmark's JSON) and ``.log`` per value, then prints, per
-(M, R), the benchmark's ``b_us`` (and ``b_idle_us`` / ``b_fused_us`` / ``b_unfused_us`` when
-present) of each value side by side, with each value's ratio to the first (the
-baseline: list today's value first), and writes them as ``OUT/<key>_ab.json``. Values run one after
-another in separate processes (the table is read once per process); ``--budget-s`` stops starting
-values after that many seconds (a device call's limit), so list the values that matter most first.
+(M, R), the benchmark's ``a_us`` (the base fused MoE, for ``--ops fused_moe_gemm``) and ``b_us``
+(and ``b_idle_us`` / ``b_fused_us`` / ``b_unfused_us`` when present) of each value side by side,
+with each value's ratio to the first (the baseline: list today's value first), and writes them as
+``OUT/<key>_ab.json``. Values run one after another in separate processes (the table is read once per
+process); ``--budget-s`` stops starting values after that many seconds (a device call's limit), so list
+the values that matter most first.
 Only for a GPU host; the rows' ``err_*`` checks run inside the benchmark as usual.
 
 The expand's factor loads (``EXPAND_STREAM``: 0 today, 1 16-byte loads, 2-4 also a pipelined expand
@@ -30,7 +31,7 @@ import time
 from pathlib import Path
 
 #: Row fields compared side by side when present.
-FIELDS = ("b_us", "b_idle_us", "b_fused_us", "b_unfused_us")
+FIELDS = ("a_us", "b_us", "b_idle_us", "b_fused_us", "b_unfused_us")
 
 
 def table_with(key: str, value: int, ops: list[str]) -> dict:

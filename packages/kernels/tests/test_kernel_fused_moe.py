@@ -106,6 +106,31 @@ def test_table_block_m_against_the_oracle(block_m):
     assert_close(y, oracle, dtype=torch.float32, what=f"fused_moe y at BLOCK_M {block_m} vs oracle", seed=11)
 
 
+@pytest.mark.parametrize("group", [1, 2, 3, 64])
+def test_group_size_m_renumbers_programs_and_changes_no_bit(group):
+    """``GROUP_SIZE_M`` (the base GEMM's program order for L2 reuse) only renumbers programs: every
+    (row block, column tile) is computed once, so the output equals launch order's bit for bit, rows of
+    -1 pairs stay NaN, and a last group smaller than ``group`` loses no block."""
+    x, ids, _, w_gu, _ = _problem(12, 100, 2, 4, H=40, I=48)
+    ids[::9, 1] = -1  # some pairs routed nowhere
+    align = _align(ids, 4, 32)
+    M, k = ids.shape
+    outs = {}
+    for g in (0, group):
+        out = poisoned(M * k, w_gu.shape[1], dtype=x.dtype)
+        with launch_guard():
+            fused_moe_gemm(x, w_gu, out, align, top_k=k, num_pairs=M * k, in_row_div=k,
+                           config={"GROUP_SIZE_M": g})
+        outs[g] = out.cpu()
+    here = (ids >= 0).reshape(-1).cpu()
+    assert bool(outs[group][~here].isnan().all()), "rows of EXPERT_NOT_HERE pairs were written"
+    assert not bool(outs[group][here].isnan().any()), f"GROUP_SIZE_M {group}: a (block, tile) was not computed"
+    assert_bitwise_equal(outs[group], outs[0], what=f"GROUP_SIZE_M {group} vs launch order")
+    want = twin.fused_moe_gemm(x, w_gu, torch.full_like(outs[0], float("nan")).to(DEVICE), align, top_k=k,
+                               num_pairs=M * k, in_row_div=k)
+    assert_close(outs[group][here], want.cpu()[here], dtype=x.dtype, what="gate_up per pair", seed=12)
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("gated", [True, False])
 def test_activation_variants(activation, gated):
@@ -137,6 +162,8 @@ def test_moe_sum_never_reads_rows_of_expert_not_here():
     (lambda x, w, c, a: fused_moe_gemm(x[:3], w, c, a, top_k=2, num_pairs=8, in_row_div=2), "cannot serve"),
     (lambda x, w, c, a: fused_moe_gemm(x, w, c, a, top_k=2, num_pairs=8, in_row_div=2,
                                        topk_weights=torch.ones(7, device=DEVICE)), "topk_weights"),
+    (lambda x, w, c, a: fused_moe_gemm(x, w, c, a, top_k=2, num_pairs=8, in_row_div=2,
+                                       config={"GROUP_SIZE_M": -1}), "GROUP_SIZE_M"),
     (lambda x, w, c, a: moe_activation(c[:, :5]), "even width"),
     (lambda x, w, c, a: moe_activation(c, activation="relu"), "activation"),
 ])

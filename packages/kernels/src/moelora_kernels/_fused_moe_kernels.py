@@ -45,9 +45,23 @@ def _fused_moe_gemm_kernel(
     ADD_INTO: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,         # interpreter + bf16: widen tiles before tl.dot
+    GROUP_SIZE_M: tl.constexpr,   # 0: the launch order (row blocks fastest); g > 0: g row blocks x every column tile
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    if GROUP_SIZE_M > 0:
+        # L2 reuse at large M: programs run in launch order, so take GROUP_SIZE_M row blocks across
+        # every column tile before the next group; a block's gathered rows are then read while they
+        # are still in L2 instead of once per column tile. A renumbering only: each program still
+        # computes one (block, column tile) and every one is computed once.
+        num_pid_m = tl.num_programs(0)
+        num_pid_n = tl.num_programs(1)
+        pid = pid_m + pid_n * num_pid_m
+        in_group = GROUP_SIZE_M * num_pid_n
+        first_m = (pid // in_group) * GROUP_SIZE_M
+        group_m = tl.minimum(num_pid_m - first_m, GROUP_SIZE_M)
+        pid_m = first_m + (pid % in_group) % group_m
+        pid_n = (pid % in_group) // group_m
     # --- early exits: blocks past the used ones, and -1 blocks ------------------------------------
     if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
         return

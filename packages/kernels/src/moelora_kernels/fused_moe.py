@@ -130,7 +130,8 @@ def fused_moe_gemm(
             factor stored once per slot: E); ``w`` then serves ``w.shape[0] · experts_per_weight`` ids.
         add_into: add to ``c`` instead of overwriting it.
         tf32: allow TF32 dots for fp32 (default IEEE).
-        config: tile overrides (BLOCK_N, BLOCK_K, num_warps, num_stages).
+        config: tile overrides (BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_SIZE_M: the program
+            order, 0 = row blocks fastest, g > 0 = g row blocks across every column tile at a time).
         bias: [E_w, N] per-expert bias (GPT-OSS's ``gate_up_proj_bias`` / ``down_proj_bias``; a
             strided column view is fine), same dtype as ``a`` or fp32; added in fp32 before the
             router weight and scale.
@@ -192,8 +193,23 @@ def fused_moe_gemm(
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         MUL_ROUTED_WEIGHT=topk_weights is not None, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-        ADD_INTO=add_into,
+        ADD_INTO=add_into, GROUP_SIZE_M=check_group_size_m(cfg["GROUP_SIZE_M"]),
         **gemm_launch_options(dtype, tf32, cfg),
     )
     return c
+
+
+#: The largest ``GROUP_SIZE_M`` the base GEMM takes (row blocks per program group; 0 = launch order).
+MAX_GROUP_SIZE_M = 64
+
+
+def check_group_size_m(value) -> int:
+    """The config's ``GROUP_SIZE_M`` for the base GEMM's program order (:func:`fused_moe_gemm`).
+
+    Raises:
+        KernelPreconditionError: not an int in [0, :data:`MAX_GROUP_SIZE_M`].
+    """
+    if type(value) is not int or not 0 <= value <= MAX_GROUP_SIZE_M:
+        raise KernelPreconditionError(f"GROUP_SIZE_M: must be an int in [0, {MAX_GROUP_SIZE_M}], got {value!r}")
+    return value
 
