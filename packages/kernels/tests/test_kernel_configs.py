@@ -11,6 +11,7 @@ from moe_lora_testing import make_pool, run_delta, stage_inputs
 from moelora_kernels import configs, moe_lora, moe_lora_align_block_size
 from moelora_kernels.align import MAX_ALIGN_SPLIT
 from moelora_kernels.expand_stream import EXPAND_STREAM
+from moelora_kernels.fused_moe import MAX_GROUP_SIZE_M
 from moelora_kernels.moe_lora import EXPAND_LOADS
 
 SHAPE_KEYS = {"N", "K", "R", "max_rows"}
@@ -45,6 +46,8 @@ def test_shipped_entries_use_only_known_keys_and_valid_values(op, entry):
     if "EXPAND_STREAM" in entry:
         assert op in ("moe_lora_expand", "fused_moe_lora") and entry["EXPAND_STREAM"] in EXPAND_STREAM, (
             f"{op} entry {entry}")
+    if "GROUP_SIZE_M" in entry:
+        assert op == "fused_moe_gemm" and 1 <= entry["GROUP_SIZE_M"] <= MAX_GROUP_SIZE_M, f"{op} entry {entry}"
     if "BLOCK_M" in entry:  # the base alignment's block rows (configs.moe_block_m(op=...)); GEMMs take the alignment's
         assert op == "moe_align_block_size" and entry["BLOCK_M"] in configs.TABLE_BLOCK_M, f"{op} entry {entry}"
     if "ALIGN_SPLIT" in entry:
