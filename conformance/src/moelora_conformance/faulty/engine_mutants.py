@@ -1,7 +1,9 @@
 """Engine-level faults: each class below is ``moelora_runner.Engine`` with one known fault of the
 public serving trackers put back into one of its components (the pool, the step's batch, a graph
-runner), through the engine's component hooks (``Engine.adapter_pool_class``,
-``Engine.model_runner_class``, ``Engine._plan``) — never through a switch in the production code.
+runner). The engine is composed through its public ``parts=`` argument (``moelora_runner.EngineParts``)
+with a faulty subclass of that component, which works through the component's public methods
+(``AdapterPool.acquire`` / ``pin`` / ``register``, ``ModelRunner.plan``, the runner's constructor and
+its graph runners' static batch) — never through a switch or a hook in the production code.
 
 They are not layer backends: the layer suite cannot load them. The stateful engine properties catch
 them (``moelora_conformance.e2e.stateful.run_state_machine(engine_class=...)``;
@@ -13,42 +15,69 @@ installed).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 
 from moelora_conformance.faulty.mutants import _StaleTailBuffer
 from moelora_core.batch import BatchSpec, Request
 from moelora_runner.adapter_pool import AdapterPool
-from moelora_runner.engine import Engine
+from moelora_runner.engine import Engine, EngineParts
 from moelora_runner.graph_config import GraphConfig
 from moelora_runner.model_runner import ModelRunner, StepPlan
 
 
+class _FaultyEngine(Engine):
+    """``Engine`` built with :attr:`parts` (its public ``parts=`` argument); every other argument as given."""
+
+    parts: EngineParts
+
+    def __init__(self, model_dir, **kwargs) -> None:
+        super().__init__(model_dir, parts=self.parts, **kwargs)
+
+
 class _PoolWithoutZeroing(AdapterPool):
-    def _load(self, slot, entry):
+    """Every public method that may load a slot (a load on demand, a pin, a reload) runs with the layers'
+    ``LoRAWeights.clear_slot`` a no-op; ``unregister`` still zeroes."""
+
+    @contextmanager
+    def _loads_without_zeroing(self):
         # FAULT: a reused slot is not zeroed before the new adapter is written into it.
         for pool in self.pools:
             pool.clear_slot = lambda slot: None
         try:
-            super()._load(slot, entry)
+            yield
         finally:
             for pool in self.pools:
                 del pool.clear_slot
 
+    def acquire(self, name):
+        with self._loads_without_zeroing():
+            return super().acquire(name)
 
-class PoolSkipsZeroing(Engine):
+    def pin(self, name):
+        with self._loads_without_zeroing():
+            return super().pin(name)
+
+    def register(self, name, path):
+        with self._loads_without_zeroing():
+            return super().register(name, path)
+
+    def register_tensors(self, name, tensors, config):
+        with self._loads_without_zeroing():
+            return super().register_tensors(name, tensors, config)
+
+
+class PoolSkipsZeroing(_FaultyEngine):
     """The adapter pool does not zero a reused slot: an adapter loaded into a slot (an eviction, a
     reload) over one with modules it lacks (or larger ranks) is served with the old adapter's left-over
     modules and rank tails."""
 
-    adapter_pool_class = _PoolWithoutZeroing
+    parts = EngineParts(adapter_pool=_PoolWithoutZeroing)
 
 
-class MixedBatchOneMapping(Engine):
-    """The step's batch merges a prefill chunk's adapter mapping with the decodes': in a step mixing a
-    prefill chunk and decodes, every decode's tokens are mapped to the chunk's adapter slot."""
-
-    def _plan(self, batch) -> StepPlan:
-        plan = super()._plan(batch)
+class _OneMappingRunner(ModelRunner):
+    def plan(self, batch) -> StepPlan:
+        plan = super().plan(batch)
         items = batch.items
         chunks = [i for i, item in enumerate(items) if not item.state.is_decoding]
         if not chunks or len(chunks) == len(items):
@@ -56,10 +85,18 @@ class MixedBatchOneMapping(Engine):
         spec = plan.host.batch_spec
         slot = spec.requests[chunks[0]].slot
         # FAULT: the decodes take the prefill chunk's slot.
-        requests = [r if i in chunks else Request(slot, r.extend_len, r.prefix_len)
-                    for i, r in enumerate(spec.requests)]
+        requests = [
+            r if i in chunks else Request(slot, r.extend_len, r.prefix_len) for i, r in enumerate(spec.requests)
+        ]
         new = BatchSpec(spec.forward_mode, requests, spec.max_loras, spec.lora_ranks, spec.scalings)
         return StepPlan(plan.batch, replace(plan.host, batch_spec=new), plan.rows)
+
+
+class MixedBatchOneMapping(_FaultyEngine):
+    """The step's batch merges a prefill chunk's adapter mapping with the decodes': in a step mixing a
+    prefill chunk and decodes, every decode's tokens are mapped to the chunk's adapter slot."""
+
+    parts = EngineParts(model_runner=_OneMappingRunner)
 
 
 class _StaleDecodeTailRunner(ModelRunner):
@@ -69,16 +106,17 @@ class _StaleDecodeTailRunner(ModelRunner):
             static = self.decode_graph.static
             # FAULT: the decode family's static batch keeps the previous (larger) batch's rows in its tails.
             for name, old in list(static.buffers.items()):
-                static.buffers[name] = _StaleTailBuffer(old.name, old.capacity, dtype=old.tensor.dtype,
-                                                        device=old.tensor.device, fill=old.fill)
+                static.buffers[name] = _StaleTailBuffer(
+                    old.name, old.capacity, dtype=old.tensor.dtype, device=old.tensor.device, fill=old.fill
+                )
 
 
-class DecodeBucketTailKept(Engine):
+class DecodeBucketTailKept(_FaultyEngine):
     """The decode graph's static batch is not reset past the live rows: a smaller batch replayed in a
     bucket after a larger one runs its pad rows on the larger batch's tokens, positions and KV
     locations, so they write K/V (without that request's LoRA) into another request's cache."""
 
-    model_runner_class = _StaleDecodeTailRunner
+    parts = EngineParts(model_runner=_StaleDecodeTailRunner)
 
 
 class _Capped32(GraphConfig):
@@ -91,12 +129,12 @@ class _Capped32Runner(ModelRunner):
         super().__init__(*args, graphs=None if graphs is None else _Capped32(**asdict(graphs)), **kwargs)
 
 
-class PrefillGraph32Requests(Engine):
+class PrefillGraph32Requests(_FaultyEngine):
     """The prefill graph is captured with at most 32 request slots (the old fixed cap): a prefill step of
     33 or more requests that fits the configured ``max_num_requests`` runs eagerly instead of on the
     graph."""
 
-    model_runner_class = _Capped32Runner
+    parts = EngineParts(model_runner=_Capped32Runner)
 
 
 #: name → engine class of every engine-level fault.

@@ -2,8 +2,8 @@
 served in mixed batches, eagerly or on captured graphs (decode graph; prefill ``full`` / ``breakable``),
 matching HF + PEFT.
 
-- :class:`Engine` (:mod:`.engine`): the Python API; :class:`EngineRequest` / :class:`RequestOutput`
-  (:mod:`.requests`).
+- :class:`Engine` (:mod:`.engine`): the Python API (:class:`EngineParts`: the components it is built
+  with); :class:`EngineRequest` / :class:`RequestOutput` (:mod:`.requests`).
 - :mod:`.model` (decoder), :mod:`.attention` (KV-cache attention), :mod:`.kv_cache`,
   :mod:`.adapter_pool`, :mod:`.scheduler`, :mod:`.sampler`, :mod:`.model_runner`,
   :mod:`.forward_batch`, :mod:`.graph_config`, :mod:`.graph_runner`, :mod:`.metrics`, :mod:`.cli` (the
@@ -20,6 +20,7 @@ import importlib
 #: torch until a name is used, so the command's Ctrl-C guard is in place before the heavy imports.
 _EXPORTS = {
     "Engine": "moelora_runner.engine",
+    "EngineParts": "moelora_runner.engine",
     "EngineRequest": "moelora_runner.requests",
     "RequestOutput": "moelora_runner.requests",
     **{name: "moelora_runner.errors" for name in (

@@ -39,7 +39,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,7 @@ from moelora_runner.kv_cache import KVCache
 from moelora_runner.metrics import EngineMetrics
 from moelora_runner.model import MoEDecoder
 from moelora_runner.model_info import ModelInfo
-from moelora_runner.model_runner import PHASES, ModelRunner, StepPlan, plan_step
+from moelora_runner.model_runner import PHASES, ModelRunner
 from moelora_runner.moe_paths import MOE_IMPLS, base_moe_path
 from moelora_runner.parallel.layout import ParallelLayout
 from moelora_runner.parallel.sharding import local_layer_spec, shard_adapter
@@ -83,6 +83,26 @@ def _positive(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise EngineConfigError(name, f"must be an int >= 1, got {value!r}")
     return value
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What an engine builds its adapter pool and its model runner with (``Engine(..., parts=)``):
+    callables with the signature of :class:`~.adapter_pool.AdapterPool` and
+    :class:`~.model_runner.ModelRunner`, called with what the engine passes the classes. The defaults
+    are the classes (what the CLI serves); a subclass of one composes an engine with another
+    component through that component's public methods — the suite's engine-level faulty variants
+    (``moelora_conformance.faulty.engine_mutants``) are built so. The scheduler is not a part: nothing
+    replaces it (DESIGN.md §6).
+
+    Attributes:
+        adapter_pool: ``(pools, backend, model_config, *, on_event, shard, inspect) -> AdapterPool``.
+        model_runner: ``(model, backend, adapters, kv, device, *, check_host_sync, on_pass, graphs)
+            -> ModelRunner``.
+    """
+
+    adapter_pool: Callable[..., AdapterPool] = AdapterPool
+    model_runner: Callable[..., ModelRunner] = ModelRunner
 
 
 class Engine:
@@ -118,11 +138,8 @@ class Engine:
         tp, ep: tensor- and expert-parallel sizes (:mod:`.parallel.layout` lists the supported
             combinations); above 1, ``torch.distributed`` must run ``max(tp, ep)`` ranks and this
             engine is the one of this process's rank (device "cuda" then means ``cuda:<rank>``).
-
-    Components: the adapter pool, the scheduler and the model runner are built from the class
-    attributes :attr:`adapter_pool_class`, :attr:`scheduler_class` and :attr:`model_runner_class`, and
-    a step's plan by :meth:`_plan`, so a subclass can swap one (the suite's engine-level faulty
-    variants, ``moelora_conformance.faulty.engine_mutants``, do) without a second path in this one.
+        parts: the callables the adapter pool and the model runner are built with (:class:`EngineParts`;
+            None: the classes themselves, as the CLI serves).
 
     Raises:
         EngineConfigError: an argument out of range, a dtype / device / rank the backend does not
@@ -137,10 +154,6 @@ class Engine:
         InvalidFieldError: an unknown backend name.
     """
 
-    adapter_pool_class: type[AdapterPool] = AdapterPool
-    scheduler_class: type[Scheduler] = Scheduler
-    model_runner_class: type[ModelRunner] = ModelRunner
-
     def __init__(self, model_dir: str | Path, *, backend: str = "reference", dtype: str = "auto",
                  device: str | torch.device = "cpu", max_loras: int = 4, max_lora_rank: int = 64,
                  max_loras_per_batch: int | None = None, max_num_batched_tokens: int = 2048,
@@ -148,7 +161,8 @@ class Engine:
                  check_host_sync: bool = False, graph: str | None = None, decode_graph: bool | None = None,
                  max_num_requests: int | None = None, prefill_token_buckets=None, decode_batch_buckets=None,
                  graph_capture: str | None = None, tp: int = 1, ep: int = 1,
-                 expert_layout: str = "per_expert") -> None:
+                 expert_layout: str = "per_expert", parts: EngineParts | None = None) -> None:
+        parts = parts or EngineParts()
         self.model_dir = Path(model_dir)
         layout = ParallelLayout(tp, ep)  # the sizes and their combination; the rank once the group is joined
         for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank),
@@ -229,19 +243,19 @@ class Engine:
         # engines run the exact-zero tests only (moelora_core.checkpoint.adapter_effect).
         # An fp8 base (weights as codes plus scales) too: its probe would read the codes as weights.
         base = None if layout.parallel or spec.base_quant != "none" else [layer.w for layer in self.model.layers]
-        self.adapters = self.adapter_pool_class(
+        self.adapters = parts.adapter_pool(
             pools, self.backend, config, on_event=self.metrics_.adapter_event, shard=shard,
             inspect=lambda w: adapter_effect(w, base, dtype=self.dtype, device=self.device))
         self.kv = KVCache(num_layers=config.num_layers, num_kv_heads=layout.heads(config)[1],
                           head_dim=config.head_dim, num_tokens=kv_cache_tokens, max_requests=max_num_seqs,
                           max_context=min(self.info.max_context, kv_cache_tokens), dtype=self.dtype,
                           device=self.device)
-        self.scheduler = self.scheduler_class(self.kv, self.adapters, max_num_batched_tokens=max_num_batched_tokens,
+        self.scheduler = Scheduler(self.kv, self.adapters, max_num_batched_tokens=max_num_batched_tokens,
                                    max_loras_per_batch=per_batch, max_running=max_num_seqs,
                                    max_batch_requests=caps.max_requests)
-        self.runner = self.model_runner_class(self.model, self.backend, self.adapters, self.kv, self.device,
-                                  check_host_sync=check_host_sync, on_pass=self.metrics_.forward_pass,
-                                  graphs=self.graphs)
+        self.runner = parts.model_runner(self.model, self.backend, self.adapters, self.kv, self.device,
+                                         check_host_sync=check_host_sync, on_pass=self.metrics_.forward_pass,
+                                         graphs=self.graphs)
         if self.graphs.capture == "startup":
             self.runner.capture_all()
         self.tokenizer = CheckpointTokenizer(self.model_dir)
@@ -428,7 +442,7 @@ class Engine:
         for item in batch.items:
             if item.state.first_scheduled is None:
                 item.state.first_scheduled = start
-        plan = self._plan(batch)
+        plan = self.runner.plan(batch)
         logits = self.runner.forward(plan)
         logprobs = torch.log_softmax(logits, dim=-1)
         prompt_tokens = generated = 0
@@ -454,10 +468,6 @@ class Engine:
         m.step_latency.labels(phase=PHASES[plan.host.forward_mode.value]).observe(time.perf_counter() - start)
         self._update_gauges()
         return finished
-
-    def _plan(self, batch) -> StepPlan:
-        """The step's host lists and logits rows (:func:`~.model_runner.plan_step`)."""
-        return plan_step(batch, self.adapters)
 
     def generate(self, requests: Iterable[EngineRequest | Mapping[str, Any]], *,
                  on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:

@@ -249,14 +249,9 @@ class GraphRunner:
             families); its family is initialised here, at the largest bucket.
         model, kv, adapters: the engine's. pool: the family's graph pool.
 
-    Buckets are built from the class attribute :attr:`bucket_class` (a subclass or an instance may
-    swap it: the suite's engine-level faulty variants do).
-
     Raises:
         InvalidFieldError: the backend refuses the family's capacity.
     """
-
-    bucket_class: type[GraphBucket] = GraphBucket
 
     def __init__(self, family: str, mode: str, sizes: tuple[int, ...], request_slots: Callable[[int], int], *,
                  backend: object, model: MoEDecoder, kv: KVCache, adapters: AdapterPool, pool: GraphPool) -> None:
@@ -306,7 +301,7 @@ class GraphRunner:
         """The bucket of ``size``, built and captured now if it was not yet."""
         bucket = self.buckets.get(size)
         if bucket is None:
-            bucket = self.bucket_class(runner=self, tokens=size, requests=self._requests(size))
+            bucket = GraphBucket(runner=self, tokens=size, requests=self._requests(size))
             self.buckets[size] = bucket
         if not bucket.captured:
             bucket.capture(empty_host(self.adapters))

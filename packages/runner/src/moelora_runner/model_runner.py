@@ -1,7 +1,8 @@
-"""From a scheduled batch to logits: the step's host lists (:func:`plan_step`), then one forward
-(:class:`ModelRunner`): eagerly, or by replaying a captured graph.
+"""From a scheduled batch to logits (:class:`ModelRunner`): the step's host lists
+(:meth:`ModelRunner.plan`, over :func:`plan_step`), then one forward: eagerly, or by replaying a
+captured graph.
 
-:meth:`ModelRunner.forward` takes a :class:`StepPlan` and decides where it runs (DESIGN.md §6):
+:meth:`ModelRunner.forward` takes the :class:`StepPlan` and decides where it runs (DESIGN.md §6):
 
 - a DECODE step on the **decode graph** (:mod:`.graph_runner`, ``mode="decode_graph"``) when it is on;
 - an EXTEND step — prefill chunks, and decodes mixed in as 1-token extends — on the **prefill graph**
@@ -150,6 +151,11 @@ class ModelRunner:
             if self.graphs.prefill != "eager":
                 self.prefill_graph = GraphRunner("prefill", self.graphs.prefill, self.graphs.prefill_buckets,
                                                  self.graphs.prefill_requests, pool=pools["prefill"], **common)
+
+    def plan(self, batch: ScheduledBatch) -> StepPlan:
+        """The step of ``batch`` this runner runs next: its host lists and logits rows
+        (:func:`plan_step` over this runner's adapter pool), what :meth:`forward` takes."""
+        return plan_step(batch, self.adapters)
 
     def _guard(self):
         return host_sync_guard(self.device) if self.check_host_sync else contextlib.nullcontext()
