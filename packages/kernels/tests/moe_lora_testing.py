@@ -1,6 +1,7 @@
 """MoE-LoRA helpers shared by the kernel tests (not tests themselves): pools, handled-pair masks,
 stage inputs (with the columns the delta must not touch poisoned), the twin call and the delta check
-(tolerance on the output, bit-identity elsewhere)."""
+(tolerance on the output, bit-identity elsewhere), and the same check with sentinel-padded inputs
+and poisoned outputs (:func:`check_sentinel_stage`)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,17 @@ from dataclasses import replace
 import torch
 from kernel_testing import DEVICE, assert_bitwise_equal, assert_close, launch_guard, randn
 
-from moelora_core import EXPERT_FACTORS, EXPERT_LAYOUTS, LoRALayerSpec, LoRAWeights, ModuleLoRA
+from moelora_core import EXPERT_FACTORS, EXPERT_LAYOUTS, AlignOutput, LoRALayerSpec, LoRAWeights, ModuleLoRA
 from moelora_core.layer_spec import expert_factor
-from moelora_kernels import moe_block_m, moe_lora_align_block_size, moe_lora_delta, stage_tensors
+from moelora_kernels import (
+    fused_moe_lora,
+    fused_moe_lora_expand,
+    fused_moe_lora_shrink,
+    moe_block_m,
+    moe_lora_align_block_size,
+    moe_lora_delta,
+    stage_tensors,
+)
 from moelora_reference import moe_lora_ops as twin
 
 
@@ -200,3 +209,80 @@ def qwen3_gate_up_args(R, M=128, L=4, E=128, H=2048, I=768, block_m=16):
         "stride_sorted": P, "stride_expert_ids": P // block_m, "stride_rank_s": L, "stride_scaling_s": L,
         "L": L, "slot_blocks_bound": M * 8 // block_m + min(E, M * 8),
     }
+
+
+def sentinel_align(align: AlignOutput, num_pairs: int) -> AlignOutput:
+    """``align`` copied into buffers with one sentinel slot just past its last: count P, every block
+    expert 0, every row a real pair (``p % num_pairs``). A kernel that reads a block past the last
+    slot's row, or a slot past L, adds a delta the twin does not (the interpreter does not flag a read
+    outside a tensor). Records ``align``'s pair and expert counts."""
+    L, P = align.sorted_token_ids.shape
+    dev = align.sorted_token_ids.device
+    rows = torch.empty(L + 1, P, dtype=torch.int32, device=dev)
+    rows[:L], rows[L] = align.sorted_token_ids, torch.arange(P, device=dev) % num_pairs
+    experts = torch.zeros(L + 1, align.expert_ids.shape[1], dtype=torch.int32, device=dev)
+    experts[:L] = align.expert_ids
+    counts = torch.full((L + 1,), P, dtype=torch.int32, device=dev)
+    counts[:L] = align.num_tokens_post_padded
+    out = AlignOutput(rows[:L], experts[:L], counts[:L])
+    return out if align.num_pairs is None else out.set_launch(align.num_pairs, align.num_experts)
+
+
+def _framed(t: torch.Tensor, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(view of a copy of ``t``, its buffer): one ``fill`` row before and after the view."""
+    buf = torch.full((t.shape[0] + 2, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+    buf[1:-1] = t
+    return buf[1:-1], buf
+
+
+def check_sentinel_stage(path, stage, w, ids, mapping, enabled, align, seed, what, *, want_align=None,
+                         reached=None):
+    """One stage's delta on ``path`` ("fused": ``fused_moe_lora``; "pair": the shrink, then the expand
+    on its intermediate) over ``align``, against the twin over ``want_align`` (default ``align``), with
+    the inputs sentinel-padded and the outputs poisoned before the launch:
+
+    - x has a NaN row before and after it and ``align`` a sentinel slot (:func:`sentinel_align`), so
+      a read outside either shows up in the delta;
+    - out has a 7.0 row before and after it (a write outside changes one), and its columns the delta
+      must not reach are NaN or -0.0 (:func:`poison_untouched`); the pair's intermediate starts NaN.
+
+    Checks the intermediate (pair) close to the twin's on handled pairs and NaN elsewhere; out close
+    to the twin's on the reached columns and bit-identical elsewhere; the frame rows unchanged.
+    ``reached`` ([L] int32, default ``enabled``): the slots whose pairs take a delta. Returns (out, out0).
+    """
+    spec = w.spec
+    M, k = ids.shape
+    gen = torch.Generator().manual_seed(seed)
+    tw = torch.rand(M, k, generator=gen).to(DEVICE) if stage == "down" else None
+    x, out0, tw = stage_inputs(gen, stage, M, k, spec.H, spec.I, spec.dtype, tw)
+    t = stage_tensors(w, stage)
+    mask = handled(stage, ids, mapping, enabled if reached is None else reached, t["ranks"], spec.E)
+    cols = column_mask(mask, out0.shape[-1] // mask.shape[0])
+    out0 = poison_untouched(gen, out0, cols)
+    x, _ = _framed(x, float("nan"))
+    out, out_buf = _framed(out0, 7.0)
+    padded = sentinel_align(align, M * k)
+    want_align = align if want_align is None else want_align
+    common = {"stage": stage, "top_k": k, "ranks": t["ranks"], "adapter_enabled": enabled}
+    with launch_guard():
+        if path == "fused":
+            fused_moe_lora(x, t["lora_a"], t["lora_b"], padded, out, scalings=t["scalings"], topk_weights=tw,
+                           **common)
+        else:
+            inter = torch.full((mask.shape[0], M * k, spec.R), float("nan"), dtype=spec.dtype, device=DEVICE)
+            fused_moe_lora_shrink(x, t["lora_a"], padded, out=inter, **common)
+            fused_moe_lora_expand(inter, t["lora_b"], padded, out, scalings=t["scalings"], topk_weights=tw,
+                                  **common)
+    if path == "pair":
+        want_t = twin.fused_moe_lora_shrink(x, t["lora_a"], want_align, **common).cpu()
+        got_t = inter.cpu()
+        assert_close(got_t[mask], want_t[mask], dtype=spec.dtype, what=f"{what}: intermediate", seed=seed)
+        assert bool(got_t[~mask].isnan().all()), f"{what}: intermediate rows of unhandled pairs written (seed={seed})"
+    want = twin.fused_moe_lora(x, t["lora_a"], t["lora_b"], want_align, out0.clone(), scalings=t["scalings"],
+                               topk_weights=tw, **common)
+    got, want, before = (v.cpu().reshape(cols.shape) for v in (out, want, out0))
+    assert_close(got[cols], want[cols], dtype=spec.dtype, what=f"{what}: out vs twin", seed=seed)
+    assert_bitwise_equal(got[~cols], before[~cols], what=f"{what}: columns the delta must not reach", seed=seed)
+    frame = out_buf[[0, -1]]
+    assert_bitwise_equal(frame, torch.full_like(frame, 7.0), what=f"{what}: rows around out", seed=seed)
+    return out, out0

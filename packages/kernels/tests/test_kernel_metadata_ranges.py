@@ -18,13 +18,14 @@ Covers:
   MoE launcher before anything is written; the alignment launchers record the pair and
   expert counts they wrote, in place on ``out``; a hand-built alignment (counts unknown) still runs;
 - MoE-LoRA kernels: negative pair indices in a hand-built alignment add nothing and touch no row
-  outside the output.
+  outside the output; a corrupt ``num_tokens_post_padded`` (negative on one slot, past the capacity
+  on the last) runs the blocks of the counts clamped to the slot's row, and no block past it.
 """
 
 import pytest
 import torch
 from kernel_testing import DEVICE, assert_bitwise_equal, assert_close
-from moe_lora_testing import make_pool
+from moe_lora_testing import check_sentinel_stage, make_pool, named_routing
 
 from moelora_core import AlignOutput, KernelPreconditionError
 from moelora_kernels import (
@@ -253,3 +254,31 @@ def test_moe_lora_skips_negative_pairs_and_writes_nothing_outside_out(fused):
         assert_bitwise_equal(out_buf[[0, -1]], torch.full_like(out_buf[[0, -1]], 7.0), what="rows around out")
         results.append(out_buf[1:-1])
     assert_bitwise_equal(results[1], results[0], what="negative pair indices add nothing")
+
+
+# --- MoE-LoRA: counts out of range ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["fused", "pair"])
+@pytest.mark.parametrize("stage", ["gate_up", "down"])
+def test_moe_lora_clamps_a_corrupt_num_tokens_post_padded_to_the_slots_row(stage, path):
+    # Regression: the flat grid finds a program's slot from the counts, so a count is clamped to
+    # [0, the host's per-slot bound] before the cumulative sum. Slot 0's count is negative (no block:
+    # unclamped, it would shift every later slot's blocks by one); the last slot's is 10 blocks past
+    # its row (unclamped, the blocks after its row would be read: the sentinel slot's real pairs).
+    # Equal to the twin on the counts clamped to [0, P]; blocks past the used ones hold expert -1.
+    weights = make_pool(67, L=3)
+    M_C, k = 24, 2
+    _, ids, mapping = named_routing(67, weights.spec, M_C, k)
+    enabled = torch.ones(3, dtype=I32, device=DEVICE)
+    made = moe_lora_align_block_size(ids, mapping, weights.spec.E, 16, 3, enabled)
+    P = made.sorted_token_ids.shape[1]
+    counts = made.num_tokens_post_padded.clone()
+    counts[0], counts[2] = -16, P + 10 * 16
+    corrupt = made._replace(num_tokens_post_padded=counts).set_launch(M_C * k, weights.spec.E)
+    clamped = made._replace(num_tokens_post_padded=counts.clamp(0, P))
+    reached = torch.tensor([0, 1, 1], dtype=I32, device=DEVICE)
+    assert bool((mapping == 0).any()) and bool((mapping == 2).any()), "both corrupt slots hold tokens"
+    out, out0 = check_sentinel_stage(path, stage, weights, ids, mapping, enabled, corrupt, 67,
+                                     f"corrupt counts {path} {stage}", want_align=clamped, reached=reached)
+    assert not torch.equal(out.cpu(), out0.cpu()), "the live slots added nothing"

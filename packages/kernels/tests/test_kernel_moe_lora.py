@@ -8,7 +8,10 @@ and sentinel ids; gate_A != up_A; rank < R and mixed ranks
 (with and without a host max_rank); base tokens in a mixed batch bit-identical to a LoRA-free run;
 disabled slots; expert ids -1, E and E+1; a single token; all tokens to one expert; empty experts;
 top_k = 1; an IDLE batch; launcher precondition errors (rank > R, an intermediate of another
-shape among them); a max_rank below a loaded slot's rank, refused by ``moe_lora_delta``.
+shape among them); a max_rank below a loaded slot's rank, refused by ``moe_lora_delta``. Named cases
+on the flat block grid, with sentinel-padded inputs and poisoned outputs
+(``moe_lora_testing.check_sentinel_stage``): five slots (not a power of two) of uneven blocks; every
+pair in its own (slot, expert) group, so the used blocks reach the host's grid bounds.
 """
 
 import math
@@ -20,6 +23,7 @@ from hypothesis import strategies as st
 from kernel_testing import DEVICE, assert_bitwise_equal, assert_close, cpu, launch_guard, poisoned, randn
 from moe_lora_testing import (
     check_delta,
+    check_sentinel_stage,
     cpu_weights,
     enabled_of,
     handled,
@@ -271,6 +275,46 @@ def test_named_routing_cases(name, M, k, ids, mapping, stage):
     w = make_pool(26, dtype=torch.float16)
     for fused in (True, False):
         check_named(26, w, stage, M, k, ids=ids, mapping=mapping, fused=fused, what=f"{name} {stage}")
+
+
+@pytest.mark.parametrize("path", ["fused", "pair"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_five_slots_of_uneven_blocks(stage, path):
+    # L = 5, not a power of two (BLOCK_L 8: three masked lanes in the flat grid's count load); slot 0
+    # empty, slot 1 crowded over every expert, slot 2 disabled though tokens map to it, slot 3 one
+    # token (two blocks), slot 4 crowded; base tokens, and ids -1 and E among the routes
+    w = make_pool(41, L=5, E=6)
+    E = w.spec.E
+    M, k = 40, 2
+    gen = torch.Generator().manual_seed(41)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).to(torch.int32)
+    ids[3, 0], ids[7, 1] = -1, E
+    mapping = torch.tensor([1] * 17 + [2] * 5 + [3] + [4] * 12 + [-1] * 5, dtype=torch.int32)
+    enabled = torch.tensor([0, 1, 0, 1, 1], dtype=torch.int32, device=DEVICE)
+    _, ids, mapping = named_routing(41, w.spec, M, k, ids, mapping)
+    with launch_guard():
+        align = moe_lora_align_block_size(ids, mapping, E, 16, 5, enabled)
+    blocks = (align.num_tokens_post_padded.cpu() // 16).tolist()
+    assert blocks[0] == blocks[2] == 0 and blocks[3] == 2 and blocks[1] > 2 and blocks[4] > 2, blocks
+    out, out0 = check_sentinel_stage(path, stage, w, ids, mapping, enabled, align, 41, f"five slots {path} {stage}")
+    assert not torch.equal(out.cpu(), out0.cpu()), "the delta added nothing"
+
+
+@pytest.mark.parametrize("path", ["fused", "pair"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_pair_in_its_own_group_fills_the_grid_bounds(stage, path):
+    # 15 pairs, each its own (slot, expert) group: 5 used blocks per slot, the host's per-slot bound
+    # num_pairs // BLOCK_M + min(E, num_pairs), and 15 in all, the flat grid's bound
+    # num_pairs // BLOCK_M + min(E · L, num_pairs): a bound one too small drops a block
+    w = make_pool(42, L=3, E=5)
+    ids = torch.tensor([[e] for e in range(5)] * 3, dtype=torch.int32, device=DEVICE)
+    mapping = torch.tensor([s for s in range(3) for _ in range(5)], dtype=torch.int32, device=DEVICE)
+    enabled = torch.ones(3, dtype=torch.int32, device=DEVICE)
+    with launch_guard():
+        align = moe_lora_align_block_size(ids, mapping, 5, 16, 3, enabled)
+    blocks, pairs = (align.num_tokens_post_padded.cpu() // 16).tolist(), 15
+    assert blocks == [pairs // 16 + min(5, pairs)] * 3 and sum(blocks) == pairs // 16 + min(5 * 3, pairs), blocks
+    check_sentinel_stage(path, stage, w, ids, mapping, enabled, align, 42, f"own groups {path} {stage}")
 
 
 @pytest.mark.parametrize("stage", STAGES)
