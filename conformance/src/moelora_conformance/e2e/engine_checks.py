@@ -5,7 +5,9 @@
 - :func:`compare_outputs`: one run's outputs against another's (graph vs eager) within the
   ``graph_vs_eager`` row of ``moelora_core.tolerance``, greedy tokens up to the first near-tie;
 - :class:`HFReference` / :func:`check_against_hf`: transformers + PEFT on the same sequences, one
-  model per adapter (peft cannot mix expert adapters in one batch), within ``engine_vs_hf``.
+  model per adapter (peft cannot mix expert adapters in one batch), within ``engine_vs_hf``; against a
+  w8a8 model, a request whose departure flipped e4m3 crossings explain is set aside and named
+  (``hf_check.fp8_crossings.find_crossing``).
 
 Outputs are ``moelora_runner.RequestOutput`` (request_id, prompt_logprobs, output_token_ids,
 output_logprobs, top_logprobs, finish_reason); nothing here imports the engine.
