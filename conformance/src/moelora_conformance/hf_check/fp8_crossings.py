@@ -52,8 +52,10 @@ VISIBLE = 1e-4
 #: sums of that size, not of x, which may be a small difference of large terms): 2^-16, ~128 fp32 ulps
 #: of it (the crossing e2e.locate named on deepseek_v3_fp8 differed by 1.35e-7 absolute).
 MIDPOINT_RADIUS = 2.0 ** -16
-#: How many of the nearest candidates :func:`find_crossing` tries (each one forward of the model).
+#: How many of the nearest candidates :func:`find_crossing` tries (each one forward of the model), and
+#: the positions before a departure it tries first.
 TRIES = 8
+WINDOW = 8
 
 
 @dataclass
@@ -146,12 +148,12 @@ class Crossing:
     midpoint: float
     rounded: float
     other: float
-    distance: float  # |x - s · midpoint| / max |x| of its row (the token's whole input)
+    distance: float  # |x - s · midpoint| over |s · midpoint| or max |x| of its row, the smaller
     where: tuple[str, ...] = ()
 
     def line(self) -> str:
         return (f"{' / '.join(self.where)}, token {self.token}, element {self.element}: x/s {self.quotient:.9g}, "
-                f"{self.distance:.2g} of its row's largest |x| from the e4m3 midpoint {self.midpoint:g}, rounded to "
+                f"{self.distance:.2g} (relative) from the e4m3 midpoint {self.midpoint:g}, rounded to "
                 f"{self.other:g} instead of {self.rounded:g}")
 
 
@@ -228,7 +230,9 @@ def near_midpoints(model: torch.nn.Module, tokens: Sequence[int], *, before: int
         side = torch.sign(quot - q)
         other = _e4m3_next(q, side)
         mid = (q + other) / 2
-        distance = (quot - mid).abs() * unit  # in units of the row's largest |x|: where its roundings are
+        # relative to x itself or to its row's largest |x|, whichever is nearer: the roundings two
+        # computations differ by scale with x (a product) or with the row (a sum of larger terms)
+        distance = torch.minimum((quot - mid).abs() / mid.abs(), (quot - mid).abs() * unit)
         near = (side != 0) & (distance <= radius)
         if before is not None:
             near &= (rows_tokens < before)[:, None]
@@ -252,7 +256,8 @@ def find_crossing(model: torch.nn.Module, tokens: Sequence[int], actual: Sequenc
     """The e4m3 crossings (at most ``most``) that explain why ``actual`` (logprobs of tokens[1:], another
     computation's) departs from ``expected`` (``model``'s own), found one at a time: of the ``tries``
     elements nearest to a midpoint (:func:`near_midpoints`, those found before flipped) at positions up to
-    the first departure beyond ``max_abs``, the first whose flip moves that departure later. The set is
+    the first departure beyond ``max_abs`` and as many within :data:`WINDOW` positions before it, the one
+    whose flip moves that departure furthest. The set is
     accepted once ``logprobs(output)`` (``model``'s output on ``tokens`` with them flipped → an object with
     ``.logprobs``) agrees with ``actual`` within ``max_abs`` everywhere (the caller holds it to its mean
     bound). Returns (crossings, that ``logprobs`` result), or None."""
@@ -264,24 +269,25 @@ def find_crossing(model: torch.nn.Module, tokens: Sequence[int], actual: Sequenc
     flips: list[Crossing] = []
     first = first_departure(expected)
     while len(flips) < most:
-        # the logprob of token i + 1 reads position i: a crossing at position t moves those from index t on.
-        # Nearest to its midpoint first: a crossing's element lies within roundings of it (~1e-7 of its
-        # row), the others anywhere in the radius; and a flip elsewhere can tip the crossing's element
-        # too (a test_fp8_crossings case), which would name the wrong element
-        near = near_midpoints(model, tokens, before=first + 1, flips=flips)
-        for crossing in sorted(near, key=lambda c: c.distance)[:tries]:
+        # the logprob of token i + 1 reads position i: a crossing at position t moves those from index t on,
+        # mostly from t itself. Tried: the elements nearest to their midpoint (a crossing's lies within
+        # roundings of it, ~1e-7 of its row, the others anywhere in the radius) at every position up to the
+        # departure, and those at the WINDOW positions before it (a long sequence has many candidates)
+        near = sorted(near_midpoints(model, tokens, before=first + 1, flips=flips), key=lambda c: c.distance)
+        tried = list(dict.fromkeys(near[:tries] + [c for c in near if c.token >= first - WINDOW][:tries]))
+        best: tuple[int, Crossing | None] = (first, None)
+        for crossing in tried:
             out, applied = flipped_forward(model, tokens, [*flips, crossing])
             if applied < len(flips) + 1:
                 continue
             result = logprobs(out)
-            if first_departure(result.logprobs) == len(actual):
+            moved_to = first_departure(result.logprobs)
+            if moved_to == len(actual):
                 return [*flips, crossing], result
-            if first_departure(result.logprobs) > first:
-                flips.append(crossing)
-                first = first_departure(result.logprobs)
-                break
-        else:
+            best = max(best, (moved_to, crossing), key=lambda b: b[0])
+        if best[1] is None:  # no flip moves the departure: not crossings
             return None
+        first, flips = best[0], [*flips, best[1]]
     return None
 
 
