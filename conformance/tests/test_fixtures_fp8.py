@@ -326,9 +326,10 @@ def test_deepseek_v3_fp8_engine_equals_hf_peft_made_w8a8_and_not_the_w8a16_model
     # E02's comparison on the fp8 DeepSeek-V3, a few prompts: the engine (reference backend, eager) computes
     # every fp8 MLA, dense-MLP (layer 0), shared-expert and expert product w8a8 with the LoRA deltas on the
     # unquantized inputs, and equals HF + PEFT made w8a8 (on the oracle's dequantized copy) within the fp8
-    # logprob rows; the w8a16 model transformers would compute fails those rows, and so does the w8a8 model
-    # with its expert deltas reading x̂, both through the mean bound (the max bound holds one e4m3 crossing,
-    # which moves this fixture's logprobs by up to ~9e-2: hf_check.fp8_crossings)
+    # engine_vs_hf row; the w8a16 model transformers would compute fails that row, and so does the w8a8 model
+    # with its expert deltas reading x̂, each on average by 100x and more (a crossing, which moves this
+    # fixture's logprobs by up to ~9e-2 (hf_check.fp8_crossings), is set aside only once one flip explains
+    # it: x̂'s departures are searched and none is)
     import warnings
 
     from moelora_conformance.e2e.engine_checks import HFReference, check_against_hf
@@ -359,6 +360,7 @@ def test_deepseek_v3_fp8_engine_equals_hf_peft_made_w8a8_and_not_the_w8a16_model
         check.finish()
     x_hat = HFReference(model_dir, adapters, w8a8=True)
     with_quantized_expert_deltas(x_hat.model(adapter))
+<<<<<<< HEAD
     assert mean_move(outputs, requests, w8a16) > check.tolerance.mean_abs
     assert mean_move(outputs, requests, x_hat, adapters_only=True) > check.tolerance.mean_abs
 
@@ -377,3 +379,9 @@ def test_the_w8a8_reference_dequantizes_on_a_machine_with_an_fp8_gpu(fixture_set
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     # every module stored fp8 is W_q · scale_inv of its blocks, and every other one as stored, or it raises
     make_w8a8(model, model_dir)
+=======
+    with pytest.raises(AssertionError, match=rf"\({adapter}\) logprobs: max \|Δlogprob\|"):
+        check_against_hf(outputs, requests, x_hat)  # no flip explains a fault: nothing is set aside
+    assert mean_move(outputs, requests, w8a16) > 100 * check.tolerance.mean_abs
+    assert mean_move(outputs, requests, x_hat, adapters_only=True) > 100 * check.tolerance.mean_abs
+>>>>>>> fp8aside

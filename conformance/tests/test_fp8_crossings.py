@@ -2,11 +2,15 @@
 
 Covers: the embedding perturbation is one fp32 rounding (each element moved by at most 2^-23 of itself,
 many moved, none once the block ends); the move statistics; the fault maker refuses a model with no w8a8
-experts by name. (Its use on the fixtures: ``test_engine_fp8.py`` and ``test_fixtures_fp8.py`` hold the
-faults over the rows' mean bound.)
+experts by name; on ``qwen3_moe_fp8``, E02's check (``e2e.engine_checks.check_against_hf``) sets aside a
+request whose departure is one e4m3 crossing (made by one fp32 rounding of the embeddings), naming it, and
+sets aside neither fault (the expert deltas reading x̂; the w8a16 base), though it searches both.
+(The faults on the engine's outputs: ``test_engine_fp8.py`` and ``test_fixtures_fp8.py``.)
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -53,3 +57,50 @@ def test_moves_counts_every_logprob():
 def test_the_fault_needs_w8a8_experts():
     with pytest.raises(ValueError, match="no w8a8 experts module"):
         with_quantized_expert_deltas(_Tiny())
+
+
+MODEL, ADAPTER = "qwen3_moe_fp8", "qwen3_moe-r8"
+
+
+def _served(tokens: list[int], logprobs: list[float]) -> tuple[SimpleNamespace, dict]:
+    """A request of ``tokens`` (all prompt) and an engine output with ``logprobs`` as its prompt logprobs."""
+    out = SimpleNamespace(request_id="c-0", prompt_logprobs=[None, *logprobs], output_token_ids=[],
+                          output_logprobs=[], finish_reason="length", error=None)
+    return out, dict(request_id="c-0", prompt_token_ids=tokens, adapter=ADAPTER)
+
+
+def test_one_crossing_is_set_aside_by_name_and_no_fault_is(fixture_set, monkeypatch):
+    from moelora_conformance.e2e import engine_checks
+    from moelora_conformance.e2e.engine_checks import HFReference, check_against_hf
+    from moelora_core import logprob_tolerance
+
+    tol = logprob_tolerance("engine_vs_hf", "float32", base_quant="fp8_block")
+    adapters = {ADAPTER: fixture_set.adapter_dir(ADAPTER)}
+    hf = HFReference(fixture_set.model_dir(MODEL), adapters, w8a8=True)
+    model = hf.model(ADAPTER)
+    # seed 26's 24 tokens: one fp32 rounding of noise on the embeddings moves one activation element across
+    # an e4m3 midpoint (found by scanning seeds), and later logprobs by 3.5e-3
+    tokens = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(26)).tolist()
+    clean = hf.teacher_forced(ADAPTER, tokens, len(tokens)).logprobs
+    with perturbed_embeddings(model, seed=0):
+        moved = engine_checks._teacher_forced(model, tokens, len(tokens)).logprobs
+    assert max(abs(a - b) for a, b in zip(moved, clean)) > tol.max_abs  # departs: the check must explain it
+    out, request = _served(tokens, moved)
+    got = check_against_hf([out], [request], hf)
+    assert len(got["set_aside"]) == 1 and got["max_abs"] <= tol.max_abs, got
+    assert "c-0 (qwen3_moe-r8): 1 e4m3 crossing: model.layers." in got["set_aside"][0]
+    assert "midpoint" in got["set_aside"][0]
+
+    searched = []
+    find = engine_checks.HFReference.crossing
+    monkeypatch.setattr(engine_checks.HFReference, "crossing",
+                        lambda self, *a: searched.append(find(self, *a)) or searched[-1])
+    # the expert deltas reading x̂ (the reference made faulty) and the w8a16 base (the engine's side made
+    # faulty): each departs, is searched, and no single flip explains it
+    x_hat = HFReference(fixture_set.model_dir(MODEL), adapters, w8a8=True)
+    with_quantized_expert_deltas(x_hat.model(ADAPTER))
+    w8a16 = HFReference(fixture_set.model_dir(MODEL), adapters).teacher_forced(ADAPTER, tokens, len(tokens)).logprobs
+    for logprobs, reference in ((clean, x_hat), (w8a16, hf)):
+        with pytest.raises(AssertionError, match=r"c-0 \(qwen3_moe-r8\) logprobs: max \|Δlogprob\|"):
+            check_against_hf([_served(tokens, logprobs)[0]], [request], reference)
+    assert searched == [None, None]

@@ -61,7 +61,12 @@ def test_an_fp8_base_has_its_own_measured_rows_and_no_assumed_ones():
         logprob_tolerance("engine_vs_hf", "bfloat16", base_quant="fp8_block")
     with pytest.raises(KeyError, match="base_quant='mxfp4'"):
         LogprobCheck("engine_vs_hf", "float32", base_quant="mxfp4")
-    check = LogprobCheck("engine_vs_hf", "float32", base_quant="fp8_block")
+    # engine against engine holds one crossing (nothing to flip); against HF + PEFT made w8a8 a crossing is
+    # set aside once proven (e2e.engine_checks.check_against_hf), so that row is the tighter one
+    hf_row = logprob_tolerance("engine_vs_hf", "float32", base_quant="fp8_block")
+    wide = logprob_tolerance("graph_vs_eager", "float32", base_quant="fp8_block")
+    assert hf_row.max_abs < wide.max_abs and hf_row.mean_abs < wide.mean_abs
+    check = LogprobCheck("graph_vs_eager", "float32", base_quant="fp8_block")
     check.add([0.0] * MEAN_MIN_SAMPLES, [5e-3] * MEAN_MIN_SAMPLES, what="w8a16")  # within max, above the mean
     check.add([0.0] * MEAN_MIN_SAMPLES, [3e-3] * MEAN_MIN_SAMPLES, what="e2e-3")
     # the item that contributed most is named: on an fp8 base, one request's large share may be one e4m3

@@ -7,9 +7,10 @@ breakable) gives the eager run's outputs within the graph_vs_eager row, on the t
 base paths; the adapters take effect on the fp8 base (a request's output moves with its adapter) while a
 base request's output is its output alone (within batched_vs_alone) whatever its LoRA batch mates; the w8a8 engine stays near the
 unquantized model (mean |Δlogprob| well under the quantization's reach) and is not it (the quantized
-base runs); its logprobs equal HF + PEFT made w8a8 (E02's reference on an fp8 base) within the fp8 logprob
-rows, which the w8a16 model transformers loads on a CPU and that model with its expert deltas reading x̂
-fail, each on average (the mean bound: the max bound holds one e4m3 crossing).
+base runs); its logprobs equal HF + PEFT made w8a8 (E02's reference on an fp8 base) within the fp8
+engine_vs_hf row (a request whose departure one e4m3 crossing explains is set aside, checked against the
+model with that crossing flipped), which the w8a16 model transformers loads on a CPU and that model with
+its expert deltas reading x̂ fail, by far, each on average and the x̂ one with no request set aside.
 """
 
 import graph_support as gs
@@ -85,8 +86,9 @@ def test_the_engine_equals_hf_peft_made_w8a8_within_the_fp8_rows_and_they_tell_f
                                                                                              engine_adapters):
     # E02's reference on an fp8 base (hf_check.hf_w8a8): transformers' dequantized model with its fp8 modules'
     # inputs quantized and peft's deltas on the unquantized inputs; the base as transformers loads it on a CPU
-    # (w8a16) fails the same fp8 logprob rows (tolerance.FP8_LOGPROB_TOLERANCES), and so do the expert deltas
-    # reading x̂, both through the mean bound (hf_check.fp8_crossings measured them)
+    # (w8a16) fails the same fp8 logprob row (tolerance.FP8_LOGPROB_TOLERANCES), and so do the expert deltas
+    # reading x̂, each on average by 100x and more (hf_check.fp8_crossings measured them); x̂'s departures are
+    # searched for one e4m3 crossing and none is set aside
     from moelora_conformance.hf_check.fp8_crossings import mean_move, with_quantized_expert_deltas
 
     requests = _requests(engine_adapters, n=16)  # >= MEAN_MIN_SAMPLES logprobs: the mean bound bites too
@@ -104,5 +106,7 @@ def test_the_engine_equals_hf_peft_made_w8a8_within_the_fp8_rows_and_they_tell_f
     x_hat = rs.HFReference(model_dir, adapters, w8a8=True)
     for name in adapters:
         with_quantized_expert_deltas(x_hat.model(name))
-    assert mean_move(outputs, requests, w8a16) > check.tolerance.mean_abs
-    assert mean_move(outputs, requests, x_hat, adapters_only=True) > check.tolerance.mean_abs
+    with pytest.raises(AssertionError, match=r"\(qwen3_moe-[^)]*\) logprobs: max \|Δlogprob\|"):
+        rs.check_against_hf(outputs, requests, x_hat)  # no flip explains a fault: nothing is set aside
+    assert mean_move(outputs, requests, w8a16) > 100 * check.tolerance.mean_abs
+    assert mean_move(outputs, requests, x_hat, adapters_only=True) > 100 * check.tolerance.mean_abs

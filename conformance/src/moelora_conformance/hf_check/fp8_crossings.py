@@ -15,6 +15,15 @@ the w8a16 base (transformers' model as it loads on a CPU).
 
 Run: ``python -m moelora_conformance.hf_check.fp8_crossings --fixtures DIR --model M --adapter NAME`` (one
 line per measurement: logprobs, max, mean, median, how many over 1e-4).
+
+The same event, found and undone: :func:`near_midpoints` lists the elements of a w8a8 model's quantized
+inputs (every activation quantization ``hf_w8a8`` makes, named by module and token) whose fp32 quotient
+x / s lies near an e4m3 rounding midpoint (within :data:`MIDPOINT_RADIUS` of its row's largest |x|), and
+:func:`flipped_forward` runs the model with some of them rounded to the e4m3 value on the midpoint's
+other side. E02 on an fp8 base (``e2e.engine_checks.check_against_hf``) sets a departing request aside
+only when such flips (:func:`find_crossing`: at most :data:`MOST_CROSSINGS`) make the model reproduce
+the engine's logprobs within the row: the departure is then proven to be those crossings, which a
+fault (a systematic difference, at every position it touches) cannot be.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -38,6 +47,15 @@ SEQUENCES = 24
 LENGTHS = (20, 200)
 #: A logprob move above this counts as a crossing's (roundings alone stay under 2e-6).
 VISIBLE = 1e-4
+#: How near an element x must lie to s times an e4m3 rounding midpoint to be flipped, in units of the
+#: largest |x| of its row (the token's input: two correct computations' inputs differ by roundings of
+#: sums of that size, not of x, which may be a small difference of large terms): 2^-16, ~128 fp32 ulps
+#: of it (the crossing e2e.locate named on deepseek_v3_fp8 differed by 1.35e-7 absolute).
+MIDPOINT_RADIUS = 2.0 ** -16
+#: How many of the nearest candidates :func:`find_crossing` tries (each one forward of the model), and
+#: the positions before a departure it tries first.
+TRIES = 8
+WINDOW = 8
 
 
 @dataclass
@@ -115,6 +133,162 @@ def with_quantized_expert_deltas(model: torch.nn.Module) -> torch.nn.Module:
     for m in found:
         m.forward = functools.partial(w8a8_experts_forward, m, quantized_deltas=True)
     return model
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """One activation element of a w8a8 forward whose fp32 quotient x / s lies near an e4m3 rounding
+    midpoint: at sequence position ``token``, ``element`` of the input of every module in ``where`` (one
+    value quantized by each: q, k and v read one input, a token's routed experts one x); the quotient,
+    the midpoint, the e4m3 value it rounds to and the one across the midpoint (``other``)."""
+
+    token: int
+    element: int
+    quotient: float
+    midpoint: float
+    rounded: float
+    other: float
+    distance: float  # |x - s · midpoint| over |s · midpoint| or max |x| of its row, the smaller
+    where: tuple[str, ...] = ()
+
+    def line(self) -> str:
+        return (f"{' / '.join(self.where)}, token {self.token}, element {self.element}: x/s {self.quotient:.9g}, "
+                f"{self.distance:.2g} (relative) from the e4m3 midpoint {self.midpoint:g}, rounded to "
+                f"{self.other:g} instead of {self.rounded:g}")
+
+
+def _quotients(v: torch.Tensor, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """v [R, K] fp64 → (x / s rounded to fp32 and clamped to ±448, s per element), both [R, K] fp64: what the
+    oracle's ``fp8_group_quantize`` rounds to e4m3, row by row."""
+    from moelora_reference.oracle import AMAX_FLOOR, E4M3_MAX, F32, F64
+
+    rows, k = v.shape
+    groups = -(-k // block_k)
+    pad = torch.zeros(rows, groups * block_k, dtype=F64)
+    pad[:, :k] = v.abs()
+    s = (pad.reshape(rows, groups, block_k).amax(-1).clamp(min=AMAX_FLOOR) / E4M3_MAX).to(F32).to(F64)
+    s = s.repeat_interleave(block_k, 1)[:, :k]
+    return (v / s).to(F32).to(F64).clamp(-E4M3_MAX, E4M3_MAX), s
+
+
+def _e4m3_next(q: torch.Tensor, side: torch.Tensor) -> torch.Tensor:
+    """The e4m3 value next to each e4m3 value of q (fp64) on the side ``side`` (±1) of it."""
+    bits = q.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64)
+    ordinal = torch.where(bits >= 0x80, -(bits - 0x80), bits) + side.to(torch.int64)
+    return torch.where(ordinal < 0, 0x80 - ordinal, ordinal).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float64)
+
+
+@torch.no_grad()
+def flipped_forward(model: torch.nn.Module, tokens: Sequence[int], flips: Sequence[Crossing] = (),
+                    record=None) -> tuple[object, int]:
+    """``model`` (made w8a8, ``hf_w8a8.make_w8a8``) on ``tokens`` with each of ``flips`` rounded to its
+    ``other`` wherever its module input, token and quotient recur, nothing else differently; and
+    ``record(where, quotients [R, K], s / max |x| of the row [R, K], tokens [R], rounded [R, K])`` called on
+    every activation quantization.
+    Returns (the model's output, how many of ``flips`` were applied).
+
+    Raises:
+        RuntimeError: called within another one (``hf_w8a8`` has one tap).
+    """
+    from moelora_conformance.hf_check import hf_w8a8
+    from moelora_reference.oracle import e4m3_round
+
+    applied: set[int] = set()
+
+    def tap(where, v, v_hat, rows_tokens, block_k):
+        quot, s = _quotients(v, block_k)
+        if record is not None:
+            record(where, quot, s * v.abs().amax(-1, keepdim=True).reciprocal(), rows_tokens, e4m3_round(quot))
+        for n, c in enumerate(flips):
+            if where in c.where:
+                for r in (rows_tokens == c.token).nonzero().flatten().tolist():
+                    if float(quot[r, c.element]) == c.quotient:  # else another flip moved it: not applied
+                        v_hat = v_hat.clone()
+                        v_hat[r, c.element] = c.other * float(s[r, c.element])
+                        applied.add(n)
+        return v_hat
+
+    if hf_w8a8._TAP is not None:
+        raise RuntimeError("flipped_forward: hf_w8a8 already has a tap")
+    hf_w8a8._TAP = tap
+    try:
+        out = model(torch.tensor([list(tokens)]))
+    finally:
+        hf_w8a8._TAP = None
+    return out, len(applied)
+
+
+def near_midpoints(model: torch.nn.Module, tokens: Sequence[int], *, before: int | None = None,
+                   radius: float = MIDPOINT_RADIUS, flips: Sequence[Crossing] = ()) -> list[Crossing]:
+    """Every activation element x of ``model`` (made w8a8) on ``tokens`` (with ``flips`` applied) within
+    ``radius`` · max |x of its row| of s times an e4m3 rounding midpoint, at sequence positions before ``before``
+    (all by default), in forward order; one :class:`Crossing` per value (its quantizations by several
+    modules merged: the same position, element and quotient)."""
+    found: dict[tuple[int, int, float], Crossing] = {}
+
+    def record(where, quot, unit, rows_tokens, q):
+        side = torch.sign(quot - q)
+        other = _e4m3_next(q, side)
+        mid = (q + other) / 2
+        # relative to x itself or to its row's largest |x|, whichever is nearer: the roundings two
+        # computations differ by scale with x (a product) or with the row (a sum of larger terms)
+        distance = torch.minimum((quot - mid).abs() / mid.abs(), (quot - mid).abs() * unit)
+        near = (side != 0) & (distance <= radius)
+        if before is not None:
+            near &= (rows_tokens < before)[:, None]
+        for r, j in near.nonzero().tolist():
+            key = (int(rows_tokens[r]), j, float(quot[r, j]))
+            c = found.get(key) or Crossing(*key, float(mid[r, j]), float(q[r, j]), float(other[r, j]),
+                                           float(distance[r, j]))
+            found[key] = replace(c, where=c.where + (where,) * (where not in c.where))
+
+    flipped_forward(model, tokens, flips, record)
+    return list(found.values())
+
+
+#: At most this many crossings may explain one request (two were seen in one 151-token request of
+#: deepseek_v3_fp8's 64-request E02; each is rare, so more is a systematic difference).
+MOST_CROSSINGS = 3
+
+
+def find_crossing(model: torch.nn.Module, tokens: Sequence[int], actual: Sequence[float], expected: Sequence[float],
+                  logprobs, max_abs: float, *, tries: int = TRIES, most: int = MOST_CROSSINGS):
+    """The e4m3 crossings (at most ``most``) that explain why ``actual`` (logprobs of tokens[1:], another
+    computation's) departs from ``expected`` (``model``'s own), found one at a time: of the ``tries``
+    elements nearest to a midpoint (:func:`near_midpoints`, those found before flipped) at positions up to
+    the first departure beyond ``max_abs`` and as many within :data:`WINDOW` positions before it, the one
+    whose flip moves that departure furthest. The set is
+    accepted once ``logprobs(output)`` (``model``'s output on ``tokens`` with them flipped → an object with
+    ``.logprobs``) agrees with ``actual`` within ``max_abs`` everywhere (the caller holds it to its mean
+    bound). Returns (crossings, that ``logprobs`` result), or None."""
+
+    def first_departure(values) -> int:
+        return next((i for i, (a, e) in enumerate(zip(actual, values, strict=True)) if abs(a - e) > max_abs),
+                    len(actual))
+
+    flips: list[Crossing] = []
+    first = first_departure(expected)
+    while len(flips) < most:
+        # the logprob of token i + 1 reads position i: a crossing at position t moves those from index t on,
+        # mostly from t itself. Tried: the elements nearest to their midpoint (a crossing's lies within
+        # roundings of it, ~1e-7 of its row, the others anywhere in the radius) at every position up to the
+        # departure, and those at the WINDOW positions before it (a long sequence has many candidates)
+        near = sorted(near_midpoints(model, tokens, before=first + 1, flips=flips), key=lambda c: c.distance)
+        tried = list(dict.fromkeys(near[:tries] + [c for c in near if c.token >= first - WINDOW][:tries]))
+        best: tuple[int, Crossing | None] = (first, None)
+        for crossing in tried:
+            out, applied = flipped_forward(model, tokens, [*flips, crossing])
+            if applied < len(flips) + 1:
+                continue
+            result = logprobs(out)
+            moved_to = first_departure(result.logprobs)
+            if moved_to == len(actual):
+                return [*flips, crossing], result
+            best = max(best, (moved_to, crossing), key=lambda b: b[0])
+        if best[1] is None:  # no flip moves the departure: not crossings
+            return None
+        first, flips = best[0], [*flips, best[1]]
+    return None
 
 
 def mean_move(outputs, requests: list[dict], reference, *, adapters_only: bool = False) -> float:

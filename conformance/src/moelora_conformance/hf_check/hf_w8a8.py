@@ -39,12 +39,24 @@ class W8A8ReferenceError(MoeLoraError):
     """transformers' dequantized model cannot be made the w8a8 reference (named module and why)."""
 
 
-def _quantize_rows(v: torch.Tensor, block_k: int) -> torch.Tensor:
-    """v [..., K] → v̂ of the same shape and dtype, each row quantized per K-group by the oracle."""
+#: Called with every activation quantization of a model made w8a8 while set (``fp8_crossings``, which
+#: finds and flips e4m3 crossings): tap(where, v [R, K] fp64, v̂ [R, K] fp64, tokens [R] int64,
+#: block_k) → the v̂ to use. ``where`` names the module and which input; row r is token tokens[r].
+_TAP = None
+
+
+def _quantize_rows(v: torch.Tensor, block_k: int, where: str = "", tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """v [..., K] → v̂ of the same shape and dtype, each row quantized per K-group by the oracle.
+    ``where`` and ``tokens`` (the sequence position of each row; default: the row's index in v's
+    second-to-last dimension) are for :data:`_TAP` alone."""
     from moelora_reference.oracle import fp8_group_quantize
 
     flat = v.reshape(-1, v.shape[-1])
     out = torch.stack([fp8_group_quantize(row, block_k) for row in flat]) if flat.shape[0] else flat.double()
+    if _TAP is not None and flat.shape[0]:
+        if tokens is None:
+            tokens = torch.arange(flat.shape[0]) % (v.shape[-2] if v.dim() > 1 else 1)
+        out = _TAP(where, flat.double(), out, tokens, block_k)
     return out.to(v.dtype).reshape(v.shape)
 
 
@@ -71,12 +83,13 @@ def w8a8_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.T
     for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()[:, 0].tolist():
         pos, tok = torch.where(mask[e])
         x = hidden_states[tok]
-        x_hat = _quantize_rows(x, bk)
+        where = f"{getattr(self, '_w8a8_name', 'experts')} expert {e}"
+        x_hat = _quantize_rows(x, bk, f"{where} gate_up input", tok)
         gate_up = torch.nn.functional.linear(x_hat, w_gu[e])
         if d_gu is not None:
             gate_up = gate_up + torch.nn.functional.linear(x_hat if quantized_deltas else x, d_gu[e])
         h = self._apply_gate(gate_up)
-        h_hat = _quantize_rows(h, bk)
+        h_hat = _quantize_rows(h, bk, f"{where} down input", tok)
         y = torch.nn.functional.linear(h_hat, w_d[e])
         if d_d is not None:
             y = y + torch.nn.functional.linear(h_hat if quantized_deltas else h, d_d[e])
@@ -222,7 +235,7 @@ def make_w8a8(model: torch.nn.Module, model_dir: Path) -> torch.nn.Module:
                                      "block from the scale grid)")
 
     def quantize_input(module, args):
-        return (_quantize_rows(args[0], block[1]), *args[1:])
+        return (_quantize_rows(args[0], block[1], f"{module._w8a8_name} input"), *args[1:])
 
     experts_of: dict[str, dict[int, dict[str, str]]] = {}
     for name in sorted(scaled):
@@ -233,6 +246,7 @@ def make_w8a8(model: torch.nn.Module, model_dir: Path) -> torch.nn.Module:
         if not isinstance(linear, torch.nn.Linear):
             raise W8A8ReferenceError(f"{model_dir}: {name} is stored fp8 but transformers has no linear of that name")
         check(name, linear.weight, dequantized(name))
+        linear._w8a8_name = name
         linear.register_forward_pre_hook(quantize_input)
     for layer, per_expert in sorted(experts_of.items()):
         found = [m for n, m in modules.items() if n.startswith(layer + ".") and n.endswith(".experts")
@@ -245,6 +259,6 @@ def make_w8a8(model: torch.nn.Module, model_dir: Path) -> torch.nn.Module:
             check(f"{layer} expert {e} gate/up", experts.gate_up_proj[e],
                   torch.cat([dequantized(leaves["gate"]), dequantized(leaves["up"])]))
             check(f"{layer} expert {e} down", experts.down_proj[e], dequantized(leaves["down"]))
-        experts._w8a8_block_k = block[1]
+        experts._w8a8_block_k, experts._w8a8_name = block[1], layer
         experts.forward = w8a8_experts_forward.__get__(experts)
     return model

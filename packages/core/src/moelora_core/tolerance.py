@@ -342,12 +342,38 @@ _FP8_LOGPROB_NOTE = (
     "7.0e-2-8.4e-2: within one crossing's reach, so only the mean tells it), the w8a16 base mean 2.9e-2-3.0e-2 / "
     "4.9e-2-5.0e-2 (max 0.7-3.2). Bounds, each 3x the largest crossing seen: max 3e-1 (8.8e-2), mean 3e-3 (1.0e-3; "
     "2.8x under the subtlest fault's mean)")
+#: Against HF + PEFT made w8a8 a crossing need not be tolerated: it can be proven. E02's check
+#: (conformance ``e2e.engine_checks.check_against_hf``) sets a request that leaves the row aside only
+#: when flipping the e4m3 crossings that explain it (one, at most three, each an activation element
+#: on a rounding midpoint's edge: ``hf_check.fp8_crossings.find_crossing``) makes the HF model reproduce
+#: it within the max, and holds it to that model; so this row is the engine's agreement with HF once
+#: crossings are taken out, and every fault (no flip explains one) is far over it.
+_FP8_ENGINE_VS_HF_NOTE = (
+    "fp8 block-scaled base (w8a8), fp32, CPU: the engine against HF + PEFT made w8a8 after set-asides (requests whose "
+    "departure flipped e4m3 crossings explain, held to the flipped model: e2e.engine_checks.check_against_hf). E02 "
+    "(e2e --properties E02, eager, 2026-12-07; in brackets the requests set aside), with the search as it is: "
+    "deepseek_v3_fp8 reference 64 requests [2, one with 2 crossings] max 7.0e-4, mean 7.4e-7; olmoe_fp8 reference 16 "
+    "[3] max 3.0e-4, mean 4.9e-7. With earlier search variants (the same crossings named where both ran): "
+    "deepseek_v3_fp8 triton 16 requests [1: the crossing at layer 0's o input e2e.locate named] max 2.4e-6, mean "
+    "2.4e-7, greedy tokens compared at 45 of 45 steps under a 1e-3 max (3 under the wide row); qwen3_moe_fp8 "
+    "reference 16 [1] max "
+    "3.2e-5, mean 2.9e-7, 64 [0] max 1.4e-5, mean 2.7e-7, triton 16 [2] max 7.5e-5, mean 3.5e-7; mixtral_fp8 "
+    "reference 16 [1] max 3.1e-5, mean 3.6e-7; qwen2_moe_fp8 triton 16 [3] max 6.7e-6, mean 2.7e-7; olmoe_fp8 mean "
+    "9.0e-7. A crossing whose effect stays under the max is not searched and counts as it is (deepseek_v3_fp8's "
+    "7.0e-4). "
+    "A fault moves far more (hf_check.fp8_crossings, same sequences): the expert deltas reading x̂ mean 2.2e-2 "
+    "(qwen3_moe_fp8) and 8.3e-3-8.8e-3 (deepseek_v3_fp8; max 7.0e-2-8.4e-2), the w8a16 base mean 2.9e-2 / 4.9e-2, "
+    "and no flip explains either. The final search on qwen3_moe_fp8 triton 16 requests (eager and decode_graph) set "
+    "aside [1: layer 0 experts 2 / 3 gate_up input, token 91] and left max 2.5e-3, mean 2.5e-6: a crossing whose "
+    "effect stays under the max is not searched and counts as it is. Bounds, each 3x the largest seen after "
+    "set-asides, rounded up: max 1e-2 (2.5e-3), mean 1e-5 (2.5e-6)")
 #: The logprob rows over an fp8 block-scaled base, keyed like :data:`LOGPROB_TOLERANCES` (float32 only:
 #: the only dtype measured; another has no row, so its comparison is not run rather than assumed).
 FP8_LOGPROB_TOLERANCES: dict[tuple[str, str], LogprobTolerance] = {
     (c, "float32"): LogprobTolerance(c, "float32", 3e-1, 3e-3, "measured", _FP8_LOGPROB_NOTE)
-    for c in ("engine_vs_hf", "batched_vs_alone", "graph_vs_eager")
-}
+    for c in ("batched_vs_alone", "graph_vs_eager")
+} | {("engine_vs_hf", "float32"): LogprobTolerance("engine_vs_hf", "float32", 1e-2, 1e-5, "measured",
+                                                  _FP8_ENGINE_VS_HF_NOTE)}
 
 
 def logprob_tolerance(comparison: str, dtype: torch.dtype | str, *, base_quant: str = "none") -> LogprobTolerance:
