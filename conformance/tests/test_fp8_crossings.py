@@ -70,10 +70,17 @@ def _served(tokens: list[int], logprobs: list[float]) -> tuple[SimpleNamespace, 
 
 
 def test_one_crossing_is_set_aside_by_name_and_no_fault_is(fixture_set, monkeypatch):
+    from dataclasses import replace
+
     from moelora_conformance.e2e import engine_checks
     from moelora_conformance.e2e.engine_checks import HFReference, check_against_hf
-    from moelora_core import logprob_tolerance
+    from moelora_core import logprob_tolerance, tolerance
 
+    # the mechanism under a row tighter than this crossing's move (the shipped row's max holds crossings
+    # this small as they are: tolerance._FP8_ENGINE_VS_HF_NOTE); the mean bound is the shipped one
+    key = ("engine_vs_hf", "float32")
+    monkeypatch.setitem(tolerance.FP8_LOGPROB_TOLERANCES, key,
+                        replace(tolerance.FP8_LOGPROB_TOLERANCES[key], max_abs=1e-3))
     tol = logprob_tolerance("engine_vs_hf", "float32", base_quant="fp8_block")
     adapters = {ADAPTER: fixture_set.adapter_dir(ADAPTER)}
     hf = HFReference(fixture_set.model_dir(MODEL), adapters, w8a8=True)
