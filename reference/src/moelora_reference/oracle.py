@@ -91,19 +91,39 @@ def e4m3_round(v: torch.Tensor) -> torch.Tensor:
     return torch.where(v < 0, -1.0, 1.0).to(F64) * torch.where(up, lower + 1, lower) * spacing
 
 
-def fp8_group_quantize(v: torch.Tensor, block_k: int) -> torch.Tensor:
-    """v [K] → v̂ [K] fp64: each K-group of ``block_k`` (the last may be shorter) quantized to e4m3
-    with its own scale s_g = fp32(max(amax, fp32(1e-10)) / 448), the quotient v / s_g rounded to fp32,
-    clamped to ±448, rounded to e4m3 (ties to even), and multiplied back by s_g."""
+def fp8_group_quotients(v: torch.Tensor, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """v [K] → (q [K], s [K]) fp64, what :func:`fp8_group_quantize` rounds: each K-group of ``block_k``
+    (the last may be shorter) has its own scale s_g = fp32(max(amax, fp32(1e-10)) / 448), and q is the
+    quotient v / s_g rounded to fp32 and clamped to ±448; s holds each element's s_g."""
     v = v.to(F64)
-    out = torch.empty_like(v)
+    quotient, scale = torch.empty_like(v), torch.empty_like(v)
     for start in range(0, v.shape[0], block_k):
         group = v[start:start + block_k]
         amax = max(float(group.abs().max()), AMAX_FLOOR)
         s = float(torch.tensor(amax / E4M3_MAX, dtype=F64).to(F32))  # the scale is an fp32 number
-        quotient = (group / s).to(F32).to(F64)  # x / s in fp32 (fp64 then fp32: one correct rounding)
-        out[start:start + block_k] = e4m3_round(quotient.clamp(-E4M3_MAX, E4M3_MAX)) * s
-    return out
+        # x / s in fp32 (fp64 then fp32: one correct rounding)
+        quotient[start:start + block_k] = (group / s).to(F32).to(F64).clamp(-E4M3_MAX, E4M3_MAX)
+        scale[start:start + block_k] = s
+    return quotient, scale
+
+
+def fp8_group_quantize(v: torch.Tensor, block_k: int) -> torch.Tensor:
+    """v [K] → v̂ [K] fp64: each K-group of ``block_k`` quantized to e4m3 with its own scale
+    (:func:`fp8_group_quotients`), the quotient rounded to e4m3 (ties to even) and multiplied back by s_g."""
+    quotient, scale = fp8_group_quotients(v, block_k)
+    return e4m3_round(quotient) * scale
+
+
+def e4m3_ordinal(v: torch.Tensor) -> torch.Tensor:
+    """int64 rank of each e4m3 value of v (a float tensor holding e4m3 values) in value order: adjacent
+    e4m3 values have ranks one apart (sign-magnitude bits; ±0 both rank 0)."""
+    bits = v.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64)
+    return torch.where(bits >= 0x80, -(bits - 0x80), bits)
+
+
+def e4m3_from_ordinal(rank: torch.Tensor) -> torch.Tensor:
+    """The e4m3 value (fp64) of each int64 rank of :func:`e4m3_ordinal`."""
+    return torch.where(rank < 0, 0x80 - rank, rank).to(torch.uint8).view(torch.float8_e4m3fn).to(F64)
 
 
 def fp8_dequantize(w_q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

@@ -135,13 +135,6 @@ class Probe:
             offset += n
 
 
-def _e4m3_ordinal(v: torch.Tensor) -> torch.Tensor:
-    """int64 rank of each e4m3 value of v (fp32 holding e4m3 values) in value order: adjacent e4m3 values
-    have ranks one apart (sign-magnitude bits; ±0 both rank 0)."""
-    bits = v.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64)
-    return torch.where(bits >= 0x80, -(bits - 0x80), bits)
-
-
 def e4m3_crossing(layer_weights, module: str, x_got: torch.Tensor, x_want: torch.Tensor, out_got: torch.Tensor,
                   out_want: torch.Tensor, dtype: str) -> str | None:
     """Why the departing dense module ``module`` of a layer is an e4m3 midpoint crossing (module doc), or
@@ -152,6 +145,7 @@ def e4m3_crossing(layer_weights, module: str, x_got: torch.Tensor, x_want: torch
     e4m3 step, or without straddling that step's midpoint; or the outputs [T, out] still depart once
     the crossing's base product (``fp8_linear`` of each input) is taken out."""
     from moelora_reference.fp8_block import fp8_linear, quantize_activation
+    from moelora_reference.oracle import e4m3_ordinal
 
     scale_inv = getattr(layer_weights, "dense_scales", {}).get(module)
     if scale_inv is None or x_got.shape != x_want.shape or not x_want.numel():
@@ -165,7 +159,7 @@ def e4m3_crossing(layer_weights, module: str, x_got: torch.Tensor, x_want: torch
     where = (q_got != q_want).nonzero().tolist()
     if not bool(((s_got - s_want).abs() <= rtol * s_want).all()) or not 0 < len(where) <= CROSSING_ELEMENTS:
         return None
-    steps = (_e4m3_ordinal(q_got) - _e4m3_ordinal(q_want)).abs()
+    steps = (e4m3_ordinal(q_got) - e4m3_ordinal(q_want)).abs()
     full_got, full_want = (s.repeat_interleave(block[1], dim=1)[:, :x_want.shape[1]] for s in (s_got, s_want))
     shown = []
     for t, j in where:

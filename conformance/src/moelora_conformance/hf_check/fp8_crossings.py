@@ -157,27 +157,6 @@ class Crossing:
                 f"{self.other:g} instead of {self.rounded:g}")
 
 
-def _quotients(v: torch.Tensor, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """v [R, K] fp64 → (x / s rounded to fp32 and clamped to ±448, s per element), both [R, K] fp64: what the
-    oracle's ``fp8_group_quantize`` rounds to e4m3, row by row."""
-    from moelora_reference.oracle import AMAX_FLOOR, E4M3_MAX, F32, F64
-
-    rows, k = v.shape
-    groups = -(-k // block_k)
-    pad = torch.zeros(rows, groups * block_k, dtype=F64)
-    pad[:, :k] = v.abs()
-    s = (pad.reshape(rows, groups, block_k).amax(-1).clamp(min=AMAX_FLOOR) / E4M3_MAX).to(F32).to(F64)
-    s = s.repeat_interleave(block_k, 1)[:, :k]
-    return (v / s).to(F32).to(F64).clamp(-E4M3_MAX, E4M3_MAX), s
-
-
-def _e4m3_next(q: torch.Tensor, side: torch.Tensor) -> torch.Tensor:
-    """The e4m3 value next to each e4m3 value of q (fp64) on the side ``side`` (±1) of it."""
-    bits = q.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64)
-    ordinal = torch.where(bits >= 0x80, -(bits - 0x80), bits) + side.to(torch.int64)
-    return torch.where(ordinal < 0, 0x80 - ordinal, ordinal).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float64)
-
-
 @torch.no_grad()
 def flipped_forward(model: torch.nn.Module, tokens: Sequence[int], flips: Sequence[Crossing] = (),
                     record=None) -> tuple[object, int]:
@@ -195,8 +174,7 @@ def flipped_forward(model: torch.nn.Module, tokens: Sequence[int], flips: Sequen
 
     applied: set[int] = set()
 
-    def tap(where, v, v_hat, rows_tokens, block_k):
-        quot, s = _quotients(v, block_k)
+    def tap(where, v, quot, s, v_hat, rows_tokens):
         if record is not None:
             record(where, quot, s * v.abs().amax(-1, keepdim=True).reciprocal(), rows_tokens, e4m3_round(quot))
         for n, c in enumerate(flips):
@@ -224,11 +202,13 @@ def near_midpoints(model: torch.nn.Module, tokens: Sequence[int], *, before: int
     ``radius`` · max |x of its row| of s times an e4m3 rounding midpoint, at sequence positions before ``before``
     (all by default), in forward order; one :class:`Crossing` per value (its quantizations by several
     modules merged: the same position, element and quotient)."""
+    from moelora_reference.oracle import e4m3_from_ordinal, e4m3_ordinal
+
     found: dict[tuple[int, int, float], Crossing] = {}
 
     def record(where, quot, unit, rows_tokens, q):
         side = torch.sign(quot - q)
-        other = _e4m3_next(q, side)
+        other = e4m3_from_ordinal(e4m3_ordinal(q) + side.to(torch.int64))  # the e4m3 value across the midpoint
         mid = (q + other) / 2
         # relative to x itself or to its row's largest |x|, whichever is nearer: the roundings two
         # computations differ by scale with x (a product) or with the row (a sum of larger terms)

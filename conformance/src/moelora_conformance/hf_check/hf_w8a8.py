@@ -40,8 +40,9 @@ class W8A8ReferenceError(MoeLoraError):
 
 
 #: Called with every activation quantization of a model made w8a8 while set (``fp8_crossings``, which
-#: finds and flips e4m3 crossings): tap(where, v [R, K] fp64, v̂ [R, K] fp64, tokens [R] int64,
-#: block_k) → the v̂ to use. ``where`` names the module and which input; row r is token tokens[r].
+#: finds and flips e4m3 crossings): tap(where, v [R, K] fp64, quotients [R, K] fp64, s [R, K] fp64,
+#: v̂ [R, K] fp64, tokens [R] int64) → the v̂ to use (the oracle's ``fp8_group_quotients`` of each row:
+#: v̂ = e4m3(quotients) · s). ``where`` names the module and which input; row r is token tokens[r].
 _TAP = None
 
 
@@ -49,14 +50,17 @@ def _quantize_rows(v: torch.Tensor, block_k: int, where: str = "", tokens: torch
     """v [..., K] → v̂ of the same shape and dtype, each row quantized per K-group by the oracle.
     ``where`` and ``tokens`` (the sequence position of each row; default: the row's index in v's
     second-to-last dimension) are for :data:`_TAP` alone."""
-    from moelora_reference.oracle import fp8_group_quantize
+    from moelora_reference.oracle import e4m3_round, fp8_group_quotients
 
     flat = v.reshape(-1, v.shape[-1])
-    out = torch.stack([fp8_group_quantize(row, block_k) for row in flat]) if flat.shape[0] else flat.double()
-    if _TAP is not None and flat.shape[0]:
+    if not flat.shape[0]:
+        return v
+    quotients, scales = (torch.stack(t) for t in zip(*(fp8_group_quotients(row, block_k) for row in flat)))
+    out = e4m3_round(quotients) * scales  # the oracle's fp8_group_quantize, row by row
+    if _TAP is not None:
         if tokens is None:
             tokens = torch.arange(flat.shape[0]) % (v.shape[-2] if v.dim() > 1 else 1)
-        out = _TAP(where, flat.double(), out, tokens, block_k)
+        out = _TAP(where, flat.double(), quotients, scales, out, tokens)
     return out.to(v.dtype).reshape(v.shape)
 
 
