@@ -328,8 +328,8 @@ def fp8_base(base: dict, inter: int) -> dict:
 def fp8_paths(row: dict, p: Problem, w: LoRAWeights, timer: Timer, fp8: dict) -> None:
     """``--base-quant fp8``: the w8a8 base alone and with the MoE-LoRA deltas (module docstring), into ``row``."""
     deltas = MoELoRAInputs(w, p.lora_align, adapter_enabled=p.enabled)
-    # the fp8 base's alignment as fused_moe picks it: the rule's BLOCK_M (the table's is the bf16 base's)
-    align = moe_align_block_size(p.topk_ids, p.E, moe_block_m(p.M, p.topk_ids.shape[1], p.E))
+    # the fp8 base's alignment as fused_moe picks it: its own table entries' BLOCK_M, else the rule
+    align = moe_align_block_size(p.topk_ids, p.E, moe_block_m(p.M, p.topk_ids.shape[1], p.E, op="fp8_moe_gemm"))
 
     def base_only(p=p):
         return fused_moe(p.x, p.topk_ids, p.topk_weights, fp8["w_gu"], fp8["w_d"], align=align, **fp8["kw"])

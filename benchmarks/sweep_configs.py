@@ -2,9 +2,11 @@
 
 For each (op, stage, M, R) it times every candidate config of the kernel (CUDA graph, L2 flushed,
 median of ``--replays``) and prints the best ones, as JSON entries ready to paste into the table.
-Ops: ``fused_moe_lora`` (the fused shrink+expand per stage) and ``fused_moe_gemm`` (base gate_up /
-down). Candidates that fail to compile or launch (e.g. too much shared memory) are reported and
-skipped.
+Ops: ``fused_moe_lora`` (the fused shrink+expand per stage), ``fused_moe_gemm`` (base gate_up /
+down) and ``fp8_moe_gemm`` (the w8a8 base GEMMs over fp8 weights at block 128 × 128, the activations
+quantized once outside the timing; every candidate at each ``--block-m``, default 16 32 64 128: its
+table entries carry ``BLOCK_M``, one per row bound for both stages, which share an alignment).
+Candidates that fail to compile or launch (e.g. too much shared memory) are reported and skipped.
 
     PYTHONPATH=packages/core/src:packages/kernels/src:reference/src python benchmarks/sweep_configs.py \\
         [--ops fused_moe_lora fused_moe_gemm] [--tokens 1 32 128 512] [--ranks 16 64] [--out sweep.json] \\
@@ -37,6 +39,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_moe_lora import MODELS, Problem, Timer, make_pool  # noqa: E402
 
 from moelora_kernels import fused_moe_gemm, fused_moe_lora, moe_align_block_size, stage_tensors  # noqa: E402
+from moelora_kernels.fp8_block import fp8_moe_gemm, quantize_activation_fp8  # noqa: E402
 
 LORA_CANDIDATES = [
     dict(zip(("BLOCK_K", "BLOCK_N", "N_SPLIT", "num_warps", "num_stages"), c))
@@ -54,6 +57,12 @@ GEMM_CANDIDATES = [
 ]
 # --wide with --block-m: the base GEMM's tiles at large M, where a deeper or wider tile may pay
 # (16 candidates a (stage, M, BLOCK_M) unit; those over the 227 KiB of shared memory are skipped)
+#: The w8a8 GEMM's tiles: BLOCK_K is the weights' K-group (128), so the axes are BLOCK_N, warps and depth.
+FP8_GEMM_CANDIDATES = [
+    dict(zip(("BLOCK_N", "num_warps", "num_stages"), c))
+    for c in itertools.product((64, 128, 256), (4, 8), (3, 4))
+]
+FP8_BLOCK_MS = (16, 32, 64, 128)
 GEMM_WIDE_CANDIDATES = [
     dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), c))
     for c in itertools.product((128, 256), (64, 128), (4, 8), (3, 4))
@@ -103,6 +112,36 @@ def sweep_gemm(p, timer, stage, h, candidates=GEMM_CANDIDATES, block_ms=()):
     return sorted(results, key=lambda item: item[0])
 
 
+def sweep_fp8_gemm(p, timer, stage, h, fp8, candidates=FP8_GEMM_CANDIDATES, block_ms=FP8_BLOCK_MS):
+    """Rank ``candidates`` for one w8a8 base GEMM stage at ``p.M`` (``fp8``: ``bench_moe_lora.fp8_base``):
+    the table's lookup at the alignment ``fused_moe`` picks for the fp8 base first, as the baseline in
+    the same run (``{"table": 1}``), then every candidate at each ``BLOCK_M`` of ``block_ms``. The input
+    (x, or h for down) is quantized once, outside the timing. Returns ``[(median µs, config)]``, fastest
+    first."""
+    from moelora_kernels.configs import moe_block_m
+
+    M, k, block = p.M, p.k, fp8["kw"]["weight_block"]
+    if stage == "gate_up":
+        a, w, sinv, rows_in, tw, half = p.x, fp8["w_gu"], fp8["kw"]["w_gate_up_scale_inv"], k, None, p.I
+    else:
+        a, w, sinv, rows_in, tw, half = h, fp8["w_d"], fp8["kw"]["w_down_scale_inv"], 1, p.topk_weights, None
+    q, s = quantize_activation_fp8(a.reshape(-1, a.shape[-1]), block[1])
+    c = torch.empty(M * k, w.shape[1], dtype=a.dtype, device=a.device)
+    kw = {"block": block, "top_k": k, "num_pairs": M * k, "in_row_div": rows_in, "half": half, "topk_weights": tw}
+    table_bm = moe_block_m(M, k, p.E, op="fp8_moe_gemm")
+    aligns = {bm: moe_align_block_size(p.topk_ids, p.E, bm) for bm in {table_bm, *block_ms}}
+    results = [(timer(lambda: fp8_moe_gemm(q, s, w, sinv, c, aligns[table_bm], **kw))["median_us"],
+                {"table": 1, "BLOCK_M": table_bm})]
+    for bm in block_ms:
+        for cfg in candidates:
+            try:
+                r = timer(lambda cfg=cfg, bm=bm: fp8_moe_gemm(q, s, w, sinv, c, aligns[bm], config=cfg, **kw))
+                results.append((r["median_us"], {"BLOCK_M": bm, **cfg}))
+            except Exception as exc:  # a config the GPU cannot run: report and go on
+                print(f"  skip BLOCK_M={bm} {cfg}: {type(exc).__name__}: {str(exc)[:80]}")
+    return sorted(results, key=lambda item: item[0])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", nargs="*", default=["fused_moe_lora", "fused_moe_gemm"])
@@ -139,6 +178,10 @@ def main() -> int:
             "w_d": (torch.randn(E, H, I, generator=gen, device="cuda") / I**0.5).to(torch.bfloat16)}
     timer = Timer(args.replays)
     pools = {R: make_pool(shape, R, gen) for R in args.ranks} if "fused_moe_lora" in args.ops else {}
+    if "fp8_moe_gemm" in args.ops:
+        from bench_moe_lora import fp8_base
+
+        fp8 = fp8_base(base, I)
     found = []
     for M in args.tokens:
         p = Problem(M, shape, gen, base)
@@ -155,6 +198,17 @@ def main() -> int:
                 found.append({"op": "fused_moe_gemm", "stage": stage, "M": M, "us": best[0], **best[1],
                               "table_us": table_us, "table_block_m": p.bm_base,
                               "top5": [{"us": us, **cfg} for us, cfg in ranked[:5]]})
+                Path(args.out).write_text(json.dumps(found, indent=2))
+            if "fp8_moe_gemm" in args.ops:
+                ranked = sweep_fp8_gemm(p, timer, stage, h, fp8, block_ms=tuple(args.block_m) or FP8_BLOCK_MS)
+                table = next((us, cfg) for us, cfg in ranked if cfg.get("table"))
+                ranked = [(us, cfg) for us, cfg in ranked if not cfg.get("table")] or [table]
+                best = ranked[0]
+                print(f"fp8_moe_gemm {stage:7} M={M:5}: best {best[0]:7.1f} µs {best[1]} "
+                      f"(table {table[0]:.1f} at BLOCK_M {table[1]['BLOCK_M']}, worst {ranked[-1][0]:.1f})", flush=True)
+                found.append({"op": "fp8_moe_gemm", "stage": stage, "M": M, "us": best[0], **best[1],
+                              "table_us": table[0], "table_block_m": table[1]["BLOCK_M"],
+                              "all": [{"us": us, **cfg} for us, cfg in ranked]})
                 Path(args.out).write_text(json.dumps(found, indent=2))
             for R, w in pools.items():
                 ranked = sweep_lora(p, w, timer, stage, h, gate_up, down,

@@ -49,7 +49,10 @@ def test_shipped_entries_use_only_known_keys_and_valid_values(op, entry):
     if "GROUP_SIZE_M" in entry:
         assert op == "fused_moe_gemm" and 1 <= entry["GROUP_SIZE_M"] <= MAX_GROUP_SIZE_M, f"{op} entry {entry}"
     if "BLOCK_M" in entry:  # the base alignment's block rows (configs.moe_block_m(op=...)); GEMMs take the alignment's
-        assert op == "moe_align_block_size" and entry["BLOCK_M"] in configs.TABLE_BLOCK_M, f"{op} entry {entry}"
+        assert op in ("moe_align_block_size", "fp8_moe_gemm") and entry["BLOCK_M"] in configs.TABLE_BLOCK_M, (
+            f"{op} entry {entry}")
+    if op == "fp8_moe_gemm":  # BLOCK_K is the weights' K-group; BLOCK_M is read without N / K (one alignment)
+        assert "BLOCK_K" not in entry and not ("BLOCK_M" in entry and {"N", "K"} & set(entry)), f"{op} entry {entry}"
     if "ALIGN_SPLIT" in entry:
         split = entry["ALIGN_SPLIT"]
         assert op in ("moe_lora_align_block_size", "moe_align_block_size"), f"{op} entry {entry}"
@@ -91,3 +94,26 @@ def test_base_block_m_comes_from_the_h100_table_where_it_was_measured(monkeypatc
     assert configs.moe_block_m(8192, 8, 128, 4) == 64  # the LoRA alignment of 4 slots: the rule
     monkeypatch.setenv("MOELORA_KERNEL_CONFIGS", str(configs._CONFIG_DIR / "h200.json"))
     assert configs.moe_block_m(8192, 8, 128, op=base) == 64  # not measured on the H200: the rule
+
+
+def test_the_fp8_gemm_takes_its_own_entries_and_the_bf16_gemms_where_it_has_none(monkeypatch, tmp_path):
+    """``fp8_moe_gemm`` entries (``sweep_configs.py --ops fp8_moe_gemm``) give the w8a8 GEMM its tiles and
+    its alignment's ``BLOCK_M``; where none matches it takes ``fused_moe_gemm``'s tiles and the rule's
+    block, never the bf16 alignment's ``BLOCK_M`` (measured with other tiles)."""
+    import json
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    table = {"fused_moe_gemm": [{"max_rows": 64, "BLOCK_N": 32, "num_warps": 2}, {"BLOCK_N": 128, "num_warps": 8}],
+             "moe_align_block_size": [{"max_rows": 64, "BLOCK_M": 16}, {"BLOCK_M": 128}],
+             "fp8_moe_gemm": [{"max_rows": 4096, "BLOCK_M": 64, "BLOCK_N": 256, "num_stages": 4}]}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv("MOELORA_KERNEL_CONFIGS", str(path))
+    own = configs.kernel_config("fp8_moe_gemm", rows=512, N=1536, K=2048, fallback_op="fused_moe_gemm")
+    assert (own["BLOCK_N"], own["num_stages"], own["num_warps"]) == (256, 4, configs.GPU_FALLBACK_CONFIG["num_warps"])
+    bf16 = configs.kernel_config("fp8_moe_gemm", rows=8192, N=1536, K=2048, fallback_op="fused_moe_gemm")
+    assert (bf16["BLOCK_N"], bf16["num_warps"]) == (128, 8)
+    assert configs.kernel_config("fp8_moe_gemm", rows=8192)["BLOCK_N"] == configs.GPU_FALLBACK_CONFIG["BLOCK_N"]
+    assert configs.moe_block_m(64, 8, 128, op="fp8_moe_gemm") == 64  # 512 rows: its own entry
+    assert configs.moe_block_m(1024, 8, 128, op="fp8_moe_gemm") == configs.moe_block_m(1024, 8, 128) == 64  # rule
+    assert configs.moe_block_m(1024, 8, 128, op="moe_align_block_size") == 128

@@ -78,7 +78,8 @@ def _table() -> dict[str, list[dict]]:
 
 
 def kernel_config(op: str, *, rows: int, N: int | None = None, K: int | None = None,
-                  R: int | None = None, overrides: dict | None = None) -> dict[str, int]:
+                  R: int | None = None, overrides: dict | None = None,
+                  fallback_op: str | None = None) -> dict[str, int]:
     """Tile sizes and launch options for ``op`` at this shape.
 
     Args:
@@ -91,15 +92,20 @@ def kernel_config(op: str, *, rows: int, N: int | None = None, K: int | None = N
             reads its factor tiles (0: exact rank masks; 1: 16-byte loads; >= 2: also a pipelined
             expand loop that many stages deep, ``moelora_kernels.expand_stream``);
             ``moe_lora_align_block_size`` / ``moe_align_block_size``, whose ``ALIGN_SPLIT`` is the
-            alignment's programs per slot; ``fused_moe_gemm``'s ``GROUP_SIZE_M``, its program order).
+            alignment's programs per slot; ``fused_moe_gemm``'s ``GROUP_SIZE_M``, its program order;
+            ``fp8_moe_gemm``, the w8a8 base GEMM's tiles, whose ``BLOCK_M`` is its alignment's).
         rows: host row count the launch is sized for (a capacity in graph mode).
         N, K: output width and reduction depth; R: the LoRA rank bound.
         overrides: a launcher's ``config`` argument: entries that replace the looked-up ones.
+        fallback_op: looked up instead when no entry of ``op`` matches (the fp8 GEMM takes the bf16
+            GEMM's tiles where its own were not measured).
 
     Returns:
         A fresh dict with every key of :data:`GPU_FALLBACK_CONFIG` (``BLOCK_M`` is advisory for
         GEMMs: they take the alignment's), ``overrides`` applied last.
     """
+    if fallback_op is not None and _matched_entry(op, rows, N, K, R) is None:
+        op = fallback_op
     out = _looked_up(op, rows, N, K, R)
     if overrides:
         out.update(overrides)

@@ -150,7 +150,8 @@ def fp8_moe_gemm(
             raise KernelPreconditionError(f"topk_weights: {topk_weights.numel()} elements for {num_pairs} pairs")
     if num_pairs == 0:
         return c
-    cfg = kernel_config("fused_moe_gemm", rows=num_pairs, N=N, K=K, overrides=config)
+    # its own measured tiles (``fp8_moe_gemm``) where the table has them, else the bf16 GEMM's
+    cfg = kernel_config("fp8_moe_gemm", rows=num_pairs, N=N, K=K, overrides=config, fallback_op="fused_moe_gemm")
     grid = check_grid("fp8_moe_gemm", (used_blocks_bound(num_pairs, E_w, block_m, num_blocks),
                                        triton.cdiv(N, cfg["BLOCK_N"])))
     dummy = align.num_tokens_post_padded

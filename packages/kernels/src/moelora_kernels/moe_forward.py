@@ -147,8 +147,9 @@ def fused_moe(
     if weight_block is not None and (not gated or b_gate_up is not None or b_down is not None):
         raise KernelPreconditionError("fused_moe: an fp8 block-scaled base takes a gated layer without biases")
     if align is None:
-        # the table's base BLOCK_M was measured with bf16 / fp16 GEMM tiles; the fp8 GEMM keeps the rule
-        table_op = "moe_align_block_size" if weight_block is None else None
+        # each base GEMM's BLOCK_M was measured with its own tiles: the bf16 / fp16 GEMM's in the alignment's
+        # entries, the w8a8 GEMM's in its own (none stored: the rule)
+        table_op = "moe_align_block_size" if weight_block is None else "fp8_moe_gemm"
         align = moe_align_block_size(topk_ids, E_base, block_m or moe_block_m(M, top_k, E_base, op=table_op))
     num_pairs = M * top_k
     gate_up = torch.empty(M, top_k, width, dtype=x.dtype, device=x.device)
