@@ -105,12 +105,15 @@ def test_the_fp8_gemm_takes_its_own_entries_and_the_bf16_gemms_where_it_has_none
     monkeypatch.setattr(configs, "interpreting", lambda: False)
     table = {"fused_moe_gemm": [{"max_rows": 64, "BLOCK_N": 32, "num_warps": 2}, {"BLOCK_N": 128, "num_warps": 8}],
              "moe_align_block_size": [{"max_rows": 64, "BLOCK_M": 16}, {"BLOCK_M": 128}],
-             "fp8_moe_gemm": [{"max_rows": 4096, "BLOCK_M": 64, "BLOCK_N": 256, "num_stages": 4}]}
+             "fp8_moe_gemm": [{"max_rows": 256}, {"max_rows": 4096, "BLOCK_M": 64, "BLOCK_N": 256, "num_stages": 4}]}
     path = tmp_path / "table.json"
     path.write_text(json.dumps(table))
     monkeypatch.setenv("MOELORA_KERNEL_CONFIGS", str(path))
     own = configs.kernel_config("fp8_moe_gemm", rows=512, N=1536, K=2048, fallback_op="fused_moe_gemm")
-    assert (own["BLOCK_N"], own["num_stages"], own["num_warps"]) == (256, 4, configs.GPU_FALLBACK_CONFIG["num_warps"])
+    assert (own["BLOCK_N"], own["num_stages"], own["num_warps"]) == (256, 4, 8)  # warps: the bf16 GEMM's
+    small = configs.kernel_config("fp8_moe_gemm", rows=64, N=1536, K=2048, fallback_op="fused_moe_gemm")
+    assert (small["BLOCK_N"], small["num_warps"]) == (32, 2)  # an empty entry: the bf16 GEMM's tiles
+    assert configs.moe_block_m(8, 8, 128, op="fp8_moe_gemm") == configs.moe_block_m(8, 8, 128) == 16  # the rule
     bf16 = configs.kernel_config("fp8_moe_gemm", rows=8192, N=1536, K=2048, fallback_op="fused_moe_gemm")
     assert (bf16["BLOCK_N"], bf16["num_warps"]) == (128, 8)
     assert configs.kernel_config("fp8_moe_gemm", rows=8192)["BLOCK_N"] == configs.GPU_FALLBACK_CONFIG["BLOCK_N"]

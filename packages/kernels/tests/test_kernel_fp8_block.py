@@ -7,20 +7,22 @@ quotient, a partial last group); the fp8 grouped GEMM per pair against its float
 quantized input (gate_up with gate's and up's scale grids and partial row blocks; down with router
 weights; rows of -1 pairs stay NaN); the whole w8a8 layer with deltas against the oracle under the fp8
 rows, its base rows bit-identical to the layer without deltas, the deltas reading the unquantized
-activations (the oracle's LoRA term); precondition errors (a block that is not a power of two >= 16,
-a mis-shaped scale grid).
+activations (the oracle's LoRA term); K-groups narrower than a dot step or not a power of two (the
+tiny fixtures' blocks 4 and 8 run on a GPU's base path too); precondition errors (a block that is not a
+positive int, a mis-shaped scale grid).
 """
 
 import math
 
 import pytest
 import torch
-from kernel_testing import DEVICE, assert_bitwise_equal, assert_close, launch_guard, poisoned
+from kernel_testing import (DEVICE, H200_MAX_SHARED, assert_bitwise_equal, assert_close, compile_for_h200, launch_guard,
+                            poisoned)
 
 from moelora_core import DEFAULT_POLICY, KernelPreconditionError, LoRALayerSpec, LoRAWeights, ModuleLoRA, MoEBaseWeights
 from moelora_core.fp8_block import quantize_weight_fp8_block
 from moelora_kernels import moe_align_block_size, moe_block_m
-from moelora_kernels.fp8_block import fp8_moe_gemm, quantize_activation_fp8
+from moelora_kernels.fp8_block import fp8_moe_gemm, k_tile, quantize_activation_fp8
 from moelora_kernels.moe_forward import fused_moe
 from moelora_reference import fp8_block as twin
 from moelora_reference.base_moe import route_topk
@@ -76,7 +78,9 @@ def _fp8_case(dtype, T=9, H=40, inter=24, E=4, k=2, r=4, block=(16, 16), seed=3)
     return base, pool, x, ids, weights, mapping
 
 
-@pytest.mark.parametrize("block", [(16, 16), (16, 32)])  # bk 32: the tensor cores' fp8 dot on a GPU
+# bk 32 and 24 (padded to 32): the tensor cores' fp8 dot on a GPU; bk 8, 4, 12: a group narrower than a dot
+# step (the e2e fixtures' blocks), padded with masked zeros
+@pytest.mark.parametrize("block", [(16, 16), (16, 32), (16, 24), (8, 8), (8, 4), (16, 12)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fp8_gemm_matches_its_twin_per_pair(dtype, block):
     base, _, x, ids, weights, _ = _fp8_case(dtype, H=72, block=block)  # H = 72: a partial last K-group
@@ -164,8 +168,8 @@ def test_w8a8_layer_equals_the_oracle_and_base_rows_equal_the_base_alone(dtype):
 
 def test_preconditions_are_refused_by_name():
     x = torch.randn(4, 24, device=DEVICE)
-    with pytest.raises(KernelPreconditionError, match="power of two >= 16"):
-        quantize_activation_fp8(x, 12)
+    with pytest.raises(KernelPreconditionError, match="block_k"):
+        quantize_activation_fp8(x, 0)
     base, _, x, ids, _, _ = _fp8_case(torch.float32)
     q, s = quantize_activation_fp8(x.to(DEVICE), 16)
     d_ids = ids.to(DEVICE)
@@ -175,3 +179,29 @@ def test_preconditions_are_refused_by_name():
         fp8_moe_gemm(q, s, base.w_gate_up.to(DEVICE), base.w_gate_up_scale_inv[:, :3].to(DEVICE),
                      torch.empty(18, 48, device=DEVICE), align, block=(16, 16), top_k=2, num_pairs=18, in_row_div=2,
                      half=24)
+
+
+def _gemm_compile_case(bk: int, fp8_dot: bool, block_m=64, block_n=128, num_warps=4, num_stages=4) -> dict:
+    """The gate_up launch of a Qwen3-30B-A3B-FP8-like layer (H 2048, I 768; bk as given) for sm_90."""
+    H, inter = 2048, 768
+    args = {"q_ptr": "fp8e4nv", "qs_ptr": "fp32", "w_ptr": "fp8e4nv", "ws_ptr": "fp32", "c_ptr": "bf16",
+            "sorted_token_ids_ptr": "i32", "expert_ids_ptr": "i32", "num_tokens_post_padded_ptr": "i32",
+            "topk_weights_ptr": "fp32", "N": 2 * inter, "K": H, "num_pairs": 4096, "in_row_div": 8, "num_experts": 128,
+            "half": inter, "half_blocks": -(-inter // bk), "block_n_scale": bk,
+            "stride_qm": H, "stride_qk": 1, "stride_qsm": -(-H // bk), "stride_we": 2 * inter * H, "stride_wn": H,
+            "stride_wk": 1, "stride_wse": 2 * -(-inter // bk) * -(-H // bk), "stride_wsr": -(-H // bk),
+            "stride_cm": 2 * inter, "stride_cn": 1}
+    consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "GROUP": bk, "K_TILE": k_tile(bk), "MUL_ROUTED_WEIGHT": False,
+              "FP8_DOT": fp8_dot, "DOT_PRECISION": "tf32"}
+    return {"args": args, "constexprs": consts, "num_warps": num_warps, "num_stages": num_stages}
+
+
+def test_the_fp8_gemm_compiles_for_the_h200_at_every_group_width():
+    """bk 128 with the shipped H100 tiles (the tensor cores' fp8 dot), bk 24 (padded to 32, fp8 dot) and
+    bk 8 / 4 (padded to 16, the widened fp32 dot): compiled for sm_90 here, so a GPU call does not find
+    out first (the e2e fixtures' blocks 4 and 8 once reached the GPU refused by a >= 16 precondition)."""
+    cases = {f"bk={bk}": _gemm_compile_case(bk, k_tile(bk) >= 32) for bk in (128, 24, 8, 4)}
+    results = compile_for_h200("moelora_kernels._fp8_block_kernels:_fp8_moe_gemm_kernel", list(cases.values()))
+    for name, r in zip(cases, results, strict=True):
+        assert "error" not in r, f"{name}: {r.get('error')}"
+        assert 0 < r["shared"] <= H200_MAX_SHARED, f"{name}: shared memory {r['shared']} B"

@@ -86,6 +86,7 @@ def _fp8_moe_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,          # bk: one K step per group
+    K_TILE: tl.constexpr,         # the dot's K: max(16, next power of two >= bk), columns past bk masked
     MUL_ROUTED_WEIGHT: tl.constexpr,
     FP8_DOT: tl.constexpr,        # dot the e4m3 tiles as stored (GPU) or widened to fp32 (interpreter)
     DOT_PRECISION: tl.constexpr,
@@ -109,7 +110,7 @@ def _fp8_moe_gemm_kernel(
     a_rows = pairs64 // in_row_div
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    offs_k = tl.arange(0, GROUP)
+    offs_k = tl.arange(0, K_TILE)
     # each output column's scale row: gate's grid then up's for a fused gate_up (half = I)
     scale_rows = (offs_n // half) * half_blocks + (offs_n % half) // block_n_scale
 
@@ -122,6 +123,8 @@ def _fp8_moe_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for g in range(0, tl.cdiv(K, GROUP)):
         k_ok = offs_k < K - g * GROUP
+        if K_TILE != GROUP:  # a group narrower than a dot step (or not a power of two): zeros past it
+            k_ok = k_ok & (offs_k < GROUP)
         x = tl.load(q_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if FP8_DOT:

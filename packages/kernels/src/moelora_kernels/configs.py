@@ -97,16 +97,20 @@ def kernel_config(op: str, *, rows: int, N: int | None = None, K: int | None = N
         rows: host row count the launch is sized for (a capacity in graph mode).
         N, K: output width and reduction depth; R: the LoRA rank bound.
         overrides: a launcher's ``config`` argument: entries that replace the looked-up ones.
-        fallback_op: looked up instead when no entry of ``op`` matches (the fp8 GEMM takes the bf16
-            GEMM's tiles where its own were not measured).
+        fallback_op: looked up first, ``op``'s matching entry then replacing the keys it holds (the fp8
+            GEMM takes the bf16 GEMM's tiles where its own entries hold none, e.g. an empty entry
+            that keeps small batches as they were).
 
     Returns:
         A fresh dict with every key of :data:`GPU_FALLBACK_CONFIG` (``BLOCK_M`` is advisory for
         GEMMs: they take the alignment's), ``overrides`` applied last.
     """
-    if fallback_op is not None and _matched_entry(op, rows, N, K, R) is None:
-        op = fallback_op
-    out = _looked_up(op, rows, N, K, R)
+    if fallback_op is None:
+        out = _looked_up(op, rows, N, K, R)
+    else:
+        out = _looked_up(fallback_op, rows, N, K, R)
+        own = None if interpreting() else _matched_entry(op, rows, N, K, R)
+        out.update({k: v for k, v in (own or {}).items() if k in GPU_FALLBACK_CONFIG})
     if overrides:
         out.update(overrides)
     return out

@@ -21,8 +21,9 @@ Two kernels, each with a twin in ``moelora_reference.fp8_block``:
 Tensors: ``x`` [rows, K] fp32/fp16/bf16, last stride 1; ``q`` [rows, K] float8_e4m3fn on a GPU (the
 tensor cores' fp8 dot) and fp32 under the interpreter (holding the same e4m3 values); ``s`` [rows,
 ⌈K/bk⌉] fp32; ``w`` [E_w, N, K] float8_e4m3fn; ``scale_inv`` [E_w, rows of the grid, ⌈K/bk⌉] fp32;
-``c`` [num_pairs, N]; the alignment as :func:`.fused_moe.fused_moe_gemm` takes it. bk must be a
-power of two >= 16 (one ``tl.dot`` step per group: 16, 32, ..., DeepSeek-V3's 128). Offsets of rows,
+``c`` [num_pairs, N]; the alignment as :func:`.fused_moe.fused_moe_gemm` takes it. bk is any positive
+block (DeepSeek-V3's 128; the tiny fixtures' 4, 8, 16): each ``tl.dot`` step covers one group, padded
+with masked zeros to :func:`k_tile` (a power of two, at least the 16 a dot needs). Offsets of rows,
 experts and columns are 64-bit. Source: vLLM ``per_token_group_quant_fp8`` and
 ``fused_moe_kernel`` (block-quantized path), DeepSeek-V3 ``act_quant`` / ``fp8_gemm``.
 """
@@ -54,9 +55,13 @@ from moelora_kernels.fused_moe import check_pairs_and_align, used_blocks_bound
 
 def _check_group(block_k: int) -> int:
     check_positive_int("block_k", block_k)
-    if block_k < 16 or block_k & (block_k - 1):
-        raise KernelPreconditionError(f"block_k: {block_k} is not a power of two >= 16 (one dot step per K-group)")
     return block_k
+
+
+def k_tile(block_k: int) -> int:
+    """The GEMM's K step for a K-group of ``block_k``: the group padded to a power of two and to the
+    16 a ``tl.dot`` needs (the masked columns are zeros, so each step still sums exactly one group)."""
+    return max(16, next_pow2(block_k))
 
 
 def q_dtype(device: torch.device) -> torch.dtype:
@@ -68,7 +73,7 @@ def quantize_activation_fp8(x: torch.Tensor, block_k: int) -> tuple[torch.Tensor
     """(q [rows, K], s [rows, ⌈K/bk⌉] fp32) of x [rows, K] (module docstring).
 
     Raises:
-        KernelPreconditionError: x not a 2-D float tensor with last stride 1; bk not a power of two >= 16.
+        KernelPreconditionError: x not a 2-D float tensor with last stride 1; bk not a positive int.
     """
     check_tensor("x", x, dtypes=FLOAT_DTYPES, dim=2, unit_last_stride=True)
     _check_group(block_k)
@@ -112,8 +117,8 @@ def fp8_moe_gemm(
         block: (bn, bk) of the weights. half: rows per scale grid (I for a fused gate_up), None = N.
 
     Raises:
-        KernelPreconditionError: dtypes, shapes, devices; a scale grid of another shape; bk not a power
-            of two >= 16; an alignment for more experts than ``w`` or another pair count.
+        KernelPreconditionError: dtypes, shapes, devices; a scale grid of another shape; bk not a positive
+            int; an alignment for more experts than ``w`` or another pair count.
     """
     bn, bk = block
     _check_group(bk)
@@ -162,9 +167,10 @@ def fp8_moe_gemm(
         N, K, num_pairs, in_row_div, E_w, half, half_blocks, bn,
         q.stride(0), q.stride(1), s.stride(0), w.stride(0), w.stride(1), w.stride(2),
         scale_inv.stride(0), scale_inv.stride(1), c.stride(0), c.stride(1),
-        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], GROUP=bk, MUL_ROUTED_WEIGHT=topk_weights is not None,
+        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], GROUP=bk, K_TILE=k_tile(bk),
+        MUL_ROUTED_WEIGHT=topk_weights is not None,
         # the tensor cores' fp8 dot takes K steps of 32 and more; below, e4m3 tiles are widened (exactly)
-        FP8_DOT=q.dtype == FP8_DTYPE and bk >= 32, DOT_PRECISION=dot_precision(torch.float32),
+        FP8_DOT=q.dtype == FP8_DTYPE and k_tile(bk) >= 32, DOT_PRECISION=dot_precision(torch.float32),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return c
