@@ -16,8 +16,15 @@ import math
 
 import pytest
 import torch
-from kernel_testing import (DEVICE, H200_MAX_SHARED, assert_bitwise_equal, assert_close, compile_for_h200, launch_guard,
-                            poisoned)
+from kernel_testing import (
+    DEVICE,
+    H200_MAX_SHARED,
+    assert_bitwise_equal,
+    assert_close,
+    compile_for_h200,
+    launch_guard,
+    poisoned,
+)
 
 from moelora_core import DEFAULT_POLICY, KernelPreconditionError, LoRALayerSpec, LoRAWeights, ModuleLoRA, MoEBaseWeights
 from moelora_core.fp8_block import quantize_weight_fp8_block
