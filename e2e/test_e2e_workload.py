@@ -1,7 +1,8 @@
 """The e2e suite on the engine (``moelora_conformance.e2e``), CI-sized (DESIGN.md §9).
 
-- ``test_reference_ci_sized_workload_holds_every_claim``: the CI-sized workload (64 ragged requests,
-  1 to 248 prompt tokens, 8 new tokens, five adapters of five ranks and formats over 4 slots, base
+- ``test_reference_ci_sized_workload_holds_every_claim`` (``dev`` and larger profiles; on CI's
+  ``interpret`` the main job's ``e2e-reference`` holds the same claims with ``--require-coverage``): the
+  CI-sized workload (64 ragged requests, 1 to 248 prompt tokens, 8 new tokens, five adapters of five ranks and formats over 4 slots, base
   requests, spread arrivals and a burst) on ``reference`` in every engine mode: E01-E05 pass, and
   the run exercised what it claims (steps that fit and steps beyond capacity; chunked prefills on the
   prefill graph, a bucket relaid out, hot loads after capture, the layer-patterned adapter, the
@@ -33,6 +34,7 @@ from moelora_conformance.e2e.results import E2EResult
 from moelora_conformance.e2e.run import E2EConfig, run_model
 from moelora_conformance.e2e.workload import Served, StepRecord, make_workload
 from moelora_conformance.faulty import target
+from moelora_conformance.profiles import current_profile
 
 MODEL = "qwen3_moe"
 #: The smaller workload of the kernel backends and the fault tests.
@@ -64,6 +66,9 @@ def _assert_small(e05):
 
 @pytest.mark.xdist_group("e2e-reference")
 def test_reference_ci_sized_workload_holds_every_claim(fixture_set, engine_adapters):
+    if current_profile().name == "interpret":  # one home per claim on CI's CPU
+        pytest.skip("CI-sized: the main job's e2e-reference (nox -s conformance) serves this workload with "
+                    "--require-coverage (E01-E05 passed, every E05 item met); the step labels below run in dev")
     records = _run(fixture_set, engine_adapters, "reference", state_machine_examples=0)
     _assert_all_passed(records)
     by = _by(records)
