@@ -1,12 +1,12 @@
 """The e2e suite on the engine (``moelora_conformance.e2e``), CI-sized (DESIGN.md §9).
 
-- ``test_reference_ci_sized_workload_holds_every_claim`` (``dev`` and larger profiles; on CI's
-  ``interpret`` the main job's ``e2e-reference`` holds the same claims with ``--require-coverage``): the
-  CI-sized workload (64 ragged requests, 1 to 248 prompt tokens, 8 new tokens, five adapters of five
-  ranks and formats over 4 slots, base requests, spread arrivals and a burst) on ``reference`` in every
-  engine mode: E01-E05 pass, and the run exercised what it claims (steps that fit and steps beyond capacity; chunked prefills on the
-  prefill graph, a bucket relaid out, hot loads after capture, the layer-patterned adapter, the
-  same-config reload, the host-sync guard on every step).
+- ``test_reference_ci_sized_workload_holds_every_claim`` (``dev`` and larger profiles; on CI's ``interpret``
+  the main job's ``e2e-reference`` holds the same claims with ``--require-coverage``): the CI-sized workload
+  (64 ragged requests, 1 to 248 prompt tokens, 8 new tokens, five adapters of five ranks and formats over 4
+  slots, base requests, spread arrivals and a burst) on ``reference`` in every engine mode: E01-E05 pass,
+  and the run exercised what it claims (steps that fit and steps beyond capacity; chunked prefills on the
+  prefill graph, a bucket relaid out, hot loads after capture, the layer-patterned adapter, the same-config
+  reload, the host-sync guard on every step).
 - The kernel backends (``triton`` ``full``, ``csgmv`` ``breakable``, on a 16-request workload) run in the
   main job (``nox -s conformance``), every fixture family on ``reference`` in ``nox -s conformance-full``,
   not here.
