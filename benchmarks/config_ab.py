@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 #: Row fields compared side by side when present.
-FIELDS = ("a_us", "b_us", "b_idle_us", "b_fused_us", "b_unfused_us")
+FIELDS = ("a_us", "b_us", "b_idle_us", "b_fused_us", "b_unfused_us", "a_fp8_us", "ab_fp8_us")
 
 
 def table_with(key: str, value: int, ops: list[str]) -> dict:

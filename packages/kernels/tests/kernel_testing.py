@@ -124,6 +124,8 @@ for case in spec["cases"]:
             signature[arg] = "constexpr"
         elif isinstance(args[arg], str):  # a pointer's element type
             signature[arg], attrs[(i,)] = "*" + args[arg], [["tt.divisibility", 16]]
+        elif isinstance(args[arg], float):
+            signature[arg] = "fp32"
         elif args[arg] == 1:
             signature[arg], consts[arg] = "constexpr", 1
         else:
@@ -152,7 +154,7 @@ def compile_for_h200(kernel: str, cases: list[dict]) -> list[dict]:
         kernel: ``"module:name"`` of a ``@triton.jit`` kernel.
         cases: each ``{"args", "constexprs", "num_warps", "num_stages"}``; ``args`` names every
             runtime argument: a Triton element type (``"bf16"``, ``"i32"``, …) for a pointer, an int
-            for a scalar. The launch's specialisation is reproduced: pointers and ints divisible by
+            for an integer scalar, a float for an fp32 scalar. The launch's specialisation is reproduced: pointers and ints divisible by
             16 are marked so, ints equal to 1 become constants.
 
     Returns:

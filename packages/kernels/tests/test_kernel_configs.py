@@ -46,6 +46,9 @@ def test_shipped_entries_use_only_known_keys_and_valid_values(op, entry):
     if "EXPAND_STREAM" in entry:
         assert op in ("moe_lora_expand", "fused_moe_lora") and entry["EXPAND_STREAM"] in EXPAND_STREAM, (
             f"{op} entry {entry}")
+    if "QUANT_ROWS" in entry:
+        rows = entry["QUANT_ROWS"]
+        assert op == "quantize_activation_fp8" and not rows & (rows - 1), f"{op} entry {entry}"
     if "GROUP_SIZE_M" in entry:
         assert op == "fused_moe_gemm" and 1 <= entry["GROUP_SIZE_M"] <= MAX_GROUP_SIZE_M, f"{op} entry {entry}"
     if "BLOCK_M" in entry:  # the base alignment's block rows (configs.moe_block_m(op=...)); GEMMs take the alignment's

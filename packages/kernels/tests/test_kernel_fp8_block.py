@@ -45,8 +45,9 @@ def _codes() -> torch.Tensor:
     return torch.cat([vals, (vals[1:] + vals[:-1]) / 2])  # every e4m3 value and every tie
 
 
+@pytest.mark.parametrize("quant_rows", [1, 4, 16])  # 4: a partial last program of rows; 16: one program
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_activation_quantization_is_bit_identical_to_the_twin(dtype):
+def test_activation_quantization_is_bit_identical_to_the_twin(dtype, quant_rows):
     gen = torch.Generator().manual_seed(0)
     codes = _codes()
     x = torch.zeros(6, 48)
@@ -60,7 +61,7 @@ def test_activation_quantization_is_bit_identical_to_the_twin(dtype):
     x = x.to(dtype).to(DEVICE)
     for K in (48, 40):  # 40: a partial last group of 8
         with launch_guard():
-            q, s = quantize_activation_fp8(x[:, :K].contiguous(), 16)
+            q, s = quantize_activation_fp8(x[:, :K].contiguous(), 16, config={"QUANT_ROWS": quant_rows})
         q2, s2 = twin.quantize_activation(x[:, :K].cpu(), 16)
         assert_bitwise_equal(q.float().cpu(), q2, what=f"q K={K} {dtype}")
         assert_bitwise_equal(s.cpu(), s2, what=f"s K={K} {dtype}")
@@ -177,6 +178,8 @@ def test_preconditions_are_refused_by_name():
     x = torch.randn(4, 24, device=DEVICE)
     with pytest.raises(KernelPreconditionError, match="block_k"):
         quantize_activation_fp8(x, 0)
+    with pytest.raises(KernelPreconditionError, match="QUANT_ROWS: must be a power of two"):
+        quantize_activation_fp8(x, 16, config={"QUANT_ROWS": 3})
     base, _, x, ids, _, _ = _fp8_case(torch.float32)
     q, s = quantize_activation_fp8(x.to(DEVICE), 16)
     d_ids = ids.to(DEVICE)
@@ -212,3 +215,14 @@ def test_the_fp8_gemm_compiles_for_the_h200_at_every_group_width():
     for name, r in zip(cases, results, strict=True):
         assert "error" not in r, f"{name}: {r.get('error')}"
         assert 0 < r["shared"] <= H200_MAX_SHARED, f"{name}: shared memory {r['shared']} B"
+
+
+def test_the_activation_quantization_compiles_for_the_h200_at_every_rows_per_program():
+    """QUANT_ROWS 1 (one program per row and group) to 64, bk 128, bf16 in, e4m3 out, for sm_90."""
+    args = {"x_ptr": "bf16", "q_ptr": "fp8e4nv", "s_ptr": "fp32", "rows": 65536, "K": 768, "eps": 1e-10,
+            "stride_xm": 768, "stride_qm": 768, "stride_sm": 6}
+    cases = [{"args": args, "constexprs": {"GROUP": 128, "BLOCK": 128, "QUANT_ROWS": r}, "num_warps": 4,
+              "num_stages": 1} for r in (1, 16, 64)]
+    results = compile_for_h200("moelora_kernels._fp8_block_kernels:_quant_fp8_groups_kernel", cases)
+    for r, res in zip((1, 16, 64), results, strict=True):
+        assert "error" not in res, f"QUANT_ROWS={r}: {res.get('error')}"

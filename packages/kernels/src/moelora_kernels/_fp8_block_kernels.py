@@ -34,6 +34,7 @@ def _quant_fp8_groups_kernel(
     q_ptr,                        # [rows, K] float8_e4m3fn (or fp32): the e4m3 values
     s_ptr,                        # [rows, G] fp32 scales
     # sizes
+    rows,
     K,
     eps,                          # fp32 floor of a group's amax
     # strides
@@ -41,19 +42,20 @@ def _quant_fp8_groups_kernel(
     # meta-parameters
     GROUP: tl.constexpr,          # bk
     BLOCK: tl.constexpr,          # next power of two >= bk
+    QUANT_ROWS: tl.constexpr,     # rows per program (each row's groups independent: any value is exact)
 ):
-    row = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64) * QUANT_ROWS + tl.arange(0, QUANT_ROWS).to(tl.int64)
     g = tl.program_id(1)
     offs = g * GROUP + tl.arange(0, BLOCK)
-    ok = (tl.arange(0, BLOCK) < GROUP) & (offs < K)
-    x = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
+    ok = ((tl.arange(0, BLOCK) < GROUP) & (offs < K))[None, :] & (row < rows)[:, None]
+    x = tl.load(x_ptr + row[:, None] * stride_xm + offs[None, :], mask=ok, other=0.0).to(tl.float32)
     # tl.div_rn, not `/`: on a GPU Triton's fp32 `/` is an approximate division (about 1 ulp off), while
     # the contract (DESIGN.md §1) and the twin divide correctly rounded; the GPU matrix's fp8 kernel
     # cell caught 9 of 18 scales one bit off
-    s = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), eps), 448.0)
-    q = _round_to_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, s), -448.0), 448.0))
-    tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + row * stride_sm + g, s)
+    s = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), eps), 448.0)
+    q = _round_to_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, s[:, None]), -448.0), 448.0))
+    tl.store(q_ptr + row[:, None] * stride_qm + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + row * stride_sm + g, s, mask=row < rows)
 
 
 @triton.jit

@@ -69,11 +69,16 @@ def q_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if interpreting() or device.type != "cuda" else FP8_DTYPE
 
 
-def quantize_activation_fp8(x: torch.Tensor, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation_fp8(x: torch.Tensor, block_k: int, *, config: dict | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [rows, K], s [rows, ⌈K/bk⌉] fp32) of x [rows, K] (module docstring).
 
+    One program per (``QUANT_ROWS`` rows, K-group): the table's ``quantize_activation_fp8`` entry (1 where
+    none: one program per row and group); ``config`` overrides it. Every value gives the same bits.
+
     Raises:
-        KernelPreconditionError: x not a 2-D float tensor with last stride 1; bk not a positive int.
+        KernelPreconditionError: x not a 2-D float tensor with last stride 1; bk not a positive int;
+            ``QUANT_ROWS`` not a power of two.
     """
     check_tensor("x", x, dtypes=FLOAT_DTYPES, dim=2, unit_last_stride=True)
     _check_group(block_k)
@@ -83,9 +88,12 @@ def quantize_activation_fp8(x: torch.Tensor, block_k: int) -> tuple[torch.Tensor
     s = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
     if rows == 0 or K == 0:
         return q, s
-    grid = check_grid("quantize_activation_fp8", (rows, groups))
-    _quant_fp8_groups_kernel[grid](x, q, s, K, ACT_SCALE_EPS, x.stride(0), q.stride(0), s.stride(0),
-                                   GROUP=block_k, BLOCK=next_pow2(block_k))
+    per = kernel_config("quantize_activation_fp8", rows=rows, K=K, overrides=config)["QUANT_ROWS"]
+    if not isinstance(per, int) or per < 1 or per & (per - 1):
+        raise KernelPreconditionError(f"QUANT_ROWS: must be a power of two >= 1, got {per!r}")
+    grid = check_grid("quantize_activation_fp8", (triton.cdiv(rows, per), groups))
+    _quant_fp8_groups_kernel[grid](x, q, s, rows, K, ACT_SCALE_EPS, x.stride(0), q.stride(0), s.stride(0),
+                                   GROUP=block_k, BLOCK=next_pow2(block_k), QUANT_ROWS=per)
     return q, s
 
 
