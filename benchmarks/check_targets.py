@@ -5,18 +5,21 @@
 A ``bench_moe_lora.py`` JSON (rows with ``a_us`` / ``b_us`` per M and R) is held to the file's absolute
 ``lora_b_us`` [M][R] and ``base_a_us`` [M]; a ``bench_peers.py`` JSON (rows with ``path`` and ``unit``) to the
 ratio rule inside its own run: moelora's b at most ``lora_ratio`` x the fastest peer path's b of the same (M,
-R), moelora's a at most ``base_ratio`` x the fastest peer base's a. A cell is judged only when the run holds a
-row of every path of ``lora_peer_paths`` / ``base_peer_paths`` at it (a run of one peer path would set an easy
-target); a row a peer skipped or failed counts as present but sets no time. Each run must carry the card the
-targets are for (its ``gpu`` field). Prints one line per cell (value, target, met or the factor missed) and
-per run a verdict; exits 0 when every cell with a target in every run is met, 1 otherwise, 2 for unusable
-input. Cells without a target are listed as "no target" and do not count; a run with no cell to judge is
-unusable.
+R), moelora's a at most ``base_ratio`` x the fastest peer base's a, judged only where the run holds a row of
+every path of ``lora_peer_paths`` / ``base_peer_paths`` (a run of one peer path would set an easy target; a
+row a peer skipped or failed counts as present but sets no time). A run meets its targets when every cell of
+the grid (each (M, R) of ``lora_b_us`` and the base at each of its M) is in it, judged and met: a cell
+missing, not judged, or whose moelora row holds no time is missed; duplicate rows are judged by their worst
+time; cells outside the grid are judged where they have a target. Each run must come from the targets' card
+(its ``gpu`` field, exactly). Prints one line per cell and a verdict per run; exits 0 when every run meets its
+targets, 1 otherwise, 2 for unusable input (not JSON, another card, a row without an int M, a time that is not
+a finite positive number, nothing to judge).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -24,49 +27,85 @@ from pathlib import Path
 def _targets(path: Path) -> dict:
     t = json.loads(path.read_text())
     for key in ("card", "lora_ratio", "base_ratio", "lora_b_us", "base_a_us", "lora_peer_paths", "base_peer_paths"):
-        if key not in t:
+        if not isinstance(t, dict) or key not in t:
             raise ValueError(f"{path}: no {key!r}")
     return t
 
 
-def judge_absolute(run: dict, t: dict) -> list[tuple[str, float, float | None]]:
-    """(cell, value µs, target µs or None) for every base and LoRA cell of a ``bench_moe_lora.py`` run."""
-    cells, seen = [], set()
-    for r in run["rows"]:
-        M, R = str(r["M"]), str(r["R"])
-        if M not in seen and "a_us" in r:
-            seen.add(M)
-            cells.append((f"base a M={M}", r["a_us"], t["base_a_us"].get(M)))
-        if "b_us" in r:
-            cells.append((f"lora b M={M} R={R}", r["b_us"], t["lora_b_us"].get(M, {}).get(R)))
+def _time(row: dict, field: str, where: str) -> float | None:
+    """The row's time in µs, None when the row holds none (skipped or failed).
+
+    Raises:
+        ValueError: a time that is not a finite positive number (a broken measurement judges nothing).
+    """
+    if field not in row:
+        return None
+    v = row[field]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{where}: {field} = {v!r} is not a finite positive time")
+    return float(v)
+
+
+def _rows(run, path: Path) -> list[dict]:
+    """The run's rows, each a dict with an int ``M`` and an int or null ``R``.
+
+    Raises:
+        ValueError: anything else (named with the row's index).
+    """
+    rows = run.get("rows") if isinstance(run, dict) else None
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: no list of rows")
+    for i, r in enumerate(rows):
+        ok = isinstance(r, dict) and type(r.get("M")) is int and (r.get("R") is None or type(r.get("R")) is int)
+        if not ok:
+            raise ValueError(f"{path}: row {i} is not a benchmark row with an int M and an int or null R: {r!r}")
+    return rows
+
+
+def _grid(t: dict) -> list[tuple[str, int, int | None]]:
+    """Every cell a run must hold: the LoRA grid's (M, R) and the base at each of its M."""
+    lora = [("lora", int(M), int(R)) for M, by_r in t["lora_b_us"].items() for R in by_r]
+    return sorted({("base", M, None) for _, M, _ in lora}) + sorted(lora)
+
+
+def _absolute(rows: list[dict], t: dict, where: str) -> dict[tuple, tuple[list, float | None]]:
+    """cell → (moelora's times, worst first; target µs) of a ``bench_moe_lora.py`` run."""
+    cells: dict[tuple, tuple[list, float | None]] = {}
+    for i, r in enumerate(rows):
+        M, R = r["M"], r["R"]
+        for unit, field, key, target in (("base", "a_us", (M, None), t["base_a_us"].get(str(M))),
+                                         ("lora", "b_us", (M, R), t["lora_b_us"].get(str(M), {}).get(str(R)))):
+            if field in r:
+                cells.setdefault((unit, *key), ([], target))[0].append(_time(r, field, f"{where} row {i}"))
     return cells
 
 
-def judge_ratio(run: dict, t: dict) -> list[tuple[str, float, float | None]]:
-    """(cell, moelora's value µs, the ratio target in µs or None) for a ``bench_peers.py`` run."""
+def _ratio(rows: list[dict], t: dict, where: str) -> dict[tuple, tuple[list, float | None]]:
+    """cell → (moelora's times, None for a failed row; the ratio target µs or None) of a ``bench_peers.py``
+    run: a cell is judged only when the run holds a row of every peer path of its unit."""
+    mine: dict[tuple, list] = {}
     best: dict[tuple, float] = {}
-    mine: dict[tuple, float] = {}
     present: dict[tuple, set] = {}
-    for r in run["rows"]:
-        field = "b_us" if r.get("unit") == "lora" else "a_us"
-        key = (r.get("unit"), r["M"], r.get("R"))
+    for i, r in enumerate(rows):
+        unit = r.get("unit")
+        if unit not in ("lora", "base") or not isinstance(r.get("path"), str):
+            raise ValueError(f"{where} row {i}: no unit ('lora' or 'base') and path")
+        key = (unit, r["M"], r["R"] if unit == "lora" else None)
+        value = _time(r, "b_us" if unit == "lora" else "a_us", f"{where} row {i}")
         present.setdefault(key, set()).add(r["path"])
-        if field not in r:
-            continue  # skipped or failed: present, not a measurement
         if r["path"] == "moelora":
-            mine[key] = r[field]
-        else:
-            best[key] = min(best.get(key, float("inf")), r[field])
-    cells = []
-    for (unit, M, R), value in sorted(mine.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
-        peer = best.get((unit, M, R))
-        ratio = t["lora_ratio"] if unit == "lora" else t["base_ratio"]
-        name = f"lora b M={M} R={R}" if unit == "lora" else f"base a M={M}"
+            mine.setdefault(key, []).append(value)
+        elif value is not None:
+            best[key] = min(best.get(key, math.inf), value)
+    cells = {}
+    for key, values in mine.items():
+        unit = key[0]
         wanted = set(t["lora_peer_paths"] if unit == "lora" else t["base_peer_paths"])
-        if missing := sorted(wanted - present[(unit, M, R)]):
-            name += f" (run lacks {', '.join(missing)})"
-            peer = None
-        cells.append((name, value, None if peer is None else ratio * peer))
+        judged = key in best and wanted <= present[key]
+        ratio = t["lora_ratio"] if unit == "lora" else t["base_ratio"]
+        cells[key] = (values, ratio * best[key] if judged else None)
+        if not judged:
+            cells[key] = (values, None, f"run lacks {', '.join(sorted(wanted - present[key])) or 'a peer time'}")
     return cells
 
 
@@ -76,28 +115,43 @@ def check(targets_path: Path, runs: list[Path]) -> int:
     status = 0
     for path in runs:
         run = json.loads(path.read_text())
-        gpu = run.get("gpu") or ""
-        if t["card"] not in gpu:
-            print(f"{path}: ran on {gpu or 'no GPU'!r}, not on the targets' card {t['card']!r}")
+        rows = _rows(run, path)
+        if run.get("gpu") != t["card"]:
+            print(f"{path}: ran on {run.get('gpu') or 'no GPU'!r}, not on the targets' card {t['card']!r}")
             return 2
-        ratio = any("path" in r for r in run.get("rows", []))
-        cells = (judge_ratio if ratio else judge_absolute)(run, t)
-        judged = [c for c in cells if c[2] is not None]
-        if not judged:
+        ratio = any("path" in r for r in rows)
+        cells = (_ratio if ratio else _absolute)(rows, t, path.name)
+        if not any(c[1] is not None for c in cells.values()):
             print(f"{path}: no cell with a target")
             return 2
-        missed = 0
-        for name, value, target in cells:
-            if target is None:
-                verdict = "no target"
-            elif value <= target:
+        missed = met = 0
+        for key in _grid(t) + sorted(set(cells) - set(_grid(t)), key=lambda k: (k[0], k[1], k[2] or 0)):
+            unit, M, R = key
+            name = f"lora b M={M} R={R}" if unit == "lora" else f"base a M={M}"
+            values, target, *why = cells.get(key, ([], None, "not in the run"))
+            times = [v for v in values if v is not None]
+            worst = max(times) if times else None
+            if key not in cells and key in _grid(t):
+                verdict = "MISSED: not in the run"
+            elif None in values:
+                verdict = "MISSED: moelora's row holds no time (failed or skipped)"
+            elif target is None and key in _grid(t):  # "done" needs every cell of the grid judged
+                verdict = f"MISSED: not judged ({why[0] if why else 'no target'})"
+            elif target is None:
+                verdict = f"no target{f' ({why[0]})' if why else ''}"
+            elif worst <= target:
                 verdict = "met"
             else:
-                verdict, missed = f"MISSED by {value / target:.2f}x", missed + 1
-            print(f"{path.name}: {name:24} {value:9.1f} us  target {'-' if target is None else f'{target:.1f}':>8}  "
+                verdict = f"MISSED by {worst / target:.2f}x"
+            if verdict.startswith("MISSED"):
+                missed += 1
+            elif verdict == "met":
+                met += 1
+            shown = "-" if worst is None else f"{worst:.1f}"
+            print(f"{path.name}: {name:20} {shown:>9} us  target {'-' if target is None else f'{target:.1f}':>8}  "
                   f"{verdict}")
         kind = "ratio rule, inside the run" if ratio else "absolute targets"
-        print(f"{path.name}: {len(judged) - missed} of {len(judged)} cells met ({kind})")
+        print(f"{path.name}: {met} of {met + missed} cells met ({kind}; the worst of duplicate rows)")
         status = status or (1 if missed else 0)
     return status
 
@@ -109,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return check(Path(args[0]), [Path(a) for a in args[1:]])
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"check_targets: {type(exc).__name__}: {exc}")
         return 2
 

@@ -1,6 +1,9 @@
 """``benchmarks/check_targets.py``: the kernel-speed issue's "done" as a command, on hand-made runs and the
-shipped ``benchmarks/targets-h100.json``: absolute targets for a ``bench_moe_lora.py`` run, the ratio rule
-inside a ``bench_peers.py`` run (a cell whose run lacks a peer path is not judged), the card checked."""
+shipped ``benchmarks/targets-h100.json``: a ``bench_moe_lora.py`` run against the absolute targets (every
+cell of the grid in it and met; duplicates judged by the worst row), a ``bench_peers.py`` run by the ratio
+rule inside itself (a cell whose run lacks a peer path is not judged, a failed moelora row is a miss), and
+unusable input refused by name (another card, NaN or non-positive times, rows without an int M), never a
+traceback or a pass."""
 
 from __future__ import annotations
 
@@ -8,9 +11,12 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 TARGETS = ROOT / "benchmarks" / "targets-h100.json"
-CARD = "NVIDIA H100 80GB HBM3"
+T = json.loads(TARGETS.read_text())
+CARD = T["card"]
 
 
 def _module():
@@ -26,47 +32,88 @@ def _write(tmp_path, name, rows, gpu=CARD) -> Path:
     return path
 
 
+def _moe_lora_rows(factor: float = 0.9) -> list[dict]:
+    """A bench_moe_lora run over the whole grid, every time ``factor`` x its target."""
+    return [{"M": int(M), "R": int(R), "a_us": factor * T["base_a_us"][M], "b_us": factor * b}
+            for M, by_r in T["lora_b_us"].items() for R, b in by_r.items()]
+
+
+def _peers_rows(moelora: float = 40.0, peer: float = 100.0, base: float = 400.0) -> list[dict]:
+    rows = []
+    for M, by_r in T["lora_b_us"].items():
+        rows.append({"M": int(M), "R": None, "unit": "base", "path": "moelora", "a_us": base})
+        rows += [{"M": int(M), "R": None, "unit": "base", "path": p, "a_us": base + 1} for p in T["base_peer_paths"]]
+        for R in by_r:
+            rows.append({"M": int(M), "R": int(R), "unit": "lora", "path": "moelora", "b_us": moelora})
+            rows += [{"M": int(M), "R": int(R), "unit": "lora", "path": p, "b_us": peer} for p in T["lora_peer_paths"]]
+    return rows
+
+
 def test_the_shipped_targets_cover_the_kernel_speed_grid():
-    t = json.loads(TARGETS.read_text())
-    assert t["card"] == CARD and t["lora_ratio"] == 0.5 and t["base_ratio"] == 1.0
-    assert set(t["lora_b_us"]) == {"1", "8", "32", "128", "512", "2048", "8192"}
-    assert all(set(v) == {"16", "64"} and all(x > 0 for x in v.values()) for v in t["lora_b_us"].values())
-    assert set(t["lora_b_us"]) <= set(t["base_a_us"])
+    assert T["lora_ratio"] == 0.5 and T["base_ratio"] == 1.0
+    assert set(T["lora_b_us"]) == {"1", "8", "32", "128", "512", "2048", "8192"}
+    assert all(set(v) == {"16", "64"} and all(x > 0 for x in v.values()) for v in T["lora_b_us"].values())
+    assert set(T["lora_b_us"]) <= set(T["base_a_us"])
 
 
-def test_a_bench_moe_lora_run_is_held_to_the_absolute_targets(tmp_path, capsys):
+def test_a_bench_moe_lora_run_is_held_to_every_cell_of_the_grid(tmp_path, capsys):
     mod = _module()
-    t = json.loads(TARGETS.read_text())
-    ok = t["lora_b_us"]["1"]["16"]
-    rows = [{"M": 1, "R": 16, "a_us": t["base_a_us"]["1"] - 1, "b_us": ok},
-            {"M": 1, "R": 64, "a_us": t["base_a_us"]["1"] - 1, "b_us": t["lora_b_us"]["1"]["64"] * 0.9},
-            {"M": 3, "R": 16, "a_us": 1e6, "b_us": 1e6}]  # no target: listed, not counted
-    assert mod.main([str(TARGETS), str(_write(tmp_path, "good.json", rows))]) == 0
-    assert "3 of 3 cells met (absolute targets)" in capsys.readouterr().out
-    rows[1]["b_us"] = t["lora_b_us"]["1"]["64"] * 1.5
-    assert mod.main([str(TARGETS), str(_write(tmp_path, "slow.json", rows))]) == 1
+    rows = _moe_lora_rows()
+    assert mod.main([str(TARGETS), str(_write(tmp_path, "good.json", [*rows, {"M": 3, "R": 16, "b_us": 1e6}]))]) == 0
+    assert "21 of 21 cells met (absolute targets" in capsys.readouterr().out  # M 3: no target, not counted
+    slow = [dict(r, b_us=r["b_us"] / 0.9 * 1.5) if (r["M"], r["R"]) == (1, 64) else r for r in rows]
+    assert mod.main([str(TARGETS), str(_write(tmp_path, "slow.json", slow))]) == 1
     assert "lora b M=1 R=64" in (out := capsys.readouterr().out) and "MISSED by 1.50x" in out
+    assert mod.main([str(TARGETS), str(_write(tmp_path, "part.json", rows[:1]))]) == 1  # one cell is not done
+    assert "MISSED: not in the run" in capsys.readouterr().out
+    # a duplicate row is judged by its worst time, whichever comes first (the base a of each R row as well)
+    worse = [dict(rows[0], a_us=1e6)]
+    assert mod.main([str(TARGETS), str(_write(tmp_path, "dup.json", rows + worse))]) == 1
+    assert mod.main([str(TARGETS), str(_write(tmp_path, "dup2.json", worse + rows))]) == 1
 
 
 def test_a_bench_peers_run_is_judged_inside_itself_and_only_with_every_peer_path(tmp_path, capsys):
     mod = _module()
-    t = json.loads(TARGETS.read_text())
-    lora = [{"M": 32, "R": 16, "unit": "lora", "path": "moelora", "b_us": 40.0}]
-    lora += [{"M": 32, "R": 16, "unit": "lora", "path": p, "b_us": 100.0} for p in t["lora_peer_paths"][1:]]
-    lora.append({"M": 32, "R": 16, "unit": "lora", "path": t["lora_peer_paths"][0], "error": "CompilationError"})
-    base = [{"M": 32, "R": None, "unit": "base", "path": "moelora", "a_us": 400.0},
-            {"M": 32, "R": None, "unit": "base", "path": "sglang:fused_moe_triton", "a_us": 390.0}]
-    assert mod.main([str(TARGETS), str(_write(tmp_path, "peers.json", lora + base))]) == 0
+    rows = _peers_rows()
+    assert mod.main([str(TARGETS), str(_write(tmp_path, "peers.json", rows))]) == 0  # 40 <= 0.5 x 100
+    capsys.readouterr()
+    failed_peer = [{k: v for k, v in r.items() if k != "b_us"} | {"error": "CompilationError"}
+                   if r["path"] == T["lora_peer_paths"][0] else r for r in rows]
+    assert mod.main([str(TARGETS), str(_write(tmp_path, "failed-peer.json", failed_peer))]) == 0  # present, no time
+    lacking = [r for r in rows if r["path"] != "vllm:fused_moe"]
+    assert mod.main([str(TARGETS), str(_write(tmp_path, "lacking.json", lacking))]) == 1
+    assert "not judged (run lacks vllm:fused_moe)" in capsys.readouterr().out
+    assert mod.main([str(TARGETS), str(_write(tmp_path, "slow.json", _peers_rows(moelora=60.0)))]) == 1
+    # moelora's own failed row is a miss, never dropped; a duplicate is judged by its worst time
+    broken = [{k: v for k, v in r.items() if k != "b_us"} | {"error": "boom"} if r["path"] == "moelora"
+              and (r["M"], r["R"]) == (32, 16) else r for r in rows]
+    assert mod.main([str(TARGETS), str(_write(tmp_path, "broken.json", broken))]) == 1
+    assert "moelora's row holds no time" in capsys.readouterr().out
+    dup = [*rows, {"M": 32, "R": 16, "unit": "lora", "path": "moelora", "b_us": 90.0}]
+    assert mod.main([str(TARGETS), str(_write(tmp_path, "dup.json", list(reversed(dup))))]) == 1
+
+
+@pytest.mark.parametrize("rows, gpu, says", [
+    (_moe_lora_rows(), "NVIDIA H200", "not on the targets' card"),
+    (_moe_lora_rows(), f"[{CARD}]", "not on the targets' card"),
+    ([{"M": 3, "R": 8, "b_us": 1.0}], CARD, "no cell with a target"),
+    ([{"M": 1, "R": 16, "b_us": float("nan")}], CARD, "not a finite positive time"),
+    ([{"M": 1, "R": 16, "b_us": -1.0}], CARD, "not a finite positive time"),
+    ([{"M": 1, "R": 16, "b_us": "1.0"}], CARD, "not a finite positive time"),
+    ([{"M": 1.0, "R": 16, "b_us": 1.0}], CARD, "int M"),
+    (["row"], CARD, "int M"),
+    ([{"M": 1, "R": 16, "unit": "lora", "path": "vllm:fused", "b_us": None}], CARD, "not a finite positive time"),
+], ids=["h200", "substring", "nothing", "nan", "negative", "string", "float-M", "not-a-dict", "null-peer"])
+def test_unusable_input_exits_2_with_its_reason(rows, gpu, says, tmp_path, capsys):
+    assert _module().main([str(TARGETS), str(_write(tmp_path, "run.json", rows, gpu=gpu))]) == 2
     out = capsys.readouterr().out
-    assert "1 of 1 cells met (ratio rule" in out  # 40 <= 0.5 x 100 (the failed path sets no time)
-    assert "run lacks vllm:fused_moe" in out  # the base cell is not judged without vLLM's row
-    lora[0]["b_us"] = 60.0
-    assert mod.main([str(TARGETS), str(_write(tmp_path, "peers2.json", lora + base))]) == 1
+    assert says in out and "Traceback" not in out
 
 
-def test_a_run_of_another_card_or_with_nothing_to_judge_is_refused(tmp_path, capsys):
+def test_a_file_that_is_not_a_run_exits_2(tmp_path, capsys):
     mod = _module()
-    rows = [{"M": 1, "R": 16, "a_us": 1.0, "b_us": 1.0}]
-    assert mod.main([str(TARGETS), str(_write(tmp_path, "h200.json", rows, gpu="NVIDIA H200"))]) == 2
-    assert "not on the targets' card" in capsys.readouterr().out
-    assert mod.main([str(TARGETS), str(_write(tmp_path, "none.json", [{"M": 3, "R": 8, "b_us": 1.0}]))]) == 2
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "bad.json").write_text("{")
+    for name in ("list.json", "bad.json", "missing.json"):
+        assert mod.main([str(TARGETS), str(tmp_path / name)]) == 2
+    assert capsys.readouterr().out.count("check_targets: ") == 3

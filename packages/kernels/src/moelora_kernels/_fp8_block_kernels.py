@@ -24,7 +24,9 @@ def _round_to_e4m3(v):
     frac = n - low
     up = (frac > 0.5) | ((frac == 0.5) & ((low.to(tl.int32) & 1) == 1))
     r = tl.where(up, low + 1.0, low) * spacing
-    return tl.where(v < 0, -r, r)
+    # the sign by a product, not `-r`: Triton negates as 0 - r, which turns a negative value's rounded zero
+    # into +0 where the twin (and a cast) give -0 (test_activation_quantization_is_bit_identical_to_the_twin)
+    return r * tl.where(v < 0, -1.0, 1.0)
 
 
 @triton.jit

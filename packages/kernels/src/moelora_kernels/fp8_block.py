@@ -89,7 +89,7 @@ def quantize_activation_fp8(x: torch.Tensor, block_k: int, *, config: dict | Non
     if rows == 0 or K == 0:
         return q, s
     per = kernel_config("quantize_activation_fp8", rows=rows, K=K, overrides=config)["QUANT_ROWS"]
-    if not isinstance(per, int) or per < 1 or per & (per - 1):
+    if type(per) is not int or per < 1 or per & (per - 1):
         raise KernelPreconditionError(f"QUANT_ROWS: must be a power of two >= 1, got {per!r}")
     grid = check_grid("quantize_activation_fp8", (triton.cdiv(rows, per), groups))
     _quant_fp8_groups_kernel[grid](x, q, s, rows, K, ACT_SCALE_EPS, x.stride(0), q.stride(0), s.stride(0),
