@@ -68,21 +68,25 @@ def _grid(t: dict) -> list[tuple[str, int, int | None]]:
     return sorted({("base", M, None) for _, M, _ in lora}) + sorted(lora)
 
 
-def _absolute(rows: list[dict], t: dict, where: str) -> dict[tuple, tuple[list, float | None]]:
-    """cell → (moelora's times, worst first; target µs) of a ``bench_moe_lora.py`` run."""
-    cells: dict[tuple, tuple[list, float | None]] = {}
+#: One cell: (moelora's times, None for a row without one; the target µs or None; why it has none).
+Cell = tuple[list, float | None, str]
+
+
+def _absolute(rows: list[dict], t: dict, where: str) -> dict[tuple, Cell]:
+    """cell → :data:`Cell` of a ``bench_moe_lora.py`` run."""
+    cells: dict[tuple, Cell] = {}
     for i, r in enumerate(rows):
         M, R = r["M"], r["R"]
         for unit, field, key, target in (("base", "a_us", (M, None), t["base_a_us"].get(str(M))),
                                          ("lora", "b_us", (M, R), t["lora_b_us"].get(str(M), {}).get(str(R)))):
             if field in r:
-                cells.setdefault((unit, *key), ([], target))[0].append(_time(r, field, f"{where} row {i}"))
+                cells.setdefault((unit, *key), ([], target, "no target"))[0].append(_time(r, field, f"{where} row {i}"))
     return cells
 
 
-def _ratio(rows: list[dict], t: dict, where: str) -> dict[tuple, tuple[list, float | None]]:
-    """cell → (moelora's times, None for a failed row; the ratio target µs or None) of a ``bench_peers.py``
-    run: a cell is judged only when the run holds a row of every peer path of its unit."""
+def _ratio(rows: list[dict], t: dict, where: str) -> dict[tuple, Cell]:
+    """cell → :data:`Cell` of a ``bench_peers.py`` run, its target by the ratio rule: a cell is judged only
+    when the run holds a row of every peer path of its unit."""
     mine: dict[tuple, list] = {}
     best: dict[tuple, float] = {}
     present: dict[tuple, set] = {}
@@ -103,9 +107,8 @@ def _ratio(rows: list[dict], t: dict, where: str) -> dict[tuple, tuple[list, flo
         wanted = set(t["lora_peer_paths"] if unit == "lora" else t["base_peer_paths"])
         judged = key in best and wanted <= present[key]
         ratio = t["lora_ratio"] if unit == "lora" else t["base_ratio"]
-        cells[key] = (values, ratio * best[key] if judged else None)
-        if not judged:
-            cells[key] = (values, None, f"run lacks {', '.join(sorted(wanted - present[key])) or 'a peer time'}")
+        lacks = f"run lacks {', '.join(sorted(wanted - present[key])) or 'a peer time'}"
+        cells[key] = (values, ratio * best[key], "") if judged else (values, None, lacks)
     return cells
 
 
@@ -125,20 +128,21 @@ def check(targets_path: Path, runs: list[Path]) -> int:
             print(f"{path}: no cell with a target")
             return 2
         missed = met = 0
-        for key in _grid(t) + sorted(set(cells) - set(_grid(t)), key=lambda k: (k[0], k[1], k[2] or 0)):
+        grid = _grid(t)
+        for key in grid + sorted(set(cells) - set(grid), key=lambda k: (k[0], k[1], k[2] or 0)):
             unit, M, R = key
             name = f"lora b M={M} R={R}" if unit == "lora" else f"base a M={M}"
-            values, target, *why = cells.get(key, ([], None, "not in the run"))
+            values, target, why = cells.get(key, ([], None, "not in the run"))
             times = [v for v in values if v is not None]
             worst = max(times) if times else None
-            if key not in cells and key in _grid(t):
+            if key not in cells:  # only grid cells are listed without a row
                 verdict = "MISSED: not in the run"
             elif None in values:
                 verdict = "MISSED: moelora's row holds no time (failed or skipped)"
-            elif target is None and key in _grid(t):  # "done" needs every cell of the grid judged
-                verdict = f"MISSED: not judged ({why[0] if why else 'no target'})"
+            elif target is None and key in grid:  # "done" needs every cell of the grid judged
+                verdict = f"MISSED: not judged ({why})"
             elif target is None:
-                verdict = f"no target{f' ({why[0]})' if why else ''}"
+                verdict = f"no target ({why})"
             elif worst <= target:
                 verdict = "met"
             else:
