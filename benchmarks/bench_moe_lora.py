@@ -77,6 +77,7 @@ from moelora_kernels import (  # noqa: E402
     virtual_align,
     virtual_moe_lora_delta,
 )
+from moelora_kernels.configs import base_moe_block_m  # noqa: E402
 
 #: Named model registry (layer shapes) and regimes.
 MODELS = {"qwen3-30b-a3b-layer": {"H": 2048, "I": 768, "E": 128, "top_k": 8}}
@@ -187,7 +188,7 @@ class Problem:
         self.mapping, self.enabled = token_lora_mapping(self.seg_indptr, self.req_weight_indices, max_loras=MAX_LORAS,
                                                         num_tokens=M)
         self.w_gu, self.w_d = base["w_gu"], base["w_d"]
-        self.bm_base = moe_block_m(M, k, E, op="moe_align_block_size")  # as fused_moe picks it
+        self.bm_base = base_moe_block_m(M, k, E)  # as fused_moe picks it
         self.bm_lora = moe_block_m(M, k, E, MAX_LORAS)
         self.base_align = moe_align_block_size(self.topk_ids, E, self.bm_base)
         self.lora_align = moe_lora_align_block_size(self.topk_ids, self.mapping, E, self.bm_lora, MAX_LORAS,
@@ -328,8 +329,7 @@ def fp8_base(base: dict, inter: int) -> dict:
 def fp8_paths(row: dict, p: Problem, w: LoRAWeights, timer: Timer, fp8: dict) -> None:
     """``--base-quant fp8``: the w8a8 base alone and with the MoE-LoRA deltas (module docstring), into ``row``."""
     deltas = MoELoRAInputs(w, p.lora_align, adapter_enabled=p.enabled)
-    # the fp8 base's alignment as fused_moe picks it: its own table entries' BLOCK_M, else the rule
-    align = moe_align_block_size(p.topk_ids, p.E, moe_block_m(p.M, p.topk_ids.shape[1], p.E, op="fp8_moe_gemm"))
+    align = moe_align_block_size(p.topk_ids, p.E, base_moe_block_m(p.M, p.k, p.E, fp8=True))  # as fused_moe picks it
 
     def base_only(p=p):
         return fused_moe(p.x, p.topk_ids, p.topk_weights, fp8["w_gu"], fp8["w_d"], align=align, **fp8["kw"])

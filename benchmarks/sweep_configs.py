@@ -118,7 +118,7 @@ def sweep_fp8_gemm(p, timer, stage, h, fp8, candidates=FP8_GEMM_CANDIDATES, bloc
     the same run (``{"table": 1}``), then every candidate at each ``BLOCK_M`` of ``block_ms``. The input
     (x, or h for down) is quantized once, outside the timing. Returns ``[(median µs, config)]``, fastest
     first."""
-    from moelora_kernels.configs import moe_block_m
+    from moelora_kernels.configs import base_moe_block_m
 
     M, k, block = p.M, p.k, fp8["kw"]["weight_block"]
     if stage == "gate_up":
@@ -128,7 +128,7 @@ def sweep_fp8_gemm(p, timer, stage, h, fp8, candidates=FP8_GEMM_CANDIDATES, bloc
     q, s = quantize_activation_fp8(a.reshape(-1, a.shape[-1]), block[1])
     c = torch.empty(M * k, w.shape[1], dtype=a.dtype, device=a.device)
     kw = {"block": block, "top_k": k, "num_pairs": M * k, "in_row_div": rows_in, "half": half, "topk_weights": tw}
-    table_bm = moe_block_m(M, k, p.E, op="fp8_moe_gemm")
+    table_bm = base_moe_block_m(M, k, p.E, fp8=True)
     aligns = {bm: moe_align_block_size(p.topk_ids, p.E, bm) for bm in {table_bm, *block_ms}}
     results = [(timer(lambda: fp8_moe_gemm(q, s, w, sinv, c, aligns[table_bm], **kw))["median_us"],
                 {"table": 1, "BLOCK_M": table_bm})]

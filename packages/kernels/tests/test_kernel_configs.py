@@ -123,3 +123,5 @@ def test_the_fp8_gemm_takes_its_own_entries_and_the_bf16_gemms_where_it_has_none
     assert configs.moe_block_m(64, 8, 128, op="fp8_moe_gemm") == 64  # 512 rows: its own entry
     assert configs.moe_block_m(1024, 8, 128, op="fp8_moe_gemm") == configs.moe_block_m(1024, 8, 128) == 64  # rule
     assert configs.moe_block_m(1024, 8, 128, op="moe_align_block_size") == 128
+    # fused_moe's choice, one function: each base GEMM's own entries
+    assert configs.base_moe_block_m(64, 8, 128, fp8=True) == 64 and configs.base_moe_block_m(1024, 8, 128) == 128

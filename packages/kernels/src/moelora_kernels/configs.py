@@ -147,6 +147,13 @@ def _matched_entry(op: str, rows: int, N: int | None = None, K: int | None = Non
     return best
 
 
+def base_moe_block_m(num_tokens: int, top_k: int, num_experts: int, *, fp8: bool = False) -> int:
+    """``BLOCK_M`` of the base fused MoE's alignment, as ``moelora_kernels.fused_moe`` picks it: each base
+    GEMM's own measured entries (``moe_align_block_size``'s for the bf16 / fp16 GEMM, ``fp8_moe_gemm``'s for
+    the w8a8 one, ``fp8``), else :func:`moe_block_m`'s rule. Args as :func:`moe_block_m`."""
+    return moe_block_m(num_tokens, top_k, num_experts, op="fp8_moe_gemm" if fp8 else "moe_align_block_size")
+
+
 #: The alignment block sizes a table entry may choose (``BLOCK_M`` of ``moe_align_block_size``).
 TABLE_BLOCK_M: tuple[int, ...] = (16, 32, 64, 128)
 

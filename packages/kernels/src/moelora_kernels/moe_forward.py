@@ -39,7 +39,7 @@ from moelora_core.moe_deltas import MoEDeltas
 from moelora_core.weights import LoRAWeights
 from moelora_kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from moelora_kernels.align import moe_align_block_size
-from moelora_kernels.configs import moe_block_m
+from moelora_kernels.configs import base_moe_block_m
 from moelora_kernels.fp8_block import fp8_moe_gemm, quantize_activation_fp8
 from moelora_kernels.fused_moe import fused_moe_gemm
 from moelora_kernels.moe_epilogue import moe_activation, moe_sum
@@ -114,7 +114,7 @@ def fused_moe(
         w_down: [E_base, H, I].
         activation: "silu", "gelu_tanh" or "swiglu_oai" (GPT-OSS, with ``alpha`` and ``limit``).
         gated: SwiGLU gating.
-        block_m: alignment block rows (default :func:`.configs.moe_block_m`).
+        block_m: alignment block rows (default :func:`.configs.base_moe_block_m`).
         align: a precomputed base alignment (graph mode: static buffers), else computed here.
         tf32: TF32 dots for fp32.
         deltas: who adds the LoRA deltas (any ``MoEDeltas``), or None for the base MoE alone.
@@ -147,10 +147,8 @@ def fused_moe(
     if weight_block is not None and (not gated or b_gate_up is not None or b_down is not None):
         raise KernelPreconditionError("fused_moe: an fp8 block-scaled base takes a gated layer without biases")
     if align is None:
-        # each base GEMM's BLOCK_M was measured with its own tiles: the bf16 / fp16 GEMM's in the alignment's
-        # entries, the w8a8 GEMM's in its own (none stored: the rule)
-        table_op = "moe_align_block_size" if weight_block is None else "fp8_moe_gemm"
-        align = moe_align_block_size(topk_ids, E_base, block_m or moe_block_m(M, top_k, E_base, op=table_op))
+        align = moe_align_block_size(topk_ids, E_base,
+                                     block_m or base_moe_block_m(M, top_k, E_base, fp8=weight_block is not None))
     num_pairs = M * top_k
     gate_up = torch.empty(M, top_k, width, dtype=x.dtype, device=x.device)
     if weight_block is not None:  # w8a8 base; the deltas below read the unquantized x and h
