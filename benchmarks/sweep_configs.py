@@ -87,9 +87,24 @@ def sweep_lora(p, w, timer, stage, h, gate_up, down, candidates=LORA_CANDIDATES)
     return sorted(results, key=lambda item: item[0])
 
 
+def _ranked(timer, run, table_bm: int, block_ms, candidates) -> list[tuple[float, dict]]:
+    """``[(median µs, config)]``, fastest first, of ``run(BLOCK_M, config)`` (one GEMM launch over an
+    alignment of that block size; ``config`` None = the table's lookup): the table's own at ``table_bm``
+    first, the baseline in the same run (``{"table": 1}``), then every candidate at each ``BLOCK_M`` of
+    ``block_ms``. A candidate the GPU cannot run (shared memory, a compile error) is reported and skipped."""
+    results = [(timer(lambda: run(table_bm, None))["median_us"], {"table": 1, "BLOCK_M": table_bm})]
+    for bm in block_ms:
+        for cfg in candidates:
+            try:
+                results.append((timer(lambda cfg=cfg, bm=bm: run(bm, cfg))["median_us"], {"BLOCK_M": bm, **cfg}))
+            except Exception as exc:  # a config the GPU cannot run: report and go on
+                print(f"  skip BLOCK_M={bm} {cfg}: {type(exc).__name__}: {str(exc)[:80]}")
+    return sorted(results, key=lambda item: item[0])
+
+
 def sweep_gemm(p, timer, stage, h, candidates=GEMM_CANDIDATES, block_ms=()):
     """Rank ``candidates`` for one base GEMM stage at ``p.M``: the table's entry at the alignment's own
-    ``BLOCK_M`` (``configs.moe_block_m``) first, as the baseline in the same run (``{"table": 1}``),
+    ``BLOCK_M`` (``configs.base_moe_block_m``) first, as the baseline in the same run (``{"table": 1}``),
     then every candidate at each ``BLOCK_M`` of ``block_ms`` (default: the table's) over an alignment
     of that block size. Returns ``[(median µs, config)]`` sorted, fastest first."""
     M, k = p.M, p.k
@@ -99,17 +114,11 @@ def sweep_gemm(p, timer, stage, h, candidates=GEMM_CANDIDATES, block_ms=()):
         a, w, rows_in, tw = h, p.w_d, 1, p.topk_weights
     c = torch.empty(M * k, w.shape[1], dtype=a.dtype, device=a.device)
     kw = {"top_k": k, "num_pairs": M * k, "in_row_div": rows_in, "topk_weights": tw}
-    results = [(timer(lambda: fused_moe_gemm(a, w, c, p.base_align, **kw))["median_us"],
-                {"table": 1, "BLOCK_M": p.bm_base})]
-    for bm in block_ms or (p.bm_base,):
-        align = p.base_align if bm == p.bm_base else moe_align_block_size(p.topk_ids, p.E, bm)
-        for cfg in candidates:
-            try:
-                r = timer(lambda cfg=cfg, align=align: fused_moe_gemm(a, w, c, align, config=cfg, **kw))
-                results.append((r["median_us"], {"BLOCK_M": bm, **cfg}))
-            except Exception as exc:  # a config the GPU cannot run: report and go on
-                print(f"  skip BLOCK_M={bm} {cfg}: {type(exc).__name__}: {str(exc)[:80]}")
-    return sorted(results, key=lambda item: item[0])
+    block_ms = block_ms or (p.bm_base,)
+    aligns = {bm: p.base_align if bm == p.bm_base else moe_align_block_size(p.topk_ids, p.E, bm)
+              for bm in {p.bm_base, *block_ms}}
+    return _ranked(timer, lambda bm, cfg: fused_moe_gemm(a, w, c, aligns[bm], config=cfg, **kw), p.bm_base,
+                   block_ms, candidates)
 
 
 def sweep_fp8_gemm(p, timer, stage, h, fp8, candidates=FP8_GEMM_CANDIDATES, block_ms=FP8_BLOCK_MS):
@@ -130,16 +139,8 @@ def sweep_fp8_gemm(p, timer, stage, h, fp8, candidates=FP8_GEMM_CANDIDATES, bloc
     kw = {"block": block, "top_k": k, "num_pairs": M * k, "in_row_div": rows_in, "half": half, "topk_weights": tw}
     table_bm = base_moe_block_m(M, k, p.E, fp8=True)
     aligns = {bm: moe_align_block_size(p.topk_ids, p.E, bm) for bm in {table_bm, *block_ms}}
-    results = [(timer(lambda: fp8_moe_gemm(q, s, w, sinv, c, aligns[table_bm], **kw))["median_us"],
-                {"table": 1, "BLOCK_M": table_bm})]
-    for bm in block_ms:
-        for cfg in candidates:
-            try:
-                r = timer(lambda cfg=cfg, bm=bm: fp8_moe_gemm(q, s, w, sinv, c, aligns[bm], config=cfg, **kw))
-                results.append((r["median_us"], {"BLOCK_M": bm, **cfg}))
-            except Exception as exc:  # a config the GPU cannot run: report and go on
-                print(f"  skip BLOCK_M={bm} {cfg}: {type(exc).__name__}: {str(exc)[:80]}")
-    return sorted(results, key=lambda item: item[0])
+    return _ranked(timer, lambda bm, cfg: fp8_moe_gemm(q, s, w, sinv, c, aligns[bm], config=cfg, **kw), table_bm,
+                   block_ms, candidates)
 
 
 def main() -> int:
