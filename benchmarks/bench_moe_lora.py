@@ -287,24 +287,30 @@ def close(actual, expected, what, tol=2e-2):
     return err
 
 
-def min_bytes_lora(p: Problem, R: int, shared: frozenset = frozenset()) -> int:
-    """Bytes the LoRA deltas must move: LoRA weights of the (slot, expert) pairs hit (a factor of
-    ``shared`` once per slot hit), activations in, read + write of the touched output rows, router
-    weights."""
-    k, H, I = p.k, p.H, p.I  # noqa: E741
-    slot = p.mapping.long().repeat_interleave(k)
+def lora_weight_bytes(p: Problem, R: int, shared: frozenset = frozenset()) -> int:
+    """Bytes of the LoRA factors the batch needs, each read once: the (slot, expert) pairs hit (a factor of
+    ``shared`` once per slot hit), bf16. The floor of any kernel that reads the adapters from HBM, the
+    deltas inside the base GEMMs included (they remove the activation and output traffic, not this)."""
+    H, I = p.H, p.I  # noqa: E741
+    slot = p.mapping.long().repeat_interleave(p.k)
     ids = p.topk_ids.reshape(-1).long()
     hit = slot >= 0
     pairs_hit = int(torch.unique(slot[hit] * p.E + ids[hit]).numel())
-    adapter_pairs = int(hit.sum())
-    adapter_tokens = int((p.mapping >= 0).sum())
-    el = 2  # bf16
     slots_hit = int(torch.unique(slot[hit]).numel())
     sizes = {"gate_up_A": 2 * R * H, "gate_up_B": 2 * I * R, "down_A": R * I, "down_B": H * R}
-    weights = sum((slots_hit if f in shared else pairs_hit) * n for f, n in sizes.items()) * el
+    return sum((slots_hit if f in shared else pairs_hit) * n for f, n in sizes.items()) * 2
+
+
+def min_bytes_lora(p: Problem, R: int, shared: frozenset = frozenset()) -> int:
+    """Bytes the LoRA deltas must move as a pass of their own: :func:`lora_weight_bytes`, activations in,
+    read + write of the touched output rows, router weights."""
+    H, I = p.H, p.I  # noqa: E741
+    adapter_pairs = int((p.mapping >= 0).sum()) * p.k
+    adapter_tokens = int((p.mapping >= 0).sum())
+    el = 2  # bf16
     acts = adapter_tokens * H * el + adapter_pairs * I * el + adapter_pairs * 4
     outs = adapter_pairs * (2 * I + H) * el * 2
-    return weights + acts + outs
+    return lora_weight_bytes(p, R, shared) + acts + outs
 
 
 # --- main -----------------------------------------------------------------------------------------------
@@ -463,6 +469,7 @@ def main() -> int:
             row["b_us"] = row["b_auto_us"]
             row["b_over_a"] = row["b_us"] / row["a_us"]
             row["b_min_bytes"] = min_bytes_lora(p, R, w.spec.shared_factors)
+            row["b_weight_bytes"] = lora_weight_bytes(p, R, w.spec.shared_factors)
             row["b_GBps"] = row["b_min_bytes"] / (row["b_us"] * 1e-6) / 1e9
             row["b_frac_copy"] = row["b_GBps"] / copy_plain["GBps"]
             row["b_frac_copy_in_graph"] = row["b_GBps"] / copy["GBps"]

@@ -11,7 +11,9 @@ row a peer skipped or failed counts as present but sets no time). A run meets it
 the grid (each (M, R) of ``lora_b_us`` and the base at each of its M) is in it, judged and met: a cell
 missing, not judged, or whose moelora row holds no time is missed; duplicate rows are judged by their worst
 time; cells outside the grid are judged where they have a target. Each run must come from the targets' card
-(its ``gpu`` field, exactly). Prints one line per cell and a verdict per run; exits 0 when every run meets its
+(its ``gpu`` field, exactly). Where the run records the adapters' bytes (``b_weight_bytes``), a LoRA target below
+their time at the run's plain-copy bandwidth is named as unreachable on the card (still a miss: the targets
+file is what to change). Prints one line per cell and a verdict per run; exits 0 when every run meets its
 targets, 1 otherwise, 2 for unusable input (not JSON, another card, a row without an int M, a time that is not
 a finite positive number, nothing to judge).
 """
@@ -112,6 +114,17 @@ def _ratio(rows: list[dict], t: dict, where: str) -> dict[tuple, Cell]:
     return cells
 
 
+def _weight_floors(run: dict, rows: list[dict]) -> dict[tuple, float]:
+    """(M, R) → µs the run's adapter bytes take at its plain-copy bandwidth (``b_weight_bytes`` /
+    ``copy_plain.GBps``, ``bench_moe_lora.py``): no kernel that reads the adapters from HBM beats it. Empty
+    for a run without those fields (older runs, ``bench_peers.py``)."""
+    gbps = (run.get("copy_plain") or {}).get("GBps") if isinstance(run.get("copy_plain"), dict) else None
+    if not isinstance(gbps, (int, float)) or not math.isfinite(gbps) or gbps <= 0:
+        return {}
+    return {(r["M"], r["R"]): r["b_weight_bytes"] / gbps / 1e3 for r in rows
+            if isinstance(r.get("b_weight_bytes"), int) and r["b_weight_bytes"] > 0}
+
+
 def check(targets_path: Path, runs: list[Path]) -> int:
     """Print the verdicts (module doc); returns the exit status."""
     t = _targets(targets_path)
@@ -127,7 +140,8 @@ def check(targets_path: Path, runs: list[Path]) -> int:
         if not any(c[1] is not None for c in cells.values()):
             print(f"{path}: no cell with a target")
             return 2
-        missed = met = 0
+        missed = met = unreachable = 0
+        floors = _weight_floors(run, rows)
         grid = _grid(t)
         for key in grid + sorted(set(cells) - set(grid), key=lambda k: (k[0], k[1], k[2] or 0)):
             unit, M, R = key
@@ -147,6 +161,10 @@ def check(targets_path: Path, runs: list[Path]) -> int:
                 verdict = "met"
             else:
                 verdict = f"MISSED by {worst / target:.2f}x"
+            floor = floors.get((M, R)) if unit == "lora" else None
+            if floor is not None and target is not None and target < floor:
+                unreachable += 1
+                verdict += f" (target below the adapters' weight floor, {floor:.1f} us at this run's copy)"
             if verdict.startswith("MISSED"):
                 missed += 1
             elif verdict == "met":
@@ -156,6 +174,9 @@ def check(targets_path: Path, runs: list[Path]) -> int:
                   f"{verdict}")
         kind = "ratio rule, inside the run" if ratio else "absolute targets"
         print(f"{path.name}: {met} of {met + missed} cells met ({kind}; the worst of duplicate rows)")
+        if unreachable:
+            print(f"{path.name}: {unreachable} cells' targets lie below the bytes of the adapters they read, at this "
+                  "run's plain-copy bandwidth: no kernel reading them from HBM meets those")
         status = status or (1 if missed else 0)
     return status
 

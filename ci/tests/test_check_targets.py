@@ -72,6 +72,28 @@ def test_a_bench_moe_lora_run_is_held_to_every_cell_of_the_grid(tmp_path, capsys
     assert mod.main([str(TARGETS), str(_write(tmp_path, "dup2.json", worse + rows))]) == 1
 
 
+def test_a_target_below_the_adapters_weight_floor_is_named_unreachable_and_still_missed(tmp_path, capsys):
+    mod = _module()
+    gbps = 3000.0
+    rows = []
+    for r in _moe_lora_rows(1.2):
+        target = T["lora_b_us"][str(r["M"])][str(r["R"])]
+        # the floor 10 % above the target at M 32 R 64 and 10 % below it everywhere else
+        floor_us = target * (1.1 if (r["M"], r["R"]) == (32, 64) else 0.9)
+        rows.append(dict(r, b_weight_bytes=int(floor_us * gbps * 1e3)))
+    path = tmp_path / "floor.json"
+    path.write_text(json.dumps({"gpu": CARD, "copy_plain": {"GBps": gbps}, "rows": rows}))
+    assert mod.main([str(TARGETS), str(path)]) == 1
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "lora b M=32 R=64" in x)
+    assert "MISSED by 1.20x" in line and "below the adapters' weight floor" in line
+    assert sum("weight floor" in x for x in out.splitlines() if "lora b" in x) == 1
+    assert "1 cells' targets lie below the bytes of the adapters" in out
+    # a run without the plain-copy bandwidth names no floor
+    path.write_text(json.dumps({"gpu": CARD, "rows": rows}))
+    assert mod.main([str(TARGETS), str(path)]) == 1 and "weight floor" not in capsys.readouterr().out
+
+
 def test_a_bench_peers_run_is_judged_inside_itself_and_only_with_every_peer_path(tmp_path, capsys):
     mod = _module()
     rows = _peers_rows()
