@@ -34,7 +34,8 @@ Rows then carry ``expert_layout`` and ``slot_bytes`` (the pool's bytes per slot 
 
 ``--expand-in-gemm`` adds, per (M, R), the bf16 layer with the deltas as separate kernels (``ab_sep_us``)
 and with the expand in the base GEMMs' epilogue (``ab_epi_us``, ``moelora_core.gemm_lora``), and each minus
-``a_us`` (``b_sep_us``, ``b_epi_us``); ``err_epi`` compares the two layers.
+``a_us`` (``b_sep_us``, ``b_epi_us``); ``shrinks_us`` the two stages' shrinks alone (the rest of ``b_epi_us``
+is the epilogue's); ``err_epi`` compares the two layers.
 
 ``--base-quant fp8`` adds, per (M, R), the fp8 block-scaled base (DESIGN.md §1; the base weights
 quantized at block 128 × 128 by ``moelora_core.fp8_block.quantize_weight_fp8_block``, the Qwen3-FP8 /
@@ -369,12 +370,19 @@ def expand_in_gemm_paths(row: dict, p: Problem, w: LoRAWeights, timer: Timer) ->
     def layer(deltas, p=p):
         return fused_moe(p.x, p.topk_ids, p.topk_weights, p.w_gu, p.w_d, align=p.base_align, deltas=deltas)
 
+    def shrinks(p=p):  # the two stages' shrinks alone, on the layer's x and an h of its shape
+        epi.gemm_lora("gate_up", p.x, p.topk_ids)
+        epi.gemm_lora("down", h, p.topk_ids)
+
+    h = torch.randn(p.M * p.k, p.I, device=p.x.device).to(p.x.dtype)
     row["err_epi"] = close(layer(epi), layer(sep), f"expand in the GEMMs M={p.M}", tol=2e-2)
     row["ab_sep_us"] = timer(lambda: layer(sep))["median_us"]
     row["ab_epi_us"] = timer(lambda: layer(epi))["median_us"]
+    row["shrinks_us"] = timer(shrinks)["median_us"]
     row["b_sep_us"], row["b_epi_us"] = row["ab_sep_us"] - row["a_us"], row["ab_epi_us"] - row["a_us"]
     print(f"  M={p.M} R={w.spec.R}: layer with separate deltas {row['ab_sep_us']:.1f} µs, expand in the GEMMs "
-          f"{row['ab_epi_us']:.1f} µs ({row['ab_epi_us'] / row['ab_sep_us']:.2f}x)", flush=True)
+          f"{row['ab_epi_us']:.1f} µs ({row['ab_epi_us'] / row['ab_sep_us']:.2f}x; "
+          f"its shrinks {row['shrinks_us']:.1f} µs)", flush=True)
 
 
 def main() -> int:

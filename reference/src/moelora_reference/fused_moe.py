@@ -103,17 +103,20 @@ def _lora_delta(lora: GemmLoRA, rows: list[int], e: int) -> torch.Tensor:
     """δ [len(rows), S·N_s] in fp64: each row's expand, zero where its slot adds nothing."""
     S, _, E_lora, Ns, _ = lora.lora_b.shape
     delta = torch.zeros(len(rows), S * Ns, dtype=F64, device=lora.lora_b.device)
+    if e >= E_lora:
+        return delta  # an expert without LoRA
+    p = torch.tensor(rows, device=lora.token_lora_mapping.device)
+    slot = lora.token_lora_mapping[p // lora.top_k].long()  # [rows]
     enabled = None if lora.adapter_enabled is None else lora.adapter_enabled.tolist()
-    slots = lora.token_lora_mapping.tolist()
-    for i, p in enumerate(rows):
-        slot = slots[p // lora.top_k]
-        if slot < 0 or e >= E_lora or (enabled is not None and not enabled[slot]):
+    for s_l in sorted(set(slot.tolist()) - {-1}):
+        if enabled is not None and not enabled[s_l]:
             continue
+        mine = (slot == s_l).to(delta.device)  # [rows]
         for s in range(S):
-            r, sigma = int(lora.ranks[s, slot]), float(lora.scalings[s, slot])
+            r, sigma = int(lora.ranks[s, s_l]), float(lora.scalings[s, s_l])
             if r > 0 and sigma != 0.0:
-                t = lora.intermediate[s, p, :r].to(F64)  # [r]
-                delta[i, s * Ns:(s + 1) * Ns] = sigma * (lora.lora_b[s, slot, e, :, :r].to(F64) @ t)  # [N_s]
+                t = lora.intermediate[s, p[mine.to(p.device)], :r].to(F64)  # [n, r]
+                delta[mine, s * Ns:(s + 1) * Ns] = sigma * (t @ lora.lora_b[s, s_l, e, :, :r].to(F64).T)  # [n, N_s]
     return delta
 
 
