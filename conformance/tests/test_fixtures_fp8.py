@@ -360,7 +360,8 @@ def test_deepseek_v3_fp8_engine_equals_hf_peft_made_w8a8_and_not_the_w8a16_model
         check.finish()
     x_hat = HFReference(model_dir, adapters, w8a8=True)
     with_quantized_expert_deltas(x_hat.model(adapter))
-    with pytest.raises(AssertionError, match=rf"\({adapter}\) logprobs: max \|Δlogprob\|"):
+    with pytest.raises(AssertionError, match=rf"\({adapter}\) logprobs( \(searched for e4m3 crossings: none reproduces it\))?: max "
+                                                r"\|Δlogprob\|"):
         check_against_hf(outputs, requests, x_hat)  # no flip explains a fault: nothing is set aside
     assert mean_move(outputs, requests, w8a16) > 100 * check.tolerance.mean_abs
     assert mean_move(outputs, requests, x_hat, adapters_only=True) > 100 * check.tolerance.mean_abs

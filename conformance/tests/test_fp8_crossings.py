@@ -108,7 +108,8 @@ def test_one_crossing_is_set_aside_by_name_and_no_fault_is(fixture_set, monkeypa
     with_quantized_expert_deltas(x_hat.model(ADAPTER))
     w8a16 = HFReference(fixture_set.model_dir(MODEL), adapters).teacher_forced(ADAPTER, tokens, len(tokens)).logprobs
     for logprobs, reference in ((clean, x_hat), (w8a16, hf)):
-        with pytest.raises(AssertionError, match=r"c-0 \(qwen3_moe-r8\) logprobs: max \|Δlogprob\|"):
+        with pytest.raises(AssertionError, match=r"c-0 \(qwen3_moe-r8\) logprobs \(searched for e4m3 crossings: "
+                                                 r"none reproduces it\): max \|Δlogprob\|"):
             check_against_hf([_served(tokens, logprobs)[0]], [request], reference)
     assert searched == [None, None]
 

@@ -106,7 +106,8 @@ def test_the_engine_equals_hf_peft_made_w8a8_within_the_fp8_rows_and_they_tell_f
     x_hat = rs.HFReference(model_dir, adapters, w8a8=True)
     for name in adapters:
         with_quantized_expert_deltas(x_hat.model(name))
-    with pytest.raises(AssertionError, match=r"\(qwen3_moe-[^)]*\) logprobs: max \|Δlogprob\|"):
+    with pytest.raises(AssertionError, match=r"\(qwen3_moe-[^)]*\) logprobs( \(searched for e4m3 crossings: none "
+                                                 r"reproduces it\))?: max \|Δlogprob\|"):
         rs.check_against_hf(outputs, requests, x_hat)  # no flip explains a fault: nothing is set aside
     assert mean_move(outputs, requests, w8a16) > 100 * check.tolerance.mean_abs
     assert mean_move(outputs, requests, x_hat, adapters_only=True) > 100 * check.tolerance.mean_abs

@@ -278,6 +278,8 @@ def check_against_hf(outputs, requests: list[dict], hf: HFReference, *, dtype: s
             row["label"] = " with its e4m3 crossings flipped"
             set_aside.append(f"{row['name']}: {len(crossings)} e4m3 crossing{'s' * (len(crossings) > 1)}: "
                              + "; ".join(c.line() for c in crossings))
+        else:  # a failure then says the search ran (its reach: hf_check.fp8_crossings.find_crossing)
+            row["searched_note"] = " (searched for e4m3 crossings: none reproduces it)"
 
     if w8a8:
         # the crossings proven by flipping them (hf_check.fp8_crossings); at most SET_ASIDE_SHARE of the
@@ -304,7 +306,8 @@ def check_against_hf(outputs, requests: list[dict], hf: HFReference, *, dtype: s
             if row["label"]:  # set aside: its share is now its residual against the flipped reference
                 total += sum(diffs(row)) - share[id(row)]
     for row in rows:
-        check.add(row["mine"], row["ref"].logprobs, what=f"{row['name']} logprobs{row['label']}")
+        check.add(row["mine"], row["ref"].logprobs,
+                  what=f"{row['name']} logprobs{row['label']}{row.get('searched_note', '')}")
         try:
             agreed = greedy_agreement(row["out"], row["ref"], tol.max_abs) if row["greedy"] else 0
         except AssertionError as exc:
