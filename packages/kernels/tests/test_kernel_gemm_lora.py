@@ -8,8 +8,10 @@ row the delta must not reach (no adapter, a disabled slot, a rank-0 module, expe
 bit-identical to the GEMM without LoRA; the whole layer with the expand in the GEMMs against the
 fp64 oracle (fp32). Named cases: base tokens bit-identical in a mixed batch (fp32, fp16); a column
 tile straddling gate and up (I not a multiple of BLOCK_N); mixed ranks with a module the adapter
-lacks and a disabled slot, against the separate kernels; launcher refusals (nothing written); the sm_90
-compile of both stages at R 16 and 64.
+lacks and a disabled slot, against the separate kernels; a slot left out only by the alignment (its
+rows keep the base); a corrupt device rank read as the host's bound; shared factors (stride-0 experts)
+with a rank bound below R; launcher refusals (nothing written), a top_k other than the GEMM's among
+them; the sm_90 compile of both stages at R 16 and 64.
 """
 
 import math
@@ -33,12 +35,10 @@ from moe_lora_testing import cpu_weights, handled, make_pool, named_routing
 from moelora_conformance.profiles import PROFILES, current_profile
 from moelora_conformance.strategies import capped, moe_lora_cases
 from moelora_core import KernelPreconditionError
-from moelora_core.gemm_lora import GemmLoRA
 from moelora_kernels import (
     MoELoRAInputs,
     fused_moe,
     fused_moe_gemm,
-    fused_moe_lora_shrink,
     moe_align_block_size,
     moe_block_m,
     moe_lora_align_block_size,
@@ -55,15 +55,10 @@ LORA_CASES = moe_lora_cases(ORACLE_CAPS, kinds=("extend", "decode", "mixed", "id
 
 
 def gemm_lora(stage, inp, w, align, ids, mapping, enabled=None, max_rank=None):
-    """The stage's shrink (kernel) and its :class:`GemmLoRA`, as ``MoELoRAInputs.gemm_lora`` makes it."""
-    t = stage_tensors(w, stage)
+    """The stage's shrink (kernel) and its :class:`GemmLoRA`, from ``MoELoRAInputs.gemm_lora`` itself."""
     with launch_guard():
-        inter = fused_moe_lora_shrink(inp, t["lora_a"], align, stage=stage, top_k=ids.shape[1], ranks=t["ranks"],
-                                      adapter_enabled=enabled, max_rank=max_rank)
-    one = stage == "down"
-    b, ranks, sigma = (v.unsqueeze(0) if one else v for v in (t["lora_b"], t["ranks"], t["scalings"]))
-    return GemmLoRA(inter, b, ranks.contiguous(), sigma.contiguous(), mapping, ids.shape[1],
-                    max_rank or w.spec.R, enabled)
+        return MoELoRAInputs(w, align, enabled, max_rank=max_rank, expand_in_gemm=True,
+                             token_lora_mapping=mapping).gemm_lora(stage, inp, ids)
 
 
 def stage_gemm(stage, c_in, w_base, base_align, ids, tw, lora, out):
@@ -203,6 +198,55 @@ def test_mixed_ranks_a_missing_module_and_a_disabled_slot_match_the_separate_ker
     assert not torch.equal(got.cpu()[rows0][:, :24], base.cpu()[rows0][:, :24])
 
 
+def test_a_slot_left_out_only_by_the_alignment_adds_nothing():
+    # the alignment skips disabled slot 1, the GEMM is not told (no adapter_enabled): the shrink writes
+    # no row of slot 1, and those rows must keep the base, as on the separate path
+    w = make_pool(36)
+    mapping = torch.tensor([0, 1, 2, -1, 1, 0, 1, 2, 1, -1, 0], dtype=torch.int32, device=DEVICE)
+    enabled = torch.tensor([1, 0, 1], dtype=torch.int32, device=DEVICE)
+    x, ids, tw, w_gu, w_d, base_align, align, mapping = named_layer(36, w, 11, 2, mapping=mapping, enabled=enabled)
+    with launch_guard():
+        plain = fused_moe(x, ids, tw, w_gu, w_d, align=base_align)
+        sep = fused_moe(x, ids, tw, w_gu, w_d, align=base_align, deltas=MoELoRAInputs(w, align))
+        epi = fused_moe(x, ids, tw, w_gu, w_d, align=base_align,
+                        deltas=MoELoRAInputs(w, align, expand_in_gemm=True, token_lora_mapping=mapping))
+    off = ((mapping == -1) | (mapping == 1)).cpu()
+    assert_bitwise_equal(epi.cpu()[off], plain.cpu()[off], what="rows of no adapter and of the slot left out")
+    assert_close(epi.cpu(), sep.cpu(), dtype=torch.float32, what="expand in the GEMMs vs the separate deltas", seed=36)
+
+
+def test_a_device_rank_above_the_bound_is_read_as_the_bound():
+    # a corrupt rank on the device (40 > R = 16): the kernel reads no column past the host's bound
+    w = make_pool(37)
+    x, ids, _, w_gu, _, base_align, align, mapping = named_layer(37, w, 13, 2)
+    M, k = ids.shape
+    lora = gemm_lora("gate_up", x, w, align, ids, mapping)
+    ranks = lora.ranks.clone()
+    ranks[0, 0] = 40
+    lora = lora.__class__(lora.intermediate, lora.lora_b, ranks, lora.scalings, lora.token_lora_mapping, k, 16)
+    got = fused_moe_gemm(x, w_gu, poisoned(M * k, 48, dtype=torch.float32), base_align, top_k=k, num_pairs=M * k,
+                         in_row_div=k, lora=lora)
+    want = twin.fused_moe_gemm(x, w_gu, torch.full((M * k, 48), float("nan"), device=DEVICE), base_align, top_k=k,
+                               num_pairs=M * k, in_row_div=k, lora=lora)
+    assert_close(got.cpu(), want.cpu(), dtype=torch.float32, what="rank 40 read as 16", seed=37)
+
+
+@pytest.mark.parametrize("layout", ["shared_outer", "fully_shared"])
+def test_shared_factors_and_a_rank_bound_below_r_match_the_separate_kernels(layout):
+    # stride-0 experts of B (shared_outer shares A only, fully_shared both) and BLOCK_R 16 < R 32
+    ranks = {s: {"gate": 16 - 4 * s, "up": 8, "down": 12} for s in range(3)}
+    w = make_pool(38, R=32, ranks=ranks, layout=layout)
+    x, ids, tw, w_gu, w_d, base_align, align, mapping = named_layer(38, w, 17, 2)
+    with launch_guard():
+        plain = fused_moe(x, ids, tw, w_gu, w_d, align=base_align)
+        sep = fused_moe(x, ids, tw, w_gu, w_d, align=base_align, deltas=MoELoRAInputs(w, align, max_rank=16))
+        epi = fused_moe(x, ids, tw, w_gu, w_d, align=base_align,
+                        deltas=MoELoRAInputs(w, align, max_rank=16, expand_in_gemm=True, token_lora_mapping=mapping))
+    assert_close(epi.cpu(), sep.cpu(), dtype=torch.float32, what=f"{layout}, max_rank 16 of R 32", seed=38)
+    base_rows = (mapping == -1).cpu()
+    assert_bitwise_equal(epi.cpu()[base_rows], plain.cpu()[base_rows], what="base rows")
+
+
 def _refusal_case():
     w = make_pool(34)
     x, ids, _, w_gu, _, base_align, align, mapping = named_layer(34, w, 5, 2)
@@ -221,6 +265,9 @@ def _refusal_case():
     (lambda g: g.__class__(g.intermediate, g.lora_b, g.ranks.float(), g.scalings, g.token_lora_mapping, 2, 16),
      "lora.ranks"),
     (lambda g: (g.intermediate, g.lora_b), "expected a GemmLoRA"),
+    # pairs of top_k 2 read with another top_k would take other tokens' slots
+    (lambda g: g.__class__(g.intermediate, g.lora_b, g.ranks, g.scalings, g.token_lora_mapping.repeat(2), 4, 16),
+     "lora.top_k"),
 ])
 def test_launcher_refuses_operands_that_do_not_fit_and_writes_nothing(change, match):
     _, x, ids, w_gu, base_align, lora, _, _ = _refusal_case()
@@ -251,7 +298,7 @@ def _compile_case(stage, R, block_m, block_n, block_k, num_warps, num_stages, lo
             "lora_t_ptr": "bf16", "lora_b_ptr": "bf16", "lora_scal_ptr": "fp32", "lora_rank_ptr": "i32",
             "lora_mapping_ptr": "i32", "lora_enabled_ptr": "i32",
             "N": N, "K": K, "num_pairs": pairs, "in_row_div": k if stage == "gate_up" else 1, "experts_per_scale": 1,
-            "experts_per_weight": 1, "num_experts": E, "lora_L": L, "lora_Ns": ns, "lora_E": E, "lora_top_k": k,
+            "experts_per_weight": 1, "num_experts": E, "lora_L": L, "lora_Ns": ns, "lora_E": E, "lora_top_k": k, "lora_rank_bound": R,
             "stride_am": K, "stride_ak": 1, "stride_we": N * K, "stride_wn": K, "stride_wk": 1, "stride_cm": N,
             "stride_cn": 1, "stride_bias_e": 0, "stride_bias_n": 0, "stride_lt_s": pairs * R, "stride_lt_p": R,
             "stride_lb_s": L * E * ns * R, "stride_lb_l": E * ns * R, "stride_lb_e": ns * R, "stride_lb_n": R}

@@ -65,8 +65,8 @@ def fused_moe_gemm(
         add_into: add to c rather than overwrite.
         bias: [E_w, N] per-expert bias (GPT-OSS), or None.
         lora: the expand operands: columns of slice s of a row whose token's slot l is enabled, with
-            rank r = ranks[s, l] > 0, σ = scalings[s, l] != 0 and e < E_lora, add
-            ``σ · B[s, l, e, :, :r] @ t[s, p, :r]``.
+            rank r = min(ranks[s, l], max_rank) > 0 and e < E_lora, add ``B[s, l, e, :, :r] @ (σ · t[s, p, :r])``
+            (σ · t rounded once to t's dtype).
 
     Returns:
         ``c``.
@@ -100,23 +100,26 @@ def fused_moe_gemm(
 
 
 def _lora_delta(lora: GemmLoRA, rows: list[int], e: int) -> torch.Tensor:
-    """δ [len(rows), S·N_s] in fp64: each row's expand, zero where its slot adds nothing."""
-    S, _, E_lora, Ns, _ = lora.lora_b.shape
+    """δ [len(rows), S·N_s] in fp64: each row's expand, zero where its slot adds nothing (a map value
+    outside [0, L): no adapter; a rank clamped to ``max_rank``; σ·t rounded once to t's dtype, as the
+    kernel takes it)."""
+    S, L, E_lora, Ns, _ = lora.lora_b.shape
     delta = torch.zeros(len(rows), S * Ns, dtype=F64, device=lora.lora_b.device)
     if e >= E_lora:
         return delta  # an expert without LoRA
     p = torch.tensor(rows, device=lora.token_lora_mapping.device)
     slot = lora.token_lora_mapping[p // lora.top_k].long()  # [rows]
     enabled = None if lora.adapter_enabled is None else lora.adapter_enabled.tolist()
-    for s_l in sorted(set(slot.tolist()) - {-1}):
+    for s_l in sorted(v for v in set(slot.tolist()) if 0 <= v < L):
         if enabled is not None and not enabled[s_l]:
             continue
         mine = (slot == s_l).to(delta.device)  # [rows]
         for s in range(S):
-            r, sigma = int(lora.ranks[s, s_l]), float(lora.scalings[s, s_l])
-            if r > 0 and sigma != 0.0:
-                t = lora.intermediate[s, p[mine.to(p.device)], :r].to(F64)  # [n, r]
-                delta[mine, s * Ns:(s + 1) * Ns] = sigma * (t @ lora.lora_b[s, s_l, e, :, :r].to(F64).T)  # [n, N_s]
+            r, sigma = min(int(lora.ranks[s, s_l]), lora.max_rank), lora.scalings[s, s_l]
+            if r > 0:
+                t = lora.intermediate[s, p[mine.to(p.device)], :r]  # [n, r]
+                t = (t.float() * sigma.float()).to(t.dtype).to(F64)  # σ·t, rounded once to t's dtype
+                delta[mine, s * Ns:(s + 1) * Ns] = t @ lora.lora_b[s, s_l, e, :, :r].to(F64).T  # [n, N_s]
     return delta
 
 

@@ -36,7 +36,7 @@ def _fused_moe_gemm_kernel(
     experts_per_scale,
     experts_per_weight,           # consecutive expert ids reading one weight (stride 0 within)
     num_experts,                  # E_w: blocks of other experts are skipped
-    lora_L, lora_Ns, lora_E, lora_top_k,
+    lora_L, lora_Ns, lora_E, lora_top_k, lora_rank_bound,
     # strides
     stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,
@@ -123,7 +123,7 @@ def _fused_moe_gemm_kernel(
         # the delta joins before the router weight (DESIGN.md §1), rounded once with the base
         acc = add_lora_expand(acc, pairs64, row_ok, offs_n, n_ok, pid_n * BLOCK_N, expert,
                               lora_t_ptr, lora_b_ptr, lora_scal_ptr, lora_rank_ptr, lora_mapping_ptr,
-                              lora_enabled_ptr, lora_L, lora_Ns, lora_E, lora_top_k,
+                              lora_enabled_ptr, lora_L, lora_Ns, lora_E, lora_top_k, lora_rank_bound,
                               stride_lt_s, stride_lt_p, stride_lb_s, stride_lb_l, stride_lb_e, stride_lb_n,
                               BLOCK_N, LORA_BLOCK_L, BLOCK_R, LORA_S, LORA_HAS_ENABLED, DOT_PRECISION, UPCAST)
     if MUL_ROUTED_WEIGHT:

@@ -48,8 +48,8 @@ def accumulate_k(acc, x_ptrs, w_ptrs, row_ok, col_ok, K, step_x, step_w,
 @triton.jit
 def add_lora_expand(acc, pairs64, row_ok, offs_n, n_ok, n_first, expert,
                     t_ptr, b_ptr, scal_ptr, rank_ptr, mapping_ptr, enabled_ptr,
-                    L, Ns, lora_E, top_k, stride_ts, stride_tp, stride_bs, stride_bl, stride_be, stride_bn,
-                    BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, S: tl.constexpr,
+                    L, Ns, lora_E, top_k, rank_bound, stride_ts, stride_tp, stride_bs, stride_bl, stride_be,
+                    stride_bn, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, S: tl.constexpr,
                     HAS_ENABLED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """acc + Σ_l (σ[s, l] · t[s, p])·B[s, l, e]ᵀ on each row p of slot l, into acc itself
     (``moelora_core.gemm_lora``: the expand in a base GEMM's epilogue); returns acc.
@@ -61,6 +61,8 @@ def add_lora_expand(acc, pairs64, row_ok, offs_n, n_ok, n_first, expert,
         t_ptr [S, pairs, R], b_ptr [S, L, E_lora, Ns, R] (unit last strides), scal_ptr [S, L] fp32,
         rank_ptr [S, L] int32 (both contiguous), mapping_ptr [M] int32, enabled_ptr [L] int32.
         L, Ns, lora_E, top_k: slots (<= BLOCK_L), columns per slice, experts with LoRA, experts per token.
+        rank_bound: the host's bound on every rank (<= R, <= BLOCK_R): a device rank above it is read
+            as it (a corrupt rank never reads past R, as in the separate kernels).
 
     One dot per (slice, slot), unrolled over ``BLOCK_L`` slots with no branch on the data and no second
     output tile: each accumulates into acc, its t tile holding only the slot's rows (masked zeros
@@ -78,7 +80,7 @@ def add_lora_expand(acc, pairs64, row_ok, offs_n, n_ok, n_first, expert,
             cols = (offs_n - lo).to(tl.int64)
             for slot in tl.static_range(BLOCK_L):
                 live = (slot < L) & (expert < lora_E)  # no B to read past the slots or for a base-only expert
-                rank = tl.load(rank_ptr + s * L + slot, mask=live, other=0)
+                rank = tl.minimum(tl.load(rank_ptr + s * L + slot, mask=live, other=0), rank_bound)
                 sigma = tl.load(scal_ptr + s * L + slot, mask=live, other=0.0)
                 if HAS_ENABLED:
                     rank = tl.where(tl.load(enabled_ptr + slot, mask=live, other=0) != 0, rank, 0)

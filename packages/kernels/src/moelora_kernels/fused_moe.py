@@ -186,7 +186,7 @@ def fused_moe_gemm(
                 f"scale: {scale.shape[0]} entries × experts_per_scale={experts_per_scale} < {E_w} experts")
     if bias is not None:
         check_tensor("bias", bias, dtypes=(dtype, torch.float32), shape=(E_w, N), device=device)
-    lo = check_gemm_lora(lora, N=N, num_pairs=num_pairs, dtype=dtype, device=device)
+    lo = check_gemm_lora(lora, N=N, num_pairs=num_pairs, top_k=top_k, dtype=dtype, device=device)
     if lora is not None and (add_into or scale is not None):
         raise KernelPreconditionError("lora: the epilogue expand is for the base GEMMs (no add_into, no scale)")
     if num_pairs == 0:
@@ -213,17 +213,18 @@ def fused_moe_gemm(
     return c
 
 
-def check_gemm_lora(lora: GemmLoRA | None, *, N: int, num_pairs: int, dtype: torch.dtype,
+def check_gemm_lora(lora: GemmLoRA | None, *, N: int, num_pairs: int, top_k: int, dtype: torch.dtype,
                     device: torch.device) -> dict:
     """The kernel arguments of ``lora`` (``ptrs``, ``sizes``, ``strides``, ``meta``); for None the pointers
     are None (the launcher passes a placeholder tensor) and ``HAS_LORA`` is off.
 
     Raises:
         KernelPreconditionError: not a :class:`GemmLoRA`; operands whose shapes, dtypes or devices do
-            not fit a GEMM of ``N`` columns over ``num_pairs`` pairs in ``dtype`` (nothing is launched).
+            not fit a GEMM of ``N`` columns over ``num_pairs`` pairs of ``top_k`` in ``dtype`` (nothing is
+            launched).
     """
     if lora is None:
-        return {"ptrs": (None,) * 6, "sizes": (0, 1, 0, 1), "strides": (0,) * 6,
+        return {"ptrs": (None,) * 6, "sizes": (0, 1, 0, 1, 1), "strides": (0,) * 6,
                 "meta": {"HAS_LORA": False, "LORA_S": 1, "LORA_BLOCK_L": 1, "BLOCK_R": 16, "LORA_HAS_ENABLED": False}}
     if not isinstance(lora, GemmLoRA):
         raise KernelPreconditionError(f"lora: expected a GemmLoRA, got {type(lora).__name__}")
@@ -237,6 +238,8 @@ def check_gemm_lora(lora: GemmLoRA | None, *, N: int, num_pairs: int, dtype: tor
     check_tensor("lora.scalings", lora.scalings, dtypes=(torch.float32,), shape=(S, L), contiguous=True,
                  device=device)
     check_positive_int("lora.top_k", lora.top_k)
+    if lora.top_k != top_k:
+        raise KernelPreconditionError(f"lora.top_k: {lora.top_k}, but the GEMM's pairs are of top_k={top_k}")
     m = lora.token_lora_mapping
     check_tensor("lora.token_lora_mapping", m, dtypes=(torch.int32,), dim=1, contiguous=True, device=device)
     if m.shape[0] * lora.top_k < num_pairs:
@@ -250,7 +253,7 @@ def check_gemm_lora(lora: GemmLoRA | None, *, N: int, num_pairs: int, dtype: tor
     t, b = lora.intermediate, lora.lora_b
     return {"ptrs": (t, b, lora.scalings, lora.ranks, m,
                      lora.adapter_enabled if lora.adapter_enabled is not None else lora.ranks),
-            "sizes": (L, Ns, E_lora, lora.top_k),
+            "sizes": (L, Ns, E_lora, lora.top_k, lora.max_rank),
             "strides": (t.stride(0), t.stride(1), b.stride(0), b.stride(1), b.stride(2), b.stride(3)),
             "meta": {"HAS_LORA": True, "LORA_S": S, "LORA_BLOCK_L": next_pow2(L),
                      "BLOCK_R": next_pow2(lora.max_rank, 16), "LORA_HAS_ENABLED": lora.adapter_enabled is not None}}

@@ -92,8 +92,13 @@ class MoELoRAInputs:
         t = stage_tensors(self.weights, stage)
         check_rank_covers(self.max_rank, self.weights, STAGE_MODULES[stage])
         top_k = topk_ids.shape[1]
-        inter = fused_moe_lora_shrink(inp, t["lora_a"], self.align, stage=stage, top_k=top_k, ranks=t["ranks"],
-                                      adapter_enabled=self.adapter_enabled, max_rank=self.max_rank, tf32=self.tf32)
+        # zeros where the shrink writes nothing (pairs its alignment left out: a slot disabled there, an
+        # expert without LoRA): the GEMM picks rows by the token map, and such a row must add +0.0
+        slices = 2 if stage == "gate_up" else 1
+        inter = torch.zeros(slices, inp.shape[0] * (top_k if stage == "gate_up" else 1), self.weights.spec.R,
+                            dtype=inp.dtype, device=inp.device)
+        fused_moe_lora_shrink(inp, t["lora_a"], self.align, stage=stage, top_k=top_k, ranks=t["ranks"],
+                              adapter_enabled=self.adapter_enabled, max_rank=self.max_rank, tf32=self.tf32, out=inter)
         one = stage == "down"  # one slice: give B, ranks and σ their slice dimension
         b, ranks, scalings = (v.unsqueeze(0) if one else v for v in (t["lora_b"], t["ranks"], t["scalings"]))
         return GemmLoRA(inter, b, ranks.contiguous(), scalings.contiguous(), self.token_lora_mapping, top_k,
