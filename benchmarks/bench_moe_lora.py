@@ -310,8 +310,8 @@ def min_bytes_lora(p: Problem, R: int, shared: frozenset = frozenset()) -> int:
     """Bytes the LoRA deltas must move as a pass of their own: :func:`lora_weight_bytes`, activations in,
     read + write of the touched output rows, router weights."""
     H, I = p.H, p.I  # noqa: E741
-    adapter_pairs = int((p.mapping >= 0).sum()) * p.k
     adapter_tokens = int((p.mapping >= 0).sum())
+    adapter_pairs = adapter_tokens * p.k
     el = 2  # bf16
     acts = adapter_tokens * H * el + adapter_pairs * I * el + adapter_pairs * 4
     outs = adapter_pairs * (2 * I + H) * el * 2
@@ -370,11 +370,12 @@ def expand_in_gemm_paths(row: dict, p: Problem, w: LoRAWeights, timer: Timer) ->
     def layer(deltas, p=p):
         return fused_moe(p.x, p.topk_ids, p.topk_weights, p.w_gu, p.w_d, align=p.base_align, deltas=deltas)
 
-    def shrinks(p=p):  # the two stages' shrinks alone, on the layer's x and an h of its shape
+    h = torch.randn(p.M * p.k, p.I, device=p.x.device).to(p.x.dtype)
+
+    def shrinks(p=p, h=h):  # the two stages' shrinks alone, on the layer's x and an h of its shape
         epi.gemm_lora("gate_up", p.x, p.topk_ids)
         epi.gemm_lora("down", h, p.topk_ids)
 
-    h = torch.randn(p.M * p.k, p.I, device=p.x.device).to(p.x.dtype)
     row["err_epi"] = close(layer(epi), layer(sep), f"expand in the GEMMs M={p.M}", tol=2e-2)
     row["ab_sep_us"] = timer(lambda: layer(sep))["median_us"]
     row["ab_epi_us"] = timer(lambda: layer(epi))["median_us"]

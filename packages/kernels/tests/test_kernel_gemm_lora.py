@@ -25,12 +25,11 @@ from kernel_testing import (
     assert_bitwise_equal,
     assert_close,
     compile_for_h200,
-    cpu,
     launch_guard,
     poisoned,
     randn,
 )
-from moe_lora_testing import cpu_weights, handled, make_pool, named_routing
+from moe_lora_testing import check_layer_against_oracle, handled, make_pool, named_routing
 
 from moelora_conformance.profiles import PROFILES, current_profile
 from moelora_conformance.strategies import capped, moe_lora_cases
@@ -45,7 +44,6 @@ from moelora_kernels import (
     stage_tensors,
 )
 from moelora_reference import fused_moe as twin
-from moelora_reference.oracle import moe_lora_forward
 
 pytestmark = pytest.mark.interpreter
 
@@ -106,18 +104,7 @@ def test_gemm_with_the_expand_matches_twin_and_leaves_other_rows_alone(stage, ca
 @given(case=moe_lora_cases(ORACLE_CAPS, kinds=("extend", "decode", "mixed"), virtual_experts=False,
                            dtype=torch.float32))
 def test_layer_with_the_expand_in_the_gemms_matches_oracle(case):
-    c = case.materialize(DEVICE)
-    spec = c.spec
-    M, k = c.topk_ids.shape
-    with launch_guard():
-        align = moe_lora_align_block_size(c.topk_ids, c.token_lora_mapping, spec.E,
-                                          moe_block_m(M, k, spec.E, spec.max_loras), spec.max_loras)
-        y = fused_moe(c.x, c.topk_ids, c.topk_weights, c.base.w_gate_up, c.base.w_down,
-                      deltas=MoELoRAInputs(c.lora, align, expand_in_gemm=True,
-                                           token_lora_mapping=c.token_lora_mapping))
-    want = moe_lora_forward(cpu(c.x), cpu(c.topk_ids), cpu(c.topk_weights), cpu(c.base.w_gate_up),
-                            cpu(c.base.w_down), cpu_weights(c.lora), cpu(c.token_lora_mapping))
-    assert_close(y, want, dtype=torch.float32, what="layer, expand in the GEMMs, vs oracle", seed=case.seed)
+    check_layer_against_oracle(case, "layer, expand in the GEMMs, vs oracle", expand_in_gemm=True)
 
 
 # --- named cases -----------------------------------------------------------------------------------

@@ -94,9 +94,8 @@ class MoELoRAInputs:
         top_k = topk_ids.shape[1]
         # zeros where the shrink writes nothing (pairs its alignment left out: a slot disabled there, an
         # expert without LoRA): the GEMM picks rows by the token map, and such a row must add +0.0
-        slices = 2 if stage == "gate_up" else 1
-        inter = torch.zeros(slices, inp.shape[0] * (top_k if stage == "gate_up" else 1), self.weights.spec.R,
-                            dtype=inp.dtype, device=inp.device)
+        inter = torch.zeros(len(STAGE_MODULES[stage]), topk_ids.numel(), self.weights.spec.R, dtype=inp.dtype,
+                            device=inp.device)  # [slices, M·top_k, R]
         fused_moe_lora_shrink(inp, t["lora_a"], self.align, stage=stage, top_k=top_k, ranks=t["ranks"],
                               adapter_enabled=self.adapter_enabled, max_rank=self.max_rank, tf32=self.tf32, out=inter)
         one = stage == "down"  # one slice: give B, ranks and σ their slice dimension
