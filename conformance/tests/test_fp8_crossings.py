@@ -148,3 +148,30 @@ def test_a_crossing_under_the_max_that_carries_the_mean_is_set_aside(fixture_set
     assert searched == [tokens], searched  # the crossing's request only
     assert len(got["set_aside"]) == 1 and got["mean_abs"] <= tol.mean_abs, got
     assert got["set_aside"][0].startswith("c-0 (qwen3_moe-r8): 1 e4m3 crossing: model.layers.")
+
+
+def test_a_crossing_far_behind_its_departure_is_found(monkeypatch):
+    """The search's reach (``TRIES``, ``WINDOW``): on an H100's fp32 E02 (qwen2_moe_fp8, reference backend)
+    the crossing lay 38 positions before the departure it caused, behind more than 8 candidates nearer to
+    their midpoints, and the request failed. Here the same shape with stand-ins for the model: 10 nearer
+    decoys at the sequence's start, 10 farther ones just before the departure, and the one flip that
+    reproduces the engine's logprobs 38 positions back; the search must find exactly it."""
+    from moelora_conformance.hf_check import fp8_crossings as f
+
+    def crossing(token: int, distance: float) -> f.Crossing:
+        return f.Crossing(token=token, element=0, quotient=-368.0, midpoint=-368.0, rounded=-352.0, other=-384.0,
+                          distance=distance, where=("model.layers.0.mlp.shared_expert.down_proj",))
+
+    rng = torch.Generator().manual_seed(3)
+    first = 115
+    expected = (torch.rand(160, generator=rng) * -5).tolist()
+    actual = expected[:first] + [e + 0.02 for e in expected[first:]]
+    true = crossing(first - 38, 3.2e-7)
+    decoys = [crossing(t, 1e-8 * (t + 1)) for t in range(10)]
+    decoys += [crossing(first - i, 5e-7 + 1e-8 * i) for i in range(10)]
+    monkeypatch.setattr(f, "near_midpoints", lambda model, tokens, *, before=None, flips=(): [
+        c for c in [*decoys, true] if c.token < before and c not in flips])
+    monkeypatch.setattr(f, "flipped_forward", lambda model, tokens, flips: (list(flips), len(flips)))
+    found = f.find_crossing(None, list(range(161)), actual, expected,
+                            lambda flips: SimpleNamespace(logprobs=actual if true in flips else expected), 1e-2)
+    assert found is not None and found[0] == [true]
