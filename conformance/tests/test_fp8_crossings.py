@@ -151,11 +151,12 @@ def test_a_crossing_under_the_max_that_carries_the_mean_is_set_aside(fixture_set
 
 
 def test_a_crossing_far_behind_its_departure_is_found(monkeypatch):
-    """The search's reach (``TRIES``, ``WINDOW``): on an H100's fp32 E02 (qwen2_moe_fp8, reference backend)
+    """The search's reach (``PASSES``): on an H100's fp32 E02 (qwen2_moe_fp8, reference backend)
     the crossing lay 38 positions before the departure it caused, behind more than 8 candidates nearer to
     their midpoints, and the request failed. Here the same shape with stand-ins for the model: 10 nearer
     decoys at the sequence's start, 10 farther ones just before the departure, and the one flip that
-    reproduces the engine's logprobs 38 positions back; the search must find exactly it."""
+    reproduces the engine's logprobs 38 positions back; the search must find exactly it, in its second pass
+    (the first tries the 8 + 8 nearest, as the search did before)."""
     from moelora_conformance.hf_check import fp8_crossings as f
 
     def crossing(token: int, distance: float) -> f.Crossing:
@@ -171,7 +172,10 @@ def test_a_crossing_far_behind_its_departure_is_found(monkeypatch):
     decoys += [crossing(first - i, 5e-7 + 1e-8 * i) for i in range(10)]
     monkeypatch.setattr(f, "near_midpoints", lambda model, tokens, *, before=None, flips=(): [
         c for c in [*decoys, true] if c.token < before and c not in flips])
-    monkeypatch.setattr(f, "flipped_forward", lambda model, tokens, flips: (list(flips), len(flips)))
+    forwards = []
+    monkeypatch.setattr(f, "flipped_forward", lambda model, tokens, flips: forwards.append(flips) or (
+        list(flips), len(flips)))
     found = f.find_crossing(None, list(range(161)), actual, expected,
                             lambda flips: SimpleNamespace(logprobs=actual if true in flips else expected), 1e-2)
     assert found is not None and found[0] == [true]
+    assert [true] not in forwards[:16] and len(forwards) > 16  # the first pass (8 + 8) misses it

@@ -52,13 +52,13 @@ VISIBLE = 1e-4
 #: sums of that size, not of x, which may be a small difference of large terms): 2^-16, ~128 fp32 ulps
 #: of it (the crossing e2e.locate named on deepseek_v3_fp8 differed by 1.35e-7 absolute).
 MIDPOINT_RADIUS = 2.0 ** -16
-#: How many of the nearest candidates :func:`find_crossing` tries (each one forward of the model, only for a
-#: request that departs), and the positions before a departure it tries first. A crossing can lie far behind
-#: the departure it causes, behind many nearer candidates: in a GPU's fp32 E02 on qwen2_moe_fp8 (reference backend)
-#: one lay 38 positions before it, behind more than 8 nearer ones
+#: The candidates :func:`find_crossing` tries (each one forward of the model, only for a request that
+#: departs), pass by pass: n of them, the nearest to their midpoints, and the n nearest among the n positions
+#: before the departure. The first pass is cheap and explains most departures; a crossing can also lie far
+#: behind the departure it causes, behind many nearer candidates (in a GPU's fp32 E02 on qwen2_moe_fp8 one
+#: lay 38 positions back, behind more than 8 nearer ones), which only the second pass reaches
 #: (test_fp8_crossings.py::test_a_crossing_far_behind_its_departure_is_found).
-TRIES = 48
-WINDOW = 48
+PASSES = (8, 48)
 
 
 @dataclass
@@ -235,43 +235,46 @@ MOST_CROSSINGS = 3
 
 
 def find_crossing(model: torch.nn.Module, tokens: Sequence[int], actual: Sequence[float], expected: Sequence[float],
-                  logprobs, max_abs: float, *, tries: int = TRIES, most: int = MOST_CROSSINGS):
+                  logprobs, max_abs: float, *, passes: Sequence[int] = PASSES, most: int = MOST_CROSSINGS):
     """The e4m3 crossings (at most ``most``) that explain why ``actual`` (logprobs of tokens[1:], another
-    computation's) departs from ``expected`` (``model``'s own), found one at a time: of the ``tries``
-    elements nearest to a midpoint (:func:`near_midpoints`, those found before flipped) at positions up to
-    the first departure beyond ``max_abs`` and as many within :data:`WINDOW` positions before it, the one
-    whose flip moves that departure furthest. The set is
-    accepted once ``logprobs(output)`` (``model``'s output on ``tokens`` with them flipped → an object with
-    ``.logprobs``) agrees with ``actual`` within ``max_abs`` everywhere (the caller holds it to its mean
-    bound). Returns (crossings, that ``logprobs`` result), or None."""
+    computation's) departs from ``expected`` (``model``'s own), found one at a time: of the n elements
+    nearest to a midpoint (:func:`near_midpoints`, those found before flipped) at positions up to the first
+    departure beyond ``max_abs`` and the n nearest within n positions before it, the one whose flip moves
+    that departure furthest; n is each of ``passes`` in turn (a whole search each) until one explains it.
+    The set is accepted once ``logprobs(output)`` (``model``'s output on ``tokens`` with them flipped → an
+    object with ``.logprobs``) agrees with ``actual`` within ``max_abs`` everywhere (the caller holds it to
+    its mean bound). Returns (crossings, that ``logprobs`` result), or None."""
 
     def first_departure(values) -> int:
         return next((i for i, (a, e) in enumerate(zip(actual, values, strict=True)) if abs(a - e) > max_abs),
                     len(actual))
 
-    flips: list[Crossing] = []
-    first = first_departure(expected)
-    while len(flips) < most:
-        # the logprob of token i + 1 reads position i: a crossing at position t moves those from index t on,
-        # mostly from t itself. Tried: the elements nearest to their midpoint (a crossing's lies within
-        # roundings of it, ~1e-7 of its row, the others anywhere in the radius) at every position up to the
-        # departure, and those at the WINDOW positions before it (a long sequence has many candidates)
-        near = sorted(near_midpoints(model, tokens, before=first + 1, flips=flips), key=lambda c: c.distance)
-        tried = list(dict.fromkeys(near[:tries] + [c for c in near if c.token >= first - WINDOW][:tries]))
-        best: tuple[int, Crossing | None] = (first, None)
-        for crossing in tried:
-            out, applied = flipped_forward(model, tokens, [*flips, crossing])
-            if applied < len(flips) + 1:
-                continue
-            result = logprobs(out)
-            moved_to = first_departure(result.logprobs)
-            if moved_to == len(actual):
-                return [*flips, crossing], result
-            best = max(best, (moved_to, crossing), key=lambda b: b[0])
-        if best[1] is None:  # no flip moves the departure: not crossings
-            return None
-        first, flips = best[0], [*flips, best[1]]
-    return None
+    def search(n: int):
+        flips: list[Crossing] = []
+        first = first_departure(expected)
+        while len(flips) < most:
+            # the logprob of token i + 1 reads position i: a crossing at position t moves those from index t
+            # on, mostly from t itself. Tried: the elements nearest to their midpoint (a crossing's lies within
+            # roundings of it, ~1e-7 of its row, the others anywhere in the radius) at every position up to
+            # the departure, and those at the n positions before it (a long sequence has many candidates)
+            near = sorted(near_midpoints(model, tokens, before=first + 1, flips=flips), key=lambda c: c.distance)
+            tried = list(dict.fromkeys(near[:n] + [c for c in near if c.token >= first - n][:n]))
+            best: tuple[int, Crossing | None] = (first, None)
+            for crossing in tried:
+                out, applied = flipped_forward(model, tokens, [*flips, crossing])
+                if applied < len(flips) + 1:
+                    continue
+                result = logprobs(out)
+                moved_to = first_departure(result.logprobs)
+                if moved_to == len(actual):
+                    return [*flips, crossing], result
+                best = max(best, (moved_to, crossing), key=lambda b: b[0])
+            if best[1] is None:  # no flip moves the departure: not crossings
+                return None
+            first, flips = best[0], [*flips, best[1]]
+        return None
+
+    return next((found for n in passes if (found := search(n)) is not None), None)
 
 
 def mean_move(outputs, requests: list[dict], reference, *, adapters_only: bool = False) -> float:
