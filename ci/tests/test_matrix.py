@@ -201,6 +201,24 @@ def test_engine_cells_report_their_junit_counts(tmp_path):
     assert matrix.summarize(cell, tmp_path)["counts"] == {"passed": 2, "failed": 2, "skipped": 1}
 
 
+def test_benchmarks_cells_report_the_worst_error_against_its_own_bound(tmp_path):
+    """The fp8 base's 6.7e-2 against the bf16 base (bound 1e-1) once showed as "6.68e-02 / 2e-02" on a
+    passing cell: each error is judged by the bound the bench wrote for it."""
+    rows = [{"err_a": 3e-3, "err_fused": 1e-2, "err_a_fp8": 6.7e-2}, {"err_a": 4e-3, "err_a_fp8": 5e-2}]
+    bench = {"rows": rows, "error_bounds": {"default": 2e-2, "err_a_fp8": 1e-1}}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    cell = matrix.Cell({a: "-" for a in matrix.AXES} | {"suite": "benchmarks"}, 1.0, 1.0)
+    got = matrix.summarize(cell, tmp_path)
+    assert (got["max_error"], got["tolerance"]) == (6.7e-2, 1e-1)
+    rows[0]["err_fused"] = 1.9e-2  # now the nearest to its bound
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    assert (matrix.summarize(cell, tmp_path)["max_error"], matrix.summarize(cell, tmp_path)["tolerance"]) == (
+        1.9e-2, 2e-2)
+    del bench["error_bounds"]  # an older bench: every error against 2e-2
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    assert matrix.summarize(cell, tmp_path)["max_error"] == 6.7e-2
+
+
 def test_conformance_cells_select_their_mode_and_dtype_items_only():
     cells = {c.id: c for c in matrix.load_matrix()}
     k = lambda cid: matrix._mode_filter(cells[cid])

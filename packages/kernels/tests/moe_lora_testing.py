@@ -9,13 +9,11 @@ import math
 from dataclasses import replace
 
 import torch
-from kernel_testing import DEVICE, assert_bitwise_equal, assert_close, cpu, launch_guard, randn
+from kernel_testing import DEVICE, assert_bitwise_equal, assert_close, launch_guard, randn
 
 from moelora_core import EXPERT_FACTORS, EXPERT_LAYOUTS, AlignOutput, LoRALayerSpec, LoRAWeights, ModuleLoRA
 from moelora_core.layer_spec import expert_factor
 from moelora_kernels import (
-    MoELoRAInputs,
-    fused_moe,
     fused_moe_lora,
     fused_moe_lora_expand,
     fused_moe_lora_shrink,
@@ -25,7 +23,6 @@ from moelora_kernels import (
     stage_tensors,
 )
 from moelora_reference import moe_lora_ops as twin
-from moelora_reference.oracle import moe_lora_forward
 
 
 def cpu_weights(w: LoRAWeights) -> LoRAWeights:
@@ -40,23 +37,6 @@ def cpu_weights(w: LoRAWeights) -> LoRAWeights:
         out.dense_A[m].copy_(w.dense_A[m].cpu())
         out.dense_B[m].copy_(w.dense_B[m].cpu())
     return out
-
-
-def check_layer_against_oracle(case, what, *, expand_in_gemm=False):
-    """The whole layer with LoRA (``fused_moe(deltas=MoELoRAInputs(...))``, with ``expand_in_gemm`` the
-    expand in the base GEMMs) on a drawn case against the fp64 oracle, in the case's dtype's tolerance."""
-    c = case.materialize(DEVICE)
-    spec = c.spec
-    M, k = c.topk_ids.shape
-    with launch_guard():
-        align = moe_lora_align_block_size(c.topk_ids, c.token_lora_mapping, spec.E,
-                                          moe_block_m(M, k, spec.E, spec.max_loras), spec.max_loras)
-        y = fused_moe(c.x, c.topk_ids, c.topk_weights, c.base.w_gate_up, c.base.w_down,
-                      deltas=MoELoRAInputs(c.lora, align, expand_in_gemm=expand_in_gemm,
-                                           token_lora_mapping=c.token_lora_mapping))
-    want = moe_lora_forward(cpu(c.x), cpu(c.topk_ids), cpu(c.topk_weights), cpu(c.base.w_gate_up),
-                            cpu(c.base.w_down), cpu_weights(c.lora), cpu(c.token_lora_mapping))
-    assert_close(y, want, dtype=c.x.dtype, what=what, seed=case.seed)
 
 
 def named_routing(seed, spec, M, k, ids=None, mapping=None):

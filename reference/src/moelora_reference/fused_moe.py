@@ -5,9 +5,8 @@ rounded to the output dtype at the kernels' rounding points (any device: the loo
 copies of the alignment, the math where the data lives):
 
 - :func:`fused_moe_gemm`: for every block b of the slot with expert e >= 0 and every pair p in it
-  (p < num_pairs): ``c[p] (+)= scale[e // experts_per_scale] · w_p · (W[e] @ a[p // in_row_div] + bias[e]
-  + δ[p])`` (δ: the MoE-LoRA expand of ``lora=``, :mod:`moelora_core.gemm_lora`), rounded once
-  (the old value of c joins the sum before rounding when ``add_into``).
+  (p < num_pairs): ``c[p] (+)= scale[e // experts_per_scale] · w_p · (W[e] @ a[p // in_row_div] + bias[e])``,
+  rounded once (the old value of c joins the sum before rounding when ``add_into``).
 - :func:`moe_activation`: ``h = silu(g) ⊙ u`` (gated), ``act(g)``, or GPT-OSS's clamped
   ``swiglu_oai`` (:func:`moelora_reference.oracle.gated_activation`), gate/up as halves, rounded
   once.
@@ -26,7 +25,6 @@ import math
 import torch
 
 from moelora_core.align import AlignOutput
-from moelora_core.gemm_lora import GemmLoRA
 from moelora_core.moe_activation import MoEActivation
 from moelora_reference.base_moe import split_gate_up
 from moelora_reference.oracle import gated_activation
@@ -49,10 +47,9 @@ def fused_moe_gemm(
     experts_per_scale: int = 1,
     add_into: bool = False,
     bias: torch.Tensor | None = None,
-    lora: GemmLoRA | None = None,
 ) -> torch.Tensor:
-    """c[p] (+)= scale · w_p · (W[e(p)] @ a[p // in_row_div] + bias[e(p)] + δ[p]) over the aligned pairs of
-    ``slot``, δ[p] the expand of ``lora`` (:mod:`moelora_core.gemm_lora`; 0 without it).
+    """c[p] (+)= scale · w_p · (W[e(p)] @ a[p // in_row_div] + bias[e(p)]) over the aligned pairs of
+    ``slot``.
 
     Args:
         a: [rows_in, K]; w: [E_w, N, K]; c: [num_pairs, N] (written in place at aligned pairs only).
@@ -64,9 +61,6 @@ def fused_moe_gemm(
         scale: per-scale-group factor (σ per slot for virtual experts), or None.
         add_into: add to c rather than overwrite.
         bias: [E_w, N] per-expert bias (GPT-OSS), or None.
-        lora: the expand operands: columns of slice s of a row whose token's slot l is enabled, with
-            rank r = min(ranks[s, l], max_rank) > 0 and e < E_lora, add ``B[s, l, e, :, :r] @ (σ · t[s, p, :r])``
-            (σ · t rounded once to t's dtype).
 
     Returns:
         ``c``.
@@ -87,8 +81,6 @@ def fused_moe_gemm(
         v = a[p // in_row_div].to(F64) @ w[e].to(F64).T  # [rows, N]
         if bias is not None:
             v = v + bias[e].to(F64)
-        if lora is not None:
-            v = v + _lora_delta(lora, rows, e)
         if weights is not None:
             v = v * weights[p][:, None]
         if scale is not None:
@@ -97,30 +89,6 @@ def fused_moe_gemm(
             v = v + c[p].to(F64)
         c[p] = v.to(c.dtype)
     return c
-
-
-def _lora_delta(lora: GemmLoRA, rows: list[int], e: int) -> torch.Tensor:
-    """δ [len(rows), S·N_s] in fp64: each row's expand, zero where its slot adds nothing (a map value
-    outside [0, L): no adapter; a rank clamped to ``max_rank``; σ·t rounded once to t's dtype, as the
-    kernel takes it)."""
-    S, L, E_lora, Ns, _ = lora.lora_b.shape
-    delta = torch.zeros(len(rows), S * Ns, dtype=F64, device=lora.lora_b.device)
-    if e >= E_lora:
-        return delta  # an expert without LoRA
-    p = torch.tensor(rows, device=lora.token_lora_mapping.device)
-    slot = lora.token_lora_mapping[p // lora.top_k].long()  # [rows]
-    enabled = None if lora.adapter_enabled is None else lora.adapter_enabled.tolist()
-    for s_l in sorted(v for v in set(slot.tolist()) if 0 <= v < L):
-        if enabled is not None and not enabled[s_l]:
-            continue
-        mine = (slot == s_l).to(delta.device)  # [rows]
-        for s in range(S):
-            r, sigma = min(int(lora.ranks[s, s_l]), lora.max_rank), lora.scalings[s, s_l]
-            if r > 0:
-                t = lora.intermediate[s, p[mine.to(p.device)], :r]  # [n, r]
-                t = (t.float() * sigma.float()).to(t.dtype).to(F64)  # σ·t, rounded once to t's dtype
-                delta[mine, s * Ns:(s + 1) * Ns] = t @ lora.lora_b[s, s_l, e, :, :r].to(F64).T  # [n, N_s]
-    return delta
 
 
 def _act(x: torch.Tensor, activation: str) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelora_kernels._tiles import accumulate_k, add_lora_expand
+from moelora_kernels._tiles import accumulate_k
 
 
 @triton.jit
@@ -22,12 +22,6 @@ def _fused_moe_gemm_kernel(
     topk_weights_ptr,             # [num_pairs] (MUL_ROUTED_WEIGHT)
     scale_ptr,                    # [E_w // experts_per_scale] fp32 (HAS_SCALE)
     bias_ptr,                     # [E_w, N] per-expert bias (HAS_BIAS; GPT-OSS)
-    lora_t_ptr,                   # [S, num_pairs, R] shrink output (HAS_LORA: moelora_core.gemm_lora)
-    lora_b_ptr,                   # [S, L, E_lora, Ns, R]
-    lora_scal_ptr,                # [S, L] fp32
-    lora_rank_ptr,                # [S, L] int32
-    lora_mapping_ptr,             # [M] int32 slot per token
-    lora_enabled_ptr,             # [L] int32 (LORA_HAS_ENABLED)
     # sizes
     N,
     K,
@@ -36,13 +30,11 @@ def _fused_moe_gemm_kernel(
     experts_per_scale,
     experts_per_weight,           # consecutive expert ids reading one weight (stride 0 within)
     num_experts,                  # E_w: blocks of other experts are skipped
-    lora_L, lora_Ns, lora_E, lora_top_k, lora_rank_bound,
     # strides
     stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,
     stride_cm, stride_cn,
     stride_bias_e, stride_bias_n,
-    stride_lt_s, stride_lt_p, stride_lb_s, stride_lb_l, stride_lb_e, stride_lb_n,
     # meta-parameters
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -54,11 +46,6 @@ def _fused_moe_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,         # interpreter + bf16: widen tiles before tl.dot
     GROUP_SIZE_M: tl.constexpr,   # 0: the launch order (row blocks fastest); g > 0: g row blocks x every column tile
-    HAS_LORA: tl.constexpr,       # the MoE-LoRA expand in the epilogue
-    LORA_S: tl.constexpr,         # slices of the expand (2 gate_up, 1 down)
-    LORA_BLOCK_L: tl.constexpr,   # slots of the expand, rounded up to a power of two
-    BLOCK_R: tl.constexpr,
-    LORA_HAS_ENABLED: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -119,13 +106,6 @@ def _fused_moe_gemm_kernel(
         bias = tl.load(bias_ptr + expert * stride_bias_e + offs_n.to(tl.int64) * stride_bias_n, mask=n_ok,
                        other=0.0).to(tl.float32)
         acc += bias[None, :]
-    if HAS_LORA:
-        # the delta joins before the router weight (DESIGN.md §1), rounded once with the base
-        acc = add_lora_expand(acc, pairs64, row_ok, offs_n, n_ok, pid_n * BLOCK_N, expert,
-                              lora_t_ptr, lora_b_ptr, lora_scal_ptr, lora_rank_ptr, lora_mapping_ptr,
-                              lora_enabled_ptr, lora_L, lora_Ns, lora_E, lora_top_k, lora_rank_bound,
-                              stride_lt_s, stride_lt_p, stride_lb_s, stride_lb_l, stride_lb_e, stride_lb_n,
-                              BLOCK_N, LORA_BLOCK_L, BLOCK_R, LORA_S, LORA_HAS_ENABLED, DOT_PRECISION, UPCAST)
     if MUL_ROUTED_WEIGHT:
         rw = tl.load(topk_weights_ptr + pairs64, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * rw[:, None]

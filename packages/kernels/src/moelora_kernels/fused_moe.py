@@ -46,7 +46,6 @@ import triton
 
 from moelora_core.align import AlignOutput
 from moelora_core.errors import KernelPreconditionError
-from moelora_core.gemm_lora import GemmLoRA
 from moelora_kernels._common import (
     FLOAT_DTYPES,
     check_align_pairs,
@@ -54,7 +53,6 @@ from moelora_kernels._common import (
     check_positive_int,
     check_tensor,
     gemm_launch_options,
-    next_pow2,
 )
 from moelora_kernels._fused_moe_kernels import _fused_moe_gemm_kernel
 from moelora_kernels.configs import kernel_config
@@ -112,10 +110,9 @@ def fused_moe_gemm(
     tf32: bool = False,
     config: dict | None = None,
     bias: torch.Tensor | None = None,
-    lora: GemmLoRA | None = None,
 ) -> torch.Tensor:
     """C[p] (+)= scale · w_p · (A[p // in_row_div] @ W[e(p)]ᵀ + bias[e(p)]) for every aligned pair p
-    (module docstring), plus the MoE-LoRA expand of ``lora`` before the router weight.
+    (module docstring).
 
     Args:
         a: [rows_in, K], last stride 1; ``rows_in * in_row_div >= num_pairs``.
@@ -138,20 +135,13 @@ def fused_moe_gemm(
         bias: [E_w, N] per-expert bias (GPT-OSS's ``gate_up_proj_bias`` / ``down_proj_bias``; a
             strided column view is fine), same dtype as ``a`` or fp32; added in fp32 before the
             router weight and scale.
-        lora: the expand operands of the stage (:class:`moelora_core.gemm_lora.GemmLoRA`: t from
-            the shrink, B, ranks, σ, the token → slot map): each row of an enabled slot adds
-            B[s, slot, e] · (σ · t[s, p]) before the router weight (σ · t rounded once to the
-            input dtype; the product accumulated in fp32 with the base, one rounding of the sum); other
-            rows stay the base bit for bit, given finite factors (the adapter reader refuses NaN and
-            Inf). Not with ``add_into`` or ``scale``.
 
     Returns:
         ``c``.
 
     Raises:
         KernelPreconditionError: dtype / shape / stride / device mismatches, bad sizes; an alignment
-            recorded for more experts than ``w`` or for another ``num_pairs``; ``lora`` operands that
-            do not fit (slices × N_s != N, another dtype or pair count, max_rank outside [1, R]).
+            recorded for more experts than ``w`` or for another ``num_pairs``.
     """
     check_tensor("a", a, dtypes=FLOAT_DTYPES, dim=2, unit_last_stride=True)
     device, dtype = a.device, a.dtype
@@ -186,9 +176,6 @@ def fused_moe_gemm(
                 f"scale: {scale.shape[0]} entries × experts_per_scale={experts_per_scale} < {E_w} experts")
     if bias is not None:
         check_tensor("bias", bias, dtypes=(dtype, torch.float32), shape=(E_w, N), device=device)
-    lo = check_gemm_lora(lora, N=N, num_pairs=num_pairs, top_k=top_k, dtype=dtype, device=device)
-    if lora is not None and (add_into or scale is not None):
-        raise KernelPreconditionError("lora: the epilogue expand is for the base GEMMs (no add_into, no scale)")
     if num_pairs == 0:
         return c
     cfg = kernel_config("fused_moe_gemm", rows=num_pairs, N=N, K=K, overrides=config)
@@ -201,62 +188,15 @@ def fused_moe_gemm(
         topk_weights if topk_weights is not None else dummy,
         scale if scale is not None else dummy,
         bias if bias is not None else dummy,
-        *(ptr if ptr is not None else dummy for ptr in lo["ptrs"]),
-        N, K, num_pairs, in_row_div, experts_per_scale, experts_per_weight, E_w, *lo["sizes"],
+        N, K, num_pairs, in_row_div, experts_per_scale, experts_per_weight, E_w,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
-        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0, *lo["strides"],
+        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         MUL_ROUTED_WEIGHT=topk_weights is not None, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         ADD_INTO=add_into, GROUP_SIZE_M=check_group_size_m(cfg["GROUP_SIZE_M"]),
-        **lo["meta"], **gemm_launch_options(dtype, tf32, cfg),
+        **gemm_launch_options(dtype, tf32, cfg),
     )
     return c
-
-
-def check_gemm_lora(lora: GemmLoRA | None, *, N: int, num_pairs: int, top_k: int, dtype: torch.dtype,
-                    device: torch.device) -> dict:
-    """The kernel arguments of ``lora`` (``ptrs``, ``sizes``, ``strides``, ``meta``); for None the pointers
-    are None (the launcher passes a placeholder tensor) and ``HAS_LORA`` is off.
-
-    Raises:
-        KernelPreconditionError: not a :class:`GemmLoRA`; operands whose shapes, dtypes or devices do
-            not fit a GEMM of ``N`` columns over ``num_pairs`` pairs of ``top_k`` in ``dtype`` (nothing is
-            launched).
-    """
-    if lora is None:
-        return {"ptrs": (None,) * 6, "sizes": (0, 1, 0, 1, 1), "strides": (0,) * 6,
-                "meta": {"HAS_LORA": False, "LORA_S": 1, "LORA_BLOCK_L": 1, "BLOCK_R": 16, "LORA_HAS_ENABLED": False}}
-    if not isinstance(lora, GemmLoRA):
-        raise KernelPreconditionError(f"lora: expected a GemmLoRA, got {type(lora).__name__}")
-    check_tensor("lora.lora_b", lora.lora_b, dtypes=(dtype,), dim=5, unit_last_stride=True, device=device)
-    S, L, E_lora, Ns, R = lora.lora_b.shape
-    if S * Ns != N:
-        raise KernelPreconditionError(f"lora.lora_b: {S} slices of {Ns} columns do not make the GEMM's N={N}")
-    check_tensor("lora.intermediate", lora.intermediate, dtypes=(dtype,), shape=(S, num_pairs, R),
-                 unit_last_stride=True, device=device)
-    check_tensor("lora.ranks", lora.ranks, dtypes=(torch.int32,), shape=(S, L), contiguous=True, device=device)
-    check_tensor("lora.scalings", lora.scalings, dtypes=(torch.float32,), shape=(S, L), contiguous=True,
-                 device=device)
-    check_positive_int("lora.top_k", lora.top_k)
-    if lora.top_k != top_k:
-        raise KernelPreconditionError(f"lora.top_k: {lora.top_k}, but the GEMM's pairs are of top_k={top_k}")
-    m = lora.token_lora_mapping
-    check_tensor("lora.token_lora_mapping", m, dtypes=(torch.int32,), dim=1, contiguous=True, device=device)
-    if m.shape[0] * lora.top_k < num_pairs:
-        raise KernelPreconditionError(f"lora.token_lora_mapping: {m.shape[0]} tokens × top_k={lora.top_k} < "
-                                      f"{num_pairs} pairs")
-    if type(lora.max_rank) is not int or not 1 <= lora.max_rank <= R:
-        raise KernelPreconditionError(f"lora.max_rank: must be an int in [1, R={R}], got {lora.max_rank!r}")
-    if lora.adapter_enabled is not None:
-        check_tensor("lora.adapter_enabled", lora.adapter_enabled, dtypes=(torch.int32,), shape=(L,),
-                     contiguous=True, device=device)
-    t, b = lora.intermediate, lora.lora_b
-    return {"ptrs": (t, b, lora.scalings, lora.ranks, m,
-                     lora.adapter_enabled if lora.adapter_enabled is not None else lora.ranks),
-            "sizes": (L, Ns, E_lora, lora.top_k, lora.max_rank),
-            "strides": (t.stride(0), t.stride(1), b.stride(0), b.stride(1), b.stride(2), b.stride(3)),
-            "meta": {"HAS_LORA": True, "LORA_S": S, "LORA_BLOCK_L": next_pow2(L),
-                     "BLOCK_R": next_pow2(lora.max_rank, 16), "LORA_HAS_ENABLED": lora.adapter_enabled is not None}}
 
 
 #: The largest ``GROUP_SIZE_M`` the base GEMM takes (row blocks per program group; 0 = launch order).

@@ -9,9 +9,7 @@ Steps (each a kernel of this package; no host sync; every intermediate allocated
 
 1. base alignment of ``topk_ids`` over E_base experts (:func:`.align.moe_align_block_size`);
 2. gate_up GEMM over aligned pairs → ``gate_up_out`` [M, top_k, 2I] (:func:`.fused_moe.fused_moe_gemm`);
-3. optional ``deltas.gate_up``: the MoE-LoRA gate_up delta added before the activation (or, where
-   the deltas are a :class:`~moelora_core.gemm_lora.GemmLoRADeltas` that offers it, the shrink
-   before step 2 and the expand in step 2's epilogue; likewise for steps 5-6);
+3. optional ``deltas.gate_up``: the MoE-LoRA gate_up delta added before the activation;
 4. SiLU-gated (or non-gated, or GPT-OSS's swiglu_oai)
    activation → h [M·top_k, I] (:func:`.moe_epilogue.moe_activation`);
 5. down GEMM with the router weight → ``down_out`` [M, top_k, H];
@@ -37,16 +35,15 @@ import torch
 from moelora_core.align import AlignOutput
 from moelora_core.errors import KernelPreconditionError
 from moelora_core.fp8_block import FP8_DTYPE
-from moelora_core.gemm_lora import GemmLoRA, GemmLoRADeltas
 from moelora_core.moe_deltas import MoEDeltas
 from moelora_core.weights import LoRAWeights
-from moelora_kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check_rank_covers, check_tensor
+from moelora_kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from moelora_kernels.align import moe_align_block_size
 from moelora_kernels.configs import base_moe_block_m
 from moelora_kernels.fp8_block import fp8_moe_gemm, quantize_activation_fp8
 from moelora_kernels.fused_moe import fused_moe_gemm
 from moelora_kernels.moe_epilogue import moe_activation, moe_sum
-from moelora_kernels.moe_lora import STAGE_MODULES, fused_moe_lora_shrink, moe_lora_delta, stage_tensors
+from moelora_kernels.moe_lora import moe_lora_delta
 
 
 @dataclass
@@ -62,13 +59,6 @@ class MoELoRAInputs:
         fused: shrink+expand in one kernel per stage (True), two (False), or by size (None:
             the config table's choice).
         tf32: TF32 dots for fp32.
-        expand_in_gemm: the shrink as its own pass and the expand in the base GEMMs' epilogue
-            (:mod:`moelora_core.gemm_lora`; bf16 / fp16 / fp32 bases, the w8a8 base keeps the
-            separate deltas); needs ``token_lora_mapping``.
-        token_lora_mapping: [M] int32 slot per token (``expand_in_gemm``).
-
-    Raises:
-        KernelPreconditionError: ``expand_in_gemm`` without ``token_lora_mapping``.
     """
 
     weights: LoRAWeights
@@ -77,31 +67,6 @@ class MoELoRAInputs:
     max_rank: int | None = None
     fused: bool | None = None
     tf32: bool = False
-    expand_in_gemm: bool = False
-    token_lora_mapping: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if self.expand_in_gemm and self.token_lora_mapping is None:
-            raise KernelPreconditionError("MoELoRAInputs: expand_in_gemm needs token_lora_mapping")
-
-    def gemm_lora(self, stage: str, inp: torch.Tensor, topk_ids: torch.Tensor) -> GemmLoRA | None:
-        """With ``expand_in_gemm``: the stage's shrink (:func:`.moe_lora.fused_moe_lora_shrink`) and the
-        expand operands for the base GEMM (:class:`~moelora_core.gemm_lora.GemmLoRADeltas`); else None."""
-        if not self.expand_in_gemm:
-            return None
-        t = stage_tensors(self.weights, stage)
-        check_rank_covers(self.max_rank, self.weights, STAGE_MODULES[stage])
-        top_k = topk_ids.shape[1]
-        # zeros where the shrink writes nothing (pairs its alignment left out: a slot disabled there, an
-        # expert without LoRA): the GEMM picks rows by the token map, and such a row must add +0.0
-        inter = torch.zeros(len(STAGE_MODULES[stage]), topk_ids.numel(), self.weights.spec.R, dtype=inp.dtype,
-                            device=inp.device)  # [slices, M·top_k, R]
-        fused_moe_lora_shrink(inp, t["lora_a"], self.align, stage=stage, top_k=top_k, ranks=t["ranks"],
-                              adapter_enabled=self.adapter_enabled, max_rank=self.max_rank, tf32=self.tf32, out=inter)
-        one = stage == "down"  # one slice: give B, ranks and σ their slice dimension
-        b, ranks, scalings = (v.unsqueeze(0) if one else v for v in (t["lora_b"], t["ranks"], t["scalings"]))
-        return GemmLoRA(inter, b, ranks.contiguous(), scalings.contiguous(), self.token_lora_mapping, top_k,
-                        self.max_rank if self.max_rank is not None else self.weights.spec.R, self.adapter_enabled)
 
     def gate_up(self, x: torch.Tensor, topk_ids: torch.Tensor, gate_up_out: torch.Tensor) -> None:
         """gate_up_out [M, top_k, 2I] += the gate and up deltas of x [M, H]."""
@@ -185,9 +150,6 @@ def fused_moe(
         align = moe_align_block_size(topk_ids, E_base,
                                      block_m or base_moe_block_m(M, top_k, E_base, fp8=weight_block is not None))
     num_pairs = M * top_k
-    # the expand in the base GEMMs' epilogue where the deltas offer it (bf16 / fp16 / fp32 bases)
-    asks = weight_block is None and isinstance(deltas, GemmLoRADeltas)
-    lora_gu = deltas.gemm_lora("gate_up", x, topk_ids) if asks else None
     gate_up = torch.empty(M, top_k, width, dtype=x.dtype, device=x.device)
     if weight_block is not None:  # w8a8 base; the deltas below read the unquantized x and h
         q, s = quantize_activation_fp8(x, weight_block[1])
@@ -195,12 +157,11 @@ def fused_moe(
                      top_k=top_k, num_pairs=num_pairs, in_row_div=top_k, half=inter)
     else:
         fused_moe_gemm(x, w_gate_up, gate_up.view(num_pairs, width), align, top_k=top_k, num_pairs=num_pairs,
-                       in_row_div=top_k, tf32=tf32, bias=b_gate_up, lora=lora_gu)
-    if deltas is not None and lora_gu is None:
+                       in_row_div=top_k, tf32=tf32, bias=b_gate_up)
+    if deltas is not None:
         deltas.gate_up(x, topk_ids, gate_up)
     h = moe_activation(gate_up.view(num_pairs, width), activation=activation, gated=gated, topk_ids=topk_ids,
                        alpha=alpha, limit=limit)
-    lora_d = deltas.gemm_lora("down", h, topk_ids) if asks else None
     down = torch.empty(M, top_k, H, dtype=x.dtype, device=x.device)
     if weight_block is not None:
         q, s = quantize_activation_fp8(h, weight_block[1])
@@ -208,7 +169,7 @@ def fused_moe(
                      num_pairs=num_pairs, in_row_div=1, topk_weights=topk_weights)
     else:
         fused_moe_gemm(h, w_down, down.view(num_pairs, H), align, top_k=top_k, num_pairs=num_pairs, in_row_div=1,
-                       topk_weights=topk_weights, tf32=tf32, bias=b_down, lora=lora_d)
-    if deltas is not None and lora_d is None:
+                       topk_weights=topk_weights, tf32=tf32, bias=b_down)
+    if deltas is not None:
         deltas.down(h, topk_ids, topk_weights, down)
     return moe_sum(down, topk_ids)
