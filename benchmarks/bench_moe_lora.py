@@ -79,14 +79,14 @@ from moelora_kernels import (  # noqa: E402
 )
 from moelora_kernels.configs import base_moe_block_m  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import check_targets  # noqa: E402
+
 #: Named model registry (layer shapes) and regimes.
 MODELS = {"qwen3-30b-a3b-layer": {"H": 2048, "I": 768, "E": 128, "top_k": 8}}
 TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
 RANKS = (16, 64)
 MAX_LORAS = 4
-#: The first kernel targets (H200 medians, µs): M → (base a, LoRA b R16, LoRA b R64). Binding for M <= 512.
-TARGETS = {1: (40, 23, 32), 8: (129, 28, 50), 32: (261, 34, 67), 128: (310, 48, 127), 512: (330, 95, 176),
-           2048: (465, 147, 294), 8192: (1285, 202, 351)}
 ALIGN_TARGET_US = 15.0
 DT = torch.bfloat16
 #: Where problems, pools and the torch paths live; a CPU dry run of sweep_configs.py (interpreter,
@@ -378,6 +378,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         sys.exit("bench_moe_lora: needs a CUDA device")
     t0 = time.time()
+    # the "b tgt" column and target_* fields: this card's targets file, none for a card without one
+    found = check_targets.for_card(torch.cuda.get_device_name(0))
+    targets_file, card_targets = (found[0].name, found[1]) if found else (None, None)
     shape = MODELS[args.model]
     gen = torch.Generator("cuda").manual_seed(0)
     timer = Timer(args.replays)
@@ -479,8 +482,7 @@ def main() -> int:
             row["b_GBps"] = row["b_min_bytes"] / (row["b_us"] * 1e-6) / 1e9
             row["b_frac_copy"] = row["b_GBps"] / copy_plain["GBps"]
             row["b_frac_copy_in_graph"] = row["b_GBps"] / copy["GBps"]
-            ta, tb16, tb64 = TARGETS.get(M, (None, None, None))
-            row["target_a_us"], row["target_b_us"] = ta, (tb16 if R == 16 else tb64 if R == 64 else None)
+            row["target_a_us"], row["target_b_us"] = check_targets.cell_targets(card_targets, M, R)
             rows.append(row)
             print(f"  M={M} R={R}: a {row['a_us']:.1f} µs, b {row['b_us']:.1f} µs (fused {row['b_fused_us']:.1f}, "
                   f"unfused {row['b_unfused_us']:.1f}, virtual {row['b_virtual_us']:.1f}, "
@@ -495,7 +497,7 @@ def main() -> int:
               f"{'virtual':>8} {'ref':>9} {'c µs':>6} {'c base':>6} {'b/a':>5} {'b GB/s':>7} {'%copy':>6}")
     print(f"\n{args.model} bf16, L={MAX_LORAS}, expert layout {args.expert_layout}, {args.replays} graph replays, "
           f"L2 flushed; %copy against a plain copy_ of 2 GiB: {copy_plain['GBps']:.0f} GB/s (in the timer's graph "
-          f"after the flush: {copy['GBps']:.0f})")
+          f"after the flush: {copy['GBps']:.0f}); targets: {targets_file or 'none for this card'}")
     print(header)
     for r in rows:
         ref = f"{r['b_reference_us']:9.1f}" if "b_reference_us" in r else f"{'-':>9}"
@@ -508,7 +510,7 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": str(torch.version.cuda),
         "triton": triton.__version__, "python": platform.python_version(), "replays": args.replays,
         "copy": copy, "copy_plain": copy_plain, "align_target_us": ALIGN_TARGET_US, "rows": rows,
-        "error_bounds": ERROR_BOUNDS,
+        "error_bounds": ERROR_BOUNDS, "targets": targets_file,
         "wall_s": round(time.time() - t0, 1),
     }
     Path(args.out).write_text(json.dumps(record, indent=2))

@@ -34,6 +34,30 @@ def _targets(path: Path) -> dict:
     return t
 
 
+HERE = Path(__file__).resolve().parent
+
+
+def for_card(gpu: str, folder: Path = HERE) -> tuple[Path, dict] | None:
+    """The targets file in ``folder`` (``targets-*.json``) whose ``card`` is ``gpu`` exactly (as
+    ``torch.cuda.get_device_name`` names it), with its contents; None for a card without one.
+
+    Raises:
+        ValueError: a targets file without a key the rule needs (named with the file).
+    """
+    for path in sorted(folder.glob("targets-*.json")):
+        t = _targets(path)
+        if t["card"] == gpu:
+            return path, t
+    return None
+
+
+def cell_targets(t: dict | None, M: int, R: int) -> tuple[float | None, float | None]:
+    """(base a, LoRA b) targets in µs of one (M, R) cell of targets ``t`` (None where it sets none)."""
+    if t is None:
+        return None, None
+    return t["base_a_us"].get(str(M)), t["lora_b_us"].get(str(M), {}).get(str(R))
+
+
 def _time(row: dict, field: str, where: str) -> float | None:
     """The row's time in µs, None when the row holds none (skipped or failed).
 

@@ -190,8 +190,8 @@ def _time_both(unit, both, timer, gate_up0, down0, wants, tol, p, R):
         t = timer(lambda fn=fn, gu=gu, d=d: fn(gu, d))
         unit["both"][name] = {"us": t["median_us"], "p10_us": t["p10_us"], "p90_us": t["p90_us"], "err": err}
     unit["min_bytes"] = bench.min_bytes_lora(p, R)
-    targets = bench.TARGETS.get(p.M)
-    unit["target_us"] = targets[1 if R == 16 else 2] if targets is not None and R in (16, 64) else None
+    found = bench.check_targets.for_card(torch.cuda.get_device_name(0))
+    unit["target_us"] = bench.check_targets.cell_targets(found[1] if found else None, p.M, R)[1]
 
 
 def _per_expert_rows(out, num_pairs, block_m):

@@ -139,3 +139,22 @@ def test_a_file_that_is_not_a_run_exits_2(tmp_path, capsys):
     for name in ("list.json", "bad.json", "missing.json"):
         assert mod.main([str(TARGETS), str(tmp_path / name)]) == 2
     assert capsys.readouterr().out.count("check_targets: ") == 3
+
+
+def test_each_card_has_its_own_targets_file_and_the_bench_reads_the_one_of_its_card(tmp_path):
+    """``bench_moe_lora.py``'s "b tgt" column comes from the targets file of the card it runs on: an H100 run
+    once printed the H200's targets (hard-coded in the bench) beside its times."""
+    mod = _module()
+    path, h100 = mod.for_card("NVIDIA H100 80GB HBM3")
+    assert path.name == "targets-h100.json" and h100 == T
+    path, h200 = mod.for_card("NVIDIA H200")
+    assert path.name == "targets-h200.json"
+    assert mod.cell_targets(h200, 32, 64) == (265.3, 66.6) and mod.cell_targets(h100, 32, 64) == (398.1, 57.1)
+    assert mod.cell_targets(h200, 3, 16) == (None, None) and mod.cell_targets(None, 32, 64) == (None, None)
+    assert mod.for_card("NVIDIA H200 NVL") is None and mod.for_card("NVIDIA A100-SXM4-80GB") is None
+    # every cell of the H200's grid has both times, so check_targets judges a whole run against it
+    assert {M for M in h200["lora_b_us"]} == set(h200["base_a_us"]) and all(
+        set(by_r) == {"16", "64"} for by_r in h200["lora_b_us"].values())
+    (tmp_path / "targets-x.json").write_text(json.dumps({"card": "X"}))
+    with pytest.raises(ValueError, match=r"targets-x\.json: no 'lora_ratio'"):
+        mod.for_card("X", tmp_path)
