@@ -18,6 +18,12 @@ loop; both delta paths, so the auto, fused and pair columns all move):
 
     PYTHONPATH=... python benchmarks/config_ab.py --out-dir OUT --key EXPAND_STREAM --values 0 1 2 3 \
         --ops moe_lora_expand fused_moe_lora -- --tokens 8 32 128 512 --ranks 16 64 --no-baseline
+
+The pair's expand with several column tiles per program (``N_TILES``: 1 today; the pair column moves,
+and the auto one where the table picks the pair, R 64 up to 256 rows):
+
+    PYTHONPATH=... python benchmarks/config_ab.py --out-dir OUT --key N_TILES --values 1 2 3 6 \
+        --ops moe_lora_expand -- --tokens 8 32 128 512 --ranks 16 64 --no-baseline
 """
 
 from __future__ import annotations
@@ -39,10 +45,13 @@ def table_with(key: str, value: int, ops: list[str]) -> dict:
     ``key = value`` on every entry of ``ops``.
 
     Raises:
-        SystemExit: an op the table does not have (a typo would otherwise A/B nothing).
+        SystemExit: an op the table does not have, or a key the launchers do not read (a typo would
+            otherwise A/B nothing: ``kernel_config`` keeps only the keys of ``GPU_FALLBACK_CONFIG``).
     """
-    from moelora_kernels.configs import device_table_path
+    from moelora_kernels.configs import GPU_FALLBACK_CONFIG, device_table_path
 
+    if key not in GPU_FALLBACK_CONFIG:
+        raise SystemExit(f"config_ab: {key!r} is not a kernel-config key (one of {sorted(GPU_FALLBACK_CONFIG)})")
     path = Path(device_table_path())
     table = json.loads(path.read_text())
     for op in ops:

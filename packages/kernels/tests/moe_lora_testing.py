@@ -9,10 +9,11 @@ import math
 from dataclasses import replace
 
 import torch
-from kernel_testing import DEVICE, assert_bitwise_equal, assert_close, launch_guard, randn
+from kernel_testing import DEVICE, assert_bitwise_equal, assert_close, launch_guard, poisoned, randn
 
 from moelora_core import EXPERT_FACTORS, EXPERT_LAYOUTS, AlignOutput, LoRALayerSpec, LoRAWeights, ModuleLoRA
 from moelora_core.layer_spec import expert_factor
+from moelora_core.weights import module_index
 from moelora_kernels import (
     fused_moe_lora,
     fused_moe_lora_expand,
@@ -170,9 +171,51 @@ def poisoned_stage_problem(w, ids, mapping, enabled, dtype, seed, stage):
     return align, x, poison_untouched(gen, out0, cols), tw, cols
 
 
-def qwen3_pair_args(kernel, R, M=128, L=4, E=128, H=2048, I=768, block_m=16):
-    """Runtime arguments of the shrink or the expand for the Qwen3-30B-A3B gate_up stage (bf16), for
-    ``compile_for_h200``."""
+def poison_past_rank(w):
+    """NaN in every A row and B column past its slot's module rank (the pool zero-pads them when it
+    loads a slot): a kernel that lets one of them reach an output turns it NaN."""
+    ranks = w.module_ranks.cpu()
+    nan = float("nan")
+    for slot in range(w.spec.max_loras):
+        for s, module in enumerate(("gate", "up")):
+            r = int(ranks[module_index(module), slot])
+            w.storage("gate_up_A")[s, slot, :, r:, :] = nan
+            w.storage("gate_up_B")[s, slot, :, :, r:] = nan
+        r = int(ranks[module_index("down"), slot])
+        w.storage("down_A")[slot, :, r:, :] = nan
+        w.storage("down_B")[slot, :, :, r:] = nan
+    return w
+
+
+def poison_intermediate_past_rank(inter, stage, mapping, k, ranks, max_rank):
+    """The pair's intermediate [S, P, R] with NaN in the columns of each pair past its slot's rank
+    (the shrink writes zeros there)."""
+    ranks = (ranks if stage == "gate_up" else ranks[None]).cpu()
+    slot_of = mapping.cpu().long().repeat_interleave(k)
+    parts = inter[None]
+    for s in range(ranks.shape[0]):
+        for slot in range(ranks.shape[1]):
+            r = min(int(ranks[s, slot]), max_rank if max_rank is not None else inter.shape[-1])
+            rows = (slot_of == slot).nonzero().squeeze(1).to(inter.device)
+            parts[:, s, rows, r:] = float("nan")
+    return inter
+
+
+def shrink_for_pair(stage, x, w, align, k, enabled, mapping, max_rank):
+    """The pair's intermediate, NaN in every row the shrink does not write and past each rank."""
+    t = stage_tensors(w, stage)
+    S = 2 if stage == "gate_up" else 1
+    pairs = x.shape[0] * k if stage == "gate_up" else x.shape[0]
+    inter = poisoned(S, pairs, w.spec.R, dtype=x.dtype)
+    with launch_guard():
+        fused_moe_lora_shrink(x, t["lora_a"], align, stage=stage, top_k=k, ranks=t["ranks"], adapter_enabled=enabled,
+                              out=inter, max_rank=max_rank)
+    return poison_intermediate_past_rank(inter, stage, mapping, k, t["ranks"], max_rank)
+
+
+def qwen3_pair_args(kernel, R, M=128, L=4, E=128, H=2048, I=768, block_m=16, n_tiles=1):
+    """Runtime arguments of the shrink or the expand (``n_tiles`` column tiles of 128 per program) for the
+    Qwen3-30B-A3B gate_up stage (bf16), for ``compile_for_h200``."""
     P = -(-(M * 8 + E * (block_m - 1)) // block_m) * block_m
     meta = {n: "i32" for n in ("sorted_token_ids_ptr", "expert_ids_ptr", "num_tokens_post_padded_ptr",
                                "adapter_enabled_ptr", "ranks_ptr")}
@@ -187,7 +230,7 @@ def qwen3_pair_args(kernel, R, M=128, L=4, E=128, H=2048, I=768, block_m=16):
         }
     return meta | common | {
         "inter_ptr": "bf16", "b_ptr": "bf16", "out_ptr": "bf16", "topk_weights_ptr": "fp32", "scalings_ptr": "fp32",
-        "N": I, "num_n_tiles": I // 128, "stride_is": M * 8 * R, "stride_im": R,
+        "N": I, "num_n_groups": -(-I // 128 // n_tiles), "stride_is": M * 8 * R, "stride_im": R,
         "stride_bs": L * E * I * R, "stride_bl": E * I * R, "stride_be": I * R, "stride_bn": R,
         "stride_om": 2 * I, "stride_os": I, "stride_on": 1, "stride_scaling_s": L,
     }

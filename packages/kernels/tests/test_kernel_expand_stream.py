@@ -35,29 +35,28 @@ from kernel_testing import (
     compile_for_h200,
     cpu,
     launch_guard,
-    poisoned,
 )
 from moe_lora_testing import (
     cpu_weights,
     enabled_of,
     make_pool,
     named_routing,
+    poison_past_rank,
     poisoned_stage_problem,
     qwen3_gate_up_args,
     qwen3_pair_args,
+    shrink_for_pair,
     stage_inputs,
 )
 
 from moelora_conformance.profiles import current_profile
 from moelora_core import KernelPreconditionError
-from moelora_core.weights import module_index
 from moelora_kernels import (
     MoELoRAInputs,
     configs,
     fused_moe,
     fused_moe_lora,
     fused_moe_lora_expand,
-    fused_moe_lora_shrink,
     moe_block_m,
     moe_lora_align_block_size,
     stage_tensors,
@@ -83,36 +82,6 @@ NEW = tuple(v for v in EXPAND_STREAM if v)
 # --- the problem ----------------------------------------------------------------------------------
 
 
-def poison_past_rank(w):
-    """NaN in every A row and B column past its slot's module rank (the pool zero-pads them when it
-    loads a slot): a kernel that lets one of them reach an output turns it NaN."""
-    ranks = w.module_ranks.cpu()
-    nan = float("nan")
-    for slot in range(w.spec.max_loras):
-        for s, module in enumerate(("gate", "up")):
-            r = int(ranks[module_index(module), slot])
-            w.storage("gate_up_A")[s, slot, :, r:, :] = nan
-            w.storage("gate_up_B")[s, slot, :, :, r:] = nan
-        r = int(ranks[module_index("down"), slot])
-        w.storage("down_A")[slot, :, r:, :] = nan
-        w.storage("down_B")[slot, :, :, r:] = nan
-    return w
-
-
-def poison_intermediate_past_rank(inter, stage, mapping, k, ranks, max_rank):
-    """The pair's intermediate [S, P, R] with NaN in the columns of each pair past its slot's rank
-    (the shrink writes zeros there)."""
-    ranks = (ranks if stage == "gate_up" else ranks[None]).cpu()
-    slot_of = mapping.cpu().long().repeat_interleave(k)
-    parts = inter[None]
-    for s in range(ranks.shape[0]):
-        for slot in range(ranks.shape[1]):
-            r = min(int(ranks[s, slot]), max_rank if max_rank is not None else inter.shape[-1])
-            rows = (slot_of == slot).nonzero().squeeze(1).to(inter.device)
-            parts[:, s, rows, r:] = float("nan")
-    return inter
-
-
 def run(path, stage, x, out, w, align, k, tw, enabled, max_rank, stream, inter=None, **fused_cfg):
     """One stage's delta with ``EXPAND_STREAM`` = ``stream``: the fused kernel (``fused_cfg`` its
     other keys), or the pair's expand on ``inter`` (made by the caller's shrink)."""
@@ -126,18 +95,6 @@ def run(path, stage, x, out, w, align, k, tw, enabled, max_rank, stream, inter=N
         else:
             fused_moe_lora_expand(inter, t["lora_b"], align, out, **common, config={"EXPAND_STREAM": stream})
     return out
-
-
-def shrink_for_pair(stage, x, w, align, k, enabled, mapping, max_rank):
-    """The pair's intermediate, NaN in every row the shrink does not write and past each rank."""
-    t = stage_tensors(w, stage)
-    S = 2 if stage == "gate_up" else 1
-    pairs = x.shape[0] * k if stage == "gate_up" else x.shape[0]
-    inter = poisoned(S, pairs, w.spec.R, dtype=x.dtype)
-    with launch_guard():
-        fused_moe_lora_shrink(x, t["lora_a"], align, stage=stage, top_k=k, ranks=t["ranks"], adapter_enabled=enabled,
-                              out=inter, max_rank=max_rank)
-    return poison_intermediate_past_rank(inter, stage, mapping, k, t["ranks"], max_rank)
 
 
 def check_values(path, stage, w, ids, mapping, enabled, dtype, seed, max_rank=None, values=NEW, **fused_cfg):
@@ -312,7 +269,7 @@ def test_the_streamed_expand_compiles_for_the_h200_with_16_byte_factor_loads():
         names.append(f"fused {stage} R={R} BLOCK_M={block_m} EXPAND_STREAM={value}")
     expand = []
     for R in (64, 16):
-        consts = {"BLOCK_M": 16, "BLOCK_R": R, "BLOCK_N": 128, "BLOCK_L": 4,
+        consts = {"BLOCK_M": 16, "BLOCK_R": R, "BLOCK_N": 128, "BLOCK_L": 4, "N_TILES": 1,
                   "RANK_ALIGN": RANK_VECTOR, "HAS_ENABLED": True, "MUL_ROUTED_WEIGHT": False,
                   "DOT_PRECISION": "tf32", "UPCAST": False}
         expand.append({"args": qwen3_pair_args("expand", R), "constexprs": consts, "num_warps": 4, "num_stages": 2})
@@ -343,7 +300,7 @@ def test_shrink_and_expand_compile_for_the_h200(kernel):
                   "UPCAST": False}
         # (the expand with the exact rank masks of EXPAND_STREAM 0; the streamed one is compiled above)
         consts |= ({"BLOCK_K": 128} if kernel == "shrink"
-                   else {"BLOCK_N": 128, "MUL_ROUTED_WEIGHT": False, "RANK_ALIGN": 1})
+                   else {"BLOCK_N": 128, "N_TILES": 1, "MUL_ROUTED_WEIGHT": False, "RANK_ALIGN": 1})
         cases.append({"args": qwen3_pair_args(kernel, R), "constexprs": consts, "num_warps": 4, "num_stages": 3})
     results = compile_for_h200(f"moelora_kernels._moe_lora_kernels:{name}", cases)
     for R, r in zip((16, 64), results, strict=True):
