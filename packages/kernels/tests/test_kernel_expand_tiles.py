@@ -77,14 +77,17 @@ def expand(stage, inter, out, w, align, k, tw, enabled, max_rank, **cfg):
     return out
 
 
-def check_tiles(stage, w, ids, mapping, enabled, dtype, seed, values, *, block_n=32, max_rank=None):
-    """Each ``N_TILES`` of ``values`` against 1, bit for bit, and 1 against the twin within tolerance; every
-    column the delta must not touch keeps its poisoned bits. Returns the 1-tile output and the input."""
+def check_tiles(stage, w, ids, mapping, enabled, dtype, seed, values, *, block_n=32, max_rank=None, stream=0):
+    """Each ``N_TILES`` of ``values`` against 1, bit for bit, and 1 against the twin within tolerance, at
+    ``EXPAND_STREAM`` = ``stream`` (1: the rank-rounded load mask, whose columns past the rank each tile
+    zeroes); every column the delta must not touch keeps its poisoned bits. Returns the 1-tile output and
+    the input."""
     k = ids.shape[1]
     align, x, out0, tw, cols = poisoned_stage_problem(w, ids, mapping, enabled, dtype, seed, stage)
     inter = shrink_for_pair(stage, x, w, align, k, enabled, mapping, max_rank)
-    what = f"{stage} {w.spec.expert_layout} R={w.spec.R} BLOCK_N={block_n} max_rank={max_rank}"
-    one = expand(stage, inter, out0.clone(), w, align, k, tw, enabled, max_rank, N_TILES=1, BLOCK_N=block_n)
+    what = f"{stage} {w.spec.expert_layout} R={w.spec.R} BLOCK_N={block_n} max_rank={max_rank} EXPAND_STREAM={stream}"
+    cfg = {"BLOCK_N": block_n, "EXPAND_STREAM": stream}
+    one = expand(stage, inter, out0.clone(), w, align, k, tw, enabled, max_rank, N_TILES=1, **cfg)
     t = stage_tensors(w, stage)
     want = twin.fused_moe_lora(x, t["lora_a"], t["lora_b"], align, out0.clone(), stage=stage, top_k=k,
                                ranks=t["ranks"], scalings=t["scalings"], topk_weights=tw, adapter_enabled=enabled,
@@ -94,7 +97,7 @@ def check_tiles(stage, w, ids, mapping, enabled, dtype, seed, values, *, block_n
     assert_close(flat["one"][cols], flat["want"][cols], dtype=dtype, what=f"{what}: N_TILES 1 vs twin", seed=seed)
     assert_bitwise_equal(flat["one"][~cols], flat["0"][~cols], what=f"{what}: columns not to touch", seed=seed)
     for v in values:
-        got = expand(stage, inter, out0.clone(), w, align, k, tw, enabled, max_rank, N_TILES=v, BLOCK_N=block_n)
+        got = expand(stage, inter, out0.clone(), w, align, k, tw, enabled, max_rank, N_TILES=v, **cfg)
         assert_bitwise_equal(got, one, what=f"{what}: N_TILES {v} vs 1", seed=seed)
     return one, out0
 
@@ -102,8 +105,9 @@ def check_tiles(stage, w, ids, mapping, enabled, dtype, seed, values, *, block_n
 # --- named cases ----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("stream", [0, 1])
 @pytest.mark.parametrize("stage", STAGES)
-def test_sentinel_ids_disabled_slot_and_base_tokens_stay_untouched(stage):
+def test_sentinel_ids_disabled_slot_and_base_tokens_stay_untouched(stage, stream):
     # I 72 and H 100 at tiles of 32: 3 and 4 tiles, so 2 per program leaves the last group one tile past
     # N on gate_up, 3 leaves two on down, 5 is above both counts; ranks 3, 13, 8, 1, 16, 9; slot 2 has no
     # gate; slot 3 disabled; expert ids -1, E and E+1 among the routes; base rows among them; fp16
@@ -115,7 +119,7 @@ def test_sentinel_ids_disabled_slot_and_base_tokens_stay_untouched(stage):
     mapping = torch.tensor([0, 1, 2, 3, 2, -1, 1] * 5, dtype=torch.int32)
     _, ids, mapping = named_routing(71, w.spec, 35, 2, ids, mapping)
     enabled = torch.tensor([1, 1, 1, 0], dtype=torch.int32, device=DEVICE)
-    one, out0 = check_tiles(stage, w, ids, mapping, enabled, torch.float16, 71, values=(2, 3, 5))
+    one, out0 = check_tiles(stage, w, ids, mapping, enabled, torch.float16, 71, values=(2, 3, 5), stream=stream)
     base_rows = (mapping.cpu() == -1).repeat_interleave(2)
     rows = one.cpu().reshape(35 * 2, -1)
     assert_bitwise_equal(rows[base_rows], out0.cpu().reshape(35 * 2, -1)[base_rows], what="base rows")
@@ -167,6 +171,31 @@ def test_an_invalid_value_is_refused_before_any_write(bad):
                        match=re.escape(f"N_TILES: must be an int in [1, {MAX_N_TILES}], got {bad!r}")):
         expand("gate_up", inter, out, w, align, 2, None, enabled, None, N_TILES=bad)
     assert_bitwise_equal(out, before, what="out after a refused N_TILES")
+    # an empty batch is no exception (the value is checked before the launcher returns early)
+    empty_ids, empty_map = ids[:0], mapping[:0]
+    with launch_guard():
+        empty = moe_lora_align_block_size(empty_ids, empty_map, w.spec.E, 32, 2, enabled)
+    with pytest.raises(KernelPreconditionError, match=re.escape(f"N_TILES: must be an int in [1, {MAX_N_TILES}]")):
+        expand("gate_up", inter[:, :0], out[:0], w, empty, 2, None, enabled, None, N_TILES=bad)
+
+
+def test_a_slice_of_width_0_launches_nothing():
+    # a down stage whose B has 0 output columns: no tile, an empty grid, the output untouched (the
+    # per-program count is at least 1, so the launcher never divides by 0)
+    w = make_pool(74, L=2, R=8)
+    gen, ids, mapping = named_routing(74, w.spec, 3, 2)
+    enabled = enabled_of(mapping, 2)
+    with launch_guard():
+        align = moe_lora_align_block_size(ids, mapping, w.spec.E, 32, 2, enabled)
+    t = stage_tensors(w, "down")
+    inter = torch.randn(1, 6, 8, generator=gen).to(DEVICE)
+    out = torch.randn(3, 2, 0).to(DEVICE)
+    for n in (1, 3):
+        with launch_guard():
+            got = fused_moe_lora_expand(inter, t["lora_b"][:, :, :0], align, out, stage="down", top_k=2,
+                                        ranks=t["ranks"], scalings=t["scalings"], topk_weights=torch.rand(3, 2).to(DEVICE),
+                                        adapter_enabled=enabled, config={"N_TILES": n})
+        assert got is out and got.shape == (3, 2, 0)
 
 
 def test_the_expand_compiles_for_the_h200_with_several_tiles_per_program():
@@ -227,5 +256,6 @@ def test_every_value_equals_1_bit_for_bit_and_the_twin(problem, data):
     value = data.draw(st.integers(2, 6), label="N_TILES")
     top = max(max(m.values()) for m in ranks.values())
     max_rank = data.draw(st.sampled_from([None, top]), label="max_rank")  # a host bound covering every rank
+    stream = data.draw(st.sampled_from([0, 1]), label="EXPAND_STREAM")  # 1: each tile zeroes past the rank
     check_tiles(stage, w, ids, mapping, enabled_of(mapping, w.spec.max_loras), dtype, seed, (value,),
-                block_n=block_n, max_rank=max_rank)
+                block_n=block_n, max_rank=max_rank, stream=stream)

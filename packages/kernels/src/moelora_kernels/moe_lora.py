@@ -289,13 +289,16 @@ def fused_moe_lora_expand(
     check_tensor("intermediate", intermediate, shape=(st.slices, st.num_pairs, R))
     out2 = _out_2d(out, st, st.slices * N, dtype, device)
     weights = _routed(topk_weights, st, dtype, device)
-    if st.num_pairs == 0:
-        return out
+    # the config is checked before the empty-batch return: a bad value is refused at any batch size
     cfg = kernel_config("moe_lora_expand", rows=st.num_pairs, N=N, R=st.rank_bound, overrides=config)
     stream = check_expand_stream(cfg)
+    per_program = check_n_tiles(cfg)
+    if st.num_pairs == 0:
+        return out
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
-    # column tiles per program, never more than the slice has (each is unrolled in the kernel)
-    per_program = min(check_n_tiles(cfg), n_tiles)
+    # column tiles per program, never more than the slice has (each is unrolled in the kernel), at least 1
+    # (a slice of width 0 has no tile: an empty grid)
+    per_program = max(1, min(per_program, n_tiles))
     n_groups = triton.cdiv(n_tiles, per_program)
     grid, flat = st.block_grid("fused_moe_lora_expand", st.slices * n_groups)
     b = st.lora
@@ -386,13 +389,14 @@ def fused_moe_lora(
                                       f"{list(lora_a.shape)} (same slices, slots, experts and rank R)")
     out2 = _out_2d(out, st, st.slices * N, dtype, device)
     weights = _routed(topk_weights, st, dtype, device)
-    if st.num_pairs == 0:
-        return out
+    # the config is checked before the empty-batch return: a bad value is refused at any batch size
     cfg = kernel_config("fused_moe_lora", rows=st.num_pairs, N=N, K=K, R=st.rank_bound, overrides=config)
     loads = cfg["EXPAND_LOADS"]
     if type(loads) is not int or loads not in EXPAND_LOADS:
         raise KernelPreconditionError(f"EXPAND_LOADS: must be one of {EXPAND_LOADS}, got {loads!r}")
     stream = check_expand_stream(cfg)
+    if st.num_pairs == 0:
+        return out
     stages = expand_stages(stream, block_m=st.block_m, block_r=st.block_r, block_n=cfg["BLOCK_N"],
                            b_bytes=b.element_size(), out_bytes=out2.element_size())
     grid, flat = st.block_grid("fused_moe_lora", st.slices * cfg["N_SPLIT"])
