@@ -5,16 +5,21 @@ and poisoned outputs (:func:`check_sentinel_stage`)."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
 import torch
-from kernel_testing import DEVICE, assert_bitwise_equal, assert_close, launch_guard, poisoned, randn
+from hypothesis import strategies as st
+from kernel_testing import DEVICE, assert_bitwise_equal, assert_close, cpu, launch_guard, poisoned, randn
 
 from moelora_core import EXPERT_FACTORS, EXPERT_LAYOUTS, AlignOutput, LoRALayerSpec, LoRAWeights, ModuleLoRA
 from moelora_core.layer_spec import expert_factor
 from moelora_core.weights import module_index
 from moelora_kernels import (
+    MoELoRAInputs,
+    configs,
+    fused_moe,
     fused_moe_lora,
     fused_moe_lora_expand,
     fused_moe_lora_shrink,
@@ -24,6 +29,7 @@ from moelora_kernels import (
     stage_tensors,
 )
 from moelora_reference import moe_lora_ops as twin
+from moelora_reference.oracle import moe_lora_forward
 
 
 def cpu_weights(w: LoRAWeights) -> LoRAWeights:
@@ -211,6 +217,53 @@ def shrink_for_pair(stage, x, w, align, k, enabled, mapping, max_rank):
         fused_moe_lora_shrink(x, t["lora_a"], align, stage=stage, top_k=k, ranks=t["ranks"], adapter_enabled=enabled,
                               out=inter, max_rank=max_rank)
     return poison_intermediate_past_rank(inter, stage, mapping, k, t["ranks"], max_rank)
+
+
+def slot_ranks(draw, L, R):
+    """Drawn module ranks per slot for :func:`make_pool` (Hypothesis ``draw``): slot 0 always loaded, the
+    others 3 times in 4; each module present 4 times in 5 with a rank in [1, R] (a slot with none gets
+    down at R): modules absent (rank 0) and empty slots."""
+    ranks = {}
+    for slot in range(L):
+        if slot and not draw(st.integers(0, 3), label=f"slot {slot} loaded"):
+            continue
+        mods = {m: draw(st.integers(1, R), label=f"slot {slot} {m} rank") for m in ("gate", "up", "down")
+                if draw(st.integers(0, 4), label=f"slot {slot} has {m}")}
+        ranks[slot] = mods or {"down": R}
+    return ranks
+
+
+def check_layer_with_table(seed, monkeypatch, tmp_path, *, keys, ops, fused, what, H=40, I=24):
+    """The whole layer (``fused_moe`` with ``MoELoRAInputs``) against the fp64 oracle with config ``keys``
+    set through the config table the shipped launcher reads: on every entry of ``ops`` in a copy of the
+    H200 table (``MOELORA_KERNEL_CONFIGS``, read on a GPU) and in the interpreter's one config (read on the
+    CPU), with ``moe_lora_path`` FUSED = ``fused`` (the delta path). fp32, mixed ranks, 29 tokens, top_k 2."""
+    table = json.loads((configs._CONFIG_DIR / "h200.json").read_text())
+    for op in ops:
+        for entry in table[op]:
+            entry.update(keys)
+    table["moe_lora_path"] = [{"FUSED": fused}]
+    path_json = tmp_path / "table.json"
+    path_json.write_text(json.dumps(table))
+    monkeypatch.setenv("MOELORA_KERNEL_CONFIGS", str(path_json))
+    for key, value in {**keys, "FUSED": fused}.items():
+        monkeypatch.setitem(configs.INTERPRETER_CONFIG, key, value)
+    for key, value in keys.items():
+        assert configs.kernel_config(ops[0], rows=8)[key] == value
+    ranks = {0: {"gate": 3, "up": 16, "down": 9}, 1: {"gate": 8, "down": 1}, 2: {"gate": 13, "up": 4, "down": 16}}
+    w = make_pool(seed, L=3, H=H, I=I, R=16, ranks=ranks)
+    spec = w.spec
+    gen, ids, mapping = named_routing(seed, spec, 29, 2)
+    tw = torch.softmax(torch.randn(29, 2, generator=gen), -1).to(DEVICE)
+    x = torch.randn(29, spec.H, generator=gen).to(DEVICE)
+    w_gu = (torch.randn(spec.E, 2 * spec.I, spec.H, generator=gen) / math.sqrt(spec.H)).to(DEVICE)
+    w_d = (torch.randn(spec.E, spec.H, spec.I, generator=gen) / math.sqrt(spec.I)).to(DEVICE)
+    with launch_guard():
+        align = moe_lora_align_block_size(ids, mapping, spec.E, moe_block_m(29, 2, spec.E, spec.max_loras),
+                                          spec.max_loras)
+        y = fused_moe(x, ids, tw, w_gu, w_d, deltas=MoELoRAInputs(w, align))
+    want = moe_lora_forward(cpu(x), cpu(ids), cpu(tw), cpu(w_gu), cpu(w_d), cpu_weights(w), cpu(mapping))
+    assert_close(y, want, dtype=torch.float32, what=f"layer, {what} vs oracle", seed=seed)
 
 
 def qwen3_pair_args(kernel, R, M=128, L=4, E=128, H=2048, I=768, block_m=16, n_tiles=1):

@@ -19,8 +19,6 @@ with no 2-byte global load left, and with the pipelined loops' B tiles copied as
 shrink and the expand (on the flat block grid) compile for sm_90.
 """
 
-import json
-import math
 import re
 
 import pytest
@@ -33,11 +31,10 @@ from kernel_testing import (
     assert_bitwise_equal,
     assert_close,
     compile_for_h200,
-    cpu,
     launch_guard,
 )
 from moe_lora_testing import (
-    cpu_weights,
+    check_layer_with_table,
     enabled_of,
     make_pool,
     named_routing,
@@ -46,18 +43,15 @@ from moe_lora_testing import (
     qwen3_gate_up_args,
     qwen3_pair_args,
     shrink_for_pair,
+    slot_ranks,
     stage_inputs,
 )
 
 from moelora_conformance.profiles import current_profile
 from moelora_core import KernelPreconditionError
 from moelora_kernels import (
-    MoELoRAInputs,
-    configs,
-    fused_moe,
     fused_moe_lora,
     fused_moe_lora_expand,
-    moe_block_m,
     moe_lora_align_block_size,
     stage_tensors,
 )
@@ -70,7 +64,6 @@ from moelora_kernels.expand_stream import (
     rank_align,
 )
 from moelora_reference import moe_lora_ops as twin
-from moelora_reference.oracle import moe_lora_forward
 
 pytestmark = pytest.mark.interpreter
 
@@ -191,32 +184,9 @@ def test_layer_with_the_value_from_the_table_matches_oracle(path, value, tmp_pat
     # the value reaches the kernels through the config table the shipped launcher reads (the
     # interpreter's one config on the CPU, a copy of the shipped table on a GPU), down to the path
     # choice (moe_lora_path FUSED); fp32, mixed ranks, against the fp64 oracle
-    fused = int(path == "fused")
-    table = json.loads((configs._CONFIG_DIR / "h200.json").read_text())
-    for op in ("moe_lora_expand", "fused_moe_lora"):
-        for entry in table[op]:
-            entry["EXPAND_STREAM"] = value
-    table["moe_lora_path"] = [{"FUSED": fused}]
-    path_json = tmp_path / "table.json"
-    path_json.write_text(json.dumps(table))
-    monkeypatch.setenv("MOELORA_KERNEL_CONFIGS", str(path_json))
-    monkeypatch.setitem(configs.INTERPRETER_CONFIG, "EXPAND_STREAM", value)
-    monkeypatch.setitem(configs.INTERPRETER_CONFIG, "FUSED", fused)
-    assert configs.kernel_config("fused_moe_lora", rows=8)["EXPAND_STREAM"] == value
-    ranks = {0: {"gate": 3, "up": 16, "down": 9}, 1: {"gate": 8, "down": 1}, 2: {"gate": 13, "up": 4, "down": 16}}
-    w = make_pool(63, L=3, R=16, ranks=ranks)
-    spec = w.spec
-    gen, ids, mapping = named_routing(63, spec, 29, 2)
-    tw = torch.softmax(torch.randn(29, 2, generator=gen), -1).to(DEVICE)
-    x = torch.randn(29, spec.H, generator=gen).to(DEVICE)
-    w_gu = (torch.randn(spec.E, 2 * spec.I, spec.H, generator=gen) / math.sqrt(spec.H)).to(DEVICE)
-    w_d = (torch.randn(spec.E, spec.H, spec.I, generator=gen) / math.sqrt(spec.I)).to(DEVICE)
-    with launch_guard():
-        align = moe_lora_align_block_size(ids, mapping, spec.E, moe_block_m(29, 2, spec.E, spec.max_loras),
-                                          spec.max_loras)
-        y = fused_moe(x, ids, tw, w_gu, w_d, deltas=MoELoRAInputs(w, align))
-    want = moe_lora_forward(cpu(x), cpu(ids), cpu(tw), cpu(w_gu), cpu(w_d), cpu_weights(w), cpu(mapping))
-    assert_close(y, want, dtype=torch.float32, what=f"layer, {path}, EXPAND_STREAM {value} vs oracle", seed=63)
+    check_layer_with_table(63, monkeypatch, tmp_path, keys={"EXPAND_STREAM": value},
+                           ops=("fused_moe_lora", "moe_lora_expand"), fused=int(path == "fused"),
+                           what=f"{path}, EXPAND_STREAM {value}")
 
 
 @pytest.mark.parametrize("path", ["fused", "pair"])
@@ -327,13 +297,7 @@ def pools(draw):
         E = draw(st.integers(2, caps.max_experts), label="E")
         H = draw(st.integers(8, caps.max_hidden), label="H")
         I = draw(st.integers(8, caps.max_intermediate), label="I")
-    ranks = {}
-    for slot in range(L):
-        if slot and not draw(st.integers(0, 3), label=f"slot {slot} loaded"):
-            continue
-        mods = {m: draw(st.integers(1, R), label=f"slot {slot} {m} rank") for m in ("gate", "up", "down")
-                if draw(st.integers(0, 4), label=f"slot {slot} has {m}")}
-        ranks[slot] = mods or {"down": R}
+    ranks = slot_ranks(draw, L, R)
     layout = draw(st.sampled_from(LAYOUTS), label="expert layout")
     seed = draw(st.integers(0, 2**31 - 1), label="seed")
     return seed, {"L": L, "E": E, "H": H, "I": I, "R": R, "layout": layout}, ranks

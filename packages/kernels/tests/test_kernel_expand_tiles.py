@@ -17,8 +17,6 @@ value set through the config table on the pair's path; invalid values refused be
 expand compiles for sm_90 at the Qwen3 gate_up stage with 2, 3 and 6 tiles per program.
 """
 
-import json
-import math
 import re
 
 import pytest
@@ -31,11 +29,10 @@ from kernel_testing import (
     assert_bitwise_equal,
     assert_close,
     compile_for_h200,
-    cpu,
     launch_guard,
 )
 from moe_lora_testing import (
-    cpu_weights,
+    check_layer_with_table,
     enabled_of,
     make_pool,
     named_routing,
@@ -43,24 +40,20 @@ from moe_lora_testing import (
     poisoned_stage_problem,
     qwen3_pair_args,
     shrink_for_pair,
+    slot_ranks,
     stage_inputs,
 )
 
 from moelora_conformance.profiles import current_profile
 from moelora_core import KernelPreconditionError
 from moelora_kernels import (
-    MoELoRAInputs,
-    configs,
-    fused_moe,
     fused_moe_lora_expand,
-    moe_block_m,
     moe_lora_align_block_size,
     stage_tensors,
 )
 from moelora_kernels.expand_stream import RANK_VECTOR
 from moelora_kernels.moe_lora import MAX_N_TILES
 from moelora_reference import moe_lora_ops as twin
-from moelora_reference.oracle import moe_lora_forward
 
 pytestmark = pytest.mark.interpreter
 
@@ -130,31 +123,9 @@ def test_sentinel_ids_disabled_slot_and_base_tokens_stay_untouched(stage, stream
 def test_layer_with_the_value_from_the_table_matches_oracle(value, tmp_path, monkeypatch):
     # the value reaches the expand through the config table the shipped launcher reads (the
     # interpreter's one config on the CPU, a copy of the shipped table on a GPU), on the pair's path
-    # (moe_lora_path FUSED 0); fp32, mixed ranks, widths of several tiles, against the fp64 oracle
-    table = json.loads((configs._CONFIG_DIR / "h200.json").read_text())
-    for entry in table["moe_lora_expand"]:
-        entry["N_TILES"], entry["BLOCK_N"] = value, 32
-    table["moe_lora_path"] = [{"FUSED": 0}]
-    path_json = tmp_path / "table.json"
-    path_json.write_text(json.dumps(table))
-    monkeypatch.setenv("MOELORA_KERNEL_CONFIGS", str(path_json))
-    monkeypatch.setitem(configs.INTERPRETER_CONFIG, "N_TILES", value)
-    monkeypatch.setitem(configs.INTERPRETER_CONFIG, "FUSED", 0)
-    assert configs.kernel_config("moe_lora_expand", rows=8)["N_TILES"] == value
-    ranks = {0: {"gate": 3, "up": 16, "down": 9}, 1: {"gate": 8, "down": 1}, 2: {"gate": 13, "up": 4, "down": 16}}
-    w = make_pool(72, L=3, H=100, I=72, R=16, ranks=ranks)
-    spec = w.spec
-    gen, ids, mapping = named_routing(72, spec, 29, 2)
-    tw = torch.softmax(torch.randn(29, 2, generator=gen), -1).to(DEVICE)
-    x = torch.randn(29, spec.H, generator=gen).to(DEVICE)
-    w_gu = (torch.randn(spec.E, 2 * spec.I, spec.H, generator=gen) / math.sqrt(spec.H)).to(DEVICE)
-    w_d = (torch.randn(spec.E, spec.H, spec.I, generator=gen) / math.sqrt(spec.I)).to(DEVICE)
-    with launch_guard():
-        align = moe_lora_align_block_size(ids, mapping, spec.E, moe_block_m(29, 2, spec.E, spec.max_loras),
-                                          spec.max_loras)
-        y = fused_moe(x, ids, tw, w_gu, w_d, deltas=MoELoRAInputs(w, align))
-    want = moe_lora_forward(cpu(x), cpu(ids), cpu(tw), cpu(w_gu), cpu(w_d), cpu_weights(w), cpu(mapping))
-    assert_close(y, want, dtype=torch.float32, what=f"layer, pair, N_TILES {value} vs oracle", seed=72)
+    # (moe_lora_path FUSED 0); fp32, mixed ranks, widths of several tiles of 32, against the fp64 oracle
+    check_layer_with_table(72, monkeypatch, tmp_path, keys={"N_TILES": value, "BLOCK_N": 32}, ops=("moe_lora_expand",),
+                           fused=0, what=f"pair, N_TILES {value}", H=100, I=72)
 
 
 @pytest.mark.parametrize("bad", [0, -1, MAX_N_TILES + 1, 2.0, True, "2", None])
@@ -230,13 +201,7 @@ def problems(draw):
     E = draw(st.integers(2, caps.max_experts), label="E")
     H = draw(st.integers(8, max(8, caps.max_hidden)), label="H")
     I = draw(st.integers(8, max(8, caps.max_intermediate)), label="I")
-    ranks = {}
-    for slot in range(L):
-        if slot and not draw(st.integers(0, 3), label=f"slot {slot} loaded"):
-            continue
-        mods = {m: draw(st.integers(1, R), label=f"slot {slot} {m} rank") for m in ("gate", "up", "down")
-                if draw(st.integers(0, 4), label=f"slot {slot} has {m}")}
-        ranks[slot] = mods or {"down": R}
+    ranks = slot_ranks(draw, L, R)
     layout = draw(st.sampled_from(("per_expert", "shared_outer", "fully_shared")), label="expert layout")
     seed = draw(st.integers(0, 2**31 - 1), label="seed")
     return seed, {"L": L, "E": E, "H": H, "I": I, "R": R, "layout": layout}, ranks
