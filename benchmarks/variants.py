@@ -34,6 +34,7 @@ to paste into ``configs/h200.json``), and ``log.txt`` (progress, flushed per lin
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 import json
 import math
@@ -190,8 +191,17 @@ def _time_both(unit, both, timer, gate_up0, down0, wants, tol, p, R):
         t = timer(lambda fn=fn, gu=gu, d=d: fn(gu, d))
         unit["both"][name] = {"us": t["median_us"], "p10_us": t["p10_us"], "p90_us": t["p90_us"], "err": err}
     unit["min_bytes"] = bench.min_bytes_lora(p, R)
+    unit["target_us"] = bench.check_targets.cell_targets(_card_targets(), p.M, R)[1]
+
+
+@functools.cache
+def _card_targets() -> dict | None:
+    """This card's targets (``check_targets.for_card``), read once per process; None without a file or a
+    GPU (``--dry-run`` on the CPU)."""
+    if not torch.cuda.is_available():
+        return None
     found = bench.check_targets.for_card(torch.cuda.get_device_name(0))
-    unit["target_us"] = bench.check_targets.cell_targets(found[1] if found else None, p.M, R)[1]
+    return found[1] if found else None
 
 
 def _per_expert_rows(out, num_pairs, block_m):
