@@ -12,13 +12,8 @@
 #    no value started after QR_BUDGET_S (80), killed after QR_TIMEOUT_S (120) -> qr/QUANT_ROWS_*.json, qr.log.
 # Entries ship through the card's table only from what these measure (benchmarks/README.md).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-OUT_DIR="${1:-${OUT:-gpu_run}}"
+. "$(dirname "$0")/_script_env.sh"
 mkdir -p "$OUT_DIR/gsm" "$OUT_DIR/qr"
-unset TRITON_INTERPRET
-PY="${PYTHON:-python3}"
-export PYTHONUNBUFFERED=1
-export PYTHONPATH=packages/core/src:packages/kernels/src:packages/backends/src:packages/runner/src:reference/src:conformance/src
 status=0
 timeout "${SWEEP_TIMEOUT_S:-270}" "$PY" benchmarks/sweep_configs.py --ops fused_moe_gemm --tokens 512 2048 8192 \
     --block-m 64 128 --wide --out "$OUT_DIR/sweep_base.json" 2>&1 | tee "$OUT_DIR/sweep_base.log" || status=1

@@ -15,13 +15,8 @@
 # 3. one bench_moe_lora.py run at the shipped table (EXPAND_STREAM 0 there until the A/B says
 #    otherwise), M 1 8 32 128 512 x R 16 64, killed after BENCH_TIMEOUT_S (100) -> bench.json, bench.log.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-OUT_DIR="${1:-${OUT:-gpu_run}}"
+. "$(dirname "$0")/_script_env.sh"
 mkdir -p "$OUT_DIR/ab"
-unset TRITON_INTERPRET
-PY="${PYTHON:-python3}"
-export PYTHONUNBUFFERED=1
-export PYTHONPATH=packages/core/src:packages/kernels/src:packages/backends/src:packages/runner/src:reference/src:conformance/src
 status=0
 timeout "${AB_TIMEOUT_S:-300}" "$PY" benchmarks/config_ab.py --out-dir "$OUT_DIR/ab" --key EXPAND_STREAM \
     --values 0 1 3 2 --ops moe_lora_expand fused_moe_lora --budget-s "${AB_BUDGET_S:-200}" \

@@ -12,13 +12,8 @@
 # 3. one bench_moe_lora.py run at the shipped table, every M x R 16 64 (the card's "done" runs, and the
 #    check of the table's last entries), killed after BENCH_TIMEOUT_S (130) -> bench.json, bench.log.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-OUT_DIR="${1:-${OUT:-gpu_run}}"
+. "$(dirname "$0")/_script_env.sh"
 mkdir -p "$OUT_DIR/ab"
-unset TRITON_INTERPRET
-PY="${PYTHON:-python3}"
-export PYTHONUNBUFFERED=1
-export PYTHONPATH=packages/core/src:packages/kernels/src:packages/backends/src:packages/runner/src:reference/src:conformance/src
 status=0
 timeout "${AB_TIMEOUT_S:-280}" "$PY" benchmarks/config_ab.py --out-dir "$OUT_DIR/ab" --key N_TILES \
     --values 1 2 3 6 --ops moe_lora_expand --budget-s "${AB_BUDGET_S:-200}" \

@@ -9,13 +9,7 @@
 #    (bench_moe_lora.py, R 16 and 64, every M) -> bench_per_expert.json, bench_shared_outer.json,
 #    bench_fully_shared.json (+ .log).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
-OUT_DIR="${1:-${OUT:-gpu_run}}"
-mkdir -p "$OUT_DIR"
-unset TRITON_INTERPRET
-PY="${PYTHON:-python3}"
-export PYTHONUNBUFFERED=1
-export PYTHONPATH=packages/core/src:packages/kernels/src:packages/backends/src:packages/runner/src:reference/src:conformance/src
+. "$(dirname "$0")/_script_env.sh"
 status=0
 "$PY" ci/gpu/kernels_gpu.py --profile gpu --out "$OUT_DIR/kernels_shared_factors.json" \
     --tests test_kernel_shared_factors.py --tests test_kernel_moe_lora.py --tests test_kernel_virtual_experts.py \
