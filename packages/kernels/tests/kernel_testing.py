@@ -122,6 +122,8 @@ for case in spec["cases"]:
     for i, arg in enumerate(kernel.arg_names):
         if arg in consts:
             signature[arg] = "constexpr"
+        elif isinstance(args[arg], dict):  # a host-side TMA descriptor: element type and block shape
+            signature[arg] = f"tensordesc<{args[arg]['desc']}{list(args[arg]['block'])}>"
         elif isinstance(args[arg], str):  # a pointer's element type
             signature[arg], attrs[(i,)] = "*" + args[arg], [["tt.divisibility", 16]]
         elif isinstance(args[arg], float):
@@ -136,7 +138,8 @@ for case in spec["cases"]:
         c = compile(ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs),
                     target=GPUTarget("cuda", 90, 32),
                     options={"num_warps": case["num_warps"], "num_stages": case["num_stages"]})
-        loads = re.findall(r"ld\.global[.\w]*|cp\.async\.c[ag]\.shared\.global", c.asm["ptx"])
+        loads = re.findall(r"ld\.global[.\w]*|cp\.async\.c[ag]\.shared\.global|cp\.async\.bulk\.tensor\.\dd",
+                           c.asm["ptx"])
         out.append({"shared": c.metadata.shared, "global_loads": dict(collections.Counter(loads))})
     except Exception as exc:
         out.append({"error": f"{type(exc).__name__}: {str(exc)[-3000:]}"})
@@ -153,14 +156,16 @@ def compile_for_h200(kernel: str, cases: list[dict]) -> list[dict]:
     Args:
         kernel: ``"module:name"`` of a ``@triton.jit`` kernel.
         cases: each ``{"args", "constexprs", "num_warps", "num_stages"}``; ``args`` names every
-            runtime argument: a Triton element type (``"bf16"``, ``"i32"``, …) for a pointer, an int
+            runtime argument: a Triton element type (``"bf16"``, ``"i32"``, …) for a pointer,
+            ``{"desc": type, "block": [rows, cols]}`` for a host-side TMA tensor descriptor, an int
             for an integer scalar, a float for an fp32 scalar. The launch's specialisation is reproduced: pointers and ints divisible by
             16 are marked so, ints equal to 1 become constants.
 
     Returns:
         Per case ``{"shared": bytes of shared memory, "global_loads": {PTX instruction: count}}`` (each
         ``ld.global…`` form, e.g. ``ld.global.b16`` for a 2-byte load, and ``cp.async.cg.shared.global``
-        for an asynchronous copy) or ``{"error": message}``. Skips the test where the installed
+        for an asynchronous copy, ``cp.async.bulk.tensor.2d`` for a TMA tile load) or ``{"error": message}``.
+        Skips the test where the installed
         Triton has no NVIDIA backend or ptxas.
     """
     import json

@@ -7,14 +7,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelora_kernels._tiles import accumulate_k
+from moelora_kernels._tiles import accumulate_k, accumulate_k_desc
 
 
 @triton.jit
 def _fused_moe_gemm_kernel(
     # pointers
     a_ptr,                        # [rows_in, K]
-    w_ptr,                        # [E_w // experts_per_weight, N, K]
+    w_ptr,                        # [E_w // experts_per_weight, N, K]; W_DESC: a descriptor over its rows [E·N, K]
     c_ptr,                        # [num_pairs, N] (strided)
     sorted_token_ids_ptr,         # [P] int32
     expert_ids_ptr,               # [P // BLOCK_M] int32
@@ -46,6 +46,7 @@ def _fused_moe_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,         # interpreter + bf16: widen tiles before tl.dot
     GROUP_SIZE_M: tl.constexpr,   # 0: the launch order (row blocks fastest); g > 0: g row blocks x every column tile
+    W_DESC: tl.constexpr,         # 1: w_ptr is a TMA descriptor, block [BLOCK_N, BLOCK_K] (fused_moe.weight_descriptor)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -90,15 +91,20 @@ def _fused_moe_gemm_kernel(
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
 
-    # --- pointers --------------------------------------------------------------------------------
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    w_ptrs = (w_ptr + (expert // experts_per_weight) * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn
-              + offs_k[:, None] * stride_wk)
-
     # --- accumulate in fp32 ------------------------------------------------------------------------
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc = accumulate_k(acc, a_ptrs, w_ptrs, row_ok, n_ok, K,
-                       BLOCK_K * stride_ak, BLOCK_K * stride_wk, BLOCK_K, DOT_PRECISION, UPCAST)
+    if W_DESC:
+        # the weight's rows [E·N, K] through the descriptor: the tile's columns past N are the next
+        # expert's rows (or zero padding after the last), computed and never stored (n_ok below)
+        w_row = ((expert // experts_per_weight) * N + pid_n * BLOCK_N).to(tl.int32)
+        acc = accumulate_k_desc(acc, a_ptrs, w_ptr, w_row, row_ok, K, BLOCK_K * stride_ak,
+                                BLOCK_K, DOT_PRECISION, UPCAST)
+    else:
+        w_ptrs = (w_ptr + (expert // experts_per_weight) * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn
+                  + offs_k[:, None] * stride_wk)
+        acc = accumulate_k(acc, a_ptrs, w_ptrs, row_ok, n_ok, K,
+                           BLOCK_K * stride_ak, BLOCK_K * stride_wk, BLOCK_K, DOT_PRECISION, UPCAST)
 
     # --- epilogue: bias, router weight, scale, add, one rounding ------------------------------------
     if HAS_BIAS:

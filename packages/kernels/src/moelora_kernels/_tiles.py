@@ -7,6 +7,8 @@ that several kernels take the same way.
 - :func:`accumulate_k`: the fp32 reduction over K of a gathered row tile and a weight tile, in
   ``BLOCK_K`` steps (base grouped GEMM and its fused LoRA shrink, MoE-LoRA shrink, fused MoE-LoRA,
   dense LoRA shrink).
+- :func:`accumulate_k_desc`: the same reduction with the weight tiles read through a TMA tensor
+  descriptor (base grouped GEMM, config key ``W_DESC``).
 """
 
 from __future__ import annotations
@@ -41,4 +43,31 @@ def accumulate_k(acc, x_ptrs, w_ptrs, row_ok, col_ok, K, step_x, step_w,
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
         x_ptrs += step_x
         w_ptrs += step_w
+    return acc
+
+
+@triton.jit
+def accumulate_k_desc(acc, x_ptrs, w_desc, w_row, row_ok, K, step_x,
+                      BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """:func:`accumulate_k` with the weight tiles read through a tensor descriptor: acc += Σ over k < K
+    of x[:, k] · W[w_row + n, k], in ``BLOCK_K`` steps; returns acc.
+
+    Args:
+        acc: [ROWS, COLS] fp32 accumulator.
+        x_ptrs, row_ok, K, step_x: as in :func:`accumulate_k`.
+        w_desc: a 2-D descriptor over the weight rows (output columns) × K, block [COLS, BLOCK_K],
+            zero padding: columns past K and rows past the last read 0 (the hardware's bound, no mask).
+        w_row: the descriptor row of the tile's first output column (int32).
+        BLOCK_K, DOT_PRECISION, UPCAST: as in :func:`accumulate_k`.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = w_desc.load([w_row, k0])  # [COLS, BLOCK_K]: the weight's own (row-major) layout
+        if UPCAST:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(x, w.T, acc, input_precision=DOT_PRECISION)
+        x_ptrs += step_x
     return acc

@@ -33,6 +33,16 @@ Tensors (P = alignment rows, E_w = experts of the weight):
 - ``topk_weights`` [M·top_k] fp32/dtype (``mul_routed_weight``); ``scale`` [*] fp32 (σ per slot
   for virtual experts).
 
+The config key ``W_DESC`` (0 or 1) of ``fused_moe_gemm``: 1 reads the weight tiles through a Hopper TMA
+tensor descriptor over the weight's rows [E_w' · N, K] (block [BLOCK_N, BLOCK_K], zero padding) instead of
+masked pointer loads, where the weight's layout allows one (:func:`weight_descriptor`; elsewhere the
+pointer loads run); the A tiles stay gathered by pointer (Hopper's TMA has no row gather). The same
+products, summed within a dot in whatever order the dot takes for a transposed tile (the interpreter's
+matmul differs there in the last fp32 bits): results agree with the pointer loads' within the GEMM's
+tolerance, not bit for bit (``test_kernel_weight_desc.py``). Source:
+SGLang's ``fused_moe_kernel`` ``b_use_tma`` (its up/down configs' ``USE_TMA``) and the Triton tutorials'
+host-side ``TensorDescriptor``.
+
 Rounding: products accumulate in fp32 (IEEE dots for fp32 unless ``tf32``); the epilogue works in
 fp32 (router weight, scale, the old output value) and rounds once to the output dtype. Offsets of
 rows, experts and columns are 64-bit. Source: the fused MoE kernel of Triton-based engines (vLLM
@@ -43,6 +53,7 @@ from __future__ import annotations
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moelora_core.align import AlignOutput
 from moelora_core.errors import KernelPreconditionError
@@ -131,7 +142,8 @@ def fused_moe_gemm(
         add_into: add to ``c`` instead of overwriting it.
         tf32: allow TF32 dots for fp32 (default IEEE).
         config: tile overrides (BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_SIZE_M: the program
-            order, 0 = row blocks fastest, g > 0 = g row blocks across every column tile at a time).
+            order, 0 = row blocks fastest, g > 0 = g row blocks across every column tile at a time;
+            W_DESC: 1 = the weight tiles through a TMA descriptor where :func:`weight_descriptor` gives one).
         bias: [E_w, N] per-expert bias (GPT-OSS's ``gate_up_proj_bias`` / ``down_proj_bias``; a
             strided column view is fine), same dtype as ``a`` or fp32; added in fp32 before the
             router weight and scale.
@@ -181,9 +193,10 @@ def fused_moe_gemm(
     cfg = kernel_config("fused_moe_gemm", rows=num_pairs, N=N, K=K, overrides=config)
     grid_m = used_blocks_bound(num_pairs, E_w, block_m, num_blocks)
     grid = check_grid("fused_moe_gemm", (grid_m, triton.cdiv(N, cfg["BLOCK_N"])))
+    w_desc = weight_descriptor(w, cfg["BLOCK_N"], cfg["BLOCK_K"]) if check_w_desc(cfg["W_DESC"]) else None
     dummy = align.num_tokens_post_padded
     _fused_moe_gemm_kernel[grid](
-        a, w, c,
+        a, w if w_desc is None else w_desc, c,
         align.sorted_token_ids[slot], align.expert_ids[slot], align.num_tokens_post_padded[slot:slot + 1],
         topk_weights if topk_weights is not None else dummy,
         scale if scale is not None else dummy,
@@ -193,7 +206,7 @@ def fused_moe_gemm(
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         MUL_ROUTED_WEIGHT=topk_weights is not None, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-        ADD_INTO=add_into, GROUP_SIZE_M=check_group_size_m(cfg["GROUP_SIZE_M"]),
+        ADD_INTO=add_into, GROUP_SIZE_M=check_group_size_m(cfg["GROUP_SIZE_M"]), W_DESC=w_desc is not None,
         **gemm_launch_options(dtype, tf32, cfg),
     )
     return c
@@ -213,3 +226,47 @@ def check_group_size_m(value) -> int:
         raise KernelPreconditionError(f"GROUP_SIZE_M: must be an int in [0, {MAX_GROUP_SIZE_M}], got {value!r}")
     return value
 
+
+
+def check_w_desc(value) -> int:
+    """The config's ``W_DESC`` for the base GEMM's weight tiles (module docstring): 0 or 1.
+
+    Raises:
+        KernelPreconditionError: not the int 0 or 1 (a bool included).
+    """
+    if type(value) is not int or value not in (0, 1):
+        raise KernelPreconditionError(f"W_DESC: must be 0 or 1, got {value!r}")
+    return value
+
+
+#: The largest block side a TMA descriptor takes (elements; the hardware's box bound).
+MAX_DESC_BLOCK = 256
+
+
+def weight_descriptor(w: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor | None:
+    """A 2-D TMA descriptor over the rows of ``w`` [E_w', N, K] seen as [E_w' · N, K], block
+    [``block_n``, ``block_k``], zero padding; ``None`` where the layout allows none, and the base GEMM
+    then loads its weight tiles by pointer (the same values).
+
+    A descriptor needs (the TMA unit's rules, as ``triton.tools.tensor_descriptor`` checks them): K
+    contiguous (last stride 1), the expert stride equal to N times the row stride (rows of one expert
+    follow the previous expert's: the rows form one matrix), the row stride and the base address
+    multiples of 16 bytes, ``block_k`` elements a multiple of 16 bytes, both block sides powers of two
+    of at most :data:`MAX_DESC_BLOCK`, and every row index an int32.
+
+    Args:
+        w: [E_w', N, K] fp32/fp16/bf16 weights of :func:`fused_moe_gemm` (any strides).
+        block_n, block_k: the launch's BLOCK_N and BLOCK_K.
+    """
+    E_stored, N, K = w.shape
+    item = w.element_size()
+    rows = E_stored * N
+    if w.stride(2) != 1 or (E_stored > 1 and w.stride(0) != N * w.stride(1)) or w.stride(1) < K:
+        return None
+    if (w.stride(1) * item) % 16 or w.data_ptr() % 16 or (block_k * item) % 16:
+        return None
+    if any(b < 1 or b & (b - 1) or b > MAX_DESC_BLOCK for b in (block_n, block_k)):
+        return None
+    if rows == 0 or K == 0 or rows + block_n >= 2 ** 31:
+        return None
+    return TensorDescriptor(w, shape=[rows, K], strides=[w.stride(1), 1], block_shape=[block_n, block_k])
