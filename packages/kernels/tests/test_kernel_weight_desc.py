@@ -8,17 +8,20 @@ reads zeros. The products are the pointer loads'; their order inside a dot of a 
 dot's (the interpreter's fp32 matmul differs in the last bits), so results are judged against the twin
 within tolerance.
 
-Covers: drawn problems (fp32 and fp16, N and K that leave partial tiles, column tiles of 16 and 32,
-expert ids -1, router weights, a per-expert scale, adding into
-the output, a factor stored once per slot read by every expert) with the output poisoned: every computed
-pair equals the twin, rows of -1 pairs keep their poison, and a descriptor was made (the variant ran).
-Named: an output that is a column slice of a wider poisoned buffer keeps every column past N poisoned
-(the next expert's rows never stored); the weights no descriptor can describe (K not contiguous, a gap
-between experts, a row stride or base address off 16 bytes) get none and the GEMM still equals the twin,
-as do blocks a descriptor cannot take (not powers of two, under 16 bytes, past 256); invalid values refused before any write; the whole layer against the fp64
-oracle with the value set through the config table; the launcher hands the kernel the descriptor (and
-the tensor at 0); the kernel compiles for sm_90 at the Qwen3 shapes
-with the descriptor.
+Covers: drawn problems (fp32 and fp16, bf16 on a GPU; N and K that leave partial tiles, column tiles of
+16 and 32, expert ids -1, router weights, a per-expert scale, adding into the output, 1-4 stored weights
+read by 1-3 expert ids each) with the output poisoned: every computed pair equals the twin, rows of -1
+pairs keep their poison, and a descriptor was made (the variant ran). Named: an output that is a column
+slice of a wider poisoned buffer keeps every column past N poisoned (the next expert's rows never
+stored); each layout a descriptor cannot describe (K not contiguous, two ways; a gap between two or three
+experts; one weight expanded over the experts; a row stride or base address off 16 bytes) gets none,
+a row stride past K with NaN padding gets one that stops at K, and every layout's GEMM equals the twin;
+the descriptor's exact extent, strides and base; overlapping rows, row indices past int32 and empty
+weights get none, as do blocks a descriptor cannot take (not powers of two, under 16 bytes, past 256);
+``GROUP_SIZE_M`` 1, 2 and 8 with it; the launcher hands the kernel the descriptor (and the tensor at 0);
+invalid values refused before any write; the whole layer against the fp64 oracle with the value set
+through the config table; the kernel compiles for sm_90 at the Qwen3 shapes with the descriptor, reading
+its weight tiles by TMA.
 """
 
 import importlib
@@ -31,6 +34,7 @@ from hypothesis import strategies as st
 from kernel_testing import (
     DEVICE,
     H200_MAX_SHARED,
+    ON_GPU,
     assert_bitwise_equal,
     assert_close,
     compile_for_h200,
@@ -47,12 +51,17 @@ from moelora_reference import fused_moe as twin
 
 pytestmark = pytest.mark.interpreter
 
+#: bf16 only on a GPU (the interpreter computes bf16 wrongly).
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+F16 = torch.float16
 
-def _gemm(x, w, out, align, k, *, w_desc, block_n=16, block_k=16, **kwargs):
+
+def _gemm(x, w, out, align, k, *, w_desc, block_n=16, block_k=16, group_size_m=0, **kwargs):
     """``fused_moe_gemm`` of the gate_up kind (one row of ``x`` per token) with ``W_DESC`` = ``w_desc``."""
+    config = {"W_DESC": w_desc, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_SIZE_M": group_size_m}
     with launch_guard():
-        return fused_moe_gemm(x, w, out, align, top_k=k, num_pairs=x.shape[0] * k, in_row_div=k,
-                              config={"W_DESC": w_desc, "BLOCK_N": block_n, "BLOCK_K": block_k}, **kwargs)
+        return fused_moe_gemm(x, w, out, align, top_k=k, num_pairs=x.shape[0] * k, in_row_div=k, config=config,
+                              **kwargs)
 
 
 def _routing(gen, M, k, E):
@@ -75,10 +84,11 @@ def _align(ids, E, block_m=16):
 def problems(draw):
     return dict(
         seed=draw(st.integers(0, 2 ** 31 - 1), label="seed"),
-        dtype=draw(st.sampled_from([torch.float32, torch.float16]), label="dtype"),
+        dtype=draw(st.sampled_from(DTYPES), label="dtype"),
         M=draw(st.integers(1, 40), label="M"),
         k=draw(st.integers(1, 2), label="k"),
-        E=draw(st.integers(2, 5), label="E"),
+        stored=draw(st.integers(1, 4), label="stored experts"),
+        per_weight=draw(st.integers(1, 3), label="experts_per_weight"),
         N=draw(st.integers(1, 50), label="N"),
         K=8 * draw(st.integers(1, 7), label="K / 8"),  # a row of 16-byte multiples in fp16 and fp32
         block_n=draw(st.sampled_from([16, 32]), label="BLOCK_N"),
@@ -86,16 +96,16 @@ def problems(draw):
         routed=draw(st.booleans(), label="router weights"),
         scaled=draw(st.booleans(), label="scale"),
         add_into=draw(st.booleans(), label="add_into"),
-        shared=draw(st.booleans(), label="one factor per slot (experts_per_weight = E)"),
     )
 
 
 @given(p=problems())
 def test_descriptor_path_matches_the_twin(p):
     gen = torch.Generator().manual_seed(p["seed"])
-    M, k, E, N, K, dtype = p["M"], p["k"], p["E"], p["N"], p["K"], p["dtype"]
-    epw = E if p["shared"] else 1
-    w = randn(gen, 1 if p["shared"] else E, N, K, dtype=dtype, scale=1 / math.sqrt(K))
+    M, N, K, dtype, epw = p["M"], p["N"], p["K"], p["dtype"], p["per_weight"]
+    E = p["stored"] * epw  # expert ids; expert e reads stored weight e // experts_per_weight
+    k = min(p["k"], E)
+    w = randn(gen, p["stored"], N, K, dtype=dtype, scale=1 / math.sqrt(K))
     x = randn(gen, M, K, dtype=dtype)
     ids = _routing(gen, M, k, E)
     align = _align(ids, E)
@@ -113,7 +123,7 @@ def test_descriptor_path_matches_the_twin(p):
     out = _gemm(x, w, start.clone(), align, k, w_desc=1, block_n=p["block_n"], block_k=p["block_k"],
                 add_into=p["add_into"], **kwargs)
     twin_kwargs = {key: v for key, v in kwargs.items() if key != "experts_per_weight"}
-    want = twin.fused_moe_gemm(x, w.expand(E, N, K), start.clone(), align, top_k=k, num_pairs=M * k,
+    want = twin.fused_moe_gemm(x, w.repeat_interleave(epw, 0), start.clone(), align, top_k=k, num_pairs=M * k,
                                in_row_div=k, add_into=p["add_into"], **twin_kwargs)  # the twin: one weight per expert
     here = (ids.reshape(-1) >= 0).cpu()
     assert bool(out.cpu()[~here].isnan().all()), "rows of pairs with no expert here were written"
@@ -141,21 +151,93 @@ def test_columns_past_n_are_never_stored():
     assert_close(out.cpu()[here], want.cpu()[here], dtype=torch.float32, what="sliced output", seed=31)
 
 
-def _layouts(gen):
-    """(name, weight, BLOCK_N, BLOCK_K) that no descriptor can describe: each breaks one rule of
-    ``weight_descriptor``."""
+def _layout(name):
+    """A weight [E, N, K] laid out as ``name`` says, and whether a descriptor can describe it (each
+    layout but the last two breaks one rule of ``weight_descriptor`` that no other rule covers)."""
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
     E, N, K = 3, 24, 32
-    base = randn(gen, E, N, K, dtype=torch.float16, scale=0.2)
-    wide_k = randn(gen, E, N, K + 8, dtype=torch.float16, scale=0.2)
-    odd_k = randn(gen, E, N, K + 4, dtype=torch.float16, scale=0.2)
-    flat = randn(gen, E * N * K + 8, dtype=torch.float16, scale=0.2)
-    return [
-        ("K not contiguous", base.transpose(1, 2).contiguous().transpose(1, 2), 16, 16),
-        ("a gap between experts", randn(gen, E, N + 8, K, dtype=torch.float16, scale=0.2)[:, :N], 16, 16),
-        ("row stride off 16 bytes", odd_k[:, :, :K], 16, 16),
-        ("base address off 16 bytes", flat[4:4 + E * N * K].view(E, N, K), 16, 16),
-        ("row stride past K is fine", wide_k[:, :, :K], 16, 16),
-    ]
+
+    def w(*shape):
+        return randn(gen, *shape, dtype=F16, scale=0.2)
+
+    if name == "K not contiguous, rows apart":  # stride(2) 2, stride(1) >= K, stride(0) = N stride(1)
+        return w(E, N, 2 * K)[:, :, ::2], False
+    if name == "K not contiguous, transposed":
+        return w(E, K, N).transpose(1, 2), False
+    if name == "a gap between two experts":
+        return w(2, N + 8, K)[:, :N], False
+    if name == "a gap between three experts":
+        return w(E, N + 8, K)[:, :N], False
+    if name == "one weight expanded over the experts":  # expert stride 0
+        return w(1, N, K).expand(E, N, K), False
+    if name == "row stride off 16 bytes":
+        return w(E, N, K + 4)[:, :, :K], False
+    if name == "base address off 16 bytes":
+        return w(E * N * K + 8)[4:4 + E * N * K].view(E, N, K), False
+    if name == "row padding past K (NaN)":  # describable: the descriptor's K stops before the padding
+        padded = w(E, N, K + 8)
+        padded[:, :, K:] = float("nan")
+        return padded[:, :, :K], True
+    assert name == "contiguous"
+    return w(E, N, K), True
+
+
+LAYOUTS = ["K not contiguous, rows apart", "K not contiguous, transposed", "a gap between two experts",
+           "a gap between three experts", "one weight expanded over the experts", "row stride off 16 bytes",
+           "base address off 16 bytes", "row padding past K (NaN)", "contiguous"]
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_each_layout_gets_a_descriptor_only_where_one_describes_it(name):
+    """Every layout's GEMM with ``W_DESC`` 1 equals the twin, by descriptor where the layout allows one
+    and by pointer loads elsewhere."""
+    w, describable = _layout(name)
+    assert (weight_descriptor(w, 16, 16) is not None) == describable, name
+    gen = torch.Generator().manual_seed(32)
+    E, N, K = w.shape
+    M, k = 19, 2
+    x = randn(gen, M, K, dtype=F16)
+    ids = _routing(gen, M, k, E)
+    out = _gemm(x, w, poisoned(M * k, N, dtype=F16), _align(ids, E), k, w_desc=1)
+    want = twin.fused_moe_gemm(x, w, poisoned(M * k, N, dtype=F16), _align(ids, E), top_k=k, num_pairs=M * k,
+                               in_row_div=k)
+    here = (ids.reshape(-1) >= 0).cpu()
+    assert_close(out.cpu()[here], want.cpu()[here], dtype=F16, what=name, seed=32)
+
+
+def test_the_descriptor_covers_exactly_the_weights_rows():
+    w, _ = _layout("row padding past K (NaN)")
+    d = weight_descriptor(w, 32, 16)
+    assert list(d.shape) == [3 * 24, 32] and list(d.strides) == [40, 1] and list(d.block_shape) == [32, 16]
+    assert d.base.data_ptr() == w.data_ptr() and d.padding == "zero"
+
+
+def test_shapes_no_descriptor_takes_get_none():
+    base = torch.zeros(4096, dtype=F16, device=DEVICE)
+    overlapping = base.as_strided((1, 24, 32), (24 * 8, 8, 1))  # rows 8 elements apart, 32 long
+    assert weight_descriptor(overlapping, 16, 16) is None
+    assert weight_descriptor(torch.empty(2 ** 12, 2 ** 19, 16, dtype=F16, device="meta"), 16, 16) is None  # 2^31 rows
+    # the last box's rows past int32: rows + BLOCK_N reach 2^31
+    assert weight_descriptor(torch.empty(1, 2 ** 31 - 64, 16, dtype=F16, device="meta"), 64, 16) is None
+    assert weight_descriptor(torch.empty(1, 2 ** 31 - 65, 16, dtype=F16, device="meta"), 64, 16) is not None
+    assert weight_descriptor(torch.zeros(1, 0, 32, dtype=F16, device=DEVICE), 16, 16) is None
+    assert weight_descriptor(torch.zeros(1, 16, 0, dtype=F16, device=DEVICE), 16, 16) is None
+
+
+@pytest.mark.parametrize("group", [1, 2, 8])
+def test_descriptor_with_group_size_m(group):
+    """The H100 table ships ``W_DESC`` 1 beside ``GROUP_SIZE_M`` 16: the renumbered column tile is the one
+    the descriptor reads."""
+    gen = torch.Generator().manual_seed(45)
+    E, N, K, M, k = 4, 72, 48, 40, 2
+    w = randn(gen, E, N, K, dtype=torch.float32, scale=1 / math.sqrt(K))
+    x = randn(gen, M, K, dtype=torch.float32)
+    ids = _routing(gen, M, k, E)
+    out = _gemm(x, w, poisoned(M * k, N, dtype=torch.float32), _align(ids, E), k, w_desc=1, group_size_m=group)
+    want = twin.fused_moe_gemm(x, w, poisoned(M * k, N, dtype=torch.float32), _align(ids, E), top_k=k,
+                               num_pairs=M * k, in_row_div=k)
+    here = (ids.reshape(-1) >= 0).cpu()
+    assert_close(out.cpu()[here], want.cpu()[here], dtype=torch.float32, what=f"GROUP_SIZE_M {group}", seed=45)
 
 
 class _Spy:
@@ -186,26 +268,10 @@ def test_the_launcher_hands_the_kernel_the_descriptor(value, expect, monkeypatch
 
 
 def test_blocks_no_descriptor_takes_get_none():
-    w = torch.zeros(2, 16, 32, dtype=torch.float16, device=DEVICE)
-    assert weight_descriptor(w, 16, 16) is not None
+    w = torch.zeros(2, 16, 256, dtype=torch.float16, device=DEVICE)
+    assert weight_descriptor(w, 16, 16) is not None and weight_descriptor(w, 256, 256) is not None
     for block_n, block_k in ((24, 16), (16, 4), (512, 16), (16, 512)):  # not a power of two, 8 bytes, past 256
         assert weight_descriptor(w, block_n, block_k) is None, (block_n, block_k)
-
-
-def test_weights_without_a_descriptor_take_the_pointer_loads():
-    gen = torch.Generator().manual_seed(32)
-    M, k, E = 19, 2, 3
-    for name, w, block_n, block_k in _layouts(gen):
-        expect = name == "row stride past K is fine"
-        assert (weight_descriptor(w, block_n, block_k) is not None) == expect, name
-        x = randn(gen, M, w.shape[2], dtype=torch.float16)
-        ids = _routing(gen, M, k, E)
-        out = _gemm(x, w, poisoned(M * k, w.shape[1], dtype=torch.float16), _align(ids, E), k, w_desc=1,
-                    block_n=block_n, block_k=block_k)
-        want = twin.fused_moe_gemm(x, w, poisoned(M * k, w.shape[1], dtype=torch.float16), _align(ids, E), top_k=k,
-                                   num_pairs=M * k, in_row_div=k)
-        here = (ids.reshape(-1) >= 0).cpu()
-        assert_close(out.cpu()[here], want.cpu()[here], dtype=torch.float16, what=name, seed=32)
 
 
 @pytest.mark.parametrize("value", [2, -1, True, 0.5, "1"])

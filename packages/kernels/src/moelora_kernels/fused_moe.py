@@ -39,14 +39,17 @@ masked pointer loads, where the weight's layout allows one (:func:`weight_descri
 pointer loads run); the A tiles stay gathered by pointer (Hopper's TMA has no row gather). The same
 products, summed within a dot in whatever order the dot takes for a transposed tile (the interpreter's
 matmul differs there in the last fp32 bits): results agree with the pointer loads' within the GEMM's
-tolerance, not bit for bit (``test_kernel_weight_desc.py``). Source:
-SGLang's ``fused_moe_kernel`` ``b_use_tma`` (its up/down configs' ``USE_TMA``) and the Triton tutorials'
-host-side ``TensorDescriptor``.
+tolerance, not bit for bit (``test_kernel_weight_desc.py``). The 2-D view reads whole BLOCK_N-row boxes
+even where N is far smaller than BLOCK_N (a LoRA factor's rank), so the shipped tables set it only on
+base-shape entries. The descriptor is made on each launch (host time in eager mode; a CUDA graph replays
+it). Source: a variant of SGLang's ``fused_moe_kernel`` ``b_use_tma`` (its configs' ``USE_TMA``), which
+takes a 3-D descriptor over [E, N, K] per expert, and the Triton tutorials' host-side ``TensorDescriptor``.
 
 Rounding: products accumulate in fp32 (IEEE dots for fp32 unless ``tf32``); the epilogue works in
 fp32 (router weight, scale, the old output value) and rounds once to the output dtype. Offsets of
-rows, experts and columns are 64-bit. Source: the fused MoE kernel of Triton-based engines (vLLM
-``fused_moe_kernel``, SGLang ``fused_moe_triton``) and the Triton matmul tutorial.
+rows, experts and columns are 64-bit (the descriptor's row coordinate is int32, bounded on the host).
+Source: the fused MoE kernel of Triton-based engines (vLLM ``fused_moe_kernel``, SGLang
+``fused_moe_triton``) and the Triton matmul tutorial.
 """
 
 from __future__ import annotations
@@ -188,12 +191,13 @@ def fused_moe_gemm(
                 f"scale: {scale.shape[0]} entries × experts_per_scale={experts_per_scale} < {E_w} experts")
     if bias is not None:
         check_tensor("bias", bias, dtypes=(dtype, torch.float32), shape=(E_w, N), device=device)
+    cfg = kernel_config("fused_moe_gemm", rows=max(num_pairs, 1), N=N, K=K, overrides=config)
+    group_size_m, use_desc = check_group_size_m(cfg["GROUP_SIZE_M"]), check_w_desc(cfg["W_DESC"])
     if num_pairs == 0:
         return c
-    cfg = kernel_config("fused_moe_gemm", rows=num_pairs, N=N, K=K, overrides=config)
     grid_m = used_blocks_bound(num_pairs, E_w, block_m, num_blocks)
     grid = check_grid("fused_moe_gemm", (grid_m, triton.cdiv(N, cfg["BLOCK_N"])))
-    w_desc = weight_descriptor(w, cfg["BLOCK_N"], cfg["BLOCK_K"]) if check_w_desc(cfg["W_DESC"]) else None
+    w_desc = weight_descriptor(w, cfg["BLOCK_N"], cfg["BLOCK_K"]) if use_desc else None
     dummy = align.num_tokens_post_padded
     _fused_moe_gemm_kernel[grid](
         a, w if w_desc is None else w_desc, c,
@@ -206,7 +210,7 @@ def fused_moe_gemm(
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         MUL_ROUTED_WEIGHT=topk_weights is not None, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-        ADD_INTO=add_into, GROUP_SIZE_M=check_group_size_m(cfg["GROUP_SIZE_M"]), W_DESC=w_desc is not None,
+        ADD_INTO=add_into, GROUP_SIZE_M=group_size_m, W_DESC=w_desc is not None,
         **gemm_launch_options(dtype, tf32, cfg),
     )
     return c
