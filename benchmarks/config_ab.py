@@ -19,11 +19,10 @@ loop; both delta paths, so the auto, fused and pair columns all move):
     PYTHONPATH=... python benchmarks/config_ab.py --out-dir OUT --key EXPAND_STREAM --values 0 1 2 3 \
         --ops moe_lora_expand fused_moe_lora -- --tokens 8 32 128 512 --ranks 16 64 --no-baseline
 
-The pair's expand with several column tiles per program (``N_TILES``: 1 today; the pair column moves,
-and the auto one where the table picks the pair, R 64 up to 256 rows):
+The base GEMM's weight tiles through a TMA descriptor (``W_DESC``; the base column a moves):
 
-    PYTHONPATH=... python benchmarks/config_ab.py --out-dir OUT --key N_TILES --values 1 2 3 6 \
-        --ops moe_lora_expand -- --tokens 8 32 128 512 --ranks 16 64 --no-baseline
+    PYTHONPATH=... python benchmarks/config_ab.py --out-dir OUT --key W_DESC --values 0 1 \
+        --ops fused_moe_gemm -- --tokens 1 8 32 128 512 2048 8192 --ranks 16 --no-baseline
 """
 
 from __future__ import annotations

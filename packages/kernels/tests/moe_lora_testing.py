@@ -266,9 +266,9 @@ def check_layer_with_table(seed, monkeypatch, tmp_path, *, keys, ops, fused, wha
     assert_close(y, want, dtype=torch.float32, what=f"layer, {what} vs oracle", seed=seed)
 
 
-def qwen3_pair_args(kernel, R, M=128, L=4, E=128, H=2048, I=768, block_m=16, n_tiles=1):
-    """Runtime arguments of the shrink or the expand (``n_tiles`` column tiles of 128 per program) for the
-    Qwen3-30B-A3B gate_up stage (bf16), for ``compile_for_h200``."""
+def qwen3_pair_args(kernel, R, M=128, L=4, E=128, H=2048, I=768, block_m=16):
+    """Runtime arguments of the shrink or the expand (column tiles of 128) for the Qwen3-30B-A3B gate_up
+    stage (bf16), for ``compile_for_h200``."""
     P = -(-(M * 8 + E * (block_m - 1)) // block_m) * block_m
     meta = {n: "i32" for n in ("sorted_token_ids_ptr", "expert_ids_ptr", "num_tokens_post_padded_ptr",
                                "adapter_enabled_ptr", "ranks_ptr")}
@@ -283,7 +283,7 @@ def qwen3_pair_args(kernel, R, M=128, L=4, E=128, H=2048, I=768, block_m=16, n_t
         }
     return meta | common | {
         "inter_ptr": "bf16", "b_ptr": "bf16", "out_ptr": "bf16", "topk_weights_ptr": "fp32", "scalings_ptr": "fp32",
-        "N": I, "num_n_groups": -(-I // 128 // n_tiles), "stride_is": M * 8 * R, "stride_im": R,
+        "N": I, "num_n_tiles": -(-I // 128), "stride_is": M * 8 * R, "stride_im": R,
         "stride_bs": L * E * I * R, "stride_bl": E * I * R, "stride_be": I * R, "stride_bn": R,
         "stride_om": 2 * I, "stride_os": I, "stride_on": 1, "stride_scaling_s": L,
     }

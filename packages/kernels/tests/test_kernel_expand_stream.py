@@ -206,6 +206,25 @@ def test_an_invalid_value_is_refused_before_any_write(path, bad):
     assert_bitwise_equal(out, before, what="out after a refused EXPAND_STREAM")
 
 
+def test_a_slice_of_width_0_launches_nothing():
+    # the pair's expand of a down stage whose B has 0 output columns: no column tile, an empty grid, the
+    # output untouched (the tensors are made outside the guard: it refuses a synchronizing copy)
+    w = make_pool(74, L=2, R=8)
+    gen, ids, mapping = named_routing(74, w.spec, 3, 2)
+    enabled = enabled_of(mapping, 2)
+    with launch_guard():
+        align = moe_lora_align_block_size(ids, mapping, w.spec.E, 32, 2, enabled)
+    t = stage_tensors(w, "down")
+    inter = torch.randn(1, 6, 8, generator=gen).to(DEVICE)
+    out = torch.randn(3, 2, 0).to(DEVICE)
+    tw = torch.rand(3, 2).to(DEVICE)
+    with launch_guard():
+        got = fused_moe_lora_expand(inter, t["lora_b"][:, :, :0], align, out, stage="down", top_k=2,
+                                    ranks=t["ranks"], scalings=t["scalings"], topk_weights=tw,
+                                    adapter_enabled=enabled)
+    assert got is out and got.shape == (3, 2, 0)
+
+
 def _qwen3_down_args(R, M=128, L=4, E=128, H=2048, I=768, block_m=16):
     """The fused kernel's runtime arguments for the Qwen3-30B-A3B down stage (bf16, 4 slots)."""
     args = qwen3_gate_up_args(R, M, L, E, H, I, block_m)
@@ -239,7 +258,7 @@ def test_the_streamed_expand_compiles_for_the_h200_with_16_byte_factor_loads():
         names.append(f"fused {stage} R={R} BLOCK_M={block_m} EXPAND_STREAM={value}")
     expand = []
     for R in (64, 16):
-        consts = {"BLOCK_M": 16, "BLOCK_R": R, "BLOCK_N": 128, "BLOCK_L": 4, "N_TILES": 1,
+        consts = {"BLOCK_M": 16, "BLOCK_R": R, "BLOCK_N": 128, "BLOCK_L": 4,
                   "RANK_ALIGN": RANK_VECTOR, "HAS_ENABLED": True, "MUL_ROUTED_WEIGHT": False,
                   "DOT_PRECISION": "tf32", "UPCAST": False}
         expand.append({"args": qwen3_pair_args("expand", R), "constexprs": consts, "num_warps": 4, "num_stages": 2})
@@ -270,7 +289,7 @@ def test_shrink_and_expand_compile_for_the_h200(kernel):
                   "UPCAST": False}
         # (the expand with the exact rank masks of EXPAND_STREAM 0; the streamed one is compiled above)
         consts |= ({"BLOCK_K": 128} if kernel == "shrink"
-                   else {"BLOCK_N": 128, "N_TILES": 1, "MUL_ROUTED_WEIGHT": False, "RANK_ALIGN": 1})
+                   else {"BLOCK_N": 128, "MUL_ROUTED_WEIGHT": False, "RANK_ALIGN": 1})
         cases.append({"args": qwen3_pair_args(kernel, R), "constexprs": consts, "num_warps": 4, "num_stages": 3})
     results = compile_for_h200(f"moelora_kernels._moe_lora_kernels:{name}", cases)
     for R, r in zip((16, 64), results, strict=True):

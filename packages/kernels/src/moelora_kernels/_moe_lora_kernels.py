@@ -7,9 +7,7 @@ only the host's bound on the total, ``num_pairs // BLOCK_M + min(E · L, num_pai
 blocks clamped to the host's per-slot bound:
 
 - shrink:  t[s, p, :]  = A[s, slot, e] · in[p // in_row_div]                  (rank-wide, rounded to dtype)
-- expand:  out[p, s·N + n] += σ[s, slot] · w_p · (B[s, slot, e] · t[s, p])[n], ``N_TILES`` column tiles per
-  program (the block's metadata, pairs and t loaded once for them; each tile's B and old output one
-  tile ahead of its dot; same values, same arithmetic per tile: bit-identical results)
+- expand:  out[p, s·N + n] += σ[s, slot] · w_p · (B[s, slot, e] · t[s, p])[n]
 - fused:   both in one program: the rank-wide t stays in registers, then the program walks its
   share of the N columns (``N_SPLIT`` programs share one block's columns and each recompute t),
   each column tile's B and old output loaded as the config key ``EXPAND_LOADS`` says: 0, B at the
@@ -193,7 +191,7 @@ def _moe_lora_expand_kernel(
     inter_ptr, b_ptr, out_ptr, topk_weights_ptr,
     sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr, adapter_enabled_ptr, ranks_ptr, scalings_ptr,
     # sizes
-    N, rank_bound, num_pairs, num_experts, num_n_groups,
+    N, rank_bound, num_pairs, num_experts, num_n_tiles,
     # strides
     stride_is, stride_im,
     stride_bs, stride_bl, stride_be, stride_bn,
@@ -202,14 +200,11 @@ def _moe_lora_expand_kernel(
     L, slot_blocks_bound,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    N_TILES: tl.constexpr, RANK_ALIGN: tl.constexpr,
+    RANK_ALIGN: tl.constexpr,
     HAS_ENABLED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    # one program per (block, slice, group of N_TILES column tiles): the block's metadata, pairs, t, σ
-    # and router weights are loaded once per group, and each tile's B and old output one tile ahead of
-    # its dot (tiles are disjoint columns; tiles past N are masked out entirely)
-    s = tl.program_id(2) // num_n_groups
-    pid_g = tl.program_id(2) % num_n_groups
+    s = tl.program_id(2) // num_n_tiles
+    pid_n = tl.program_id(2) % num_n_tiles
     # --- early exits (the block's pairs are loaded with the checks' metadata: one round trip) ---------
     pid_m, slot, ntpp = _flat_block(tl.program_id(0), num_tokens_post_padded_ptr, L, slot_blocks_bound,
                                     BLOCK_M, BLOCK_L)
@@ -226,48 +221,36 @@ def _moe_lora_expand_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     r_ld = _rank_load_mask(offs_r, rank, RANK_ALIGN)
-    # --- the rank-wide input and the first B tile (RANK_ALIGN > 1: columns past the rank read, then
-    # set to 0) -----------------------------------------------------------------------------------------
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    # --- the rank-wide input and the B tile (RANK_ALIGN > 1: columns past the rank read, then set
+    # to 0) -------------------------------------------------------------------------------------------
     t_ptrs = inter_ptr + s.to(tl.int64) * stride_is + pairs[:, None] * stride_im + offs_r[None, :]
     t_mask = row_ok[:, None] & r_ld[None, :]
     t = tl.load(t_ptrs, mask=t_mask, other=0.0)
-    b_base = b_ptr + s.to(tl.int64) * stride_bs + slot.to(tl.int64) * stride_bl + expert * stride_be
-    o_base = out_ptr + pairs[:, None] * stride_om + s.to(tl.int64) * stride_os
-    offs_n = pid_g * (N_TILES * BLOCK_N) + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    b = tl.load(b_base + offs_n.to(tl.int64)[None, :] * stride_bn + offs_r[:, None],
+    b = tl.load(b_ptr + s.to(tl.int64) * stride_bs + slot.to(tl.int64) * stride_bl + expert * stride_be
+                + offs_n.to(tl.int64)[None, :] * stride_bn + offs_r[:, None],
                 mask=r_ld[:, None] & n_ok[None, :], other=0.0)
     if RANK_ALIGN > 1:
         t = tl.where(r_ok[None, :], t, 0.0)
+        b = tl.where(r_ok[:, None], b, 0.0)
     # the old output, σ and the router weights are loaded with t and B (before the dot): one round trip
-    old = tl.load(o_base + offs_n.to(tl.int64)[None, :] * stride_on, mask=row_ok[:, None] & n_ok[None, :],
-                  other=0.0)
+    o_ptrs = (out_ptr + pairs[:, None] * stride_om + s.to(tl.int64) * stride_os
+              + offs_n.to(tl.int64)[None, :] * stride_on)
+    o_mask = row_ok[:, None] & n_ok[None, :]
+    old = tl.load(o_ptrs, mask=o_mask, other=0.0)
     sigma = tl.load(scalings_ptr + s * stride_scaling_s + slot)
     if MUL_ROUTED_WEIGHT:
         w_p = tl.load(topk_weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
     if UPCAST:
         t = t.to(tl.float32)
-    for i in tl.static_range(N_TILES):
-        o_ptrs = o_base + offs_n.to(tl.int64)[None, :] * stride_on
-        o_mask = row_ok[:, None] & n_ok[None, :]
-        if RANK_ALIGN > 1:
-            b = tl.where(r_ok[:, None], b, 0.0)
-        if UPCAST:
-            b = b.to(tl.float32)
-        tile_b, tile_old = b, old
-        if i + 1 < N_TILES:  # the next tile's B and old output, before this tile's dot and store
-            offs_n = offs_n + BLOCK_N
-            n_ok = offs_n < N
-            b = tl.load(b_base + offs_n.to(tl.int64)[None, :] * stride_bn + offs_r[:, None],
-                        mask=r_ld[:, None] & n_ok[None, :], other=0.0)
-            old = tl.load(o_base + offs_n.to(tl.int64)[None, :] * stride_on, mask=row_ok[:, None] & n_ok[None, :],
-                          other=0.0)
-        delta = tl.dot(t, tile_b, input_precision=DOT_PRECISION)
-        # --- epilogue: σ, router weight, add, one rounding --------------------------------------------
-        delta = delta * sigma
-        if MUL_ROUTED_WEIGHT:
-            delta = delta * w_p[:, None]
-        tl.store(o_ptrs, (tile_old.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=o_mask)
+        b = b.to(tl.float32)
+    delta = tl.dot(t, b, input_precision=DOT_PRECISION)
+    # --- epilogue: σ, router weight, add, one rounding ------------------------------------------------
+    delta = delta * sigma
+    if MUL_ROUTED_WEIGHT:
+        delta = delta * w_p[:, None]
+    tl.store(o_ptrs, (old.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit

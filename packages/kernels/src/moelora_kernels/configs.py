@@ -28,14 +28,14 @@ from moelora_kernels._common import interpreting
 #: The single config used under the Triton interpreter (tiles of 32; no pipelining).
 INTERPRETER_CONFIG: dict[str, int] = {
     "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "BLOCK_S": 32, "N_SPLIT": 1, "FUSED": 1,
-    "ALIGN_SPLIT": 1, "EXPAND_LOADS": 2, "N_TILES": 1,
+    "ALIGN_SPLIT": 1, "EXPAND_LOADS": 2,
     "EXPAND_STREAM": 0, "GROUP_SIZE_M": 0, "W_DESC": 0, "QUANT_ROWS": 1, "num_warps": 4, "num_stages": 1,
 }
 
 #: Used on a GPU when no table entry matches (and as the base every entry overrides).
 GPU_FALLBACK_CONFIG: dict[str, int] = {
     "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_S": 32, "N_SPLIT": 1, "FUSED": 1,
-    "ALIGN_SPLIT": 1, "EXPAND_LOADS": 0, "N_TILES": 1,
+    "ALIGN_SPLIT": 1, "EXPAND_LOADS": 0,
     "EXPAND_STREAM": 0, "GROUP_SIZE_M": 0, "W_DESC": 0, "QUANT_ROWS": 1, "num_warps": 4, "num_stages": 3,
 }
 
@@ -88,7 +88,6 @@ def kernel_config(op: str, *, rows: int, N: int | None = None, K: int | None = N
             whose ``FUSED`` says whether :func:`moelora_kernels.moe_lora_delta` runs the fused
             kernel or the shrink/expand pair at this size; ``fused_moe_lora``'s
             ``EXPAND_LOADS`` (0, 1, 2) says when each expand tile's B and old output are loaded;
-            ``moe_lora_expand``'s ``N_TILES``, its column tiles per program;
             ``EXPAND_STREAM`` (0-4) of ``moe_lora_expand`` and ``fused_moe_lora``, how the expand
             reads its factor tiles (0: exact rank masks; 1: 16-byte loads; >= 2: also a pipelined
             expand loop that many stages deep, ``moelora_kernels.expand_stream``);

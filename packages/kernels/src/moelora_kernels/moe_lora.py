@@ -266,11 +266,9 @@ def fused_moe_lora_expand(
         scalings: gate_up: [2, L] fp32 (``module_scalings[0:2]``); down: [L] (``module_scalings[2]``).
         topk_weights: down only: [M, top_k] router weights (fp32 or the activation dtype).
 
-    Block config (table ``moe_lora_expand``, or ``config``): ``BLOCK_N``, ``N_TILES`` (column tiles per
-    program, 1-16: the block's metadata, pairs, t, σ and router weights loaded once for them, each tile's B
-    and old output loaded one tile ahead of its dot; same values, same arithmetic per tile, so the
-    results are bit-identical for every value), ``EXPAND_STREAM`` (>= 1 loads t and B in 16-byte
-    vectors), ``num_warps``, ``num_stages``.
+    Block config (table ``moe_lora_expand``, or ``config``): ``BLOCK_N``, ``EXPAND_STREAM`` (>= 1
+    loads t and B in 16-byte vectors; one tile per program, so no loop to pipeline), ``num_warps``,
+    ``num_stages``.
 
     Returns:
         ``out``.
@@ -278,8 +276,7 @@ def fused_moe_lora_expand(
     Raises:
         KernelPreconditionError: as the shrink; a missing (down) or extra (gate_up) topk_weights;
             ``EXPAND_STREAM`` not a value of
-            :data:`~moelora_kernels.expand_stream.EXPAND_STREAM`, ``N_TILES`` not an int in [1, 16]
-            (nothing is written).
+            :data:`~moelora_kernels.expand_stream.EXPAND_STREAM` (nothing is written, at any batch size).
     """
     check_tensor("intermediate", intermediate, dtypes=FLOAT_DTYPES, dim=3, unit_last_stride=True)
     device, dtype = intermediate.device, intermediate.dtype
@@ -292,48 +289,27 @@ def fused_moe_lora_expand(
     # the config is checked before the empty-batch return: a bad value is refused at any batch size
     cfg = kernel_config("moe_lora_expand", rows=st.num_pairs, N=N, R=st.rank_bound, overrides=config)
     stream = check_expand_stream(cfg)
-    per_program = check_n_tiles(cfg)
     if st.num_pairs == 0:
         return out
-    n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
-    # column tiles per program, never more than the slice has (each is unrolled in the kernel), at least 1
-    # (a slice of width 0 has no tile: an empty grid)
-    per_program = max(1, min(per_program, n_tiles))
-    n_groups = triton.cdiv(n_tiles, per_program)
-    grid, flat = st.block_grid("fused_moe_lora_expand", st.slices * n_groups)
+    n_tiles = triton.cdiv(N, cfg["BLOCK_N"])  # 0 for a slice of width 0: an empty grid
+    grid, flat = st.block_grid("fused_moe_lora_expand", st.slices * n_tiles)
     b = st.lora
     _moe_lora_expand_kernel[grid](
         intermediate, b, out2, weights if weights is not None else st.scalings,
         align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded, st.enabled_arg(), st.ranks,
         st.scalings,
-        N, st.rank_bound, st.num_pairs, st.E, n_groups,
+        N, st.rank_bound, st.num_pairs, st.E, n_tiles,
         intermediate.stride(0), intermediate.stride(1),
         b.stride(0), b.stride(1), b.stride(2), b.stride(3),
         out2.stride(0), N, 1,
         align.sorted_token_ids.stride(0), align.expert_ids.stride(0), st.ranks.stride(0), st.scalings.stride(0),
         flat["L"], flat["slot_blocks_bound"],
         BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_N=cfg["BLOCK_N"], BLOCK_L=flat["BLOCK_L"],
-        N_TILES=per_program, RANK_ALIGN=rank_align(stream, R),
+        RANK_ALIGN=rank_align(stream, R),
         HAS_ENABLED=adapter_enabled is not None, MUL_ROUTED_WEIGHT=weights is not None,
         **gemm_launch_options(dtype, tf32, cfg),
     )
     return out
-
-
-#: The most column tiles one expand program may take (each is unrolled in the kernel).
-MAX_N_TILES = 16
-
-
-def check_n_tiles(cfg: dict) -> int:
-    """The config's ``N_TILES`` (``moe_lora_expand``: column tiles per program).
-
-    Raises:
-        KernelPreconditionError: not an int in [1, :data:`MAX_N_TILES`] (a bool or float included).
-    """
-    value = cfg["N_TILES"]
-    if type(value) is not int or not 1 <= value <= MAX_N_TILES:
-        raise KernelPreconditionError(f"N_TILES: must be an int in [1, {MAX_N_TILES}], got {value!r}")
-    return value
 
 
 def fused_moe_lora(
