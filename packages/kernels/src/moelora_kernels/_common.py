@@ -131,6 +131,18 @@ def check_positive_int(name: str, value: object, *, minimum: int = 1) -> int:
     return value
 
 
+def check_config_choice(cfg: dict, key: str, allowed: tuple[int, ...]) -> int:
+    """A launch config's ``cfg[key]``, an int among ``allowed`` (the values its kernel compiles).
+
+    Raises:
+        KernelPreconditionError: not an int of ``allowed`` (a bool or float included), named by ``key``.
+    """
+    value = cfg[key]
+    if type(value) is not int or value not in allowed:
+        raise KernelPreconditionError(f"{key}: must be one of {allowed}, got {value!r}")
+    return value
+
+
 def check_grid(name: str, grid: tuple[int, ...]) -> tuple[int, ...]:
     """A launch grid within CUDA's limits: axis 0 <= 2**31 - 1, axes 1 and 2 <= 65535.
 

@@ -15,7 +15,7 @@ every cell, benchmarks/RESULTS.md); ``configs/h200.json`` keeps 0 until the same
 
 from __future__ import annotations
 
-from moelora_core.errors import KernelPreconditionError
+from moelora_kernels._common import check_config_choice
 
 #: Values of ``EXPAND_STREAM``: 0 = the expand's t and B tiles masked at the exact rank (2-byte
 #: loads); 1 = the load mask rounded up to RANK_VECTOR columns (16-byte loads, the fused kernel's
@@ -36,10 +36,7 @@ def check_expand_stream(cfg: dict) -> int:
     Raises:
         KernelPreconditionError: not one of :data:`EXPAND_STREAM` (a bool or float included).
     """
-    stream = cfg["EXPAND_STREAM"]
-    if type(stream) is not int or stream not in EXPAND_STREAM:
-        raise KernelPreconditionError(f"EXPAND_STREAM: must be one of {EXPAND_STREAM}, got {stream!r}")
-    return stream
+    return check_config_choice(cfg, "EXPAND_STREAM", EXPAND_STREAM)
 
 
 def rank_align(stream: int, R: int) -> int:

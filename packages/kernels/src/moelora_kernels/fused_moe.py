@@ -63,6 +63,7 @@ from moelora_core.errors import KernelPreconditionError
 from moelora_kernels._common import (
     FLOAT_DTYPES,
     check_align_pairs,
+    check_config_choice,
     check_grid,
     check_positive_int,
     check_tensor,
@@ -191,8 +192,9 @@ def fused_moe_gemm(
                 f"scale: {scale.shape[0]} entries × experts_per_scale={experts_per_scale} < {E_w} experts")
     if bias is not None:
         check_tensor("bias", bias, dtypes=(dtype, torch.float32), shape=(E_w, N), device=device)
-    cfg = kernel_config("fused_moe_gemm", rows=max(num_pairs, 1), N=N, K=K, overrides=config)
-    group_size_m, use_desc = check_group_size_m(cfg["GROUP_SIZE_M"]), check_w_desc(cfg["W_DESC"])
+    cfg = kernel_config("fused_moe_gemm", rows=num_pairs, N=N, K=K, overrides=config)
+    group_size_m = check_group_size_m(cfg["GROUP_SIZE_M"])
+    use_desc = check_config_choice(cfg, "W_DESC", W_DESC)
     if num_pairs == 0:
         return c
     grid_m = used_blocks_bound(num_pairs, E_w, block_m, num_blocks)
@@ -231,16 +233,8 @@ def check_group_size_m(value) -> int:
     return value
 
 
-
-def check_w_desc(value) -> int:
-    """The config's ``W_DESC`` for the base GEMM's weight tiles (module docstring): 0 or 1.
-
-    Raises:
-        KernelPreconditionError: not the int 0 or 1 (a bool included).
-    """
-    if type(value) is not int or value not in (0, 1):
-        raise KernelPreconditionError(f"W_DESC: must be 0 or 1, got {value!r}")
-    return value
+#: Values of the base GEMM's ``W_DESC`` (module docstring): 0 = pointer loads, 1 = a TMA descriptor.
+W_DESC: tuple[int, ...] = (0, 1)
 
 
 #: The largest block side a TMA descriptor takes (elements; the hardware's box bound).

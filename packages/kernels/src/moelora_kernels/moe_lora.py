@@ -32,6 +32,7 @@ from moelora_core.weights import LoRAWeights, module_index
 from moelora_kernels._common import (
     FLOAT_DTYPES,
     check_align_pairs,
+    check_config_choice,
     check_grid,
     check_positive_int,
     check_rank_bound,
@@ -367,9 +368,7 @@ def fused_moe_lora(
     weights = _routed(topk_weights, st, dtype, device)
     # the config is checked before the empty-batch return: a bad value is refused at any batch size
     cfg = kernel_config("fused_moe_lora", rows=st.num_pairs, N=N, K=K, R=st.rank_bound, overrides=config)
-    loads = cfg["EXPAND_LOADS"]
-    if type(loads) is not int or loads not in EXPAND_LOADS:
-        raise KernelPreconditionError(f"EXPAND_LOADS: must be one of {EXPAND_LOADS}, got {loads!r}")
+    loads = check_config_choice(cfg, "EXPAND_LOADS", EXPAND_LOADS)
     stream = check_expand_stream(cfg)
     if st.num_pairs == 0:
         return out
