@@ -122,6 +122,8 @@ for case in spec["cases"]:
     for i, arg in enumerate(kernel.arg_names):
         if arg in consts:
             signature[arg] = "constexpr"
+        elif args[arg] is None:  # an argument the launch passes as None (a descriptor not made)
+            signature[arg], consts[arg] = "constexpr", None
         elif isinstance(args[arg], dict):  # a host-side TMA descriptor: element type and block shape
             signature[arg] = f"tensordesc<{args[arg]['desc']}{list(args[arg]['block'])}>"
         elif isinstance(args[arg], str):  # a pointer's element type
@@ -157,7 +159,8 @@ def compile_for_h200(kernel: str, cases: list[dict]) -> list[dict]:
         kernel: ``"module:name"`` of a ``@triton.jit`` kernel.
         cases: each ``{"args", "constexprs", "num_warps", "num_stages"}``; ``args`` names every
             runtime argument: a Triton element type (``"bf16"``, ``"i32"``, …) for a pointer,
-            ``{"desc": type, "block": [rows, cols]}`` for a host-side TMA tensor descriptor, an int
+            ``{"desc": type, "block": [rows, cols]}`` for a host-side TMA tensor descriptor, None for an
+            argument passed as None (a constant), an int
             for an integer scalar, a float for an fp32 scalar. The launch's specialisation is reproduced: pointers and ints divisible by
             16 are marked so, ints equal to 1 become constants.
 

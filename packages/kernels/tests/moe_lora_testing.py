@@ -277,7 +277,7 @@ def qwen3_pair_args(kernel, R, M=128, L=4, E=128, H=2048, I=768, block_m=16):
               "slot_blocks_bound": M * 8 // block_m + min(E, M * 8)}
     if kernel == "shrink":
         return meta | common | {
-            "x_ptr": "bf16", "a_ptr": "bf16", "inter_ptr": "bf16", "K": H, "R": R, "in_row_div": 8,
+            "x_ptr": "bf16", "a_ptr": "bf16", "a_desc": None, "inter_ptr": "bf16", "K": H, "R": R, "in_row_div": 8,
             "stride_xm": H, "stride_as": L * E * R * H, "stride_al": E * R * H, "stride_ae": R * H, "stride_ar": H,
             "stride_is": M * 8 * R, "stride_im": R,
         }
@@ -291,14 +291,14 @@ def qwen3_pair_args(kernel, R, M=128, L=4, E=128, H=2048, I=768, block_m=16):
 
 def qwen3_gate_up_args(R, M=128, L=4, E=128, H=2048, I=768, block_m=16):
     """The fused kernel's runtime arguments for the Qwen3-30B-A3B gate_up stage (bf16, 4 slots), for
-    ``compile_for_h200``."""
+    ``compile_for_h200`` (no A descriptor: ``a_desc`` None)."""
     P = -(-(M * 8 + E * (block_m - 1)) // block_m) * block_m
     ptrs = {n: "bf16" for n in ("x_ptr", "a_ptr", "b_ptr", "out_ptr")}
     ptrs |= {n: "fp32" for n in ("topk_weights_ptr", "scalings_ptr")}
     ptrs |= {n: "i32" for n in ("sorted_token_ids_ptr", "expert_ids_ptr", "num_tokens_post_padded_ptr",
                                 "adapter_enabled_ptr", "ranks_ptr")}
     return ptrs | {
-        "K": H, "N": I, "rank_bound": R, "num_pairs": M * 8, "in_row_div": 8, "num_experts": E,
+        "a_desc": None, "K": H, "N": I, "R": R, "rank_bound": R, "num_pairs": M * 8, "in_row_div": 8, "num_experts": E,
         "stride_xm": H, "stride_as": L * E * R * H, "stride_al": E * R * H, "stride_ae": R * H, "stride_ar": H,
         "stride_bs": L * E * I * R, "stride_bl": E * I * R, "stride_be": I * R, "stride_bn": R,
         "stride_om": 2 * I, "stride_os": I, "stride_on": 1,

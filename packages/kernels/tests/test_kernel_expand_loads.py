@@ -111,7 +111,7 @@ def test_every_expand_loads_value_compiles_for_the_h200():
     for R, (bk, bn, n_split) in ((16, (256, 256, 2)), (64, (256, 256, 2)), (64, (128, 128, 1))):
         for loads in EXPAND_LOADS:
             consts = {"BLOCK_M": 16, "BLOCK_R": R, "BLOCK_K": bk, "BLOCK_N": bn, "N_SPLIT": n_split,
-                      "BLOCK_L": 4, "EXPAND_LOADS": loads, "HAS_ENABLED": True,
+                      "BLOCK_L": 4, "EXPAND_LOADS": loads, "HAS_ENABLED": True, "A_DESC": False,
                       "RANK_ALIGN": 1, "EXPAND_STAGES": 1,  # EXPAND_STREAM 0 (others: test_kernel_expand_stream.py)
                       "MUL_ROUTED_WEIGHT": False, "DOT_PRECISION": "tf32", "UPCAST": False}
             cases.append({"args": qwen3_gate_up_args(R), "constexprs": consts, "num_warps": 4, "num_stages": 3})

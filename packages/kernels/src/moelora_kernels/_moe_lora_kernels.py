@@ -70,7 +70,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelora_kernels._tiles import accumulate_k
+from moelora_kernels._tiles import accumulate_k, accumulate_k_desc
 
 
 @triton.jit
@@ -129,24 +129,39 @@ def _block_pairs(sorted_token_ids_ptr, pid_m, slot, num_pairs, stride_sorted, BL
 
 
 @triton.jit
-def _shrink_block(x_ptr, a_ptr, pairs, row_ok, offs_r, r_ok, s, slot, expert, K, in_row_div,
-                  stride_xm, stride_as, stride_al, stride_ae, stride_ar,
+def _shrink_block(x_ptr, a_ptr, a_desc, pairs, row_ok, offs_r, r_ok, rank, s, slot, expert, K, in_row_div,
+                  stride_xm, stride_as, stride_al, stride_ae, stride_ar, L, num_experts, R,
                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                  A_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """[BLOCK_M, BLOCK_R] fp32: in[pair // in_row_div] · A[s, slot, expert]ᵀ over K for the block's
-    pairs (rows not ok and rank columns not ok read 0)."""
+    pairs (rows not ok and rank columns not ok read 0). ``A_DESC``: a block whose slot's rank is
+    BLOCK_R reads its A tiles [BLOCK_R, BLOCK_K] through ``a_desc``, a 2-D descriptor over the pool's
+    rows [S·L·E·R, K] (``moe_lora.lora_a_descriptor``), whose box is then exactly the slot's rank rows;
+    a smaller rank keeps the masked pointer loads (so a rank-16 adapter in an R = 64 pool moves rank-16
+    bytes either way)."""
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (pairs // in_row_div)[:, None] * stride_xm + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     a_ptrs = (a_ptr + s.to(tl.int64) * stride_as + slot.to(tl.int64) * stride_al + expert * stride_ae
               + offs_r[None, :] * stride_ar + offs_k[:, None])
-    return accumulate_k(tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32), x_ptrs, a_ptrs, row_ok, r_ok, K,
-                        BLOCK_K, BLOCK_K, BLOCK_K, DOT_PRECISION, UPCAST)
+    if A_DESC:
+        if rank == BLOCK_R:
+            # int32 row of the slot's first rank row: bounded on the host (S·L·E·R + BLOCK_R < 2^31)
+            a_row = ((s * L + slot) * num_experts + expert.to(tl.int32)) * R
+            acc = accumulate_k_desc(acc, x_ptrs, a_desc, a_row, row_ok, K, BLOCK_K, BLOCK_K, DOT_PRECISION,
+                                    UPCAST)
+        else:
+            acc = accumulate_k(acc, x_ptrs, a_ptrs, row_ok, r_ok, K, BLOCK_K, BLOCK_K, BLOCK_K, DOT_PRECISION,
+                               UPCAST)
+    else:
+        acc = accumulate_k(acc, x_ptrs, a_ptrs, row_ok, r_ok, K, BLOCK_K, BLOCK_K, BLOCK_K, DOT_PRECISION, UPCAST)
+    return acc
 
 
 @triton.jit
 def _moe_lora_shrink_kernel(
     # pointers
-    x_ptr, a_ptr, inter_ptr,
+    x_ptr, a_ptr, a_desc, inter_ptr,
     sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr, adapter_enabled_ptr, ranks_ptr,
     # sizes
     K, R, rank_bound, num_pairs, in_row_div, num_experts,
@@ -158,6 +173,7 @@ def _moe_lora_shrink_kernel(
     L, slot_blocks_bound,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
+    A_DESC: tl.constexpr,
     HAS_ENABLED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     s = tl.program_id(2)
@@ -177,9 +193,9 @@ def _moe_lora_shrink_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     # --- accumulate in fp32 ----------------------------------------------------------------------
-    acc = _shrink_block(x_ptr, a_ptr, pairs, row_ok, offs_r, r_ok, s, slot, expert, K, in_row_div,
-                        stride_xm, stride_as, stride_al, stride_ae, stride_ar,
-                        BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, UPCAST)
+    acc = _shrink_block(x_ptr, a_ptr, a_desc, pairs, row_ok, offs_r, r_ok, rank, s, slot, expert, K, in_row_div,
+                        stride_xm, stride_as, stride_al, stride_ae, stride_ar, L, num_experts, R,
+                        BLOCK_M, BLOCK_R, BLOCK_K, A_DESC, DOT_PRECISION, UPCAST)
     # --- epilogue: the activation dtype (one rounding) -----------------------------------------------
     i_ptrs = inter_ptr + s.to(tl.int64) * stride_is + pairs[:, None] * stride_im + offs_r[None, :]
     tl.store(i_ptrs, acc.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_r < R)[None, :])
@@ -320,10 +336,10 @@ def _expand_tile_late(t, b_base, o_base, offs_r, r_ld, r_ok, offs_n, n_ok, row_s
 @triton.jit
 def _fused_moe_lora_kernel(
     # pointers
-    x_ptr, a_ptr, b_ptr, out_ptr, topk_weights_ptr,
+    x_ptr, a_ptr, a_desc, b_ptr, out_ptr, topk_weights_ptr,
     sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr, adapter_enabled_ptr, ranks_ptr, scalings_ptr,
     # sizes
-    K, N, rank_bound, num_pairs, in_row_div, num_experts,
+    K, N, R, rank_bound, num_pairs, in_row_div, num_experts,
     # strides
     stride_xm,
     stride_as, stride_al, stride_ae, stride_ar,
@@ -334,7 +350,7 @@ def _fused_moe_lora_kernel(
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     N_SPLIT: tl.constexpr, BLOCK_L: tl.constexpr,
-    EXPAND_LOADS: tl.constexpr, RANK_ALIGN: tl.constexpr, EXPAND_STAGES: tl.constexpr,
+    EXPAND_LOADS: tl.constexpr, RANK_ALIGN: tl.constexpr, EXPAND_STAGES: tl.constexpr, A_DESC: tl.constexpr,
     HAS_ENABLED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -357,9 +373,9 @@ def _fused_moe_lora_kernel(
     r_ok = offs_r < rank
     r_ld = _rank_load_mask(offs_r, rank, RANK_ALIGN)   # the expand's B columns loaded
     # --- shrink: t = in · Aᵀ over K, fp32 accumulation -------------------------------------------------
-    acc = _shrink_block(x_ptr, a_ptr, pairs, row_ok, offs_r, r_ok, s, slot, expert, K, in_row_div,
-                        stride_xm, stride_as, stride_al, stride_ae, stride_ar,
-                        BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, UPCAST)
+    acc = _shrink_block(x_ptr, a_ptr, a_desc, pairs, row_ok, offs_r, r_ok, rank, s, slot, expert, K, in_row_div,
+                        stride_xm, stride_as, stride_al, stride_ae, stride_ar, L, num_experts, R,
+                        BLOCK_M, BLOCK_R, BLOCK_K, A_DESC, DOT_PRECISION, UPCAST)
     # rounding point: t in the activation dtype, as the unfused path stores it
     t = acc.to(x_ptr.dtype.element_ty)
     if UPCAST:

@@ -29,14 +29,14 @@ from moelora_kernels._common import interpreting
 INTERPRETER_CONFIG: dict[str, int] = {
     "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "BLOCK_S": 32, "N_SPLIT": 1, "FUSED": 1,
     "ALIGN_SPLIT": 1, "EXPAND_LOADS": 2,
-    "EXPAND_STREAM": 0, "GROUP_SIZE_M": 0, "W_DESC": 0, "QUANT_ROWS": 1, "num_warps": 4, "num_stages": 1,
+    "EXPAND_STREAM": 0, "GROUP_SIZE_M": 0, "W_DESC": 0, "A_DESC": 0, "QUANT_ROWS": 1, "num_warps": 4, "num_stages": 1,
 }
 
 #: Used on a GPU when no table entry matches (and as the base every entry overrides).
 GPU_FALLBACK_CONFIG: dict[str, int] = {
     "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_S": 32, "N_SPLIT": 1, "FUSED": 1,
     "ALIGN_SPLIT": 1, "EXPAND_LOADS": 0,
-    "EXPAND_STREAM": 0, "GROUP_SIZE_M": 0, "W_DESC": 0, "QUANT_ROWS": 1, "num_warps": 4, "num_stages": 3,
+    "EXPAND_STREAM": 0, "GROUP_SIZE_M": 0, "W_DESC": 0, "A_DESC": 0, "QUANT_ROWS": 1, "num_warps": 4, "num_stages": 3,
 }
 
 _CONFIG_DIR = Path(__file__).parent / "configs"

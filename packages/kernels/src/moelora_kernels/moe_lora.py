@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moelora_core.align import AlignOutput, align_capacity
 from moelora_core.errors import KernelPreconditionError
@@ -44,13 +45,18 @@ from moelora_kernels._common import (
 from moelora_kernels._moe_lora_kernels import _fused_moe_lora_kernel, _moe_lora_expand_kernel, _moe_lora_shrink_kernel
 from moelora_kernels.configs import kernel_config
 from moelora_kernels.expand_stream import check_expand_stream, expand_stages, rank_align
-from moelora_kernels.fused_moe import used_blocks_bound
+from moelora_kernels.fused_moe import used_blocks_bound, weight_descriptor
 
 STAGES: tuple[str, ...] = ("gate_up", "down")
 #: Values of the fused kernel's ``EXPAND_LOADS``, when each expand tile's B tile and old output are
 #: loaded: 0 = B at the tile, the old output after the dot; 1 = both together at the tile; 2 = both
 #: one tile ahead (bit-identical results; the GPU table picks per row bucket)
 EXPAND_LOADS: tuple[int, ...] = (0, 1, 2)
+#: Values of the shrink's ``A_DESC`` (``moe_lora_shrink`` and ``fused_moe_lora``): 0 = masked pointer
+#: loads of the A tiles; 1 = a TMA descriptor over the pool's A rows where :func:`lora_a_descriptor`
+#: gives one, read by each block whose slot's rank is the tile's BLOCK_R (same products; the dot's
+#: order may differ in the last bits, as ``fused_moe_gemm``'s ``W_DESC``)
+A_DESC: tuple[int, ...] = (0, 1)
 #: LoRAWeights modules of each stage.
 STAGE_MODULES: dict[str, tuple[str, ...]] = {"gate_up": ("gate", "up"), "down": ("down",)}
 
@@ -141,6 +147,29 @@ def _per_slice(name, t, stage, L, dtypes, device):
     return t if stage == "gate_up" else t.unsqueeze(0)
 
 
+def lora_a_descriptor(lora_a: torch.Tensor, block_r: int, block_k: int) -> TensorDescriptor | None:
+    """A 2-D TMA descriptor over the A rows of a pool, block [``block_r``, ``block_k``]; ``None`` where
+    the layout allows none (the shrink then loads its A tiles by pointer: the same values).
+
+    ``lora_a`` [S, L, E, R, K] (a stage's A with its slices first, ``_Stage.lora``) is seen as
+    [S · L · E · R, K]: the rank rows of (slice s, slot l, expert e) start at row ((s·L + l)·E + e)·R.
+    That view needs the slices, slots and experts to follow each other without gaps (a stride-0 shared
+    factor, or a view of a wider pool, has none: ``None``), and then the rules of
+    :func:`moelora_kernels.fused_moe.weight_descriptor` (K contiguous, 16-byte row stride and base,
+    power-of-two blocks, int32 rows).
+
+    Args:
+        lora_a: [S, L, E, R, K] fp32/fp16/bf16 (any strides).
+        block_r, block_k: the launch's BLOCK_R and BLOCK_K.
+    """
+    S, L, E, R, K = lora_a.shape
+    try:
+        rows = lora_a.view(S * L * E, R, K)
+    except RuntimeError:   # the leading dims do not merge without a copy
+        return None
+    return weight_descriptor(rows, block_r, block_k)
+
+
 def _out_2d(out, st, width, dtype, device):
     """``out`` as [M·top_k, S·N] (a view; [M, top_k, S·N] is accepted), in x's dtype or fp32 (the
     epilogue adds in fp32 and rounds once to out's dtype: an fp32 output keeps the delta unrounded)."""
@@ -216,6 +245,7 @@ def fused_moe_lora_shrink(
     if x.shape[1] != K:
         raise KernelPreconditionError(f"x: {x.shape[1]} columns, but lora_a's input width is {K}")
     cfg = kernel_config("moe_lora_shrink", rows=st.num_pairs, K=K, R=st.rank_bound, overrides=config)
+    use_desc = check_config_choice(cfg, "A_DESC", A_DESC)
     shape = (st.slices, st.num_pairs, R)
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=device)
@@ -224,8 +254,9 @@ def fused_moe_lora_shrink(
         return out
     grid, flat = st.block_grid("fused_moe_lora_shrink", st.slices)
     a = st.lora
+    a_desc = lora_a_descriptor(a, st.block_r, cfg["BLOCK_K"]) if use_desc else None
     _moe_lora_shrink_kernel[grid](
-        x, a, out,
+        x, a, a_desc, out,
         align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded, st.enabled_arg(), st.ranks,
         K, R, st.rank_bound, st.num_pairs, st.in_row_div, st.E,
         x.stride(0),
@@ -234,6 +265,7 @@ def fused_moe_lora_shrink(
         align.sorted_token_ids.stride(0), align.expert_ids.stride(0), st.ranks.stride(0),
         flat["L"], flat["slot_blocks_bound"],
         BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_K=cfg["BLOCK_K"], BLOCK_L=flat["BLOCK_L"],
+        A_DESC=a_desc is not None,
         HAS_ENABLED=adapter_enabled is not None, **gemm_launch_options(dtype, tf32, cfg),
     )
     return out
@@ -369,17 +401,19 @@ def fused_moe_lora(
     # the config is checked before the empty-batch return: a bad value is refused at any batch size
     cfg = kernel_config("fused_moe_lora", rows=st.num_pairs, N=N, K=K, R=st.rank_bound, overrides=config)
     loads = check_config_choice(cfg, "EXPAND_LOADS", EXPAND_LOADS)
+    use_desc = check_config_choice(cfg, "A_DESC", A_DESC)
     stream = check_expand_stream(cfg)
     if st.num_pairs == 0:
         return out
+    a_desc = lora_a_descriptor(a, st.block_r, cfg["BLOCK_K"]) if use_desc else None
     stages = expand_stages(stream, block_m=st.block_m, block_r=st.block_r, block_n=cfg["BLOCK_N"],
                            b_bytes=b.element_size(), out_bytes=out2.element_size())
     grid, flat = st.block_grid("fused_moe_lora", st.slices * cfg["N_SPLIT"])
     _fused_moe_lora_kernel[grid](
-        x, a, b, out2, weights if weights is not None else st.scalings,
+        x, a, a_desc, b, out2, weights if weights is not None else st.scalings,
         align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded, st.enabled_arg(), st.ranks,
         st.scalings,
-        K, N, st.rank_bound, st.num_pairs, st.in_row_div, st.E,
+        K, N, R, st.rank_bound, st.num_pairs, st.in_row_div, st.E,
         x.stride(0),
         a.stride(0), a.stride(1), a.stride(2), a.stride(3),
         b.stride(0), b.stride(1), b.stride(2), b.stride(3),
@@ -388,7 +422,7 @@ def fused_moe_lora(
         flat["L"], flat["slot_blocks_bound"],
         BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"],
         N_SPLIT=cfg["N_SPLIT"], BLOCK_L=flat["BLOCK_L"],
-        EXPAND_LOADS=loads, RANK_ALIGN=rank_align(stream, R), EXPAND_STAGES=stages,
+        EXPAND_LOADS=loads, RANK_ALIGN=rank_align(stream, R), EXPAND_STAGES=stages, A_DESC=a_desc is not None,
         HAS_ENABLED=adapter_enabled is not None,
         MUL_ROUTED_WEIGHT=weights is not None,
         **gemm_launch_options(dtype, tf32, cfg),
