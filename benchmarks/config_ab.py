@@ -23,6 +23,11 @@ The base GEMM's weight tiles through a TMA descriptor (``W_DESC``; the base colu
 
     PYTHONPATH=... python benchmarks/config_ab.py --out-dir OUT --key W_DESC --values 0 1 \
         --ops fused_moe_gemm -- --tokens 1 8 32 128 512 2048 8192 --ranks 16 --no-baseline
+
+The MoE-LoRA shrink's A tiles through a TMA descriptor (``A_DESC``; the deltas' column b moves):
+
+    PYTHONPATH=... python benchmarks/config_ab.py --out-dir OUT --key A_DESC --values 0 1 \
+        --ops fused_moe_lora moe_lora_shrink -- --tokens 1 8 32 128 512 2048 8192 --ranks 16 64 --no-baseline
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from moelora_kernels import configs, moe_lora, moe_lora_align_block_size
 from moelora_kernels.align import MAX_ALIGN_SPLIT
 from moelora_kernels.expand_stream import EXPAND_STREAM
 from moelora_kernels.fused_moe import MAX_GROUP_SIZE_M
-from moelora_kernels.moe_lora import EXPAND_LOADS
+from moelora_kernels.moe_lora import A_DESC, EXPAND_LOADS
 
 SHAPE_KEYS = {"N", "K", "R", "max_rows"}
 
@@ -38,8 +38,8 @@ def test_each_card_gets_its_own_table_and_other_devices_the_h200s():
 def test_shipped_entries_use_only_known_keys_and_valid_values(op, entry):
     unknown = set(entry) - SHAPE_KEYS - set(configs.GPU_FALLBACK_CONFIG)
     assert not unknown, f"{op} entry {entry}: keys the lookup ignores: {sorted(unknown)}"
-    for key, v in entry.items():  # FUSED / W_DESC are 0/1 flags, EXPAND_LOADS / EXPAND_STREAM values from 0, every other
-        flag = key in ("FUSED", "EXPAND_LOADS", "EXPAND_STREAM", "W_DESC")  # value a positive int
+    for key, v in entry.items():  # FUSED / W_DESC / A_DESC are 0/1 flags, EXPAND_LOADS / EXPAND_STREAM values from 0,
+        flag = key in ("FUSED", "EXPAND_LOADS", "EXPAND_STREAM", "W_DESC", "A_DESC")  # every other a positive int
         assert isinstance(v, int) and v >= (0 if flag else 1), f"{op} entry {entry}: {key}={v!r}"
     if "EXPAND_LOADS" in entry:
         assert op == "fused_moe_lora" and entry["EXPAND_LOADS"] in EXPAND_LOADS, f"{op} entry {entry}"
@@ -53,6 +53,8 @@ def test_shipped_entries_use_only_known_keys_and_valid_values(op, entry):
         assert op == "fused_moe_gemm" and 1 <= entry["GROUP_SIZE_M"] <= MAX_GROUP_SIZE_M, f"{op} entry {entry}"
     if "W_DESC" in entry:
         assert op == "fused_moe_gemm" and entry["W_DESC"] in (0, 1), f"{op} entry {entry}"
+    if "A_DESC" in entry:
+        assert op in ("moe_lora_shrink", "fused_moe_lora") and entry["A_DESC"] in A_DESC, f"{op} entry {entry}"
     if "BLOCK_M" in entry:  # the base alignment's block rows (configs.moe_block_m(op=...)); GEMMs take the alignment's
         assert op in ("moe_align_block_size", "fp8_moe_gemm") and entry["BLOCK_M"] in configs.TABLE_BLOCK_M, (
             f"{op} entry {entry}")

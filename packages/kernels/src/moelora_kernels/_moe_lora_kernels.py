@@ -39,9 +39,12 @@ With ``RANK_ALIGN`` = 8 (the config key ``EXPAND_STREAM`` >= 1, pools whose R is
 load mask is the rank rounded up to 8 columns, which stays inside R, so the loads are 16 bytes wide;
 the up to 7 columns past the rank are set to 0 in registers before the dot (whatever the pool or the
 intermediate holds there, NaN included), so the operands, and the results, are those of the exact
-mask bit for bit. The three kernels share the early exits (``_block_work``) and the block's pairs
-(``_block_pairs``); the shrink and the fused kernel share the shrink (``_shrink_block``, over
-``_tiles.accumulate_k``): jit helpers, inlined at compile time.
+mask bit for bit. With ``A_DESC`` (shrink and fused kernel) a block whose slot's rank equals BLOCK_R
+reads its A tiles through a TMA descriptor over the pool's rows [S·L·E·R, K] (box [BLOCK_R, BLOCK_K]:
+exactly the slot's rank rows; ``moe_lora`` module docstring). The three kernels share the early exits
+(``_block_work``) and the block's pairs (``_block_pairs``); the shrink and the fused kernel share the
+shrink (``_shrink_block``, over ``_tiles.accumulate_k`` / ``accumulate_k_desc``): jit helpers, inlined
+at compile time.
 
 Tensors (L slots, E experts, R pool rank, P alignment rows per slot, S slices, K input width,
 N output width per slice, num_pairs = M · top_k):

@@ -8,7 +8,7 @@ that several kernels take the same way.
   ``BLOCK_K`` steps (base grouped GEMM and its fused LoRA shrink, MoE-LoRA shrink, fused MoE-LoRA,
   dense LoRA shrink).
 - :func:`accumulate_k_desc`: the same reduction with the weight tiles read through a TMA tensor
-  descriptor (base grouped GEMM, config key ``W_DESC``).
+  descriptor (base grouped GEMM, config key ``W_DESC``; MoE-LoRA shrink and fused kernel, ``A_DESC``).
 """
 
 from __future__ import annotations

@@ -19,6 +19,15 @@ each slot's exact rank; >= 1 rounds the load mask up to 8 rank columns where the
 so t and B come in 16-byte loads (the columns past the rank set to 0 in registers: the result is the
 same bit for bit); >= 2 also software-pipelines the fused kernel's expand loop that many stages deep
 (``_moe_lora_kernels`` module docstring: ``RANK_ALIGN``, ``EXPAND_STAGES``).
+
+The config key ``A_DESC`` of ``moe_lora_shrink`` and ``fused_moe_lora``: 1 reads the shrink's A tiles
+through a Hopper TMA tensor descriptor over the pool's A rows [S·L·E·R, K] (:func:`lora_a_descriptor`,
+made on each launch) in every block whose slot's rank equals the tile's BLOCK_R, so the box is exactly
+that slot's rank rows; a smaller rank, and a layout no descriptor describes (shared, stride-0 factors),
+keep the masked pointer loads, so no block moves more bytes than at 0. The x rows stay gathered by
+pointer. Same products, judged against the twin within tolerance (``test_kernel_a_desc.py``); 0 in every
+table until its A/B (``ci/gpu/run_a_desc.sh``). Source: the base GEMM's ``W_DESC``
+(:mod:`moelora_kernels.fused_moe`) and SGLang's ``b_use_tma``.
 """
 
 from __future__ import annotations
