@@ -186,3 +186,17 @@ def compile_for_h200(kernel: str, cases: list[dict]) -> list[dict]:
     if "skip" in reply:
         pytest.skip(reply["skip"])
     return reply["results"]
+
+
+class LaunchSpy:
+    """Stands in for a launcher's ``@triton.jit`` kernel (monkeypatched onto the launcher's module): appends
+    ``record(args, kwargs)`` of each launch to ``seen``, then launches the real kernel."""
+
+    def __init__(self, kernel, record):
+        self.kernel, self.record, self.seen = kernel, record, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.seen.append(self.record(args, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from kernel_testing import (
     DEVICE,
     H200_MAX_SHARED,
+    LaunchSpy,
     assert_bitwise_equal,
     assert_close,
     compile_for_h200,
@@ -187,25 +188,12 @@ def test_layouts_no_descriptor_takes_get_none():
                              16) is not None
 
 
-class _Spy:
-    """Stands in for a launcher's kernel: records the descriptor argument and ``A_DESC`` of each launch,
-    then launches the real kernel."""
-
-    def __init__(self, kernel):
-        self.kernel, self.seen = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.seen.append((type(args[2]).__name__, kwargs["A_DESC"]))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 @pytest.mark.parametrize("path", ["fused", "pair"])
 @pytest.mark.parametrize("value, expect", [(1, ("TensorDescriptor", True)), (0, ("NoneType", False))])
 def test_the_launcher_hands_the_kernel_the_descriptor(path, value, expect, monkeypatch):
     name = "_fused_moe_lora_kernel" if path == "fused" else "_moe_lora_shrink_kernel"
-    spy = _Spy(getattr(moe_lora, name))
+    # the kernel's third argument is the descriptor (None at 0)
+    spy = LaunchSpy(getattr(moe_lora, name), lambda args, kwargs: (type(args[2]).__name__, kwargs["A_DESC"]))
     monkeypatch.setattr(moe_lora, name, spy)
     w = make_pool(84, L=2, R=16)
     _, ids, mapping = named_routing(84, w.spec, 9, 2)

@@ -35,6 +35,7 @@ from kernel_testing import (
     DEVICE,
     H200_MAX_SHARED,
     ON_GPU,
+    LaunchSpy,
     assert_bitwise_equal,
     assert_close,
     compile_for_h200,
@@ -240,24 +241,11 @@ def test_descriptor_with_group_size_m(group):
     assert_close(out.cpu()[here], want.cpu()[here], dtype=torch.float32, what=f"GROUP_SIZE_M {group}", seed=45)
 
 
-class _Spy:
-    """Stands in for the launcher's kernel: records the weight argument and ``W_DESC`` of each launch,
-    then launches the real kernel."""
-
-    def __init__(self, kernel):
-        self.kernel, self.seen = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.seen.append((type(args[1]).__name__, kwargs["W_DESC"]))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 @pytest.mark.parametrize("value, expect", [(1, ("TensorDescriptor", True)), (0, ("Tensor", False))])
 def test_the_launcher_hands_the_kernel_the_descriptor(value, expect, monkeypatch):
     launcher = importlib.import_module("moelora_kernels.fused_moe")  # the module (the package exports the function)
-    spy = _Spy(launcher._fused_moe_gemm_kernel)
+    # the kernel's second argument is the weight: the descriptor, or the tensor at 0
+    spy = LaunchSpy(launcher._fused_moe_gemm_kernel, lambda args, kwargs: (type(args[1]).__name__, kwargs["W_DESC"]))
     monkeypatch.setattr(launcher, "_fused_moe_gemm_kernel", spy)
     gen = torch.Generator().manual_seed(35)
     w = randn(gen, 3, 16, 32, dtype=torch.float32)
