@@ -248,8 +248,9 @@ def check_layer_with_table(seed, monkeypatch, tmp_path, *, keys, ops, fused, wha
     monkeypatch.setenv("MOELORA_KERNEL_CONFIGS", str(path_json))
     for key, value in {**keys, "FUSED": fused}.items():
         monkeypatch.setitem(configs.INTERPRETER_CONFIG, key, value)
-    for key, value in keys.items():
-        assert configs.kernel_config(ops[0], rows=8)[key] == value
+    for op in ops:
+        for key, value in keys.items():
+            assert configs.kernel_config(op, rows=8)[key] == value, (op, key)
     ranks = {0: {"gate": 3, "up": 16, "down": 9}, 1: {"gate": 8, "down": 1}, 2: {"gate": 13, "up": 4, "down": 16}}
     w = make_pool(seed, L=3, H=H, I=I, R=16, ranks=ranks)
     spec = w.spec

@@ -83,6 +83,34 @@ class _DescriptorCount:
         return d
 
 
+class _NegatedProbe(_DescriptorCount):
+    """Stands in for ``lora_a_descriptor``: where the real one makes a descriptor, one over a negated copy of
+    A instead (kept alive here), so every block that reads its A tiles through the descriptor adds the
+    negated delta: which blocks took it shows in the output."""
+
+    def __call__(self, lora_a, block_r, block_k):
+        self.asked += 1
+        if self.real(lora_a, block_r, block_k) is None:
+            return None
+        self.copy = lora_a.clone().neg_()
+        self.made += 1
+        return self.real(self.copy, block_r, block_k)
+
+
+def _desc_blocks_negated(lora_a, ranks, max_rank):
+    """A copy of ``lora_a`` [S, L, E, R, K] (or [L, E, R, K]) with (slice, slot) negated wherever the slot's
+    rank, under the host bound, equals the tile's BLOCK_R (the blocks that read A through a descriptor)."""
+    a = lora_a.clone()
+    view, ranks = (a, ranks) if a.dim() == 5 else (a[None], ranks[None])
+    bound = max_rank if max_rank is not None else view.shape[3]
+    block_r = max(16, 1 << (bound - 1).bit_length())
+    for s in range(view.shape[0]):
+        for slot in range(view.shape[1]):
+            if min(int(ranks[s, slot]), bound) == block_r:
+                view[s, slot].neg_()
+    return a
+
+
 def run(path, stage, x, out, w, align, mapping, k, tw, enabled, max_rank, value):
     """One stage's delta with ``A_DESC`` = ``value``: the fused kernel, or the pair (the shrink with the
     value into a poisoned intermediate, NaN past each rank, then the expand)."""
@@ -102,22 +130,43 @@ def run(path, stage, x, out, w, align, mapping, k, tw, enabled, max_rank, value)
                                      topk_weights=tw)
 
 
-def check_value(path, stage, w, ids, mapping, enabled, dtype, seed, max_rank=None, value=1):
+def check_value(path, stage, w, ids, mapping, enabled, dtype, seed, max_rank=None, value=1, x_frame=False):
     """``A_DESC`` = ``value`` against the twin within tolerance; every column the delta must not touch
-    keeps its poisoned bits. Returns the output."""
+    keeps its poisoned bits. Then (value 1) the same with the descriptor over a negated copy of A
+    (:class:`_NegatedProbe`): exactly the blocks of slots whose rank is BLOCK_R add the negated delta, and
+    a descriptor was made wherever the layout allows one. ``x_frame``: x is a column slice of a buffer with
+    NaN past K (a K tail read by the descriptor path's x loads turns the output NaN). Returns the output."""
     spec = w.spec
     k = ids.shape[1]
     align, x, out0, tw, cols = poisoned_stage_problem(w, ids, mapping, enabled, dtype, seed, stage)
-    got = run(path, stage, x, out0.clone(), w, align, mapping, k, tw, enabled, max_rank, value)
+    if x_frame:
+        framed = torch.full((x.shape[0], x.shape[1] + 8), float("nan"), dtype=x.dtype, device=x.device)
+        framed[:, :x.shape[1]] = x
+        x = framed[:, :x.shape[1]]
     t = stage_tensors(w, stage)
-    want = twin.fused_moe_lora(x, t["lora_a"], t["lora_b"], align, out0.clone(), stage=stage, top_k=k,
-                               ranks=t["ranks"], scalings=t["scalings"], topk_weights=tw, adapter_enabled=enabled,
-                               max_rank=max_rank)
     what = f"{path} {stage} {spec.expert_layout} R={spec.R} max_rank={max_rank} A_DESC {value}"
-    flat = {"got": got.cpu().reshape(cols.shape), "want": want.cpu().reshape(cols.shape),
-            "0": out0.cpu().reshape(cols.shape)}
-    assert_close(flat["got"][cols], flat["want"][cols], dtype=dtype, what=f"{what} vs twin", seed=seed)
-    assert_bitwise_equal(flat["got"][~cols], flat["0"][~cols], what=f"{what}: columns not to touch", seed=seed)
+    twin_args = dict(stage=stage, top_k=k, ranks=t["ranks"], scalings=t["scalings"], topk_weights=tw,
+                     adapter_enabled=enabled, max_rank=max_rank)
+    flat0 = out0.cpu().reshape(cols.shape)
+    # the pools made here are compact, so a descriptor describes every A but a shared (stride-0) one
+    describable = t["lora_a"].stride(-3) != 0
+    runs = [("", None, t["lora_a"])]
+    if value == 1:
+        negated = _desc_blocks_negated(t["lora_a"], t["ranks"], max_rank) if describable else t["lora_a"]
+        runs.append((" (negated probe)", _NegatedProbe(), negated))
+    for label, probe, lora_a in runs:
+        real = moe_lora.lora_a_descriptor
+        moe_lora.lora_a_descriptor = probe or real
+        try:
+            got = run(path, stage, x, out0.clone(), w, align, mapping, k, tw, enabled, max_rank, value)
+        finally:
+            moe_lora.lora_a_descriptor = real
+        want = twin.fused_moe_lora(x, lora_a, t["lora_b"], align, out0.clone(), **twin_args)
+        flat = {"got": got.cpu().reshape(cols.shape), "want": want.cpu().reshape(cols.shape)}
+        assert_close(flat["got"][cols], flat["want"][cols], dtype=dtype, what=f"{what}{label} vs twin", seed=seed)
+        assert_bitwise_equal(flat["got"][~cols], flat0[~cols], what=f"{what}{label}: columns not to touch", seed=seed)
+        if probe is not None and x.shape[0]:
+            assert (probe.asked, probe.made) == (1, int(describable)), (what, probe.asked, probe.made)
     return got
 
 
@@ -126,12 +175,11 @@ def check_value(path, stage, w, ids, mapping, enabled, dtype, seed, max_rank=Non
 
 @pytest.mark.parametrize("path", ["fused", "pair"])
 @pytest.mark.parametrize("stage", STAGES)
-def test_full_rank_slots_under_a_host_rank_bound_read_only_their_rows(stage, path, monkeypatch):
+def test_full_rank_slots_under_a_host_rank_bound_read_only_their_rows(stage, path):
     # pool R 32 with max_rank 16: BLOCK_R 16 < R, so the descriptor's box (16 rows from the slot's first)
-    # must stop at the slot's rank: rows 16..31 hold NaN; slots 0 and 2 at rank 16 take the descriptor,
-    # slot 1 (ranks 5 and 11) the pointer loads; a disabled slot 3 and base tokens stay untouched
-    count = _DescriptorCount()
-    monkeypatch.setattr(moe_lora, "lora_a_descriptor", count)
+    # must stop at the slot's rank: rows 16..31 hold NaN; slots 0 and 2 at rank 16 take the descriptor
+    # (the negated probe shows it), slot 1 (ranks 5 and 11) the pointer loads; a disabled slot 3 and base
+    # tokens stay untouched
     ranks = {0: {"gate": 16, "up": 16, "down": 16}, 1: {"gate": 5, "up": 11, "down": 11},
              2: {"gate": 16, "up": 16, "down": 16}, 3: {"gate": 16, "up": 16, "down": 16}}
     w = poison_past_rank(make_pool(81, L=4, R=32, ranks=ranks, dtype=torch.float16))
@@ -142,23 +190,41 @@ def test_full_rank_slots_under_a_host_rank_bound_read_only_their_rows(stage, pat
     mapping[::7] = -1
     enabled = torch.tensor([1, 1, 1, 0], dtype=torch.int32, device=DEVICE)
     check_value(path, stage, w, ids, mapping.to(DEVICE), enabled, torch.float16, 81, max_rank=16)
-    assert count.made == count.asked == 1, "no descriptor made: the variant did not run"
+
+
+@pytest.mark.parametrize("R", [8, 12, 24])
+def test_full_rank_slots_of_a_pool_whose_rank_is_not_the_tile_keep_pointer_loads(R):
+    # R 8 (BLOCK_R 16: the floor of the rank tile), 12 and 24 (not powers of two): a slot at full rank R is
+    # below BLOCK_R, so its blocks keep the pointer loads (a box of BLOCK_R rows would run into the next
+    # expert's rows); the negated probe shows no block read through the descriptor
+    ranks = {0: {"gate": R, "up": R, "down": R}, 1: {"gate": 3, "up": R, "down": 5}}
+    w = poison_past_rank(make_pool(87, L=2, R=R, ranks=ranks))
+    _, ids, mapping = named_routing(87, w.spec, 21, 2)
+    for stage in STAGES:
+        for path in ("fused", "pair"):
+            check_value(path, stage, w, ids, mapping, enabled_of(mapping, 2), torch.float32, 87)
+
+
+@pytest.mark.parametrize("path", ["fused", "pair"])
+def test_x_columns_past_k_are_never_read(path):
+    # x (the tokens for gate_up, h for down) a column slice of a buffer with NaN past K: the descriptor
+    # path's x loads stop at K as the pointer path's do (the A box's zero padding past K would not
+    # cancel a NaN)
+    w = make_pool(88, L=2, R=16)
+    _, ids, mapping = named_routing(88, w.spec, 19, 2)
+    for stage in STAGES:
+        check_value(path, stage, w, ids, mapping, enabled_of(mapping, 2), torch.float32, 88, x_frame=True)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_each_layout_gets_a_descriptor_only_where_one_describes_it(layout, monkeypatch):
+def test_each_layout_gets_a_descriptor_only_where_one_describes_it(layout):
     # a shared A (stride 0 over the experts) has no rows of its own per expert: no descriptor, pointer
-    # loads, the same results; per_expert pools get one
-    count = _DescriptorCount()
-    monkeypatch.setattr(moe_lora, "lora_a_descriptor", count)
+    # loads, the same results; per_expert factors get one (check_value's probe counts them)
     w = poison_past_rank(make_pool(82, L=2, R=16, layout=layout))
     _, ids, mapping = named_routing(82, w.spec, 17, 2)
     for stage in STAGES:
         for path in ("fused", "pair"):
             check_value(path, stage, w, ids, mapping, enabled_of(mapping, 2), torch.float32, 82)
-    shared = {s: stage_tensors(w, s)["lora_a"].stride(-3) == 0 for s in STAGES}
-    want = sum(2 * (not shared[s]) for s in STAGES)
-    assert count.asked == 4 and count.made == want, (layout, count.made, want)
 
 
 def test_the_descriptor_covers_exactly_the_pool_rows():
@@ -179,7 +245,10 @@ def test_layouts_no_descriptor_takes_get_none():
     assert lora_a_descriptor(base[:, :, :, :8], 8, 16) is None  # rank rows of a wider pool: a gap per expert
     off = torch.zeros(2, 3, 4, 16, 68, dtype=torch.float16, device=DEVICE)[..., :64]
     assert lora_a_descriptor(off, 16, 16) is None  # a row stride of 136 bytes: off 16 bytes
-    assert lora_a_descriptor(base[..., :40], 16, 16) is not None  # rows padded past K: the descriptor stops at K
+    flat = torch.zeros(2 * 3 * 4 * 16 * 64 + 8, dtype=torch.float16, device=DEVICE)
+    assert lora_a_descriptor(flat[4:4 + base.numel()].view(base.shape), 16, 16) is None  # base off 16 bytes
+    padded = lora_a_descriptor(base[..., :40], 16, 16)  # rows padded past K: the descriptor stops at K
+    assert list(padded.shape) == [2 * 3 * 4 * 16, 40] and list(padded.strides) == [64, 1]
     assert lora_a_descriptor(base[:, :, :1].expand(2, 3, 4, 16, 64), 16, 16) is None  # shared over experts
     assert lora_a_descriptor(base.transpose(3, 4), 16, 16) is None  # K not contiguous
     # rows past int32: S·L·E·R + BLOCK_R reaches 2^31
@@ -198,20 +267,23 @@ def test_the_launcher_hands_the_kernel_the_descriptor(path, value, expect, monke
     w = make_pool(84, L=2, R=16)
     _, ids, mapping = named_routing(84, w.spec, 9, 2)
     check_value(path, "gate_up", w, ids, mapping, enabled_of(mapping, 2), torch.float32, 84, value=value)
-    assert spy.seen == [expect]
+    assert spy.seen == [expect] * (2 if value else 1)  # value 1: the real descriptor, then the negated probe
 
 
+@pytest.mark.parametrize("M", [6, 0])
 @pytest.mark.parametrize("path", ["fused", "pair"])
 @pytest.mark.parametrize("bad", [2, -1, 1.0, True, "1", None])
-def test_an_invalid_value_is_refused_before_any_write(path, bad):
+def test_an_invalid_value_is_refused_before_any_write(path, bad, M):
+    # at any batch size, the empty one included (the config is checked before the empty-batch return)
     w = make_pool(85, L=2, R=8)
-    gen, ids, mapping = named_routing(85, w.spec, 6, 2)
+    empty = {"ids": torch.zeros(0, 2, dtype=torch.int32), "mapping": torch.zeros(0, dtype=torch.int32)} if M == 0 else {}
+    gen, ids, mapping = named_routing(85, w.spec, M, 2, **empty)
     enabled = enabled_of(mapping, 2)
     with launch_guard():
         align = moe_lora_align_block_size(ids, mapping, w.spec.E, 32, 2, enabled)
-    x, out, _ = stage_inputs(gen, "gate_up", 6, 2, w.spec.H, w.spec.I, torch.float32, None)
+    x, out, _ = stage_inputs(gen, "gate_up", M, 2, w.spec.H, w.spec.I, torch.float32, None)
     t = stage_tensors(w, "gate_up")
-    inter = poisoned(2, 12, 8, dtype=torch.float32)
+    inter = poisoned(2, 2 * M, 8, dtype=torch.float32)
     before, inter_before = out.clone(), inter.clone()
     with pytest.raises(KernelPreconditionError, match=re.escape(f"A_DESC: must be one of {A_DESC}, got {bad!r}")):
         with launch_guard():
@@ -229,9 +301,12 @@ def test_an_invalid_value_is_refused_before_any_write(path, bad):
 def test_layer_with_the_value_from_the_table_matches_oracle(path, tmp_path, monkeypatch):
     # the value reaches the kernels through the config table the shipped launcher reads, down to the
     # path choice (moe_lora_path FUSED); fp32, mixed ranks (slots at rank 16 = BLOCK_R take the
-    # descriptor), against the fp64 oracle
+    # descriptor), against the fp64 oracle; both stages' launches made a descriptor
+    count = _DescriptorCount()
+    monkeypatch.setattr(moe_lora, "lora_a_descriptor", count)
     check_layer_with_table(86, monkeypatch, tmp_path, keys={"A_DESC": 1}, ops=("fused_moe_lora", "moe_lora_shrink"),
                            fused=int(path == "fused"), what=f"{path}, A_DESC 1")
+    assert count.made == count.asked == 2, (count.made, count.asked)
 
 
 def test_both_kernels_compile_for_the_h200_reading_a_by_tma():
