@@ -25,8 +25,9 @@ through a Hopper TMA tensor descriptor over the pool's A rows [S·L·E·R, K] (:
 made on each launch) in every block whose slot's rank equals the tile's BLOCK_R, so the box is exactly
 that slot's rank rows; a smaller rank, and a layout no descriptor describes (shared, stride-0 factors),
 keep the masked pointer loads, so no block moves more bytes than at 0. The x rows stay gathered by
-pointer. Same products, judged against the twin within tolerance (``test_kernel_a_desc.py``); 0 in every
-table until its A/B (``ci/gpu/run_a_desc.sh``). Source: the base GEMM's ``W_DESC``
+pointer. Same products, judged against the twin within tolerance (``test_kernel_a_desc.py``). The H100
+table sets it on the pair's shrink at R 64 up to 256 rows (its A/B: ``ci/gpu/run_a_desc.sh``,
+benchmarks/RESULTS.md); elsewhere 0. Source: the base GEMM's ``W_DESC``
 (:mod:`moelora_kernels.fused_moe`) and SGLang's ``b_use_tma``.
 """
 
