@@ -240,13 +240,15 @@ def fused_moe_lora_shrink(
         out: [S, M·top_k, R] intermediate in x's dtype (allocated, uninitialised, when None); only
             rows of aligned pairs are written.
         max_rank: host bound on every active slot's rank (<= R); tiles are sized for it.
-        tf32, config: dot precision for fp32; tile overrides.
+        tf32, config: dot precision for fp32; tile overrides (table ``moe_lora_shrink``: ``BLOCK_K``,
+            ``A_DESC``, ``num_warps``, ``num_stages``).
 
     Returns:
         The intermediate [S, M·top_k, R].
 
     Raises:
-        KernelPreconditionError: dtype, shape, stride, device, capacity mismatches; max_rank > R.
+        KernelPreconditionError: dtype, shape, stride, device, capacity mismatches; max_rank > R;
+            ``A_DESC`` not one of :data:`A_DESC` (nothing is written, at any batch size).
     """
     device, dtype = _check_x(x, stage)
     st = _Stage(stage, x.shape[0], lora_a, ranks, None, align, top_k, None, adapter_enabled, max_rank,
@@ -379,7 +381,8 @@ def fused_moe_lora(
     expand tile's B and old output are loaded: :data:`EXPAND_LOADS`), ``EXPAND_STREAM`` (how the
     expand reads B; >= 2 pipelines the expand loop as deep as fits an sm_90 block's shared memory,
     :func:`~moelora_kernels.expand_stream.expand_stages`, and leaves ``EXPAND_LOADS`` unused),
-    ``num_warps``, ``num_stages``. The result does not depend on them beyond the fp32 summation
+    ``A_DESC`` (the shrink's A tiles through a TMA descriptor: module docstring), ``num_warps``,
+    ``num_stages``. The result does not depend on them beyond the fp32 summation
     order (on ``EXPAND_LOADS`` and ``EXPAND_STREAM`` not even on that).
 
     Args: as :func:`fused_moe_lora_shrink` (x, lora_a) and :func:`fused_moe_lora_expand` (lora_b,
@@ -392,7 +395,8 @@ def fused_moe_lora(
         KernelPreconditionError: as the shrink and the expand; A and B of different pools;
             ``EXPAND_LOADS`` not one of
             :data:`EXPAND_LOADS`; ``EXPAND_STREAM`` not a value of
-            :data:`~moelora_kernels.expand_stream.EXPAND_STREAM` (nothing is written).
+            :data:`~moelora_kernels.expand_stream.EXPAND_STREAM`; ``A_DESC`` not one of :data:`A_DESC`
+            (nothing is written).
     """
     device, dtype = _check_x(x, stage)
     st = _Stage(stage, x.shape[0], lora_a, ranks, scalings, align, top_k, None, adapter_enabled, max_rank,
