@@ -252,6 +252,9 @@ def weight_descriptor(w: torch.Tensor, block_n: int, block_k: int) -> TensorDesc
     multiples of 16 bytes, ``block_k`` elements a multiple of 16 bytes, both block sides powers of two
     of at most :data:`MAX_DESC_BLOCK`, and every row index an int32.
 
+    Also the rule set of the MoE-LoRA shrink's A descriptor (:func:`moelora_kernels.moe_lora.lora_a_descriptor`,
+    which passes the pool's A as [S·L·E, R, K]).
+
     Args:
         w: [E_w', N, K] fp32/fp16/bf16 weights of :func:`fused_moe_gemm` (any strides).
         block_n, block_k: the launch's BLOCK_N and BLOCK_K.

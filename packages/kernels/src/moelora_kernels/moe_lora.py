@@ -171,6 +171,9 @@ def lora_a_descriptor(lora_a: torch.Tensor, block_r: int, block_k: int) -> Tenso
     Args:
         lora_a: [S, L, E, R, K] fp32/fp16/bf16 (any strides).
         block_r, block_k: the launch's BLOCK_R and BLOCK_K.
+
+    Raises nothing: a layout without a descriptor gives ``None``. Source: the base GEMM's ``W_DESC``
+    descriptor (:func:`~moelora_kernels.fused_moe.weight_descriptor`), after SGLang's ``b_use_tma``.
     """
     S, L, E, R, K = lora_a.shape
     try:
