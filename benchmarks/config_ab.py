@@ -28,6 +28,12 @@ The MoE-LoRA shrink's A tiles through a TMA descriptor (``A_DESC``; the deltas' 
 
     PYTHONPATH=... python benchmarks/config_ab.py --out-dir OUT --key A_DESC --values 0 1 \
         --ops fused_moe_lora moe_lora_shrink -- --tokens 1 8 32 128 512 2048 8192 --ranks 16 64 --no-baseline
+
+Programmatic dependent launch (``PDL``; a and b both move, most where launches cost as much as the work):
+
+    PYTHONPATH=... python benchmarks/config_ab.py --out-dir OUT --key PDL --values 0 1 \
+        --ops fused_moe_gemm moe_lora_shrink moe_lora_expand fused_moe_lora -- --tokens 1 8 32 128 512 \
+        --ranks 16 64 --no-baseline
 """
 
 from __future__ import annotations

@@ -142,7 +142,15 @@ for case in spec["cases"]:
                     options={"num_warps": case["num_warps"], "num_stages": case["num_stages"]})
         loads = re.findall(r"ld\.global[.\w]*|cp\.async\.c[ag]\.shared\.global|cp\.async\.bulk\.tensor\.\dd",
                            c.asm["ptx"])
-        out.append({"shared": c.metadata.shared, "global_loads": dict(collections.Counter(loads))})
+        ptx = c.asm["ptx"]
+        body = ptx[ptx.index(".entry"):]
+        first = {what: (m.start() if m else -1) for what, m in (
+            ("griddepcontrol.wait", re.search(r"griddepcontrol\.wait", body)),
+            ("griddepcontrol.launch_dependents", re.search(r"griddepcontrol\.launch_dependents", body)),
+            ("global_load", re.search(r"ld\.global|cp\.async", body)),
+            ("branch", re.search(r"\bbra(\.uni)?\b|\bret;", body)))}
+        out.append({"shared": c.metadata.shared, "global_loads": dict(collections.Counter(loads)),
+                    "ptx_first": first})
     except Exception as exc:
         out.append({"error": f"{type(exc).__name__}: {str(exc)[-3000:]}"})
 print(json.dumps({"results": out}))
@@ -167,7 +175,10 @@ def compile_for_h200(kernel: str, cases: list[dict]) -> list[dict]:
     Returns:
         Per case ``{"shared": bytes of shared memory, "global_loads": {PTX instruction: count}}`` (each
         ``ld.global…`` form, e.g. ``ld.global.b16`` for a 2-byte load, and ``cp.async.cg.shared.global``
-        for an asynchronous copy, ``cp.async.bulk.tensor.2d`` for a TMA tile load) or ``{"error": message}``.
+        for an asynchronous copy, ``cp.async.bulk.tensor.2d`` for a TMA tile load, ``"ptx_first": {what:
+        offset}``, where in the kernel's PTX body each of ``griddepcontrol.wait``,
+        ``griddepcontrol.launch_dependents``, the first global load (``ld.global`` or ``cp.async``) and the
+        first branch (``bra`` or ``ret``) first appears, -1 where it does not) or ``{"error": message}``.
         Skips the test where the installed
         Triton has no NVIDIA backend or ptxas.
     """
@@ -186,6 +197,23 @@ def compile_for_h200(kernel: str, cases: list[dict]) -> list[dict]:
     if "skip" in reply:
         pytest.skip(reply["skip"])
     return reply["results"]
+
+
+def qwen3_base_args(stage, M=2048, E=128, H=2048, I=768):
+    """``_fused_moe_gemm_kernel``'s runtime arguments at one Qwen3-30B-A3B base stage (bf16; the compile
+    child's notation of :func:`compile_for_h200`: element types for pointers, dicts for descriptors, ints
+    for sizes; ``w_ptr`` left to the caller)."""
+    N, K = (2 * I, H) if stage == "gate_up" else (H, I)
+    k = 8
+    pairs = M * k
+    return {
+        "a_ptr": "bf16", "c_ptr": "bf16", "sorted_token_ids_ptr": "i32", "expert_ids_ptr": "i32",
+        "num_tokens_post_padded_ptr": "i32", "topk_weights_ptr": "fp32", "scale_ptr": "i32", "bias_ptr": "i32",
+        "N": N, "K": K, "num_pairs": pairs, "in_row_div": k if stage == "gate_up" else 1,
+        "experts_per_scale": 1, "experts_per_weight": 1, "num_experts": E,
+        "stride_am": K, "stride_ak": 1, "stride_we": N * K, "stride_wn": K, "stride_wk": 1,
+        "stride_cm": N, "stride_cn": 1, "stride_bias_e": 0, "stride_bias_n": 0,
+    }
 
 
 class LaunchSpy:

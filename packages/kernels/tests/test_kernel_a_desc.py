@@ -321,14 +321,14 @@ def test_both_kernels_compile_for_the_h200_reading_a_by_tma():
                      "stride_os": 2048}
         consts = {"BLOCK_M": 16, "BLOCK_R": R, "BLOCK_K": bk, "BLOCK_N": bn, "N_SPLIT": n_split, "BLOCK_L": 4,
                   "EXPAND_LOADS": 1, "RANK_ALIGN": 8, "EXPAND_STAGES": 1, "A_DESC": True, "HAS_ENABLED": True,
-                  "MUL_ROUTED_WEIGHT": stage == "down", "DOT_PRECISION": "tf32", "UPCAST": False}
+                  "MUL_ROUTED_WEIGHT": stage == "down", "DOT_PRECISION": "tf32", "UPCAST": False, "PDL": False}
         fused.append({"args": args, "constexprs": consts, "num_warps": 4, "num_stages": 3})
         names.append(f"fused {stage} R={R}")
     shrink = []
     for R in (16, 64):
         args = qwen3_pair_args("shrink", R) | {"a_desc": {"desc": "bf16", "block": [R, 128]}}
         consts = {"BLOCK_M": 16, "BLOCK_R": R, "BLOCK_K": 128, "BLOCK_L": 4, "A_DESC": True, "HAS_ENABLED": True,
-                  "DOT_PRECISION": "tf32", "UPCAST": False}
+                  "DOT_PRECISION": "tf32", "UPCAST": False, "PDL": False}
         shrink.append({"args": args, "constexprs": consts, "num_warps": 4, "num_stages": 4})
         names.append(f"shrink R={R}")
     results = (compile_for_h200("moelora_kernels._moe_lora_kernels:_fused_moe_lora_kernel", fused)

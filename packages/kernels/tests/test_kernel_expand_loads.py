@@ -113,7 +113,7 @@ def test_every_expand_loads_value_compiles_for_the_h200():
             consts = {"BLOCK_M": 16, "BLOCK_R": R, "BLOCK_K": bk, "BLOCK_N": bn, "N_SPLIT": n_split,
                       "BLOCK_L": 4, "EXPAND_LOADS": loads, "HAS_ENABLED": True, "A_DESC": False,
                       "RANK_ALIGN": 1, "EXPAND_STAGES": 1,  # EXPAND_STREAM 0 (others: test_kernel_expand_stream.py)
-                      "MUL_ROUTED_WEIGHT": False, "DOT_PRECISION": "tf32", "UPCAST": False}
+                      "MUL_ROUTED_WEIGHT": False, "DOT_PRECISION": "tf32", "UPCAST": False, "PDL": False}
             cases.append({"args": qwen3_gate_up_args(R), "constexprs": consts, "num_warps": 4, "num_stages": 3})
             names.append(f"R={R} BLOCK_N={bn} EXPAND_LOADS={loads}")
     results = compile_for_h200("moelora_kernels._moe_lora_kernels:_fused_moe_lora_kernel", cases)

@@ -252,7 +252,7 @@ def test_the_streamed_expand_compiles_for_the_h200_with_16_byte_factor_loads():
         estimates.append(max(expand_shared_bytes(stages, **tiles), shrink) if stages > 1 else None)
         consts = {"BLOCK_M": block_m, "BLOCK_R": R, "BLOCK_K": bk, "BLOCK_N": bn, "N_SPLIT": n_split, "BLOCK_L": 4, "EXPAND_LOADS": loads, "RANK_ALIGN": rank_align(value, R),
                   "EXPAND_STAGES": stages, "HAS_ENABLED": True, "A_DESC": False,
-                  "MUL_ROUTED_WEIGHT": stage == "down", "DOT_PRECISION": "tf32", "UPCAST": False}
+                  "MUL_ROUTED_WEIGHT": stage == "down", "DOT_PRECISION": "tf32", "UPCAST": False, "PDL": False}
         args = qwen3_gate_up_args(R) if stage == "gate_up" else _qwen3_down_args(R)
         fused.append({"args": args, "constexprs": consts, "num_warps": 4, "num_stages": 3})
         names.append(f"fused {stage} R={R} BLOCK_M={block_m} EXPAND_STREAM={value}")
@@ -260,7 +260,7 @@ def test_the_streamed_expand_compiles_for_the_h200_with_16_byte_factor_loads():
     for R in (64, 16):
         consts = {"BLOCK_M": 16, "BLOCK_R": R, "BLOCK_N": 128, "BLOCK_L": 4,
                   "RANK_ALIGN": RANK_VECTOR, "HAS_ENABLED": True, "MUL_ROUTED_WEIGHT": False,
-                  "DOT_PRECISION": "tf32", "UPCAST": False}
+                  "DOT_PRECISION": "tf32", "UPCAST": False, "PDL": False}
         expand.append({"args": qwen3_pair_args("expand", R), "constexprs": consts, "num_warps": 4, "num_stages": 2})
         names.append(f"expand R={R}")
         estimates.append(None)
@@ -286,7 +286,7 @@ def test_shrink_and_expand_compile_for_the_h200(kernel):
     cases = []
     for R in (16, 64):
         consts = {"BLOCK_M": 16, "BLOCK_R": R, "BLOCK_L": 4, "HAS_ENABLED": True, "DOT_PRECISION": "tf32",
-                  "UPCAST": False}
+                  "UPCAST": False, "PDL": False}
         # (the expand with the exact rank masks of EXPAND_STREAM 0; the streamed one is compiled above)
         consts |= ({"BLOCK_K": 128, "A_DESC": False} if kernel == "shrink"
                    else {"BLOCK_N": 128, "MUL_ROUTED_WEIGHT": False, "RANK_ALIGN": 1})

@@ -41,6 +41,7 @@ from kernel_testing import (
     compile_for_h200,
     launch_guard,
     poisoned,
+    qwen3_base_args,
     randn,
 )
 from moe_lora_testing import check_layer_with_table
@@ -283,22 +284,6 @@ def test_layer_with_the_table_value_against_the_oracle(fused, monkeypatch, tmp_p
                            what=f"W_DESC 1, FUSED {fused}", H=48, I=32)
 
 
-def _qwen3_base_args(stage, M=2048, E=128, H=2048, I=768):
-    """``_fused_moe_gemm_kernel``'s runtime arguments at one Qwen3-30B-A3B base stage (bf16; the compile
-    child's notation: element types for pointers, dicts for descriptors, ints for sizes)."""
-    N, K = (2 * I, H) if stage == "gate_up" else (H, I)
-    k = 8
-    pairs = M * k
-    return {
-        "a_ptr": "bf16", "c_ptr": "bf16", "sorted_token_ids_ptr": "i32", "expert_ids_ptr": "i32",
-        "num_tokens_post_padded_ptr": "i32", "topk_weights_ptr": "fp32", "scale_ptr": "i32", "bias_ptr": "i32",
-        "N": N, "K": K, "num_pairs": pairs, "in_row_div": k if stage == "gate_up" else 1,
-        "experts_per_scale": 1, "experts_per_weight": 1, "num_experts": E,
-        "stride_am": K, "stride_ak": 1, "stride_we": N * K, "stride_wn": K, "stride_wk": 1,
-        "stride_cm": N, "stride_cn": 1, "stride_bias_e": 0, "stride_bias_n": 0,
-    }
-
-
 @pytest.mark.parametrize("stage", ["gate_up", "down"])
 def test_compiles_for_sm90_with_the_descriptor(stage):
     """The kernel with ``W_DESC`` 1 compiles for the H200 at the tiles the peers ship for this layer from
@@ -306,12 +291,12 @@ def test_compiles_for_sm90_with_the_descriptor(stage):
     block may take, reading its weight tiles by TMA (``cp.async.bulk.tensor.2d`` in the PTX)."""
     cases, names = [], []
     for block_m, block_n, block_k, warps, stages in ((128, 256, 64, 8, 4), (16, 128, 128, 4, 3)):
-        args = _qwen3_base_args(stage)
+        args = qwen3_base_args(stage)
         args = {**args, "w_ptr": {"desc": "bf16", "block": [block_n, block_k]}}
         cases.append({"args": args, "num_warps": warps, "num_stages": stages, "constexprs": {
             "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "MUL_ROUTED_WEIGHT": stage == "down",
             "HAS_SCALE": False, "HAS_BIAS": False, "ADD_INTO": False, "DOT_PRECISION": "ieee", "UPCAST": False,
-            "GROUP_SIZE_M": 0, "W_DESC": True}})
+            "GROUP_SIZE_M": 0, "W_DESC": True, "PDL": False}})
         names.append(f"{stage} {block_m}; {block_n} x {block_k}")
     results = compile_for_h200("moelora_kernels._fused_moe_kernels:_fused_moe_gemm_kernel", cases)
     for name, r in zip(names, results, strict=True):

@@ -61,6 +61,40 @@ def gemm_launch_options(dtype: torch.dtype, tf32: bool, cfg: dict[str, int]) -> 
             "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
 
 
+#: Values of the config key ``PDL`` (programmatic dependent launch) of the kernels that take it
+#: (``fused_moe_gemm``, ``moe_lora_shrink``, ``moe_lora_expand``, ``fused_moe_lora``): 0 = an ordinary
+#: launch; 1 = launched with PDL on sm_90 and newer, each program waiting for the stream's previous grid
+#: before it reads anything (:func:`moelora_kernels._tiles.wait_for_producers`).
+PDL: tuple[int, ...] = (0, 1)
+
+
+def pdl_options(cfg: dict, device: torch.device) -> dict[str, bool]:
+    """The launch keywords of the config key ``PDL`` for a kernel that takes the constexpr ``PDL``:
+    ``{"PDL": ..., "launch_pdl": ...}``, both True for ``PDL`` 1 on a CUDA device of compute
+    capability 9.0 or newer, both False otherwise.
+
+    With PDL (CUDA's programmatic dependent launch, kept as a programmatic edge when a CUDA graph
+    captures it) the grid may start while the stream's previous grid is still finishing; its programs
+    wait for that grid's completion and memory flush (``griddepcontrol.wait``) before any other
+    instruction, so they read what it wrote, and every program waits, so a grid never completes before
+    its predecessor (a third grid waiting on it waits on both). Under the interpreter, or with tensors
+    on the CPU, programs run one after another and there is nothing to overlap: the value is checked
+    and the launch is the ordinary one (same results; the twin has no PDL).
+
+    Raises:
+        KernelPreconditionError: ``PDL`` not one of :data:`PDL`; ``PDL`` 1 on a CUDA device below
+            compute capability 9.0 (``griddepcontrol`` is Hopper's), before anything is launched.
+    """
+    use = check_config_choice(cfg, "PDL", PDL)
+    if not use or device.type != "cuda" or interpreting():
+        return {"PDL": False, "launch_pdl": False}
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        raise KernelPreconditionError(f"PDL: 1 needs compute capability 9.0 or newer (Hopper's griddepcontrol), "
+                                      f"this device is {major}.{minor}")
+    return {"PDL": True, "launch_pdl": True}
+
+
 def next_pow2(n: int, minimum: int = 1) -> int:
     """Smallest power of two >= max(n, minimum)."""
     return max(triton.next_power_of_2(max(int(n), 1)), minimum)

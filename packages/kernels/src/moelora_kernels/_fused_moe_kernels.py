@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelora_kernels._tiles import accumulate_k, accumulate_k_desc
+from moelora_kernels._tiles import accumulate_k, accumulate_k_desc, wait_for_producers
 
 
 @triton.jit
@@ -47,7 +47,9 @@ def _fused_moe_gemm_kernel(
     UPCAST: tl.constexpr,         # interpreter + bf16: widen tiles before tl.dot
     GROUP_SIZE_M: tl.constexpr,   # 0: the launch order (row blocks fastest); g > 0: g row blocks x every column tile
     W_DESC: tl.constexpr,         # 1: w_ptr is a TMA descriptor, block [BLOCK_N, BLOCK_K] (fused_moe.weight_descriptor)
+    PDL: tl.constexpr,            # launched with programmatic dependent launch: wait for the previous grid first
 ):
+    wait_for_producers(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if GROUP_SIZE_M > 0:

@@ -41,9 +41,12 @@ the up to 7 columns past the rank are set to 0 in registers before the dot (what
 intermediate holds there, NaN included), so the operands, and the results, are those of the exact
 mask bit for bit. With ``A_DESC`` (shrink and fused kernel) a block whose slot's rank equals BLOCK_R
 reads its A tiles through a TMA descriptor over the pool's rows [S·L·E·R, K] (box [BLOCK_R, BLOCK_K]:
-exactly the slot's rank rows; ``moe_lora`` module docstring). The three kernels share the early exits
-(``_block_work``) and the block's pairs (``_block_pairs``); the shrink and the fused kernel share the
-shrink (``_shrink_block``, over ``_tiles.accumulate_k`` / ``accumulate_k_desc``): jit helpers, inlined
+exactly the slot's rank rows; ``moe_lora`` module docstring). With ``PDL`` (config key ``PDL``, sm_90)
+a kernel is launched with programmatic dependent launch and every program first waits for the
+stream's previous grid (``_tiles.wait_for_producers``), before the early exits' loads. The three
+kernels share the early exits (``_block_work``) and the block's pairs (``_block_pairs``); the shrink
+and the fused kernel share the shrink (``_shrink_block``, over ``_tiles.accumulate_k`` /
+``accumulate_k_desc``): jit helpers, inlined
 at compile time.
 
 Tensors (L slots, E experts, R pool rank, P alignment rows per slot, S slices, K input width,
@@ -73,7 +76,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelora_kernels._tiles import accumulate_k, accumulate_k_desc
+from moelora_kernels._tiles import accumulate_k, accumulate_k_desc, wait_for_producers
 
 
 @triton.jit
@@ -176,9 +179,10 @@ def _moe_lora_shrink_kernel(
     L, slot_blocks_bound,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    A_DESC: tl.constexpr,
+    A_DESC: tl.constexpr, PDL: tl.constexpr,
     HAS_ENABLED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    wait_for_producers(PDL)
     s = tl.program_id(2)
     # --- early exits (the block's pairs are loaded with the checks' metadata: one round trip) ---------
     pid_m, slot, ntpp = _flat_block(tl.program_id(0), num_tokens_post_padded_ptr, L, slot_blocks_bound,
@@ -219,9 +223,10 @@ def _moe_lora_expand_kernel(
     L, slot_blocks_bound,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    RANK_ALIGN: tl.constexpr,
+    RANK_ALIGN: tl.constexpr, PDL: tl.constexpr,
     HAS_ENABLED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    wait_for_producers(PDL)
     s = tl.program_id(2) // num_n_tiles
     pid_n = tl.program_id(2) % num_n_tiles
     # --- early exits (the block's pairs are loaded with the checks' metadata: one round trip) ---------
@@ -354,9 +359,10 @@ def _fused_moe_lora_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     N_SPLIT: tl.constexpr, BLOCK_L: tl.constexpr,
     EXPAND_LOADS: tl.constexpr, RANK_ALIGN: tl.constexpr, EXPAND_STAGES: tl.constexpr, A_DESC: tl.constexpr,
-    HAS_ENABLED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+    PDL: tl.constexpr, HAS_ENABLED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    wait_for_producers(PDL)
     s = tl.program_id(2) // N_SPLIT
     part = tl.program_id(2) % N_SPLIT
     pid_m, slot, ntpp = _flat_block(tl.program_id(0), num_tokens_post_padded_ptr, L, slot_blocks_bound,

@@ -9,12 +9,15 @@ that several kernels take the same way.
   dense LoRA shrink).
 - :func:`accumulate_k_desc`: the same reduction with the weight tiles read through a TMA tensor
   descriptor (base grouped GEMM, config key ``W_DESC``; MoE-LoRA shrink and fused kernel, ``A_DESC``).
+- :func:`wait_for_producers`: the first step of a kernel launched with programmatic dependent launch
+  (config key ``PDL``: base grouped GEMM, MoE-LoRA shrink, expand and fused kernel).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -71,3 +74,17 @@ def accumulate_k_desc(acc, x_ptrs, w_desc, w_row, row_ok, K, step_x,
         acc = tl.dot(x, w.T, acc, input_precision=DOT_PRECISION)
         x_ptrs += step_x
     return acc
+
+
+@triton.jit
+def wait_for_producers(PDL: tl.constexpr):
+    """With ``PDL``, the kernel's first step (``moelora_kernels._common.pdl_options``): wait until the
+    stream's previous grid has completed and its writes are visible (``griddepcontrol.wait``), then let
+    the next grid launched with PDL start its own programs (``griddepcontrol.launch_dependents``: it
+    takes effect once every program of this grid has issued it or exited, and that grid waits for this
+    one in turn). Called before any load and before any early exit, so no program reads a producer's
+    output early and no grid completes before its predecessor. Without ``PDL``, nothing (the
+    interpreter never takes the branch: it has no inline PTX)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

@@ -29,14 +29,16 @@ from moelora_kernels._common import interpreting
 INTERPRETER_CONFIG: dict[str, int] = {
     "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "BLOCK_S": 32, "N_SPLIT": 1, "FUSED": 1,
     "ALIGN_SPLIT": 1, "EXPAND_LOADS": 2,
-    "EXPAND_STREAM": 0, "GROUP_SIZE_M": 0, "W_DESC": 0, "A_DESC": 0, "QUANT_ROWS": 1, "num_warps": 4, "num_stages": 1,
+    "EXPAND_STREAM": 0, "GROUP_SIZE_M": 0, "W_DESC": 0, "A_DESC": 0, "PDL": 0, "QUANT_ROWS": 1,
+    "num_warps": 4, "num_stages": 1,
 }
 
 #: Used on a GPU when no table entry matches (and as the base every entry overrides).
 GPU_FALLBACK_CONFIG: dict[str, int] = {
     "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_S": 32, "N_SPLIT": 1, "FUSED": 1,
     "ALIGN_SPLIT": 1, "EXPAND_LOADS": 0,
-    "EXPAND_STREAM": 0, "GROUP_SIZE_M": 0, "W_DESC": 0, "A_DESC": 0, "QUANT_ROWS": 1, "num_warps": 4, "num_stages": 3,
+    "EXPAND_STREAM": 0, "GROUP_SIZE_M": 0, "W_DESC": 0, "A_DESC": 0, "PDL": 0, "QUANT_ROWS": 1,
+    "num_warps": 4, "num_stages": 3,
 }
 
 _CONFIG_DIR = Path(__file__).parent / "configs"
@@ -95,7 +97,8 @@ def kernel_config(op: str, *, rows: int, N: int | None = None, K: int | None = N
             alignment's programs per slot; ``fused_moe_gemm``'s ``GROUP_SIZE_M``, its program order,
             and ``W_DESC``, its weight tiles through a TMA descriptor (``fused_moe.weight_descriptor``);
             ``A_DESC`` of ``moe_lora_shrink`` and ``fused_moe_lora``, the shrink's A tiles through one
-            (``moe_lora.lora_a_descriptor``);
+            (``moe_lora.lora_a_descriptor``); ``PDL`` of ``fused_moe_gemm`` and the three MoE-LoRA kernels,
+            programmatic dependent launch (``_common.pdl_options``);
             ``fp8_moe_gemm``, the w8a8 base GEMM's tiles, whose ``BLOCK_M`` is its alignment's;
             ``quantize_activation_fp8``'s ``QUANT_ROWS``, rows per program).
         rows: host row count the launch is sized for (a capacity in graph mode).

@@ -68,6 +68,7 @@ from moelora_kernels._common import (
     check_positive_int,
     check_tensor,
     gemm_launch_options,
+    pdl_options,
 )
 from moelora_kernels._fused_moe_kernels import _fused_moe_gemm_kernel
 from moelora_kernels.configs import kernel_config
@@ -147,7 +148,8 @@ def fused_moe_gemm(
         tf32: allow TF32 dots for fp32 (default IEEE).
         config: tile overrides (BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_SIZE_M: the program
             order, 0 = row blocks fastest, g > 0 = g row blocks across every column tile at a time;
-            W_DESC: 1 = the weight tiles through a TMA descriptor where :func:`weight_descriptor` gives one).
+            W_DESC: 1 = the weight tiles through a TMA descriptor where :func:`weight_descriptor` gives one;
+            PDL: 1 = programmatic dependent launch, :func:`moelora_kernels._common.pdl_options`).
         bias: [E_w, N] per-expert bias (GPT-OSS's ``gate_up_proj_bias`` / ``down_proj_bias``; a
             strided column view is fine), same dtype as ``a`` or fp32; added in fp32 before the
             router weight and scale.
@@ -157,7 +159,8 @@ def fused_moe_gemm(
 
     Raises:
         KernelPreconditionError: dtype / shape / stride / device mismatches, bad sizes; an alignment
-            recorded for more experts than ``w`` or for another ``num_pairs``.
+            recorded for more experts than ``w`` or for another ``num_pairs``; ``GROUP_SIZE_M``,
+            ``W_DESC`` or ``PDL`` out of range (``PDL`` 1 below sm_90).
     """
     check_tensor("a", a, dtypes=FLOAT_DTYPES, dim=2, unit_last_stride=True)
     device, dtype = a.device, a.dtype
@@ -195,6 +198,7 @@ def fused_moe_gemm(
     cfg = kernel_config("fused_moe_gemm", rows=num_pairs, N=N, K=K, overrides=config)
     group_size_m = check_group_size_m(cfg["GROUP_SIZE_M"])
     use_desc = check_config_choice(cfg, "W_DESC", W_DESC)
+    pdl = pdl_options(cfg, device)
     if num_pairs == 0:
         return c
     grid_m = used_blocks_bound(num_pairs, E_w, block_m, num_blocks)
@@ -212,7 +216,7 @@ def fused_moe_gemm(
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         MUL_ROUTED_WEIGHT=topk_weights is not None, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-        ADD_INTO=add_into, GROUP_SIZE_M=group_size_m, W_DESC=w_desc is not None,
+        ADD_INTO=add_into, GROUP_SIZE_M=group_size_m, W_DESC=w_desc is not None, **pdl,
         **gemm_launch_options(dtype, tf32, cfg),
     )
     return c

@@ -29,6 +29,13 @@ pointer. Same products, judged against the twin within tolerance (``test_kernel_
 table sets it on the pair's shrink at R 64 up to 256 rows (its A/B: ``ci/gpu/run_a_desc.sh``,
 benchmarks/RESULTS.md); elsewhere 0. Source: the base GEMM's ``W_DESC``
 (:mod:`moelora_kernels.fused_moe`) and SGLang's ``b_use_tma``.
+
+The config key ``PDL`` of all three kernels (and of the base GEMM, ``fused_moe_gemm``): 1 launches the
+kernel with CUDA's programmatic dependent launch on sm_90 and newer
+(:func:`~moelora_kernels._common.pdl_options`), so its programs are scheduled while the stream's
+previous grid finishes and each waits for that grid's writes before its first load; at M ≤ 32 a
+stage's launches cost as much as its work (benchmarks/RESULTS.md, the "idle" column). Same results
+bit for bit (``test_kernel_pdl.py``).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from moelora_kernels._common import (
     check_tensor,
     gemm_launch_options,
     next_pow2,
+    pdl_options,
 )
 from moelora_kernels._moe_lora_kernels import _fused_moe_lora_kernel, _moe_lora_expand_kernel, _moe_lora_shrink_kernel
 from moelora_kernels.configs import kernel_config
@@ -244,14 +252,15 @@ def fused_moe_lora_shrink(
             rows of aligned pairs are written.
         max_rank: host bound on every active slot's rank (<= R); tiles are sized for it.
         tf32, config: dot precision for fp32; tile overrides (table ``moe_lora_shrink``: ``BLOCK_K``,
-            ``A_DESC``, ``num_warps``, ``num_stages``).
+            ``A_DESC``, ``PDL``, ``num_warps``, ``num_stages``).
 
     Returns:
         The intermediate [S, M·top_k, R].
 
     Raises:
         KernelPreconditionError: dtype, shape, stride, device, capacity mismatches; max_rank > R;
-            ``A_DESC`` not one of :data:`A_DESC` (nothing is written, at any batch size).
+            ``A_DESC`` not one of :data:`A_DESC`; ``PDL`` not one of
+            :data:`~moelora_kernels._common.PDL`, or 1 below sm_90 (nothing is written, at any batch size).
     """
     device, dtype = _check_x(x, stage)
     st = _Stage(stage, x.shape[0], lora_a, ranks, None, align, top_k, None, adapter_enabled, max_rank,
@@ -261,6 +270,7 @@ def fused_moe_lora_shrink(
         raise KernelPreconditionError(f"x: {x.shape[1]} columns, but lora_a's input width is {K}")
     cfg = kernel_config("moe_lora_shrink", rows=st.num_pairs, K=K, R=st.rank_bound, overrides=config)
     use_desc = check_config_choice(cfg, "A_DESC", A_DESC)
+    pdl = pdl_options(cfg, device)
     shape = (st.slices, st.num_pairs, R)
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=device)
@@ -280,7 +290,7 @@ def fused_moe_lora_shrink(
         align.sorted_token_ids.stride(0), align.expert_ids.stride(0), st.ranks.stride(0),
         flat["L"], flat["slot_blocks_bound"],
         BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_K=cfg["BLOCK_K"], BLOCK_L=flat["BLOCK_L"],
-        A_DESC=a_desc is not None,
+        A_DESC=a_desc is not None, **pdl,
         HAS_ENABLED=adapter_enabled is not None, **gemm_launch_options(dtype, tf32, cfg),
     )
     return out
@@ -315,7 +325,8 @@ def fused_moe_lora_expand(
         topk_weights: down only: [M, top_k] router weights (fp32 or the activation dtype).
 
     Block config (table ``moe_lora_expand``, or ``config``): ``BLOCK_N``, ``EXPAND_STREAM`` (>= 1
-    loads t and B in 16-byte vectors; one tile per program, so no loop to pipeline), ``num_warps``,
+    loads t and B in 16-byte vectors; one tile per program, so no loop to pipeline), ``PDL``
+    (programmatic dependent launch: :func:`~moelora_kernels._common.pdl_options`), ``num_warps``,
     ``num_stages``.
 
     Returns:
@@ -324,7 +335,8 @@ def fused_moe_lora_expand(
     Raises:
         KernelPreconditionError: as the shrink; a missing (down) or extra (gate_up) topk_weights;
             ``EXPAND_STREAM`` not a value of
-            :data:`~moelora_kernels.expand_stream.EXPAND_STREAM` (nothing is written, at any batch size).
+            :data:`~moelora_kernels.expand_stream.EXPAND_STREAM`; ``PDL`` not one of
+            :data:`~moelora_kernels._common.PDL`, or 1 below sm_90 (nothing is written, at any batch size).
     """
     check_tensor("intermediate", intermediate, dtypes=FLOAT_DTYPES, dim=3, unit_last_stride=True)
     device, dtype = intermediate.device, intermediate.dtype
@@ -337,6 +349,7 @@ def fused_moe_lora_expand(
     # the config is checked before the empty-batch return: a bad value is refused at any batch size
     cfg = kernel_config("moe_lora_expand", rows=st.num_pairs, N=N, R=st.rank_bound, overrides=config)
     stream = check_expand_stream(cfg)
+    pdl = pdl_options(cfg, device)
     if st.num_pairs == 0:
         return out
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])  # 0 for a slice of width 0: an empty grid
@@ -353,7 +366,7 @@ def fused_moe_lora_expand(
         align.sorted_token_ids.stride(0), align.expert_ids.stride(0), st.ranks.stride(0), st.scalings.stride(0),
         flat["L"], flat["slot_blocks_bound"],
         BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_N=cfg["BLOCK_N"], BLOCK_L=flat["BLOCK_L"],
-        RANK_ALIGN=rank_align(stream, R),
+        RANK_ALIGN=rank_align(stream, R), **pdl,
         HAS_ENABLED=adapter_enabled is not None, MUL_ROUTED_WEIGHT=weights is not None,
         **gemm_launch_options(dtype, tf32, cfg),
     )
@@ -384,7 +397,8 @@ def fused_moe_lora(
     expand tile's B and old output are loaded: :data:`EXPAND_LOADS`), ``EXPAND_STREAM`` (how the
     expand reads B; >= 2 pipelines the expand loop as deep as fits an sm_90 block's shared memory,
     :func:`~moelora_kernels.expand_stream.expand_stages`, and leaves ``EXPAND_LOADS`` unused),
-    ``A_DESC`` (the shrink's A tiles through a TMA descriptor: module docstring), ``num_warps``,
+    ``A_DESC`` (the shrink's A tiles through a TMA descriptor: module docstring), ``PDL``
+    (programmatic dependent launch: :func:`~moelora_kernels._common.pdl_options`), ``num_warps``,
     ``num_stages``. The result does not depend on them beyond the fp32 summation
     order (on ``EXPAND_LOADS`` and ``EXPAND_STREAM`` not even on that).
 
@@ -398,8 +412,9 @@ def fused_moe_lora(
         KernelPreconditionError: as the shrink and the expand; A and B of different pools;
             ``EXPAND_LOADS`` not one of
             :data:`EXPAND_LOADS`; ``EXPAND_STREAM`` not a value of
-            :data:`~moelora_kernels.expand_stream.EXPAND_STREAM`; ``A_DESC`` not one of :data:`A_DESC`
-            (nothing is written).
+            :data:`~moelora_kernels.expand_stream.EXPAND_STREAM`; ``A_DESC`` not one of :data:`A_DESC`;
+            ``PDL`` not one of :data:`~moelora_kernels._common.PDL`, or 1 below sm_90 (nothing is
+            written).
     """
     device, dtype = _check_x(x, stage)
     st = _Stage(stage, x.shape[0], lora_a, ranks, scalings, align, top_k, None, adapter_enabled, max_rank,
@@ -420,6 +435,7 @@ def fused_moe_lora(
     loads = check_config_choice(cfg, "EXPAND_LOADS", EXPAND_LOADS)
     use_desc = check_config_choice(cfg, "A_DESC", A_DESC)
     stream = check_expand_stream(cfg)
+    pdl = pdl_options(cfg, device)
     if st.num_pairs == 0:
         return out
     a_desc = lora_a_descriptor(a, st.block_r, cfg["BLOCK_K"]) if use_desc else None
@@ -440,7 +456,7 @@ def fused_moe_lora(
         BLOCK_M=st.block_m, BLOCK_R=st.block_r, BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"],
         N_SPLIT=cfg["N_SPLIT"], BLOCK_L=flat["BLOCK_L"],
         EXPAND_LOADS=loads, RANK_ALIGN=rank_align(stream, R), EXPAND_STAGES=stages, A_DESC=a_desc is not None,
-        HAS_ENABLED=adapter_enabled is not None,
+        **pdl, HAS_ENABLED=adapter_enabled is not None,
         MUL_ROUTED_WEIGHT=weights is not None,
         **gemm_launch_options(dtype, tf32, cfg),
     )
