@@ -147,7 +147,7 @@ for case in spec["cases"]:
         first = {what: (m.start() if m else -1) for what, m in (
             ("griddepcontrol.wait", re.search(r"griddepcontrol\.wait", body)),
             ("griddepcontrol.launch_dependents", re.search(r"griddepcontrol\.launch_dependents", body)),
-            ("global_load", re.search(r"ld\.global|cp\.async", body)),
+            ("global_access", re.search(r"ld\.global|cp\.async|st\.global|atom\.global|red\.global", body)),
             ("branch", re.search(r"\bbra(\.uni)?\b|\bret;", body)))}
         out.append({"shared": c.metadata.shared, "global_loads": dict(collections.Counter(loads)),
                     "ptx_first": first})
@@ -177,7 +177,8 @@ def compile_for_h200(kernel: str, cases: list[dict]) -> list[dict]:
         ``ld.global…`` form, e.g. ``ld.global.b16`` for a 2-byte load, and ``cp.async.cg.shared.global``
         for an asynchronous copy, ``cp.async.bulk.tensor.2d`` for a TMA tile load, ``"ptx_first": {what:
         offset}``, where in the kernel's PTX body each of ``griddepcontrol.wait``,
-        ``griddepcontrol.launch_dependents``, the first global load (``ld.global`` or ``cp.async``) and the
+        ``griddepcontrol.launch_dependents``, the first global access (``ld.global``, ``cp.async``, ``st.global``,
+        ``atom.global``, ``red.global``) and the
         first branch (``bra`` or ``ret``) first appears, -1 where it does not) or ``{"error": message}``.
         Skips the test where the installed
         Triton has no NVIDIA backend or ptxas.
@@ -214,6 +215,25 @@ def qwen3_base_args(stage, M=2048, E=128, H=2048, I=768):
         "stride_am": K, "stride_ak": 1, "stride_we": N * K, "stride_wn": K, "stride_wk": 1,
         "stride_cm": N, "stride_cn": 1, "stride_bias_e": 0, "stride_bias_n": 0,
     }
+
+
+def qwen3_fp8_gemm_case(bk: int, fp8_dot: bool, block_m=64, block_n=128, num_warps=4, num_stages=4,
+                       pdl=False) -> dict:
+    """The fp8 GEMM's gate_up launch of a Qwen3-30B-A3B-FP8-like layer (H 2048, I 768; bk as given) as a case
+    of :func:`compile_for_h200`."""
+    from moelora_kernels.fp8_block import k_tile
+
+    H, inter = 2048, 768
+    args = {"q_ptr": "fp8e4nv", "qs_ptr": "fp32", "w_ptr": "fp8e4nv", "ws_ptr": "fp32", "c_ptr": "bf16",
+            "sorted_token_ids_ptr": "i32", "expert_ids_ptr": "i32", "num_tokens_post_padded_ptr": "i32",
+            "topk_weights_ptr": "fp32", "N": 2 * inter, "K": H, "num_pairs": 4096, "in_row_div": 8, "num_experts": 128,
+            "half": inter, "half_blocks": -(-inter // bk), "block_n_scale": bk,
+            "stride_qm": H, "stride_qk": 1, "stride_qsm": -(-H // bk), "stride_we": 2 * inter * H, "stride_wn": H,
+            "stride_wk": 1, "stride_wse": 2 * -(-inter // bk) * -(-H // bk), "stride_wsr": -(-H // bk),
+            "stride_cm": 2 * inter, "stride_cn": 1}
+    consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "GROUP": bk, "K_TILE": k_tile(bk), "MUL_ROUTED_WEIGHT": False,
+              "FP8_DOT": fp8_dot, "DOT_PRECISION": "tf32", "PDL": pdl}
+    return {"args": args, "constexprs": consts, "num_warps": num_warps, "num_stages": num_stages}
 
 
 class LaunchSpy:

@@ -24,6 +24,7 @@ from kernel_testing import (
     compile_for_h200,
     launch_guard,
     poisoned,
+    qwen3_fp8_gemm_case,
 )
 
 from moelora_core import DEFAULT_POLICY, KernelPreconditionError, LoRALayerSpec, LoRAWeights, ModuleLoRA, MoEBaseWeights
@@ -192,26 +193,11 @@ def test_preconditions_are_refused_by_name():
                      half=24)
 
 
-def _gemm_compile_case(bk: int, fp8_dot: bool, block_m=64, block_n=128, num_warps=4, num_stages=4) -> dict:
-    """The gate_up launch of a Qwen3-30B-A3B-FP8-like layer (H 2048, I 768; bk as given) for sm_90."""
-    H, inter = 2048, 768
-    args = {"q_ptr": "fp8e4nv", "qs_ptr": "fp32", "w_ptr": "fp8e4nv", "ws_ptr": "fp32", "c_ptr": "bf16",
-            "sorted_token_ids_ptr": "i32", "expert_ids_ptr": "i32", "num_tokens_post_padded_ptr": "i32",
-            "topk_weights_ptr": "fp32", "N": 2 * inter, "K": H, "num_pairs": 4096, "in_row_div": 8, "num_experts": 128,
-            "half": inter, "half_blocks": -(-inter // bk), "block_n_scale": bk,
-            "stride_qm": H, "stride_qk": 1, "stride_qsm": -(-H // bk), "stride_we": 2 * inter * H, "stride_wn": H,
-            "stride_wk": 1, "stride_wse": 2 * -(-inter // bk) * -(-H // bk), "stride_wsr": -(-H // bk),
-            "stride_cm": 2 * inter, "stride_cn": 1}
-    consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "GROUP": bk, "K_TILE": k_tile(bk), "MUL_ROUTED_WEIGHT": False,
-              "FP8_DOT": fp8_dot, "DOT_PRECISION": "tf32"}
-    return {"args": args, "constexprs": consts, "num_warps": num_warps, "num_stages": num_stages}
-
-
 def test_the_fp8_gemm_compiles_for_the_h200_at_every_group_width():
     """bk 128 with the shipped H100 tiles (the tensor cores' fp8 dot), bk 24 (padded to 32, fp8 dot) and
     bk 8 / 4 (padded to 16, the widened fp32 dot): compiled for sm_90 here, so a GPU call does not find
     out first (the e2e fixtures' blocks 4 and 8 once reached the GPU refused by a >= 16 precondition)."""
-    cases = {f"bk={bk}": _gemm_compile_case(bk, k_tile(bk) >= 32) for bk in (128, 24, 8, 4)}
+    cases = {f"bk={bk}": qwen3_fp8_gemm_case(bk, k_tile(bk) >= 32) for bk in (128, 24, 8, 4)}
     results = compile_for_h200("moelora_kernels._fp8_block_kernels:_fp8_moe_gemm_kernel", list(cases.values()))
     for name, r in zip(cases, results, strict=True):
         assert "error" not in r, f"{name}: {r.get('error')}"

@@ -8,22 +8,30 @@ the same bit for bit; what can go wrong is order: a program that reads before it
 or a grid that completes before its predecessor (so the grid after it, waiting only on it, reads early).
 
 Covers: what ``pdl_options`` gives (an ordinary launch for CPU tensors and under the interpreter; refused
-below compute capability 9.0; PDL on 9.0); invalid values refused before any write, at any batch size,
-by all four launchers; each launcher hands its kernel what ``pdl_options`` gives; the whole layer against
-the fp64 oracle with PDL 1 on every op of the table (both delta paths). On an sm_90 GPU: the layer with
-PDL 1 equal to PDL 0 bit for bit, eagerly and replayed from a CUDA graph over fresh inputs (the graph keeps
-the programmatic edges; a kernel reading before its producer finished gives other bits). The four kernels
-compile for sm_90 with the wait before any global load and any branch (every program waits, early exits
-included), ``launch_dependents`` after it, and neither at 0.
+below compute capability 9.0 and on ROCm; PDL on 9.0, asked of the tensors' device); the key in the GPU
+table lookup; invalid values refused before any write, at any batch size, by all five launchers (the fp8
+GEMM takes the bf16 GEMM's entries, this key included); each launcher hands its kernel exactly what
+``pdl_options`` gives (asymmetric stand-ins); each kernel's first statement is the wait, and the helper
+waits before it lets the next grid start (the source); the whole layer against the fp64 oracle with PDL 1
+on every op of the table (both delta paths); the five kernels compile for sm_90 with the wait before any
+global access and any branch (every program waits, early exits included), ``launch_dependents`` after it,
+and neither at 0. On an sm_90 GPU: each launcher with PDL 1 right after a producer that lets it start at
+once, then writes the kernel's input late (a control kernel that does not wait reads the stale input
+there, so the test can fail), equal to PDL 0 bit for bit; the layer with PDL 1 equal to PDL 0 bit for
+bit, eagerly and replayed from a CUDA graph over fresh inputs.
 """
 
+import ast
 import importlib
+import inspect
 import json
 import math
 import re
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from kernel_testing import (
     DEVICE,
     H200_MAX_SHARED,
@@ -34,6 +42,7 @@ from kernel_testing import (
     launch_guard,
     poisoned,
     qwen3_base_args,
+    qwen3_fp8_gemm_case,
     randn,
 )
 from moe_lora_testing import (
@@ -61,14 +70,24 @@ from moelora_kernels import (
     stage_tensors,
 )
 from moelora_kernels._common import PDL, pdl_options
+from moelora_kernels.fp8_block import fp8_moe_gemm, quantize_activation_fp8
 
 pytestmark = pytest.mark.interpreter
 
 OPS = ("fused_moe_gemm", "moe_lora_shrink", "moe_lora_expand", "fused_moe_lora")
-LAUNCHERS = ("fused_moe_gemm", "shrink", "expand", "fused")
+LAUNCHERS = ("fused_moe_gemm", "fp8_moe_gemm", "shrink", "expand", "fused")
 _common = importlib.import_module("moelora_kernels._common")
 moe_lora = importlib.import_module("moelora_kernels.moe_lora")
 fused_moe_module = importlib.import_module("moelora_kernels.fused_moe")
+fp8_module = importlib.import_module("moelora_kernels.fp8_block")
+#: (launcher module, kernel name) of each launcher
+KERNELS = {
+    "fused_moe_gemm": (fused_moe_module, "_fused_moe_gemm_kernel"),
+    "fp8_moe_gemm": (fp8_module, "_fp8_moe_gemm_kernel"),
+    "shrink": (moe_lora, "_moe_lora_shrink_kernel"),
+    "expand": (moe_lora, "_moe_lora_expand_kernel"),
+    "fused": (moe_lora, "_fused_moe_lora_kernel"),
+}
 SM90 = ON_GPU and torch.cuda.get_device_capability()[0] >= 9
 
 
@@ -92,6 +111,45 @@ def test_options_on_a_cuda_device(capability, interpreting, want, monkeypatch):
     assert pdl_options({"PDL": 0}, torch.device("cuda", 0)) == {"PDL": False, "launch_pdl": False}
 
 
+def test_options_ask_the_capability_of_the_tensors_device(monkeypatch):
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or (9, 0))
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    pdl_options({"PDL": 1}, torch.device("cuda", 1))
+    assert asked == [torch.device("cuda", 1)]
+
+
+def test_options_for_cpu_tensors_outside_the_interpreter_are_an_ordinary_launch(monkeypatch):
+    def no_cuda(device=None):
+        raise AssertionError("a CPU tensor's launch asked for a CUDA capability")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", no_cuda)
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    assert pdl_options({"PDL": 1}, torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+
+
+def test_options_on_rocm_are_refused_by_name(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4))
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    with pytest.raises(KernelPreconditionError, match="PDL: 1 needs CUDA"):
+        pdl_options({"PDL": 1}, torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("value", [0, 1])
+def test_the_gpu_table_lookup_gives_the_key(value, monkeypatch, tmp_path):
+    # on a GPU the launchers read the card's table over GPU_FALLBACK_CONFIG: the key set on every op, and
+    # 0 where an entry does not set it
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({op: [{"PDL": value}] for op in OPS}))
+    monkeypatch.setenv("MOELORA_KERNEL_CONFIGS", str(path))
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    for op in OPS:
+        assert configs.kernel_config(op, rows=8)["PDL"] == value, op
+    assert configs.kernel_config("fp8_moe_gemm", rows=8, fallback_op="fused_moe_gemm")["PDL"] == value
+    assert configs.kernel_config("dense_lora_shrink", rows=8)["PDL"] == 0
+
+
 @pytest.mark.parametrize("capability", [(8, 0), (8, 9)])
 def test_options_below_sm90_are_refused_by_name(capability, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
@@ -106,7 +164,8 @@ def test_options_below_sm90_are_refused_by_name(capability, monkeypatch):
 
 def _problem(which, M, seed=91):
     """One launch of ``which`` (a name of :data:`LAUNCHERS`) at M tokens, top_k 2, fresh inputs, its
-    output poisoned: (``run(config)``, the output it writes)."""
+    output poisoned: (``run(config)``, the output it writes, the input it reads that another kernel would
+    have written: x, the intermediate, or the fp8 GEMM's quantized x)."""
     w = make_pool(seed, L=2, R=8)
     spec = w.spec
     empty = {"ids": torch.zeros(0, 2, dtype=torch.int32), "mapping": torch.zeros(0, dtype=torch.int32)} if M == 0 else {}
@@ -117,24 +176,32 @@ def _problem(which, M, seed=91):
     with launch_guard():
         align = moe_lora_align_block_size(ids, mapping, spec.E, 32, 2, enabled)
         base_align = moe_align_block_size(ids, spec.E, 32)
-    if which == "fused_moe_gemm":
+    if which in ("fused_moe_gemm", "fp8_moe_gemm"):
         base_w = randn(gen, spec.E, 2 * spec.I, spec.H, dtype=torch.float32, scale=1 / math.sqrt(spec.H))
         c = poisoned(2 * M, 2 * spec.I, dtype=torch.float32)
-        return (lambda config: fused_moe_gemm(x, base_w, c, base_align, top_k=2, num_pairs=2 * M, in_row_div=2,
-                                              config=config)), c
+        if which == "fused_moe_gemm":
+            return (lambda config: fused_moe_gemm(x, base_w, c, base_align, top_k=2, num_pairs=2 * M, in_row_div=2,
+                                                  config=config)), c, x
+        # block 8 x 8 over H 40, 2I 48: one scale per block, drawn
+        w8 = base_w.to(torch.float8_e4m3fn)
+        scale_inv = randn(gen, spec.E, 6, 5, dtype=torch.float32).abs() + 0.5
+        with launch_guard():
+            q, s = quantize_activation_fp8(x, 8)
+        return (lambda config: fp8_moe_gemm(q, s, w8, scale_inv, c, base_align, block=(8, 8), top_k=2,
+                                            num_pairs=2 * M, in_row_div=2, config=config)), c, q
     if which == "shrink":
         inter = poisoned(2, 2 * M, 8, dtype=torch.float32)
         return (lambda config: fused_moe_lora_shrink(x, t["lora_a"], align, stage="gate_up", top_k=2,
                                                      ranks=t["ranks"], adapter_enabled=enabled, out=inter,
-                                                     config=config)), inter
+                                                     config=config)), inter, x
     if which == "expand":
         inter = randn(gen, 2, 2 * M, 8, dtype=torch.float32)
         return (lambda config: fused_moe_lora_expand(inter, t["lora_b"], align, out, stage="gate_up", top_k=2,
                                                      ranks=t["ranks"], scalings=t["scalings"],
-                                                     adapter_enabled=enabled, config=config)), out
+                                                     adapter_enabled=enabled, config=config)), out, inter
     return (lambda config: fused_moe_lora(x, t["lora_a"], t["lora_b"], align, out, stage="gate_up", top_k=2,
                                           ranks=t["ranks"], scalings=t["scalings"], adapter_enabled=enabled,
-                                          config=config)), out
+                                          config=config)), out, x
 
 
 @pytest.mark.parametrize("M", [6, 0])
@@ -142,7 +209,7 @@ def _problem(which, M, seed=91):
 @pytest.mark.parametrize("bad", [2, -1, True, "1", None])
 def test_an_invalid_value_is_refused_before_any_write(which, bad, M):
     # at any batch size, the empty one included (the config is checked before the empty-batch return)
-    run, written = _problem(which, M)
+    run, written, _ = _problem(which, M)
     before = written.clone()
     with pytest.raises(KernelPreconditionError, match=re.escape(f"PDL: must be one of {PDL}, got {bad!r}")):
         with launch_guard():
@@ -151,24 +218,50 @@ def test_an_invalid_value_is_refused_before_any_write(which, bad, M):
 
 
 @pytest.mark.parametrize("which", LAUNCHERS)
-@pytest.mark.parametrize("value", [0, 1])
-def test_the_launcher_hands_the_kernel_what_pdl_options_gives(which, value, monkeypatch):
-    module, name = {
-        "fused_moe_gemm": (fused_moe_module, "_fused_moe_gemm_kernel"),
-        "shrink": (moe_lora, "_moe_lora_shrink_kernel"),
-        "expand": (moe_lora, "_moe_lora_expand_kernel"),
-        "fused": (moe_lora, "_fused_moe_lora_kernel"),
-    }[which]
-    spy = LaunchSpy(getattr(module, name), lambda args, kwargs: (kwargs["PDL"], kwargs["launch_pdl"]))
+@pytest.mark.parametrize("given", [(True, True), (True, False), (False, True), (False, False)])
+def test_the_launcher_hands_the_kernel_what_pdl_options_gives(which, given, monkeypatch):
+    # pdl_options stood in for by asymmetric answers (any launcher that forwards other values, or drops
+    # one, is caught on the CPU); the kernel then launches as an ordinary one under the interpreter
+    module, name = KERNELS[which]
+    asked = []
+
+    def options(cfg, device):
+        asked.append((cfg["PDL"], device.type))
+        return {"PDL": given[0], "launch_pdl": given[1]}
+
+    def record(args, kwargs):
+        seen = (kwargs["PDL"], kwargs["launch_pdl"])
+        kwargs["PDL"] = kwargs["launch_pdl"] = False
+        return seen
+
+    monkeypatch.setattr(module, "pdl_options", options)
+    spy = LaunchSpy(getattr(module, name), record)
     monkeypatch.setattr(module, name, spy)
-    run, written = _problem(which, 6)
+    run, written, _ = _problem(which, 6)
     before = written.clone()
     with launch_guard():
-        run({"PDL": value})
-    want = pdl_options({"PDL": value}, DEVICE)
-    assert spy.seen == [(want["PDL"], want["launch_pdl"])]
+        run({"PDL": 1})
+    assert asked == [(1, DEVICE.type)] and spy.seen == [given]
     assert not torch.equal(written.cpu().view(torch.int32), before.cpu().view(torch.int32)), \
         f"{which}: the launch wrote nothing"
+
+
+def test_each_kernel_waits_first():
+    # the source: every kernel's first statement is the wait (before its program ids, loads and early
+    # exits), once; the helper waits, then lets the next grid start
+    for module, name in KERNELS.values():
+        kernel_module = importlib.import_module(getattr(module, name).fn.__module__
+                                                if hasattr(getattr(module, name), "fn") else module.__name__)
+        tree = ast.parse(inspect.getsource(kernel_module))
+        fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+        body = [n for n in fn.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+        assert ast.unparse(body[0]) == "wait_for_producers(PDL)", f"{name}: first statement {ast.unparse(body[0])}"
+        assert ast.unparse(fn).count("wait_for_producers(") == 1, name
+    tiles = importlib.import_module("moelora_kernels._tiles")
+    tree = ast.parse(inspect.getsource(tiles))
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "wait_for_producers")
+    body = [n for n in fn.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    assert [ast.unparse(n) for n in body] == ["if PDL:\n    gdc_wait()\n    gdc_launch_dependents()"]
 
 
 @pytest.mark.parametrize("fused", [0, 1])
@@ -180,6 +273,65 @@ def test_layer_with_the_table_value_against_the_oracle(fused, monkeypatch, tmp_p
 
 
 # --- on an sm_90 GPU -------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _late_writer(src_ptr, dst_ptr, n, spin, BLOCK: tl.constexpr):
+    """dst[:n] = src[:n] (bytes), written after ``spin`` dependent steps; lets a grid launched after it with
+    PDL start at once (``griddepcontrol.launch_dependents`` first), so that grid's programs run while this
+    one still holds the old bytes."""
+    tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for _ in range(spin):  # converges to 2.0 exactly in fp32; the compiler cannot know it
+        acc = acc * 0.5 + 1.0
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    v = tl.load(src_ptr + offs, mask=ok)
+    tl.store(dst_ptr + offs, v + (acc - 2.0).to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _eager_copy(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """dst[:n] = src[:n] (bytes) with no wait: the control that reads whatever is there."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=ok), mask=ok)
+
+
+def _write_late(good: torch.Tensor, dst: torch.Tensor, spin: int = 200_000) -> None:
+    """Poison ``dst`` (NaN bytes 0xFF), then launch :func:`_late_writer` copying ``good``'s bytes into it."""
+    src, out = good.view(torch.uint8).view(-1), dst.view(torch.uint8).view(-1)
+    out.fill_(0xFF)
+    _late_writer[(triton.cdiv(out.numel(), 1024),)](src, out, out.numel(), spin, BLOCK=1024)
+
+
+@pytest.mark.skipif(not SM90, reason="programmatic dependent launch needs an sm_90 GPU")
+@pytest.mark.parametrize("which", LAUNCHERS)
+def test_a_kernel_reads_its_producers_writes(which):
+    # the input the kernel reads is written late by a producer that lets the next grid start at once: with
+    # PDL 1 the kernel waits for it (equal to PDL 0 bit for bit); a kernel that does not wait reads the
+    # poison there (the control, so this test can fail)
+    run, written, inp = _problem(which, 24)
+    start, good = written.clone(), inp.clone()
+    with launch_guard():
+        run({"PDL": 0})
+    torch.cuda.synchronize()
+    want = written.clone()
+    control = torch.empty_like(inp)
+    _write_late(good, inp)
+    c8 = control.view(torch.uint8).view(-1)
+    _eager_copy[(triton.cdiv(c8.numel(), 1024),)](inp.view(torch.uint8).view(-1), c8, c8.numel(), BLOCK=1024,
+                                                    launch_pdl=True)
+    torch.cuda.synchronize()
+    assert not torch.equal(control.view(torch.uint8), good.view(torch.uint8)), \
+        "the control read the producer's writes: nothing here shows that the kernel waits"
+    written.copy_(start)
+    _write_late(good, inp)
+    with launch_guard():
+        run({"PDL": 1})
+    torch.cuda.synchronize()
+    assert_bitwise_equal(inp, good, what=f"{which}: the producer's output")
+    assert_bitwise_equal(written, want, what=f"{which} with PDL 1 after a late producer vs PDL 0")
 
 
 def _table_with(tmp_path, value, fused):
@@ -253,7 +405,7 @@ def test_layer_in_a_cuda_graph_equals_the_ordinary_launches(fused, monkeypatch, 
 
 
 def _compile_cases():
-    """(name, kernel, case) of the four kernels at Qwen3 tiles with PDL on, and the pair's shrink with it off."""
+    """(name, kernel, case) of the five kernels at Qwen3 tiles with PDL on, and the pair's shrink with it off."""
     out = []
     for pdl in (True, False):
         shrink = {"args": qwen3_pair_args("shrink", 16), "num_warps": 4, "num_stages": 4, "constexprs": {
@@ -274,6 +426,8 @@ def _compile_cases():
         "HAS_BIAS": False, "ADD_INTO": False, "DOT_PRECISION": "ieee", "UPCAST": False, "GROUP_SIZE_M": 8,
         "W_DESC": False, "PDL": True}}
     out.append(("fused_moe_gemm PDL True", "_fused_moe_kernels:_fused_moe_gemm_kernel", base))
+    out.append(("fp8_moe_gemm PDL True", "_fp8_block_kernels:_fp8_moe_gemm_kernel", qwen3_fp8_gemm_case(128, True,
+                                                                                                         pdl=True)))
     return out
 
 
@@ -288,6 +442,6 @@ def test_the_kernels_compile_for_sm90_waiting_before_any_load_or_exit():
         if case["constexprs"]["PDL"]:
             wait, launch = first["griddepcontrol.wait"], first["griddepcontrol.launch_dependents"]
             assert wait >= 0 and launch > wait, f"{name}: {first}"
-            assert first["global_load"] > wait and first["branch"] > wait, f"{name}: the wait is not first: {first}"
+            assert first["global_access"] > wait and first["branch"] > wait, f"{name}: the wait is not first: {first}"
         else:
             assert first["griddepcontrol.wait"] == first["griddepcontrol.launch_dependents"] == -1, f"{name}: {first}"

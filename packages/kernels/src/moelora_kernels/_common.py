@@ -62,7 +62,8 @@ def gemm_launch_options(dtype: torch.dtype, tf32: bool, cfg: dict[str, int]) -> 
 
 
 #: Values of the config key ``PDL`` (programmatic dependent launch) of the kernels that take it
-#: (``fused_moe_gemm``, ``moe_lora_shrink``, ``moe_lora_expand``, ``fused_moe_lora``): 0 = an ordinary
+#: (``fused_moe_gemm`` and the fp8 GEMM that takes its entries, ``moe_lora_shrink``, ``moe_lora_expand``,
+#: ``fused_moe_lora``): 0 = an ordinary
 #: launch; 1 = launched with PDL on sm_90 and newer, each program waiting for the stream's previous grid
 #: before it reads anything (:func:`moelora_kernels._tiles.wait_for_producers`).
 PDL: tuple[int, ...] = (0, 1)
@@ -83,11 +84,14 @@ def pdl_options(cfg: dict, device: torch.device) -> dict[str, bool]:
 
     Raises:
         KernelPreconditionError: ``PDL`` not one of :data:`PDL`; ``PDL`` 1 on a CUDA device below
-            compute capability 9.0 (``griddepcontrol`` is Hopper's), before anything is launched.
+            compute capability 9.0 (``griddepcontrol`` is Hopper's) or on a ROCm build, before anything is
+            launched.
     """
     use = check_config_choice(cfg, "PDL", PDL)
     if not use or device.type != "cuda" or interpreting():
         return {"PDL": False, "launch_pdl": False}
+    if torch.version.hip is not None:  # a ROCm build names its devices "cuda" too
+        raise KernelPreconditionError("PDL: 1 needs CUDA (griddepcontrol is NVIDIA PTX), this is a ROCm build")
     major, minor = torch.cuda.get_device_capability(device)
     if major < 9:
         raise KernelPreconditionError(f"PDL: 1 needs compute capability 9.0 or newer (Hopper's griddepcontrol), "

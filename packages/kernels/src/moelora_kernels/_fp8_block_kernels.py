@@ -6,6 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moelora_kernels._tiles import wait_for_producers
+
 
 @triton.jit
 def _round_to_e4m3(v):
@@ -94,7 +96,9 @@ def _fp8_moe_gemm_kernel(
     MUL_ROUTED_WEIGHT: tl.constexpr,
     FP8_DOT: tl.constexpr,        # dot the e4m3 tiles as stored (GPU) or widened to fp32 (interpreter)
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,            # launched with programmatic dependent launch: wait for the previous grid first
 ):
+    wait_for_producers(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     # --- early exits: blocks past the used ones, -1 blocks, experts without a weight ---------------

@@ -47,6 +47,7 @@ from moelora_kernels._common import (
     dot_precision,
     interpreting,
     next_pow2,
+    pdl_options,
 )
 from moelora_kernels._fp8_block_kernels import _fp8_moe_gemm_kernel, _quant_fp8_groups_kernel
 from moelora_kernels.configs import kernel_config
@@ -126,7 +127,8 @@ def fp8_moe_gemm(
 
     Raises:
         KernelPreconditionError: dtypes, shapes, devices; a scale grid of another shape; bk not a positive
-            int; an alignment for more experts than ``w`` or another pair count.
+            int; an alignment for more experts than ``w`` or another pair count; ``PDL`` (the config key
+            of :func:`moelora_kernels._common.pdl_options`) not 0 / 1, or 1 below sm_90.
     """
     bn, bk = block
     _check_group(bk)
@@ -161,10 +163,12 @@ def fp8_moe_gemm(
                      device=device)
         if topk_weights.numel() != num_pairs:
             raise KernelPreconditionError(f"topk_weights: {topk_weights.numel()} elements for {num_pairs} pairs")
+    # its own measured tiles (``fp8_moe_gemm``) where the table has them, else the bf16 GEMM's (``PDL``
+    # included); checked before the empty-batch return, so a bad value is refused at any batch size
+    cfg = kernel_config("fp8_moe_gemm", rows=num_pairs, N=N, K=K, overrides=config, fallback_op="fused_moe_gemm")
+    pdl = pdl_options(cfg, device)
     if num_pairs == 0:
         return c
-    # its own measured tiles (``fp8_moe_gemm``) where the table has them, else the bf16 GEMM's
-    cfg = kernel_config("fp8_moe_gemm", rows=num_pairs, N=N, K=K, overrides=config, fallback_op="fused_moe_gemm")
     grid = check_grid("fp8_moe_gemm", (used_blocks_bound(num_pairs, E_w, block_m, num_blocks),
                                        triton.cdiv(N, cfg["BLOCK_N"])))
     dummy = align.num_tokens_post_padded
@@ -178,7 +182,7 @@ def fp8_moe_gemm(
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], GROUP=bk, K_TILE=k_tile(bk),
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         # the tensor cores' fp8 dot takes K steps of 32 and more; below, e4m3 tiles are widened (exactly)
-        FP8_DOT=q.dtype == FP8_DTYPE and k_tile(bk) >= 32, DOT_PRECISION=dot_precision(torch.float32),
+        FP8_DOT=q.dtype == FP8_DTYPE and k_tile(bk) >= 32, DOT_PRECISION=dot_precision(torch.float32), **pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return c
