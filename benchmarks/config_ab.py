@@ -29,10 +29,12 @@ The MoE-LoRA shrink's A tiles through a TMA descriptor (``A_DESC``; the deltas' 
     PYTHONPATH=... python benchmarks/config_ab.py --out-dir OUT --key A_DESC --values 0 1 \
         --ops fused_moe_lora moe_lora_shrink -- --tokens 1 8 32 128 512 2048 8192 --ranks 16 64 --no-baseline
 
-Programmatic dependent launch (``PDL``; a and b both move, most where launches cost as much as the work):
+Programmatic dependent launch (``PDL``, every op of the fused MoE layer; a, b and c all move, most where
+launches cost as much as the work):
 
-    PYTHONPATH=... python benchmarks/config_ab.py --out-dir OUT --key PDL --values 0 1 \
-        --ops fused_moe_gemm moe_lora_shrink moe_lora_expand fused_moe_lora -- --tokens 1 8 32 128 512 \
+    PYTHONPATH=... python benchmarks/config_ab.py --out-dir OUT --key PDL --values 0 1 \\
+        --ops moe_align_block_size moe_lora_align_block_size fused_moe_gemm quantize_activation_fp8 \\
+        moe_epilogue moe_lora_shrink moe_lora_expand fused_moe_lora -- --tokens 1 8 32 128 512 \\
         --ranks 16 64 --no-baseline
 """
 

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Programmatic dependent launch (config key PDL of fused_moe_gemm, moe_lora_shrink, moe_lora_expand and
-# fused_moe_lora: 0 = ordinary launches, today's; 1 = each kernel launched with PDL, its programs waiting
+# Programmatic dependent launch (config key PDL of every op of the fused MoE layer: both alignments, the
+# base GEMMs, the fp8 activation quantization, the activation and top-k sum (moe_epilogue) and the three
+# MoE-LoRA kernels; 0 = ordinary launches, today's; 1 = each kernel launched with PDL, its programs waiting
 # for the stream's previous grid before their first load) on one sm_90 GPU, from the repository root, in
 # one device call of under 10 minutes:
 #   ci/gpu/run_pdl.sh [OUT_DIR]         (default: $OUT, else gpu_run)
 # 1. the A/B by the benchmark's method (benchmarks/config_ab.py: bench_moe_lora.py once per value on a
-#    copy of the shipped table with the key on every entry of the four ops), values 0 1 at M 1-512 (where
-#    launches weigh most), R 16 and 64 (the base column a and the deltas' b both move), no value started
+#    copy of the shipped table with the key on every entry of those ops), values 0 1 at M 1-512 (where
+#    launches weigh most), R 16 and 64 (the base a, the deltas' b and the alignment c all move), no value started
 #    after AB_BUDGET_S (280), all of it killed after AB_TIMEOUT_S (360) -> OUT_DIR/ab/PDL_{0,1}.json
 #    (+ .log), PDL_ab.json, ab.log;
 # 2. the variant's kernel tests on CUDA (gpu profile: the layer in a CUDA graph against the ordinary
@@ -16,7 +17,8 @@ set -uo pipefail
 mkdir -p "$OUT_DIR/ab"
 status=0
 timeout "${AB_TIMEOUT_S:-360}" "$PY" benchmarks/config_ab.py --out-dir "$OUT_DIR/ab" --key PDL \
-    --values 0 1 --ops fused_moe_gemm moe_lora_shrink moe_lora_expand fused_moe_lora \
+    --values 0 1 --ops moe_align_block_size moe_lora_align_block_size fused_moe_gemm quantize_activation_fp8 \
+    moe_epilogue moe_lora_shrink moe_lora_expand fused_moe_lora \
     --budget-s "${AB_BUDGET_S:-280}" \
     -- --tokens 1 8 32 128 512 --ranks 16 64 --no-baseline 2>&1 | tee "$OUT_DIR/ab.log" || status=1
 "$PY" ci/gpu/kernels_gpu.py --profile gpu --out "$OUT_DIR/kernels_pdl.json" \

@@ -59,8 +59,8 @@ def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits of a float tensor (NaN == NaN, -0.0 != +0.0), on the CPU."""
-    view = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[t.dtype]
+    """The raw bits of a float tensor (NaN == NaN, -0.0 != +0.0), on the CPU; an integer tensor as it is."""
+    view = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}.get(t.dtype, t.dtype)
     return t.detach().cpu().contiguous().view(view)
 
 

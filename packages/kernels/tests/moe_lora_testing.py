@@ -240,7 +240,7 @@ def check_layer_with_table(seed, monkeypatch, tmp_path, *, keys, ops, fused, wha
     CPU), with ``moe_lora_path`` FUSED = ``fused`` (the delta path). fp32, mixed ranks, 29 tokens, top_k 2."""
     table = json.loads((configs._CONFIG_DIR / "h200.json").read_text())
     for op in ops:
-        for entry in table[op]:
+        for entry in table.setdefault(op, [{}]):  # an op the table has no entry for gets one for every shape
             entry.update(keys)
     table["moe_lora_path"] = [{"FUSED": fused}]
     path_json = tmp_path / "table.json"

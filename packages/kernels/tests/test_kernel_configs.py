@@ -9,6 +9,7 @@ from kernel_testing import DEVICE
 from moe_lora_testing import make_pool, run_delta, stage_inputs
 
 from moelora_kernels import configs, moe_lora, moe_lora_align_block_size
+from moelora_kernels._common import PDL, PDL_OPS
 from moelora_kernels.align import MAX_ALIGN_SPLIT
 from moelora_kernels.expand_stream import EXPAND_STREAM
 from moelora_kernels.fused_moe import MAX_GROUP_SIZE_M
@@ -38,8 +39,8 @@ def test_each_card_gets_its_own_table_and_other_devices_the_h200s():
 def test_shipped_entries_use_only_known_keys_and_valid_values(op, entry):
     unknown = set(entry) - SHAPE_KEYS - set(configs.GPU_FALLBACK_CONFIG)
     assert not unknown, f"{op} entry {entry}: keys the lookup ignores: {sorted(unknown)}"
-    for key, v in entry.items():  # FUSED / W_DESC / A_DESC are 0/1 flags, EXPAND_LOADS / EXPAND_STREAM values from 0,
-        flag = key in ("FUSED", "EXPAND_LOADS", "EXPAND_STREAM", "W_DESC", "A_DESC")  # every other a positive int
+    for key, v in entry.items():  # FUSED / W_DESC / A_DESC / PDL are 0/1 flags, EXPAND_LOADS / EXPAND_STREAM values from 0,
+        flag = key in ("FUSED", "EXPAND_LOADS", "EXPAND_STREAM", "W_DESC", "A_DESC", "PDL")  # others positive ints
         assert isinstance(v, int) and v >= (0 if flag else 1), f"{op} entry {entry}: {key}={v!r}"
     if "EXPAND_LOADS" in entry:
         assert op == "fused_moe_lora" and entry["EXPAND_LOADS"] in EXPAND_LOADS, f"{op} entry {entry}"
@@ -55,6 +56,8 @@ def test_shipped_entries_use_only_known_keys_and_valid_values(op, entry):
         assert op == "fused_moe_gemm" and entry["W_DESC"] in (0, 1), f"{op} entry {entry}"
     if "A_DESC" in entry:
         assert op in ("moe_lora_shrink", "fused_moe_lora") and entry["A_DESC"] in A_DESC, f"{op} entry {entry}"
+    if "PDL" in entry:
+        assert op in PDL_OPS and entry["PDL"] in PDL, f"{op} entry {entry}"
     if "BLOCK_M" in entry:  # the base alignment's block rows (configs.moe_block_m(op=...)); GEMMs take the alignment's
         assert op in ("moe_align_block_size", "fp8_moe_gemm") and entry["BLOCK_M"] in configs.TABLE_BLOCK_M, (
             f"{op} entry {entry}")

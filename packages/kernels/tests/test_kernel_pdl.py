@@ -1,24 +1,27 @@
-"""Programmatic dependent launch (config key ``PDL`` of ``fused_moe_gemm``, ``moe_lora_shrink``,
-``moe_lora_expand`` and ``fused_moe_lora``; ``moelora_kernels._common.pdl_options``).
+"""Programmatic dependent launch (config key ``PDL``, read by every kernel of the fused MoE layer from its
+op's table entry, ``moelora_kernels._common.PDL_OPS``; ``pdl_options``).
 
 With 1, on sm_90 and newer, the kernel is launched with CUDA's programmatic dependent launch, and each
 of its programs first waits for the stream's previous grid (``griddepcontrol.wait``) and then lets the
 next one start (``_tiles.wait_for_producers``). The code after the wait is that of 0, so the results are
-the same bit for bit; what can go wrong is order: a program that reads before its producer has finished,
-or a grid that completes before its predecessor (so the grid after it, waiting only on it, reads early).
+the same bit for bit; what can go wrong is order: a program that reads (or writes) before its producer has
+finished, or a grid that completes before its predecessor (so the grid after it, waiting only on it, reads
+early).
 
 Covers: what ``pdl_options`` gives (an ordinary launch for CPU tensors and under the interpreter; refused
 below compute capability 9.0 and on ROCm; PDL on 9.0, asked of the tensors' device); the key in the GPU
-table lookup; invalid values refused before any write, at any batch size, by all five launchers (the fp8
-GEMM takes the bf16 GEMM's entries, this key included); each launcher hands its kernel exactly what
-``pdl_options`` gives (asymmetric stand-ins); each kernel's first statement is the wait, and the helper
-waits before it lets the next grid start (the source); the whole layer against the fp64 oracle with PDL 1
-on every op of the table (both delta paths); the five kernels compile for sm_90 with the wait before any
-global access and any branch (every program waits, early exits included), ``launch_dependents`` after it,
-and neither at 0. On an sm_90 GPU: each launcher with PDL 1 right after a producer that lets it start at
-once, then writes the kernel's input late (a control kernel that does not wait reads the stale input
-there, so the test can fail), equal to PDL 0 bit for bit; the layer with PDL 1 equal to PDL 0 bit for
-bit, eagerly and replayed from a CUDA graph over fresh inputs.
+table lookup; invalid values refused before any write, at any batch size, by every launcher (both
+alignments, the bf16 and fp8 base GEMMs (the fp8 one takes the bf16 GEMM's entries, this key included),
+the fp8 activation quantization, the activation, the top-k sum, the MoE-LoRA shrink, expand and fused
+kernel); each launcher hands its kernel exactly what ``pdl_options`` gives (asymmetric stand-ins); each
+kernel's first statement is the wait, and the helper waits before it lets the next grid start (the
+source); the whole layer against the fp64 oracle with PDL 1 on every op of the table (both delta paths);
+every kernel compiles for sm_90 with the wait before any global access and any branch (every program
+waits, early exits included), ``launch_dependents`` after it, and neither at 0. On an sm_90 GPU: each
+launcher with PDL 1 right after a producer that lets it start at once, then writes the kernel's input late
+(a control kernel that does not wait reads the stale input there, so the test can fail), equal to PDL 0
+bit for bit; the layer with PDL 1 equal to PDL 0 bit for bit, eagerly and replayed from a CUDA graph over
+fresh inputs.
 """
 
 import ast
@@ -55,7 +58,7 @@ from moe_lora_testing import (
     stage_inputs,
 )
 
-from moelora_core import KernelPreconditionError
+from moelora_core import AlignOutput, KernelPreconditionError
 from moelora_kernels import (
     MoELoRAInputs,
     configs,
@@ -69,19 +72,27 @@ from moelora_kernels import (
     moe_lora_align_block_size,
     stage_tensors,
 )
-from moelora_kernels._common import PDL, pdl_options
+from moelora_kernels._common import PDL, PDL_OPS, pdl_options
 from moelora_kernels.fp8_block import fp8_moe_gemm, quantize_activation_fp8
+from moelora_kernels.moe_epilogue import moe_activation, moe_sum
 
 pytestmark = pytest.mark.interpreter
 
-OPS = ("fused_moe_gemm", "moe_lora_shrink", "moe_lora_expand", "fused_moe_lora")
-LAUNCHERS = ("fused_moe_gemm", "fp8_moe_gemm", "shrink", "expand", "fused")
+LAUNCHERS = ("lora_align", "base_align", "fused_moe_gemm", "quantize", "fp8_moe_gemm", "activation", "sum",
+             "shrink", "expand", "fused")
 _common = importlib.import_module("moelora_kernels._common")
 moe_lora = importlib.import_module("moelora_kernels.moe_lora")
 fused_moe_module = importlib.import_module("moelora_kernels.fused_moe")
 fp8_module = importlib.import_module("moelora_kernels.fp8_block")
-#: (launcher module, kernel name) of each launcher
+align_module = importlib.import_module("moelora_kernels.align")
+epilogue_module = importlib.import_module("moelora_kernels.moe_epilogue")
+#: (launcher module, kernel name) of each launcher (the alignments' first kernel runs only with ALIGN_SPLIT > 1)
 KERNELS = {
+    "lora_align": (align_module, "_moe_lora_align_block_size_kernel"),
+    "base_align": (align_module, "_moe_lora_align_block_size_kernel"),
+    "quantize": (fp8_module, "_quant_fp8_groups_kernel"),
+    "activation": (epilogue_module, "_moe_activation_kernel"),
+    "sum": (epilogue_module, "_moe_sum_kernel"),
     "fused_moe_gemm": (fused_moe_module, "_fused_moe_gemm_kernel"),
     "fp8_moe_gemm": (fp8_module, "_fp8_moe_gemm_kernel"),
     "shrink": (moe_lora, "_moe_lora_shrink_kernel"),
@@ -141,10 +152,10 @@ def test_the_gpu_table_lookup_gives_the_key(value, monkeypatch, tmp_path):
     # on a GPU the launchers read the card's table over GPU_FALLBACK_CONFIG: the key set on every op, and
     # 0 where an entry does not set it
     path = tmp_path / "table.json"
-    path.write_text(json.dumps({op: [{"PDL": value}] for op in OPS}))
+    path.write_text(json.dumps({op: [{"PDL": value}] for op in PDL_OPS}))
     monkeypatch.setenv("MOELORA_KERNEL_CONFIGS", str(path))
     monkeypatch.setattr(configs, "interpreting", lambda: False)
-    for op in OPS:
+    for op in PDL_OPS:
         assert configs.kernel_config(op, rows=8)["PDL"] == value, op
     assert configs.kernel_config("fp8_moe_gemm", rows=8, fallback_op="fused_moe_gemm")["PDL"] == value
     assert configs.kernel_config("dense_lora_shrink", rows=8)["PDL"] == 0
@@ -176,6 +187,29 @@ def _problem(which, M, seed=91):
     with launch_guard():
         align = moe_lora_align_block_size(ids, mapping, spec.E, 32, 2, enabled)
         base_align = moe_align_block_size(ids, spec.E, 32)
+    if which in ("lora_align", "base_align"):
+        out_align = AlignOutput.empty(2 if which == "lora_align" else 1, M, 2, spec.E, 32, device=DEVICE)
+        for t_ in out_align:
+            t_.fill_(-7)
+        if which == "lora_align":
+            return (lambda config: moe_lora_align_block_size(ids, mapping, spec.E, 32, 2, enabled, out=out_align,
+                                                             config=config)), out_align.sorted_token_ids, ids
+        return (lambda config: moe_align_block_size(ids, spec.E, 32, out=out_align, config=config)), \
+            out_align.sorted_token_ids, ids
+    if which in ("activation", "sum"):
+        if which == "activation":
+            gate_up, h = randn(gen, 2 * M, 2 * spec.I, dtype=torch.float32), poisoned(2 * M, spec.I, dtype=torch.float32)
+            return (lambda config: moe_activation(gate_up, topk_ids=ids, out=h, config=config)), h, gate_up
+        down, y = randn(gen, M, 2, spec.H, dtype=torch.float32), poisoned(M, spec.H, dtype=torch.float32)
+        return (lambda config: moe_sum(down, ids, out=y, config=config)), y, down
+    if which == "quantize":
+        held = poisoned(M, spec.H, dtype=torch.float32)  # the quantized x's bytes, copied in after the launch
+
+        def quantize(config):
+            q = quantize_activation_fp8(x, 8, config=config)[0].view(torch.uint8)
+            held.view(torch.uint8)[:, :q.shape[1]].copy_(q)
+
+        return quantize, held, x
     if which in ("fused_moe_gemm", "fp8_moe_gemm"):
         base_w = randn(gen, spec.E, 2 * spec.I, spec.H, dtype=torch.float32, scale=1 / math.sqrt(spec.H))
         c = poisoned(2 * M, 2 * spec.I, dtype=torch.float32)
@@ -234,22 +268,22 @@ def test_the_launcher_hands_the_kernel_what_pdl_options_gives(which, given, monk
         kwargs["PDL"] = kwargs["launch_pdl"] = False
         return seen
 
+    run, written, _ = _problem(which, 6)  # its set-up launches (alignments, quantization) as they are
+    before = written.clone()
     monkeypatch.setattr(module, "pdl_options", options)
     spy = LaunchSpy(getattr(module, name), record)
     monkeypatch.setattr(module, name, spy)
-    run, written, _ = _problem(which, 6)
-    before = written.clone()
     with launch_guard():
         run({"PDL": 1})
     assert asked == [(1, DEVICE.type)] and spy.seen == [given]
-    assert not torch.equal(written.cpu().view(torch.int32), before.cpu().view(torch.int32)), \
+    assert not torch.equal(written.cpu().view(torch.uint8), before.cpu().view(torch.uint8)), \
         f"{which}: the launch wrote nothing"
 
 
 def test_each_kernel_waits_first():
     # the source: every kernel's first statement is the wait (before its program ids, loads and early
     # exits), once; the helper waits, then lets the next grid start
-    for module, name in KERNELS.values():
+    for module, name in [*KERNELS.values(), (align_module, "_moe_lora_align_count_kernel")]:
         kernel_module = importlib.import_module(getattr(module, name).fn.__module__
                                                 if hasattr(getattr(module, name), "fn") else module.__name__)
         tree = ast.parse(inspect.getsource(kernel_module))
@@ -268,7 +302,7 @@ def test_each_kernel_waits_first():
 def test_layer_with_the_table_value_against_the_oracle(fused, monkeypatch, tmp_path):
     # PDL 1 on every entry of the four ops in the table the launchers read: the base GEMMs and the
     # deltas on either path, against the fp64 oracle
-    check_layer_with_table(92, monkeypatch, tmp_path, keys={"PDL": 1}, ops=OPS, fused=fused,
+    check_layer_with_table(92, monkeypatch, tmp_path, keys={"PDL": 1}, ops=PDL_OPS, fused=fused,
                            what=f"PDL 1, FUSED {fused}")
 
 
@@ -331,14 +365,16 @@ def test_a_kernel_reads_its_producers_writes(which):
         run({"PDL": 1})
     torch.cuda.synchronize()
     assert_bitwise_equal(inp, good, what=f"{which}: the producer's output")
+    if which.endswith("_align"):  # the order of pairs within a block is the atomics' (free by contract)
+        written, want = (t.view(t.shape[0], -1, 32).sort(-1).values for t in (written, want))
     assert_bitwise_equal(written, want, what=f"{which} with PDL 1 after a late producer vs PDL 0")
 
 
 def _table_with(tmp_path, value, fused):
-    """A copy of this device's shipped table with ``PDL`` = ``value`` on every entry of :data:`OPS` and
+    """A copy of this device's shipped table with ``PDL`` = ``value`` on every entry of ``PDL_OPS`` and
     the delta path ``fused``; returns its path."""
     table = json.loads(open(configs.device_table_path()).read())
-    for op in OPS:
+    for op in PDL_OPS:
         for entry in table.setdefault(op, [{}]):
             entry["PDL"] = value
     table["moe_lora_path"] = [{"FUSED": fused}]
@@ -405,7 +441,8 @@ def test_layer_in_a_cuda_graph_equals_the_ordinary_launches(fused, monkeypatch, 
 
 
 def _compile_cases():
-    """(name, kernel, case) of the five kernels at Qwen3 tiles with PDL on, and the pair's shrink with it off."""
+    """(name, kernel, case) of every kernel that takes ``PDL`` at Qwen3 shapes with it on, and the pair's shrink
+    with it off."""
     out = []
     for pdl in (True, False):
         shrink = {"args": qwen3_pair_args("shrink", 16), "num_warps": 4, "num_stages": 4, "constexprs": {
@@ -428,6 +465,33 @@ def _compile_cases():
     out.append(("fused_moe_gemm PDL True", "_fused_moe_kernels:_fused_moe_gemm_kernel", base))
     out.append(("fp8_moe_gemm PDL True", "_fp8_block_kernels:_fp8_moe_gemm_kernel", qwen3_fp8_gemm_case(128, True,
                                                                                                          pdl=True)))
+    quant = {"args": {"x_ptr": "bf16", "q_ptr": "fp8e4nv", "s_ptr": "fp32", "rows": 16384, "K": 2048, "eps": 1e-10,
+                      "stride_xm": 2048, "stride_qm": 2048, "stride_sm": 16},
+             "constexprs": {"GROUP": 128, "BLOCK": 128, "QUANT_ROWS": 16, "PDL": True}, "num_warps": 4, "num_stages": 1}
+    out.append(("quantize PDL True", "_fp8_block_kernels:_quant_fp8_groups_kernel", quant))
+    act = {"args": {"gate_up_ptr": "bf16", "h_ptr": "bf16", "topk_ids_ptr": "i32", "inter": 768, "alpha": 1.702,
+                    "limit": 7.0, "stride_gm": 1536, "stride_hm": 768},
+           "constexprs": {"BLOCK": 1024, "ACTIVATION": "silu", "GATED": True, "HAS_IDS": True, "PDL": True},
+           "num_warps": 4, "num_stages": 1}
+    out.append(("activation PDL True", "_moe_epilogue_kernels:_moe_activation_kernel", act))
+    total = {"args": {"down_out_ptr": "bf16", "topk_ids_ptr": "i32", "y_ptr": "bf16", "hidden": 2048, "top_k": 8,
+                      "stride_dm": 16384, "stride_dk": 2048, "stride_ym": 2048},
+             "constexprs": {"BLOCK": 1024, "PDL": True}, "num_warps": 4, "num_stages": 1}
+    out.append(("sum PDL True", "_moe_epilogue_kernels:_moe_sum_kernel", total))
+    P = 1024 + 128 * 15 + 16  # capacity at M 128, top_k 8, E 128, BLOCK_M 16 (a multiple of 16)
+    ptrs = ("topk_ids_ptr", "token_lora_mapping_ptr", "adapter_enabled_ptr", "sorted_token_ids_ptr", "expert_ids_ptr",
+            "num_tokens_post_padded_ptr", "workspace_ptr")
+    flags = {"E_PAD": 128, "BLOCK_PAIRS": 1024, "HAS_MAPPING": True, "HAS_ENABLED": True, "PDL": True}
+    align = {"args": {p: "i32" for p in ptrs} | {"num_pairs": 1024, "top_k": 8, "num_experts": 128, "capacity": P,
+                                                "num_blocks": P // 16, "pairs_per_part": 256, "stride_sorted": P,
+                                                "stride_expert_ids": P // 16},
+             "constexprs": {"BLOCK_M": 16, "SPLIT": 4, "BLOCK_ROWS": 64} | flags, "num_warps": 8, "num_stages": 1}
+    out.append(("alignment PDL True", "_align_kernels:_moe_lora_align_block_size_kernel", align))
+    count = {"args": {p: "i32" for p in ("topk_ids_ptr", "token_lora_mapping_ptr", "adapter_enabled_ptr",
+                                         "workspace_ptr")} | {"num_pairs": 1024, "top_k": 8, "num_experts": 128,
+                                                              "pairs_per_part": 256},
+             "constexprs": {"SPLIT": 4} | flags, "num_warps": 4, "num_stages": 1}
+    out.append(("alignment count PDL True", "_align_kernels:_moe_lora_align_count_kernel", count))
     return out
 
 
@@ -437,7 +501,7 @@ def test_the_kernels_compile_for_sm90_waiting_before_any_load_or_exit():
         results.append((name, case, compile_for_h200(f"moelora_kernels.{kernel}", [case])[0]))
     for name, case, r in results:
         assert "error" not in r, f"{name}: {r.get('error')}"
-        assert 0 < r["shared"] <= H200_MAX_SHARED, f"{name}: shared memory {r['shared']} B"
+        assert r["shared"] <= H200_MAX_SHARED, f"{name}: shared memory {r['shared']} B"  # 0: element-wise
         first = r["ptx_first"]
         if case["constexprs"]["PDL"]:
             wait, launch = first["griddepcontrol.wait"], first["griddepcontrol.launch_dependents"]

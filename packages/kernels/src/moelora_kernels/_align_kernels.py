@@ -16,6 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moelora_kernels._tiles import wait_for_producers
+
 
 @triton.jit
 def _slot_pairs(start, slot, topk_ids_ptr, token_lora_mapping_ptr, pair_end, top_k, num_experts,
@@ -67,7 +69,9 @@ def _moe_lora_align_count_kernel(
     # meta-parameters
     E_PAD: tl.constexpr, SPLIT: tl.constexpr, BLOCK_PAIRS: tl.constexpr,
     HAS_MAPPING: tl.constexpr, HAS_ENABLED: tl.constexpr,
+    PDL: tl.constexpr,           # launched with programmatic dependent launch: wait for the previous grid first
 ):
+    wait_for_producers(PDL)
     slot = tl.program_id(0)
     part = tl.program_id(1)
     lo, hi = _part_range(slot, part, adapter_enabled_ptr, num_pairs, pairs_per_part, HAS_ENABLED)
@@ -105,7 +109,9 @@ def _moe_lora_align_block_size_kernel(
     BLOCK_ROWS: tl.constexpr,    # rows (and blocks) per chunk of the layout phase
     HAS_MAPPING: tl.constexpr,   # False: every token belongs to slot 0 (the base MoE)
     HAS_ENABLED: tl.constexpr,
+    PDL: tl.constexpr,           # launched with programmatic dependent launch: wait for the previous grid first
 ):
+    wait_for_producers(PDL)
     slot = tl.program_id(0)
     part = tl.program_id(1)
     slot64 = slot.to(tl.int64)

@@ -61,12 +61,19 @@ def gemm_launch_options(dtype: torch.dtype, tf32: bool, cfg: dict[str, int]) -> 
             "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
 
 
-#: Values of the config key ``PDL`` (programmatic dependent launch) of the kernels that take it
-#: (``fused_moe_gemm`` and the fp8 GEMM that takes its entries, ``moe_lora_shrink``, ``moe_lora_expand``,
-#: ``fused_moe_lora``): 0 = an ordinary
-#: launch; 1 = launched with PDL on sm_90 and newer, each program waiting for the stream's previous grid
-#: before it reads anything (:func:`moelora_kernels._tiles.wait_for_producers`).
+#: Values of the config key ``PDL`` (programmatic dependent launch), read by every kernel of the fused MoE
+#: layer from its own op's table entry: the alignments (``moe_align_block_size``,
+#: ``moe_lora_align_block_size``), the base GEMMs (``fused_moe_gemm``, and the fp8 GEMM, which takes its
+#: entries), the fp8 activation quantization (``quantize_activation_fp8``), the activation and top-k sum
+#: (``moe_epilogue``) and the MoE-LoRA kernels (``moe_lora_shrink``, ``moe_lora_expand``,
+#: ``fused_moe_lora``): 0 = an ordinary launch; 1 = launched with PDL on sm_90 and newer, each program
+#: waiting for the stream's previous grid before it reads or writes anything
+#: (:func:`moelora_kernels._tiles.wait_for_producers`).
 PDL: tuple[int, ...] = (0, 1)
+#: The table ops whose entries may set ``PDL`` (above).
+PDL_OPS: tuple[str, ...] = ("moe_align_block_size", "moe_lora_align_block_size", "fused_moe_gemm", "fp8_moe_gemm",
+                            "quantize_activation_fp8", "moe_epilogue", "moe_lora_shrink", "moe_lora_expand",
+                            "fused_moe_lora")
 
 
 def pdl_options(cfg: dict, device: torch.device) -> dict[str, bool]:

@@ -47,7 +47,9 @@ def _quant_fp8_groups_kernel(
     GROUP: tl.constexpr,          # bk
     BLOCK: tl.constexpr,          # next power of two >= bk
     QUANT_ROWS: tl.constexpr,     # rows per program (each row's groups independent: any value is exact)
+    PDL: tl.constexpr,            # launched with programmatic dependent launch: wait for the previous grid first
 ):
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64) * QUANT_ROWS + tl.arange(0, QUANT_ROWS).to(tl.int64)
     g = tl.program_id(1)
     offs = g * GROUP + tl.arange(0, BLOCK)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moelora_kernels._tiles import wait_for_producers
+
 
 @triton.jit
 def _act(x, ACTIVATION: tl.constexpr):
@@ -35,7 +37,9 @@ def _moe_activation_kernel(
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
     HAS_IDS: tl.constexpr,
+    PDL: tl.constexpr,           # launched with programmatic dependent launch: wait for the previous grid first
 ):
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     if HAS_IDS:
         if tl.load(topk_ids_ptr + row) < 0:
@@ -72,7 +76,9 @@ def _moe_sum_kernel(
     stride_dm, stride_dk, stride_ym,
     # meta-parameters
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,           # launched with programmatic dependent launch: wait for the previous grid first
 ):
+    wait_for_producers(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < hidden

@@ -47,7 +47,7 @@ import torch
 from moelora_core.align import AlignOutput, align_capacity
 from moelora_core.errors import KernelPreconditionError
 from moelora_kernels._align_kernels import _moe_lora_align_block_size_kernel, _moe_lora_align_count_kernel
-from moelora_kernels._common import INDEX_DTYPES, check_positive_int, check_tensor, next_pow2
+from moelora_kernels._common import INDEX_DTYPES, check_positive_int, check_tensor, next_pow2, pdl_options
 from moelora_kernels.configs import kernel_config
 
 #: Most programs per slot the alignment takes (``ALIGN_SPLIT``): past a few dozen, each program's
@@ -81,11 +81,15 @@ def align_split(num_pairs: int, config: dict | None = None, *, base: bool = Fals
     Raises:
         KernelPreconditionError: a split that is not a power of two in [1, MAX_ALIGN_SPLIT].
     """
-    op = "moe_align_block_size" if base else "moe_lora_align_block_size"
-    split = kernel_config(op, rows=num_pairs, overrides=config)["ALIGN_SPLIT"]
+    split = kernel_config(_align_op(base), rows=num_pairs, overrides=config)["ALIGN_SPLIT"]
     if not isinstance(split, int) or split < 1 or split > MAX_ALIGN_SPLIT or split & (split - 1):
         raise KernelPreconditionError(f"ALIGN_SPLIT: must be a power of two in [1, {MAX_ALIGN_SPLIT}], got {split!r}")
     return split
+
+
+def _align_op(base: bool) -> str:
+    """The config table's op of the base alignment (``base``) or the per-slot one."""
+    return "moe_align_block_size" if base else "moe_lora_align_block_size"
 
 
 def align_workspace_shape(num_slots: int, num_experts: int, split: int) -> tuple[int, int, int, int]:
@@ -103,6 +107,9 @@ def _launch(topk_ids, token_lora_mapping, adapter_enabled, num_experts, block_m,
     rows = out.sorted_token_ids.shape[1]
     num_pairs = M * top_k
     split = align_split(num_pairs, config, base=base)
+    # programmatic dependent launch (the op's ``PDL``): both kernels wait for the stream's previous grid
+    # before their first load or write
+    pdl = pdl_options(kernel_config(_align_op(base), rows=num_pairs, overrides=config), topk_ids.device)
     ws_shape = align_workspace_shape(num_slots, num_experts, split)
     e_pad = ws_shape[-1]
     if workspace is None:
@@ -125,14 +132,14 @@ def _launch(topk_ids, token_lora_mapping, adapter_enabled, num_experts, block_m,
         _moe_lora_align_count_kernel[grid](
             topk_ids, mapping, enabled, workspace,
             num_pairs, top_k, num_experts, pairs_per_part,
-            E_PAD=e_pad, SPLIT=split, BLOCK_PAIRS=block_pairs, **flags, num_warps=4,
+            E_PAD=e_pad, SPLIT=split, BLOCK_PAIRS=block_pairs, **flags, **pdl, num_warps=4,
         )
     _moe_lora_align_block_size_kernel[grid](
         topk_ids, mapping, enabled,
         out.sorted_token_ids, out.expert_ids, out.num_tokens_post_padded, workspace,
         num_pairs, top_k, num_experts, rows, rows // block_m, pairs_per_part,
         out.sorted_token_ids.stride(0), out.expert_ids.stride(0),
-        BLOCK_M=block_m, E_PAD=e_pad, SPLIT=split, BLOCK_PAIRS=block_pairs, BLOCK_ROWS=block_rows, **flags,
+        BLOCK_M=block_m, E_PAD=e_pad, SPLIT=split, BLOCK_PAIRS=block_pairs, BLOCK_ROWS=block_rows, **flags, **pdl,
         num_warps=8 if e_pad >= 128 else 4,
     )
     # In place on the caller's buffers: a static AlignOutput reused for a smaller batch says what
@@ -173,7 +180,8 @@ def moe_lora_align_block_size(
         out: caller-provided worst-case buffers (``AlignOutput.empty(L, M, top_k, E, block_m)``);
             allocated when None. Rows per slot may exceed the capacity (a larger graph bucket).
         workspace: int32 scratch of :func:`align_workspace_shape` (L, E, the split), allocated when None.
-        config: overrides of the table entry (``{"ALIGN_SPLIT": n}``: programs per slot).
+        config: overrides of the table entry (``{"ALIGN_SPLIT": n}``: programs per slot; ``PDL``:
+            programmatic dependent launch, :func:`moelora_kernels._common.pdl_options`).
 
     Returns:
         ``out``, recording ``num_pairs = M * top_k`` (the padding sentinel) and ``num_experts``
@@ -182,7 +190,8 @@ def moe_lora_align_block_size(
     Raises:
         KernelPreconditionError: wrong dtypes, shapes, devices or non-contiguous inputs; buffers
             below capacity; block_m not a power of two >= 16; bad sizes; an ``ALIGN_SPLIT`` that is
-            not a power of two in [1, MAX_ALIGN_SPLIT]; a workspace of another shape.
+            not a power of two in [1, MAX_ALIGN_SPLIT]; a workspace of another shape; ``PDL`` not 0 / 1,
+            or 1 below sm_90.
     """
     check_positive_int("num_experts", num_experts)
     check_positive_int("max_loras", max_loras)

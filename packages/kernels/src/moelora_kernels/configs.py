@@ -97,8 +97,10 @@ def kernel_config(op: str, *, rows: int, N: int | None = None, K: int | None = N
             alignment's programs per slot; ``fused_moe_gemm``'s ``GROUP_SIZE_M``, its program order,
             and ``W_DESC``, its weight tiles through a TMA descriptor (``fused_moe.weight_descriptor``);
             ``A_DESC`` of ``moe_lora_shrink`` and ``fused_moe_lora``, the shrink's A tiles through one
-            (``moe_lora.lora_a_descriptor``); ``PDL`` of ``fused_moe_gemm`` and the three MoE-LoRA kernels,
-            programmatic dependent launch (``_common.pdl_options``);
+            (``moe_lora.lora_a_descriptor``); ``PDL`` of every op a fused MoE layer launches (the two
+            alignments, ``fused_moe_gemm``, ``quantize_activation_fp8``, ``moe_epilogue``: the activation and
+            the top-k sum, and the three MoE-LoRA kernels), programmatic dependent launch
+            (``_common.PDL_OPS``, ``_common.pdl_options``);
             ``fp8_moe_gemm``, the w8a8 base GEMM's tiles, whose ``BLOCK_M`` is its alignment's;
             ``quantize_activation_fp8``'s ``QUANT_ROWS``, rows per program).
         rows: host row count the launch is sized for (a capacity in graph mode).

@@ -79,22 +79,24 @@ def quantize_activation_fp8(x: torch.Tensor, block_k: int, *, config: dict | Non
 
     Raises:
         KernelPreconditionError: x not a 2-D float tensor with last stride 1; bk not a positive int;
-            ``QUANT_ROWS`` not a power of two.
+            ``QUANT_ROWS`` not a power of two; ``PDL`` not 0 / 1, or 1 below sm_90.
     """
     check_tensor("x", x, dtypes=FLOAT_DTYPES, dim=2, unit_last_stride=True)
     _check_group(block_k)
     rows, K = x.shape
     groups = math.ceil(K / block_k)
+    cfg = kernel_config("quantize_activation_fp8", rows=rows, K=K, overrides=config)
+    per = cfg["QUANT_ROWS"]
+    if type(per) is not int or per < 1 or per & (per - 1):
+        raise KernelPreconditionError(f"QUANT_ROWS: must be a power of two >= 1, got {per!r}")
+    pdl = pdl_options(cfg, x.device)
     q = torch.empty(rows, K, dtype=q_dtype(x.device), device=x.device)
     s = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
     if rows == 0 or K == 0:
         return q, s
-    per = kernel_config("quantize_activation_fp8", rows=rows, K=K, overrides=config)["QUANT_ROWS"]
-    if type(per) is not int or per < 1 or per & (per - 1):
-        raise KernelPreconditionError(f"QUANT_ROWS: must be a power of two >= 1, got {per!r}")
     grid = check_grid("quantize_activation_fp8", (triton.cdiv(rows, per), groups))
     _quant_fp8_groups_kernel[grid](x, q, s, rows, K, ACT_SCALE_EPS, x.stride(0), q.stride(0), s.stride(0),
-                                   GROUP=block_k, BLOCK=next_pow2(block_k), QUANT_ROWS=per)
+                                   GROUP=block_k, BLOCK=next_pow2(block_k), QUANT_ROWS=per, **pdl)
     return q, s
 
 

@@ -30,8 +30,8 @@ table sets it on the pair's shrink at R 64 up to 256 rows (its A/B: ``ci/gpu/run
 benchmarks/RESULTS.md); elsewhere 0. Source: the base GEMM's ``W_DESC``
 (:mod:`moelora_kernels.fused_moe`) and SGLang's ``b_use_tma``.
 
-The config key ``PDL`` of all three kernels (and of the base GEMM, ``fused_moe_gemm``): 1 launches the
-kernel with CUDA's programmatic dependent launch on sm_90 and newer
+The config key ``PDL`` of all three kernels (and of every other kernel of the layer, ``_common.PDL_OPS``):
+1 launches the kernel with CUDA's programmatic dependent launch on sm_90 and newer
 (:func:`~moelora_kernels._common.pdl_options`), so its programs are scheduled while the stream's
 previous grid finishes and each waits for that grid's writes before its first load; at M ≤ 32 a
 stage's launches cost as much as its work (benchmarks/RESULTS.md, the "idle" column). Same results
