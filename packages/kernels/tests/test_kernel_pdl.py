@@ -78,8 +78,8 @@ from moelora_kernels.moe_epilogue import moe_activation, moe_sum
 
 pytestmark = pytest.mark.interpreter
 
-LAUNCHERS = ("lora_align", "base_align", "fused_moe_gemm", "quantize", "fp8_moe_gemm", "activation", "sum",
-             "shrink", "expand", "fused")
+LAUNCHERS = ("lora_align", "lora_align_split", "base_align", "fused_moe_gemm", "quantize", "fp8_moe_gemm",
+             "activation", "sum", "shrink", "expand", "fused")
 _common = importlib.import_module("moelora_kernels._common")
 moe_lora = importlib.import_module("moelora_kernels.moe_lora")
 fused_moe_module = importlib.import_module("moelora_kernels.fused_moe")
@@ -89,6 +89,7 @@ epilogue_module = importlib.import_module("moelora_kernels.moe_epilogue")
 #: (launcher module, kernel name) of each launcher (the alignments' first kernel runs only with ALIGN_SPLIT > 1)
 KERNELS = {
     "lora_align": (align_module, "_moe_lora_align_block_size_kernel"),
+    "lora_align_split": (align_module, "_moe_lora_align_count_kernel"),  # ALIGN_SPLIT 2: the block kernel too
     "base_align": (align_module, "_moe_lora_align_block_size_kernel"),
     "quantize": (fp8_module, "_quant_fp8_groups_kernel"),
     "activation": (epilogue_module, "_moe_activation_kernel"),
@@ -102,24 +103,31 @@ KERNELS = {
 SM90 = ON_GPU and torch.cuda.get_device_capability()[0] >= 9
 
 
+def _launched(which):
+    """(module, kernel names) that one launch of ``which`` runs: its kernel (:data:`KERNELS`), and with
+    ALIGN_SPLIT 2 the alignment's block kernel after its count kernel."""
+    module, name = KERNELS[which]
+    return module, [name, "_moe_lora_align_block_size_kernel"] if which == "lora_align_split" else [name]
+
+
 # --- pdl_options ---------------------------------------------------------------------------------------
 
 
 def test_options_on_the_cpu_are_an_ordinary_launch():
-    assert pdl_options({"PDL": 1}, torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
-    assert pdl_options({"PDL": 0}, torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+    assert pdl_options({"PDL": 1}, torch.device("cpu")) == {"PDL": False}
+    assert pdl_options({"PDL": 0}, torch.device("cpu")) == {"PDL": False}
 
 
 @pytest.mark.parametrize("capability, interpreting, want", [
     ((9, 0), False, {"PDL": True, "launch_pdl": True}),
     ((10, 0), False, {"PDL": True, "launch_pdl": True}),
-    ((9, 0), True, {"PDL": False, "launch_pdl": False}),  # the interpreter has no inline PTX
+    ((9, 0), True, {"PDL": False}),  # the interpreter has no inline PTX
 ])
 def test_options_on_a_cuda_device(capability, interpreting, want, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(_common, "interpreting", lambda: interpreting)
     assert pdl_options({"PDL": 1}, torch.device("cuda", 0)) == want
-    assert pdl_options({"PDL": 0}, torch.device("cuda", 0)) == {"PDL": False, "launch_pdl": False}
+    assert pdl_options({"PDL": 0}, torch.device("cuda", 0)) == {"PDL": False}
 
 
 def test_options_ask_the_capability_of_the_tensors_device(monkeypatch):
@@ -136,7 +144,7 @@ def test_options_for_cpu_tensors_outside_the_interpreter_are_an_ordinary_launch(
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", no_cuda)
     monkeypatch.setattr(_common, "interpreting", lambda: False)
-    assert pdl_options({"PDL": 1}, torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+    assert pdl_options({"PDL": 1}, torch.device("cpu")) == {"PDL": False}
 
 
 def test_options_on_rocm_are_refused_by_name(monkeypatch):
@@ -167,7 +175,7 @@ def test_options_below_sm90_are_refused_by_name(capability, monkeypatch):
     monkeypatch.setattr(_common, "interpreting", lambda: False)
     with pytest.raises(KernelPreconditionError, match=re.escape("PDL: 1 needs compute capability 9.0 or newer")):
         pdl_options({"PDL": 1}, torch.device("cuda", 0))
-    assert pdl_options({"PDL": 0}, torch.device("cuda", 0)) == {"PDL": False, "launch_pdl": False}
+    assert pdl_options({"PDL": 0}, torch.device("cuda", 0)) == {"PDL": False}
 
 
 # --- the launchers --------------------------------------------------------------------------------------
@@ -187,13 +195,15 @@ def _problem(which, M, seed=91):
     with launch_guard():
         align = moe_lora_align_block_size(ids, mapping, spec.E, 32, 2, enabled)
         base_align = moe_align_block_size(ids, spec.E, 32)
-    if which in ("lora_align", "base_align"):
-        out_align = AlignOutput.empty(2 if which == "lora_align" else 1, M, 2, spec.E, 32, device=DEVICE)
+    if which in ("lora_align", "lora_align_split", "base_align"):
+        out_align = AlignOutput.empty(1 if which == "base_align" else 2, M, 2, spec.E, 32, device=DEVICE)
         for t_ in out_align:
             t_.fill_(-7)
-        if which == "lora_align":
+        if which != "base_align":
+            split = {"ALIGN_SPLIT": 2} if which == "lora_align_split" else {}
             return (lambda config: moe_lora_align_block_size(ids, mapping, spec.E, 32, 2, enabled, out=out_align,
-                                                             config=config)), out_align.sorted_token_ids, ids
+                                                             config={**split, **config})), \
+                out_align.sorted_token_ids, ids
         return (lambda config: moe_align_block_size(ids, spec.E, 32, out=out_align, config=config)), \
             out_align.sorted_token_ids, ids
     if which in ("activation", "sum"):
@@ -256,7 +266,7 @@ def test_an_invalid_value_is_refused_before_any_write(which, bad, M):
 def test_the_launcher_hands_the_kernel_what_pdl_options_gives(which, given, monkeypatch):
     # pdl_options stood in for by asymmetric answers (any launcher that forwards other values, or drops
     # one, is caught on the CPU); the kernel then launches as an ordinary one under the interpreter
-    module, name = KERNELS[which]
+    module = KERNELS[which][0]
     asked = []
 
     def options(cfg, device):
@@ -264,20 +274,36 @@ def test_the_launcher_hands_the_kernel_what_pdl_options_gives(which, given, monk
         return {"PDL": given[0], "launch_pdl": given[1]}
 
     def record(args, kwargs):
-        seen = (kwargs["PDL"], kwargs["launch_pdl"])
-        kwargs["PDL"] = kwargs["launch_pdl"] = False
+        seen = (kwargs["PDL"], kwargs.pop("launch_pdl", False))
+        kwargs["PDL"] = False
         return seen
 
     run, written, _ = _problem(which, 6)  # its set-up launches (alignments, quantization) as they are
     before = written.clone()
     monkeypatch.setattr(module, "pdl_options", options)
-    spy = LaunchSpy(getattr(module, name), record)
-    monkeypatch.setattr(module, name, spy)
+    module, names = _launched(which)
+    spies = [LaunchSpy(getattr(module, n), record) for n in names]
+    for n, spy in zip(names, spies):
+        monkeypatch.setattr(module, n, spy)
     with launch_guard():
         run({"PDL": 1})
-    assert asked == [(1, DEVICE.type)] and spy.seen == [given]
+    assert asked == [(1, DEVICE.type)] and [spy.seen for spy in spies] == [[given]] * len(names)
     assert not torch.equal(written.cpu().view(torch.uint8), before.cpu().view(torch.uint8)), \
         f"{which}: the launch wrote nothing"
+
+
+@pytest.mark.parametrize("which", LAUNCHERS)
+def test_at_0_the_launch_is_the_one_before_the_key(which, monkeypatch):
+    # no launch_pdl keyword reaches Triton at 0 (a backend whose options lack the field, ROCm's, would refuse it)
+    run, _, _ = _problem(which, 6)
+    module, names = _launched(which)
+    spies = [LaunchSpy(getattr(module, n), lambda args, kwargs: ("launch_pdl" in kwargs, kwargs["PDL"]))
+             for n in names]
+    for n, spy in zip(names, spies):
+        monkeypatch.setattr(module, n, spy)
+    with launch_guard():
+        run({"PDL": 0})
+    assert [spy.seen for spy in spies] == [[(False, False)]] * len(names)
 
 
 def test_each_kernel_waits_first():
@@ -332,7 +358,12 @@ def _eager_copy(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=ok), mask=ok)
 
 
-def _write_late(good: torch.Tensor, dst: torch.Tensor, spin: int = 200_000) -> None:
+#: Dependent steps of :func:`_late_writer`: about 0.1 s on an H100 / H200 (200 000 take about 1 ms), far
+#: longer than a warm launcher's host time (tens of µs), so the kernel under test is launched while it runs.
+SPIN = 20_000_000
+
+
+def _write_late(good: torch.Tensor, dst: torch.Tensor, spin: int = SPIN) -> None:
     """Poison ``dst`` (NaN bytes 0xFF), then launch :func:`_late_writer` copying ``good``'s bytes into it."""
     src, out = good.view(torch.uint8).view(-1), dst.view(torch.uint8).view(-1)
     out.fill_(0xFF)
@@ -344,7 +375,10 @@ def _write_late(good: torch.Tensor, dst: torch.Tensor, spin: int = 200_000) -> N
 def test_a_kernel_reads_its_producers_writes(which):
     # the input the kernel reads is written late by a producer that lets the next grid start at once: with
     # PDL 1 the kernel waits for it (equal to PDL 0 bit for bit); a kernel that does not wait reads the
-    # poison there (the control, so this test can fail)
+    # poison there (the control, so this test can fail). Every kernel is compiled and loaded first (a cold
+    # compile outlasts the producer), and the launch must leave the host well before the producer ends.
+    from time import perf_counter
+
     run, written, inp = _problem(which, 24)
     start, good = written.clone(), inp.clone()
     with launch_guard():
@@ -352,20 +386,39 @@ def test_a_kernel_reads_its_producers_writes(which):
     torch.cuda.synchronize()
     want = written.clone()
     control = torch.empty_like(inp)
-    _write_late(good, inp)
     c8 = control.view(torch.uint8).view(-1)
-    _eager_copy[(triton.cdiv(c8.numel(), 1024),)](inp.view(torch.uint8).view(-1), c8, c8.numel(), BLOCK=1024,
-                                                    launch_pdl=True)
-    torch.cuda.synchronize()
-    assert not torch.equal(control.view(torch.uint8), good.view(torch.uint8)), \
-        "the control read the producer's writes: nothing here shows that the kernel waits"
-    written.copy_(start)
+
+    def copy():
+        _eager_copy[(triton.cdiv(c8.numel(), 1024),)](inp.view(torch.uint8).view(-1), c8, c8.numel(), BLOCK=1024,
+                                                        launch_pdl=True)
+
+    # warm-up: compile and load the producer, the control and the PDL variant; time the producer
+    began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    began.record()
     _write_late(good, inp)
+    ended.record()
+    copy()
     with launch_guard():
         run({"PDL": 1})
     torch.cuda.synchronize()
+    producer_ms = began.elapsed_time(ended)
+    # the control: launched with PDL, no wait
+    _write_late(good, inp)
+    copy()
+    torch.cuda.synchronize()
+    assert not torch.equal(control.view(torch.uint8), good.view(torch.uint8)), \
+        f"the control read the producer's writes ({producer_ms:.1f} ms): nothing here shows that the kernel waits"
+    # the kernel under test
+    written.copy_(start)
+    _write_late(good, inp)
+    t0 = perf_counter()
+    with launch_guard():
+        run({"PDL": 1})
+    host_ms = (perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    assert host_ms < producer_ms / 2, f"{which}: launched {host_ms:.1f} ms after a {producer_ms:.1f} ms producer"
     assert_bitwise_equal(inp, good, what=f"{which}: the producer's output")
-    if which.endswith("_align"):  # the order of pairs within a block is the atomics' (free by contract)
+    if which.endswith(("_align", "_align_split")):  # the order of pairs in a block is the atomics' (free)
         written, want = (t.view(t.shape[0], -1, 32).sort(-1).values for t in (written, want))
     assert_bitwise_equal(written, want, what=f"{which} with PDL 1 after a late producer vs PDL 0")
 

@@ -78,8 +78,9 @@ PDL_OPS: tuple[str, ...] = ("moe_align_block_size", "moe_lora_align_block_size",
 
 def pdl_options(cfg: dict, device: torch.device) -> dict[str, bool]:
     """The launch keywords of the config key ``PDL`` for a kernel that takes the constexpr ``PDL``:
-    ``{"PDL": ..., "launch_pdl": ...}``, both True for ``PDL`` 1 on a CUDA device of compute
-    capability 9.0 or newer, both False otherwise.
+    ``{"PDL": True, "launch_pdl": True}`` for ``PDL`` 1 on a CUDA device of compute capability 9.0 or
+    newer, else ``{"PDL": False}`` (no ``launch_pdl`` keyword: the launch is the one before the key
+    existed, on every backend Triton has, ROCm's included, whose options have no such field).
 
     With PDL (CUDA's programmatic dependent launch, kept as a programmatic edge when a CUDA graph
     captures it) the grid may start while the stream's previous grid is still finishing; its programs
@@ -96,7 +97,7 @@ def pdl_options(cfg: dict, device: torch.device) -> dict[str, bool]:
     """
     use = check_config_choice(cfg, "PDL", PDL)
     if not use or device.type != "cuda" or interpreting():
-        return {"PDL": False, "launch_pdl": False}
+        return {"PDL": False}
     if torch.version.hip is not None:  # a ROCm build names its devices "cuda" too
         raise KernelPreconditionError("PDL: 1 needs CUDA (griddepcontrol is NVIDIA PTX), this is a ROCm build")
     major, minor = torch.cuda.get_device_capability(device)
