@@ -46,8 +46,7 @@ a kernel is launched with programmatic dependent launch and every program first 
 stream's previous grid (``_tiles.wait_for_producers``), before the early exits' loads. The three
 kernels share the early exits (``_block_work``) and the block's pairs (``_block_pairs``); the shrink
 and the fused kernel share the shrink (``_shrink_block``, over ``_tiles.accumulate_k`` /
-``accumulate_k_desc``): jit helpers, inlined
-at compile time.
+``accumulate_k_desc``): jit helpers, inlined at compile time.
 
 Tensors (L slots, E experts, R pool rank, P alignment rows per slot, S slices, K input width,
 N output width per slice, num_pairs = M · top_k):

@@ -10,7 +10,7 @@ that several kernels take the same way.
 - :func:`accumulate_k_desc`: the same reduction with the weight tiles read through a TMA tensor
   descriptor (base grouped GEMM, config key ``W_DESC``; MoE-LoRA shrink and fused kernel, ``A_DESC``).
 - :func:`wait_for_producers`: the first step of a kernel launched with programmatic dependent launch
-  (config key ``PDL``: base grouped GEMM, MoE-LoRA shrink, expand and fused kernel).
+  (config key ``PDL``: every kernel of the fused MoE layer, ``_common.PDL_OPS``).
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ def wait_for_producers(PDL: tl.constexpr):
     stream's previous grid has completed and its writes are visible (``griddepcontrol.wait``), then let
     the next grid launched with PDL start its own programs (``griddepcontrol.launch_dependents``: it
     takes effect once every program of this grid has issued it or exited, and that grid waits for this
-    one in turn). Called before any load and before any early exit, so no program reads a producer's
-    output early and no grid completes before its predecessor. Without ``PDL``, nothing (the
+    one in turn). Called before any load or store and before any early exit, so no program touches a
+    producer's output early and no grid completes before its predecessor. Without ``PDL``, nothing (the
     interpreter never takes the branch: it has no inline PTX)."""
     if PDL:
         gdc_wait()
