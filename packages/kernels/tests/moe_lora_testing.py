@@ -5,9 +5,11 @@ and poisoned outputs (:func:`check_sentinel_stage`)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 from hypothesis import strategies as st
@@ -233,19 +235,28 @@ def slot_ranks(draw, L, R):
     return ranks
 
 
+def table_copy_with(source, tmp_path, *, keys, ops, fused) -> str:
+    """A copy of the config table ``source`` under ``tmp_path`` with ``keys`` set on every entry of ``ops`` (an op
+    it has no entry for gets one for every shape) and ``moe_lora_path`` FUSED = ``fused``; returns its path (a
+    file of its own per content, so the table cache never serves an older copy)."""
+    table = json.loads(Path(source).read_text())
+    for op in ops:
+        for entry in table.setdefault(op, [{}]):
+            entry.update(keys)
+    table["moe_lora_path"] = [{"FUSED": fused}]
+    text = json.dumps(table)
+    path = tmp_path / f"table-{hashlib.sha1(text.encode()).hexdigest()[:12]}.json"
+    path.write_text(text)
+    return str(path)
+
+
 def check_layer_with_table(seed, monkeypatch, tmp_path, *, keys, ops, fused, what, H=40, I=24):
     """The whole layer (``fused_moe`` with ``MoELoRAInputs``) against the fp64 oracle with config ``keys``
     set through the config table the shipped launcher reads: on every entry of ``ops`` in a copy of the
     H200 table (``MOELORA_KERNEL_CONFIGS``, read on a GPU) and in the interpreter's one config (read on the
     CPU), with ``moe_lora_path`` FUSED = ``fused`` (the delta path). fp32, mixed ranks, 29 tokens, top_k 2."""
-    table = json.loads((configs._CONFIG_DIR / "h200.json").read_text())
-    for op in ops:
-        for entry in table.setdefault(op, [{}]):  # an op the table has no entry for gets one for every shape
-            entry.update(keys)
-    table["moe_lora_path"] = [{"FUSED": fused}]
-    path_json = tmp_path / "table.json"
-    path_json.write_text(json.dumps(table))
-    monkeypatch.setenv("MOELORA_KERNEL_CONFIGS", str(path_json))
+    monkeypatch.setenv("MOELORA_KERNEL_CONFIGS", table_copy_with(configs._CONFIG_DIR / "h200.json", tmp_path,
+                                                                 keys=keys, ops=ops, fused=fused))
     for key, value in {**keys, "FUSED": fused}.items():
         monkeypatch.setitem(configs.INTERPRETER_CONFIG, key, value)
     for op in ops:

@@ -56,6 +56,7 @@ from moe_lora_testing import (
     qwen3_gate_up_args,
     qwen3_pair_args,
     stage_inputs,
+    table_copy_with,
 )
 
 from moelora_core import AlignOutput, KernelPreconditionError
@@ -310,8 +311,7 @@ def test_each_kernel_waits_first():
     # the source: every kernel's first statement is the wait (before its program ids, loads and early
     # exits), once; the helper waits, then lets the next grid start
     for module, name in [*KERNELS.values(), (align_module, "_moe_lora_align_count_kernel")]:
-        kernel_module = importlib.import_module(getattr(module, name).fn.__module__
-                                                if hasattr(getattr(module, name), "fn") else module.__name__)
+        kernel_module = importlib.import_module(getattr(module, name).fn.__module__)
         tree = ast.parse(inspect.getsource(kernel_module))
         fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
         body = [n for n in fn.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
@@ -423,19 +423,6 @@ def test_a_kernel_reads_its_producers_writes(which):
     assert_bitwise_equal(written, want, what=f"{which} with PDL 1 after a late producer vs PDL 0")
 
 
-def _table_with(tmp_path, value, fused):
-    """A copy of this device's shipped table with ``PDL`` = ``value`` on every entry of ``PDL_OPS`` and
-    the delta path ``fused``; returns its path."""
-    table = json.loads(open(configs.device_table_path()).read())
-    for op in PDL_OPS:
-        for entry in table.setdefault(op, [{}]):
-            entry["PDL"] = value
-    table["moe_lora_path"] = [{"FUSED": fused}]
-    path = tmp_path / f"table-pdl{value}-fused{fused}.json"
-    path.write_text(json.dumps(table))
-    return str(path)
-
-
 @pytest.mark.skipif(not SM90, reason="programmatic dependent launch needs an sm_90 GPU")
 @pytest.mark.parametrize("fused", [0, 1])
 def test_layer_in_a_cuda_graph_equals_the_ordinary_launches(fused, monkeypatch, tmp_path):
@@ -461,8 +448,11 @@ def test_layer_in_a_cuda_graph_equals_the_ordinary_launches(fused, monkeypatch, 
         align = moe_lora_align_block_size(ids, mapping, E, moe_block_m(M, k, E, 4), 4)
         return fused_moe(x, ids, tw, w_gu, w_d, deltas=MoELoRAInputs(w, align))
 
+    def table(value):  # this card's shipped table with PDL = value on every op of the layer
+        return table_copy_with(configs.device_table_path(), tmp_path, keys={"PDL": value}, ops=PDL_OPS, fused=fused)
+
     def eager(value, inputs):
-        monkeypatch.setenv("MOELORA_KERNEL_CONFIGS", _table_with(tmp_path, value, fused))
+        monkeypatch.setenv("MOELORA_KERNEL_CONFIGS", table(value))
         with launch_guard():
             y = layer(*inputs)
         torch.cuda.synchronize()
@@ -473,7 +463,7 @@ def test_layer_in_a_cuda_graph_equals_the_ordinary_launches(fused, monkeypatch, 
     for i, (got, expected) in enumerate(zip([eager(1, i) for i in inputs], want)):
         assert_bitwise_equal(got, expected, what=f"eager PDL 1 vs 0, FUSED {fused}, draw {i}")
     static = [t.clone() for t in inputs[0]]
-    monkeypatch.setenv("MOELORA_KERNEL_CONFIGS", _table_with(tmp_path, 1, fused))
+    monkeypatch.setenv("MOELORA_KERNEL_CONFIGS", table(1))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -81,15 +81,20 @@ def align_split(num_pairs: int, config: dict | None = None, *, base: bool = Fals
     Raises:
         KernelPreconditionError: a split that is not a power of two in [1, MAX_ALIGN_SPLIT].
     """
-    split = kernel_config(_align_op(base), rows=num_pairs, overrides=config)["ALIGN_SPLIT"]
+    return _checked_split(_align_config(num_pairs, config, base))
+
+
+def _align_config(num_pairs: int, config: dict | None, base: bool) -> dict[str, int]:
+    """The config of the base alignment (``base``: op ``moe_align_block_size``) or the per-slot one."""
+    return kernel_config("moe_align_block_size" if base else "moe_lora_align_block_size", rows=num_pairs,
+                         overrides=config)
+
+
+def _checked_split(cfg: dict[str, int]) -> int:
+    split = cfg["ALIGN_SPLIT"]
     if not isinstance(split, int) or split < 1 or split > MAX_ALIGN_SPLIT or split & (split - 1):
         raise KernelPreconditionError(f"ALIGN_SPLIT: must be a power of two in [1, {MAX_ALIGN_SPLIT}], got {split!r}")
     return split
-
-
-def _align_op(base: bool) -> str:
-    """The config table's op of the base alignment (``base``) or the per-slot one."""
-    return "moe_align_block_size" if base else "moe_lora_align_block_size"
 
 
 def align_workspace_shape(num_slots: int, num_experts: int, split: int) -> tuple[int, int, int, int]:
@@ -106,10 +111,11 @@ def _launch(topk_ids, token_lora_mapping, adapter_enabled, num_experts, block_m,
     _check_outputs(out, num_slots, capacity, block_m, topk_ids.device)
     rows = out.sorted_token_ids.shape[1]
     num_pairs = M * top_k
-    split = align_split(num_pairs, config, base=base)
+    cfg = _align_config(num_pairs, config, base)  # one lookup for both keys
+    split = _checked_split(cfg)
     # programmatic dependent launch (the op's ``PDL``): both kernels wait for the stream's previous grid
     # before their first load or write
-    pdl = pdl_options(kernel_config(_align_op(base), rows=num_pairs, overrides=config), topk_ids.device)
+    pdl = pdl_options(cfg, topk_ids.device)
     ws_shape = align_workspace_shape(num_slots, num_experts, split)
     e_pad = ws_shape[-1]
     if workspace is None:
